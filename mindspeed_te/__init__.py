@@ -1,0 +1,42 @@
+"""mindspeed_te: TransformerEngine-compatible FP8/HiF8 training for Megatron-LM on Ascend NPUs.
+
+Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
+"""
+from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    Quantizer,
+)
+from mindspeed_te.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MMParams,
+    MXFP8BlockScaling,
+    QParams,
+    Recipe,
+)
+from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
+from mindspeed_te.state import (
+    FP8GlobalStateManager,
+    autocast,
+    fp8_autocast,
+    fp8_model_init,
+    quantized_model_init,
+)
+from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Format", "FP8Dtype",
+    "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+    "QParams", "MMParams",
+    "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
+    "RecipeState", "DelayedScalingRecipeState",
+    "QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
+    "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
+]

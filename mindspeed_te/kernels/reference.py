@@ -1,0 +1,73 @@
+"""Reference backend: exact dequantize + float32 matmul. Runs every recipe and format on any device."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.tensor import QuantizedTensorStorage
+
+Operand = Union[torch.Tensor, QuantizedTensorStorage]
+
+
+def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
+    """A GEMM operand as a float32 (rows, k) matrix: the tensor flattened to 2-D, or its transpose when the
+    columnwise form is asked for (the GEMM then contracts the tensor's first, flattened, dimension)."""
+    if isinstance(t, QuantizedTensorStorage):
+        values = t.dequantize(torch.float32, columnwise=columnwise)
+    else:
+        values = t.float()
+    values = values.reshape(-1, values.shape[-1])
+    return values.t() if columnwise else values
+
+
+class ReferenceBackend:
+    """Emulates every quantized kernel exactly with torch ops."""
+
+    name = "reference"
+
+    def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
+        return quantizer.quantize(x)
+
+    def gemm(
+        self,
+        a: Operand,
+        b: Operand,
+        *,
+        a_columnwise: bool = False,
+        b_columnwise: bool = False,
+        out_dtype: torch.dtype = torch.float32,
+        bias: Optional[torch.Tensor] = None,
+        out: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
+        float32 (Megatron's main_grad) and `out` is returned."""
+        a2 = operand_2d(a, a_columnwise)
+        b2 = operand_2d(b, b_columnwise)
+        if out is not None:
+            return out.addmm_(a2, b2.t()) if bias is None else out.addmm_(a2, b2.t()).add_(bias)
+        result = a2 @ b2.t()
+        if bias is not None:
+            result += bias.float()
+        return result.to(out_dtype)
+
+    def grouped_gemm(
+        self,
+        a: Sequence[Operand],
+        b: Sequence[Operand],
+        *,
+        a_columnwise: bool = False,
+        b_columnwise: bool = False,
+        out_dtype: torch.dtype = torch.float32,
+        out: Optional[Sequence[torch.Tensor]] = None,
+    ) -> list[torch.Tensor]:
+        """One `gemm` per group: the M-split form (fprop/dgrad: a_i · b_iᵀ) and, with columnwise operands,
+        the K-split form used for weight gradients."""
+        if len(a) != len(b):
+            raise ValueError(f"grouped_gemm needs as many a as b operands, got {len(a)} and {len(b)}")
+        outs = out if out is not None else [None] * len(a)
+        return [
+            self.gemm(ai, bi, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype, out=oi)
+            for ai, bi, oi in zip(a, b, outs)
+        ]

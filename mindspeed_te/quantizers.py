@@ -1,0 +1,215 @@
+"""One quantizer per recipe: each turns a high-precision tensor into a quantized tensor.
+
+A quantizer owns only what its recipe needs between calls: the delayed-scaling quantizer holds views into
+the shared amax history and scale (owned by `DelayedScalingRecipeState` in `state.py`); the others are
+stateless apart from their configuration.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mindspeed_te.formats import FP8Dtype, scaled_cast
+from mindspeed_te.scaling import (
+    current_scale,
+    e8m0_encode,
+    mx_scale_exponent,
+    pad_to_multiple,
+    tile_view,
+)
+from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
+
+__all__ = [
+    "Quantizer",
+    "Float8Quantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8BlockQuantizer",
+    "MXFP8Quantizer",
+]
+
+# The largest exponent of a normal element, used by the OCP MX rule (floor(log2 amax) - emax).
+_EMAX = {FP8Dtype.E4M3: 8, FP8Dtype.E5M2: 15}
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point torch.Tensor, got {type(x).__name__}"
+                        + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if x.dim() == 0:
+        raise ValueError("quantize expects a tensor with at least one dimension, got a 0-d tensor")
+
+
+def _flatten_2d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Quantizer:
+    """Base class. `rowwise_usage` / `columnwise_usage` say which layouts `quantize` must produce."""
+
+    def __init__(self, fp8_dtype: FP8Dtype, *, rowwise: bool = True, columnwise: bool = True) -> None:
+        if not isinstance(fp8_dtype, FP8Dtype):
+            raise TypeError(f"fp8_dtype must be an FP8Dtype, got {fp8_dtype!r}")
+        self.fp8_dtype = fp8_dtype
+        self.rowwise_usage = rowwise
+        self.columnwise_usage = columnwise
+
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is not None:
+            self.rowwise_usage = rowwise
+        if columnwise is not None:
+            self.columnwise_usage = columnwise
+
+    def quantize(self, x: torch.Tensor) -> QuantizedTensorStorage:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> QuantizedTensorStorage:
+        return self.quantize(x)
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed scaling: cast with the scale computed at the last update, and max-accumulate this tensor's
+    amax into `amax` (slot 0 of its history column) for the next update."""
+
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: FP8Dtype, **usage: bool) -> None:
+        super().__init__(fp8_dtype, **usage)
+        self.scale = scale
+        self.amax = amax
+
+    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        _check_input(x)
+        torch.maximum(self.amax, x.detach().abs().amax().float().reshape(self.amax.shape), out=self.amax)
+        data = scaled_cast(x.detach(), self.scale, self.fp8_dtype)
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=self.scale.reciprocal())
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current ("tensorwise") scaling: the scale comes from this tensor's own amax. With an
+    `amax_reduction_group`, the amax is MAX-reduced over the group first (sequence-parallel inputs)."""
+
+    def __init__(
+        self,
+        fp8_dtype: FP8Dtype,
+        target_max: float,
+        *,
+        amax_epsilon: float = 0.0,
+        power_2_scale: bool = False,
+        amax_reduction_group: Optional[object] = None,
+        **usage: bool,
+    ) -> None:
+        super().__init__(fp8_dtype, **usage)
+        self.target_max = float(target_max)
+        self.amax_epsilon = amax_epsilon
+        self.power_2_scale = power_2_scale
+        self.amax_reduction_group = amax_reduction_group
+
+    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        _check_input(x)
+        amax = x.detach().abs().amax().float().reshape(1)
+        if self.amax_reduction_group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
+        scale = current_scale(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
+        data = scaled_cast(x.detach(), scale, self.fp8_dtype)
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale.reciprocal())
+
+
+def _quantize_tiles(
+    x2d: torch.Tensor, rows: int, cols: int, fp8_dtype: FP8Dtype, scale_fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor per rows x cols tile (zero-padded to whole tiles, padding dropped after).
+
+    `scale_fn(tile_amax) -> (scale, scale_inv_to_store)`. Returns (data (M, K), stored scale_inv).
+    """
+    m, k = x2d.shape
+    tiles = tile_view(pad_to_multiple(x2d.float(), rows, cols), rows, cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale, stored_scale_inv = scale_fn(amax)
+    data = scaled_cast(tiles, scale[:, None, :, None], fp8_dtype)
+    data = data.reshape(tiles.shape[0] * rows, tiles.shape[2] * cols)[:m, :k]
+    return data.contiguous(), stored_scale_inv
+
+
+class Float8BlockQuantizer(Quantizer):
+    """Blockwise scaling: 1x128 tiles (block_scaling_dim=1: activations, gradients) or 128x128 tiles
+    (block_scaling_dim=2: weights). The columnwise copy of 1x128 data is re-quantized from the
+    high-precision tensor; for 128x128 tiles it is the exact transpose."""
+
+    def __init__(
+        self,
+        fp8_dtype: FP8Dtype,
+        target_max: float,
+        *,
+        block_scaling_dim: int = 1,
+        amax_epsilon: float = 0.0,
+        power_2_scale: bool = True,
+        block_len: int = 128,
+        **usage: bool,
+    ) -> None:
+        super().__init__(fp8_dtype, **usage)
+        if block_scaling_dim not in (1, 2):
+            raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
+        self.target_max = float(target_max)
+        self.block_scaling_dim = block_scaling_dim
+        self.amax_epsilon = amax_epsilon
+        self.power_2_scale = power_2_scale
+        self.block_len = block_len
+
+    def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = current_scale(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
+        return scale, scale.reciprocal()
+
+    def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
+        _check_input(x)
+        x2d = _flatten_2d(x.detach())
+        rows = 1 if self.block_scaling_dim == 1 else self.block_len
+        out = Float8BlockwiseQTensor(
+            self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len
+        )
+        if self.rowwise_usage or (self.columnwise_usage and self.block_scaling_dim == 2):
+            data, scale_inv = _quantize_tiles(x2d, rows, self.block_len, self.fp8_dtype, self._scales)
+            if self.rowwise_usage:
+                out.rowwise_data, out.rowwise_scale_inv = data.reshape(x.shape), scale_inv
+            if self.columnwise_usage and self.block_scaling_dim == 2:
+                out.columnwise_data, out.columnwise_scale_inv = data.t().contiguous(), scale_inv.t().contiguous()
+        if self.columnwise_usage and self.block_scaling_dim == 1:
+            out.columnwise_data, out.columnwise_scale_inv = _quantize_tiles(
+                x2d.t(), 1, self.block_len, self.fp8_dtype, self._scales
+            )
+        return out
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8: blocks of 32 consecutive elements, E8M0 power-of-two scales, E4M3/E5M2 elements.
+    Rowwise blocks run along the last dim, columnwise blocks along the first (flattened) dim."""
+
+    def __init__(self, fp8_dtype: FP8Dtype, *, rounding: str = "ceil", block_len: int = 32, **usage: bool) -> None:
+        super().__init__(fp8_dtype, **usage)
+        if fp8_dtype not in _EMAX:
+            raise ValueError(f"MXFP8 elements must be E4M3 or E5M2, got {fp8_dtype.name}")
+        if rounding not in ("ceil", "floor"):
+            raise ValueError(f"rounding must be 'ceil' or 'floor', got {rounding!r}")
+        self.rounding = rounding
+        self.block_len = block_len
+
+    def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        exponent = mx_scale_exponent(amax, self.fp8_dtype.max, _EMAX[self.fp8_dtype], self.rounding)
+        scale = torch.ldexp(torch.ones_like(amax), -exponent)
+        return scale, e8m0_encode(exponent)
+
+    def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
+        _check_input(x)
+        x2d = _flatten_2d(x.detach())
+        if x2d.shape[0] % self.block_len or x2d.shape[1] % self.block_len:
+            raise ValueError(
+                f"MXFP8 needs both dims of the 2-D flattened tensor divisible by {self.block_len}, got shape "
+                f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the token dimension (Fp8Padding) or the hidden size"
+            )
+        out = MXFP8Tensor(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
+        if self.rowwise_usage:
+            data, out.rowwise_scale_inv = _quantize_tiles(x2d, 1, self.block_len, self.fp8_dtype, self._scales)
+            out.rowwise_data = data.reshape(x.shape)
+        if self.columnwise_usage:
+            out.columnwise_data, out.columnwise_scale_inv = _quantize_tiles(
+                x2d.t(), 1, self.block_len, self.fp8_dtype, self._scales
+            )
+        return out

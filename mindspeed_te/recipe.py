@@ -1,0 +1,255 @@
+"""Scaling recipes with TransformerEngine's names, fields and defaults (plus HiF8 and configurable targets).
+
+A recipe is plain configuration: it says which element formats and which scaling strategy the quantized
+GEMMs use. It holds no tensors; quantizers and the state manager turn it into state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Literal, Optional, Union
+
+from mindspeed_te.formats import Format, FP8Dtype
+
+__all__ = [
+    "Format",
+    "QParams",
+    "MMParams",
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "MXFP8BlockScaling",
+    "recipe_from_name",
+]
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters of one tensor role (input, weight or gradient)."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.amax_epsilon, (int, float)) or self.amax_epsilon < 0:
+            raise ValueError(f"QParams.amax_epsilon must be a number >= 0, got {self.amax_epsilon!r}")
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM parameters; kept for TransformerEngine compatibility (every backend here accumulates in fp32)."""
+
+    use_split_accumulator: bool = True
+
+
+def _check_format(recipe: "Recipe", allowed: tuple[Format, ...]) -> None:
+    if not isinstance(recipe.fp8_format, Format):
+        raise TypeError(f"{type(recipe).__name__}.fp8_format must be a Format, got {recipe.fp8_format!r}")
+    if recipe.fp8_format not in allowed:
+        names = ", ".join(f"Format.{f.name}" for f in allowed)
+        raise ValueError(
+            f"{type(recipe).__name__}.fp8_format={recipe.fp8_format} is not supported; allowed: {names}"
+        )
+
+
+def _check_target(recipe: "Recipe", name: str, value: Optional[float], dtype: FP8Dtype) -> None:
+    if value is None:
+        return
+    if not isinstance(value, (int, float)) or not 0 < value <= dtype.max:
+        raise ValueError(
+            f"{type(recipe).__name__}.{name} must be in (0, {dtype.max}] for {dtype.name}, got {value!r}"
+        )
+
+
+class Recipe:
+    """Base class of the recipes. Every recipe has `fp8_format` and the two targets `fwd_target_max` /
+    `bwd_target_max`, which override the value a tensor's amax is mapped to (None: the format's default,
+    e.g. 448 for E4M3, 15 / 224 for HiF8); they come last so TE's positional order is kept."""
+
+    _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3, Format.HYBRID, Format.HIF8)
+    fp8_format: Format
+    fwd_target_max: Optional[float]
+    bwd_target_max: Optional[float]
+
+    def __post_init__(self) -> None:
+        _check_format(self, self._ALLOWED_FORMATS)
+        _check_target(self, "fwd_target_max", self.fwd_target_max, self.fp8_format.fwd_dtype)
+        _check_target(self, "bwd_target_max", self.bwd_target_max, self.fp8_format.bwd_dtype)
+
+    def target_max(self, forward: bool) -> float:
+        """The value the amax of a forward (activation/weight) or backward (gradient) tensor maps to."""
+        override = self.fwd_target_max if forward else self.bwd_target_max
+        if override is not None:
+            return float(override)
+        return self.fp8_format.max_fwd if forward else self.fp8_format.max_bwd
+
+    def fp8_dtype(self, forward: bool) -> FP8Dtype:
+        """Element format of forward or backward tensors."""
+        return self.fp8_format.fwd_dtype if forward else self.fp8_format.bwd_dtype
+
+    # Recipe kind predicates, as in TransformerEngine.
+    def delayed(self) -> bool:
+        return isinstance(self, DelayedScaling)
+
+    def float8_current_scaling(self) -> bool:
+        return isinstance(self, Float8CurrentScaling)
+
+    def float8_per_tensor_scaling(self) -> bool:
+        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
+
+    def float8_block_scaling(self) -> bool:
+        return isinstance(self, Float8BlockScaling)
+
+    def mxfp8(self) -> bool:
+        return isinstance(self, MXFP8BlockScaling)
+
+    def key(self) -> str:
+        """A string identifying the recipe's configuration (used for amax-reduction grouping and checkpoints)."""
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init]
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+@dataclass
+class DelayedScaling(Recipe):
+    """Scale from the amax history of previous steps; amaxes are reduced across ranks once per step."""
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: Union[Literal["max", "most_recent"], Callable] = "max"
+    scaling_factor_compute_algo: Optional[Callable] = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    fwd_target_max: Optional[float] = None
+    bwd_target_max: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.margin, (int, float)) or self.margin < 0:
+            raise ValueError(f"DelayedScaling.margin must be a number >= 0, got {self.margin!r}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(
+                f"DelayedScaling.amax_history_len must be an integer >= 1, got {self.amax_history_len!r}"
+            )
+        if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):
+            raise ValueError(
+                "DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                f"got {self.amax_compute_algo!r}"
+            )
+        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
+            raise ValueError("DelayedScaling.scaling_factor_compute_algo must be None or a callable")
+
+
+def _power_2_default(env_name: str, default: bool) -> bool:
+    return os.getenv(env_name, "1" if default else "0") == "1"
+
+
+@dataclass
+class Float8CurrentScaling(Recipe):
+    """Scale every tensor by its own amax at the moment it is quantized ("tensorwise")."""
+
+    fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp: QParams = field(
+        default_factory=lambda: QParams(_power_2_default("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", False))
+    )
+    fp8_quant_fwd_weight: QParams = field(
+        default_factory=lambda: QParams(_power_2_default("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", False))
+    )
+    fp8_quant_bwd_grad: QParams = field(
+        default_factory=lambda: QParams(_power_2_default("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", False))
+    )
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: MMParams(use_split_accumulator=False))
+    fp8_gemm_dgrad: MMParams = field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    fwd_target_max: Optional[float] = None
+    bwd_target_max: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+
+
+@dataclass
+class Float8BlockScaling(Recipe):
+    """Scale 1x128 tiles (activations, gradients) and 128x128 tiles (weights), power-of-2 scales by default."""
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = field(
+        default_factory=lambda: QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
+    )
+    fp8_quant_fwd_weight: QParams = field(
+        default_factory=lambda: QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
+    )
+    fp8_quant_bwd_grad: QParams = field(
+        default_factory=lambda: QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
+    )
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = field(default_factory=MMParams)
+    fp8_gemm_dgrad: MMParams = field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    fwd_target_max: Optional[float] = None
+    bwd_target_max: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128 tiles)")
+        if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
+            raise ValueError("Float8BlockScaling: x_block_scaling_dim=2 with w_block_scaling_dim=2 is not supported")
+        if self.x_block_scaling_dim == 2 and self.grad_block_scaling_dim == 2:
+            raise ValueError(
+                "Float8BlockScaling: x_block_scaling_dim=2 with grad_block_scaling_dim=2 is not supported"
+            )
+
+
+@dataclass
+class MXFP8BlockScaling(Recipe):
+    """Blocks of 32 consecutive elements share one power-of-2 (E8M0) scale.
+
+    `scale_rounding` chooses how the block exponent is found: "ceil" (TransformerEngine's rule,
+    2^ceil(log2(amax / fmt_max)), nothing saturates) or "floor" (the OCP MX spec's minimal rule,
+    floor(log2(amax)) - emax, with saturation)."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    scale_rounding: Literal["ceil", "floor"] = "ceil"
+    fwd_target_max: Optional[float] = None
+    bwd_target_max: Optional[float] = None
+
+    _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3, Format.HYBRID)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fwd_target_max is not None or self.bwd_target_max is not None:
+            raise ValueError("MXFP8BlockScaling takes no fwd_target_max/bwd_target_max: E8M0 scales use the format max")
+        if self.scale_rounding not in ("ceil", "floor"):
+            raise ValueError(
+                f"MXFP8BlockScaling.scale_rounding must be 'ceil' or 'floor', got {self.scale_rounding!r}"
+            )
+
+
+_RECIPE_NAMES = {
+    "delayed": DelayedScaling,
+    "tensorwise": Float8CurrentScaling,
+    "blockwise": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+}
+
+
+def recipe_from_name(name: str, fp8_format: Union[Format, str], **kwargs) -> Recipe:
+    """Build a recipe from Megatron's `--fp8-recipe` and `--fp8-format` values."""
+    if name not in _RECIPE_NAMES:
+        raise ValueError(f"--fp8-recipe {name!r} is not supported; allowed: {', '.join(_RECIPE_NAMES)}")
+    fmt = fp8_format if isinstance(fp8_format, Format) else Format.from_name(fp8_format)
+    return _RECIPE_NAMES[name](fp8_format=fmt, **kwargs)

@@ -1,0 +1,166 @@
+"""Quantized tensors: 8-bit data plus the `scale_inv` that turns it back into real values.
+
+These are storage containers (TransformerEngine's "*TensorStorage" idea), not torch.Tensor subclasses: the
+autograd functions hold them, the kernels consume them, and `dequantize()` is exact.
+
+Layouts. "Rowwise" data keeps the tensor's own shape and is scaled along its last dimension, which is the
+GEMM contraction dim for fprop. "Columnwise" data serves the GEMM that contracts the first (flattened)
+dimension instead (wgrad): it is stored as the quantization of the 2-D transpose, shape (K, M), so in
+every stored form the scaled dimension is the last one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspeed_te.formats import FP8Dtype, cast_from_fp8
+from mindspeed_te.scaling import e8m0_decode
+
+__all__ = ["QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor"]
+
+
+def _as_2d(shape: torch.Size) -> tuple[int, int]:
+    """(M, K) of a tensor flattened to 2-D over its leading dims."""
+    k = shape[-1] if len(shape) else 1
+    m = 1
+    for d in shape[:-1]:
+        m *= d
+    return m, k
+
+
+def _nbytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class QuantizedTensorStorage:
+    """Common fields: element format, logical (high-precision) shape and dtype."""
+
+    fp8_dtype: FP8Dtype
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
+        """Real values in the logical shape, from the rowwise copy or (columnwise=True) the columnwise copy."""
+        raise NotImplementedError
+
+    def has_data(self, columnwise: bool = False) -> bool:
+        raise NotImplementedError
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        """Drop copies that are no longer needed (e.g. the rowwise input after fprop) to save memory."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def _require(self, columnwise: bool) -> None:
+        if not self.has_data(columnwise):
+            kind = "columnwise" if columnwise else "rowwise"
+            raise RuntimeError(f"{type(self).__name__} holds no {kind} data (dropped by update_usage or not requested)")
+
+
+@dataclass
+class Float8Tensor(QuantizedTensorStorage):
+    """Per-tensor scaling (delayed and current): one scale_inv for the whole tensor. The columnwise form is a
+    transposed view of the same data, so it is never stored twice."""
+
+    data: Optional[torch.Tensor] = None
+    scale_inv: Optional[torch.Tensor] = None
+
+    def has_data(self, columnwise: bool = False) -> bool:
+        return self.data is not None
+
+    @property
+    def columnwise_data(self) -> torch.Tensor:
+        """The (K, M) transposed view of the data."""
+        self._require(True)
+        return self.data.reshape(_as_2d(self.shape)).t()
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
+        self._require(columnwise)
+        values = cast_from_fp8(self.data, self.fp8_dtype) * self.scale_inv
+        return values.to(dtype or self.dtype)
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is False and columnwise is False:
+            self.data = None
+
+    def nbytes(self) -> int:
+        return _nbytes(self.data, self.scale_inv)
+
+
+@dataclass
+class _TiledTensor(QuantizedTensorStorage):
+    """Data scaled per tile along the last stored dim, with an optional columnwise (transposed) copy."""
+
+    rowwise_data: Optional[torch.Tensor] = None
+    rowwise_scale_inv: Optional[torch.Tensor] = None
+    columnwise_data: Optional[torch.Tensor] = None
+    columnwise_scale_inv: Optional[torch.Tensor] = None
+
+    def _tile(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
+        return scale_inv
+
+    def has_data(self, columnwise: bool = False) -> bool:
+        return (self.columnwise_data if columnwise else self.rowwise_data) is not None
+
+    def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        rows, cols = self._tile()
+        m, k = data.shape
+        values = cast_from_fp8(data, self.fp8_dtype)
+        scales = self._scale_inv_values(scale_inv)
+        scales = scales.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
+        return values * scales
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
+        self._require(columnwise)
+        if columnwise:
+            values = self._dequantize_2d(self.columnwise_data, self.columnwise_scale_inv).t()
+        else:
+            values = self._dequantize_2d(self.rowwise_data.reshape(_as_2d(self.shape)), self.rowwise_scale_inv)
+        return values.reshape(self.shape).to(dtype or self.dtype)
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is False:
+            self.rowwise_data = self.rowwise_scale_inv = None
+        if columnwise is False:
+            self.columnwise_data = self.columnwise_scale_inv = None
+
+    def nbytes(self) -> int:
+        return _nbytes(self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
+
+
+@dataclass
+class Float8BlockwiseQTensor(_TiledTensor):
+    """Blockwise scaling: float32 scale_inv per 1x128 tile (block_scaling_dim=1) or 128x128 tile (=2).
+
+    Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128.
+    """
+
+    block_scaling_dim: int = 1
+    block_len: int = 128
+
+    def _tile(self) -> tuple[int, int]:
+        return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
+
+
+@dataclass
+class MXFP8Tensor(_TiledTensor):
+    """MXFP8: one E8M0 scale_inv (uint8, value 2^(b - 127)) per 32 consecutive elements of the last stored dim.
+
+    Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32).
+    """
+
+    block_len: int = 32
+
+    def _tile(self) -> tuple[int, int]:
+        return 1, self.block_len
+
+    def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
+        return e8m0_decode(scale_inv)

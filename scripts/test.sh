@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Run the test suite in the project's pinned environment (created on first use).
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not slow"` to skip the slow cases locally.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+exec python -m pytest "$@"

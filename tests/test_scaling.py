@@ -1,0 +1,110 @@
+"""Scaling math against closed-form values and the element-by-element reference in oracles.py."""
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from mindspeed_te import scaling
+from tests.oracles import FLT_MAX, DelayedReference, current_scale
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("history_len", [1, 2, 5])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_update_matches_reference_over_many_steps(algo, history_len, margin):
+    rng = random.Random(history_len * 10 + margin)
+    n, target = 4, 448.0
+    refs = [DelayedReference(history_len, target, margin, algo) for _ in range(n)]
+    history = torch.zeros(history_len, n)
+    scale = torch.ones(n)
+    for _ in range(12):
+        amaxes = [float(np.float32(rng.choice([0.0, 2.0 ** rng.uniform(-20, 20), math.nan, math.inf, 1e-44])))
+                  for _ in range(n)]
+        history[0] = torch.tensor(amaxes)
+        for ref, a in zip(refs, amaxes):
+            ref.observe(a)
+            ref.update()
+        history, scale = scaling.delayed_scaling_update(history, scale, target, margin, algo)
+        for i, ref in enumerate(refs):
+            assert history[:, i].tolist() == pytest.approx(ref.history, rel=0, abs=0)
+            assert scale[i].item() == ref.scale
+
+
+def test_roll_window_closed_form():
+    # Two steps of amax 4 then 1 with a window of 3: "max" keeps 4, "most_recent" follows the newest.
+    h = torch.zeros(3, 1)
+    s = torch.ones(1)
+    h[0] = 4.0
+    h, s = scaling.delayed_scaling_update(h, s, 448.0, 0, "max")
+    assert h[:, 0].tolist() == [0.0, 0.0, 4.0] and s.item() == 112.0
+    h[0] = 1.0
+    h2, s2 = scaling.delayed_scaling_update(h, s, 448.0, 0, "max")
+    assert h2[:, 0].tolist() == [0.0, 4.0, 1.0] and s2.item() == 112.0
+    _, s3 = scaling.delayed_scaling_update(h, s, 448.0, 1, "most_recent")
+    assert s3.item() == 224.0  # 448 / 1 / 2^1
+
+
+def test_zero_and_nonfinite_amax_keep_history_and_scale():
+    h = torch.tensor([[0.0, math.nan, math.inf], [3.0, 3.0, 3.0]])
+    s = torch.tensor([7.0, 7.0, 7.0])
+    # Window max of column 0 is 3 -> scale updates from the old window; columns 1-2 ignore the bad amax.
+    h2, s2 = scaling.delayed_scaling_update(h, s, 448.0, 0, "most_recent")
+    assert h2.tolist() == [[0.0, 0.0, 0.0], [3.0, 3.0, 3.0]]
+    assert s2.tolist() == [7.0, 7.0, 7.0]
+    assert torch.isfinite(s2).all() and torch.isfinite(h2).all()
+
+
+def test_tiny_amax_gives_flt_max_and_callables_are_used():
+    h = torch.tensor([[1e-45]])
+    _, s = scaling.delayed_scaling_update(h, torch.ones(1), 448.0, 0, "max")
+    assert s.item() == FLT_MAX
+    _, s = scaling.delayed_scaling_update(
+        torch.tensor([[2.0], [8.0]]), torch.ones(1), 448.0, 0, lambda hist: hist.min(dim=0).values,
+        scaling_factor_compute_algo=lambda amax, old, fp8_max, recipe: fp8_max / amax / 4,
+    )
+    assert s.item() == 448.0 / 2.0 / 4
+
+
+@pytest.mark.parametrize("amax", [2.0, 3.0, 448.0, 1e-3, 0.0, math.inf, math.nan, 1e-44, 6e4])
+@pytest.mark.parametrize("eps", [0.0, 1e-2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_current_scale_matches_reference(amax, eps, pow2):
+    got = scaling.current_scale(torch.tensor([amax]), 448.0, eps, pow2).item()
+    assert got == float(current_scale(amax, 448.0, eps, pow2))
+
+
+def test_current_scale_closed_form():
+    assert scaling.current_scale(torch.tensor(2.0), 448.0).item() == 224.0
+    assert scaling.current_scale(torch.tensor(3.0), 448.0, power_2_scale=True).item() == 128.0
+    assert scaling.current_scale(torch.tensor(0.0), 15.0).item() == 1.0
+    assert scaling.current_scale(torch.tensor(1e-6), 15.0, amax_epsilon=1e-3).item() == pytest.approx(15e3)
+
+
+def test_tile_amax_pads_partial_tiles():
+    x = torch.arange(1, 1 + 3 * 200, dtype=torch.float32).reshape(3, 200)
+    amax = scaling.tile_amax(x, 1, 128)
+    assert amax.shape == (3, 2)
+    assert amax[:, 0].tolist() == [128.0, 328.0, 528.0] and amax[:, 1].tolist() == [200.0, 400.0, 600.0]
+    assert scaling.tile_amax(x, 128, 128).tolist() == [[528.0, 600.0]]
+
+
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+def test_mx_exponents_closed_form(rounding):
+    values = [448.0, 449.0, 1.0, 896.0, 0.0, 3e38, 1e-40]
+    e = scaling.mx_scale_exponent(torch.tensor(values), 448.0, 8, rounding).tolist()
+    for v, got in zip(values, e):
+        if v == 0.0:
+            assert got == -127
+        elif rounding == "ceil":
+            assert 2.0**got * 448 >= v and 2.0 ** (got - 1) * 448 < v or got == -127
+        else:
+            assert got == max(-127, math.floor(math.log2(v)) - 8)
+
+
+def test_e8m0_round_trip():
+    e = torch.arange(-127, 128, dtype=torch.int32)
+    codes = scaling.e8m0_encode(e)
+    assert codes.dtype == torch.uint8
+    np.testing.assert_array_equal(scaling.e8m0_decode(codes).double().numpy(), np.ldexp(1.0, e.numpy()))
