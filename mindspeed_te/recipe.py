@@ -70,11 +70,18 @@ class Recipe:
 
     _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3, Format.HYBRID, Format.HIF8)
     fp8_format: Format
+    override_linear_precision: tuple[bool, bool, bool]
     fwd_target_max: Optional[float]
     bwd_target_max: Optional[float]
 
     def __post_init__(self) -> None:
         _check_format(self, self._ALLOWED_FORMATS)
+        olp = tuple(self.override_linear_precision)
+        if len(olp) != 3 or olp[0] or olp[1]:
+            raise ValueError(
+                f"{type(self).__name__}.override_linear_precision must be (False, False, wgrad_in_high_precision), "
+                f"got {self.override_linear_precision!r}: only the weight-gradient GEMM can stay in high precision"
+            )
         _check_target(self, "fwd_target_max", self.fwd_target_max, self.fp8_format.fwd_dtype)
         _check_target(self, "bwd_target_max", self.bwd_target_max, self.fp8_format.bwd_dtype)
 
@@ -84,6 +91,10 @@ class Recipe:
         if override is not None:
             return float(override)
         return self.fp8_format.max_fwd if forward else self.fp8_format.max_bwd
+
+    def fp8_wgrad(self) -> bool:
+        """False when the weight-gradient GEMM runs in high precision (Megatron's --no-fp8-wgrad)."""
+        return not self.override_linear_precision[2]
 
     def fp8_dtype(self, forward: bool) -> FP8Dtype:
         """Element format of forward or backward tensors."""
@@ -123,6 +134,7 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
@@ -166,6 +178,7 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
@@ -195,6 +208,7 @@ class Float8BlockScaling(Recipe):
     fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
@@ -224,6 +238,7 @@ class MXFP8BlockScaling(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     scale_rounding: Literal["ceil", "floor"] = "ceil"
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 

@@ -77,3 +77,10 @@ def test_key_distinguishes_configurations():
     assert DelayedScaling().key() == DelayedScaling().key()
     assert DelayedScaling().key() != DelayedScaling(margin=1).key()
     assert DelayedScaling().key() != Float8CurrentScaling().key()
+
+
+def test_override_linear_precision_only_wgrad():
+    assert DelayedScaling().fp8_wgrad()
+    assert not DelayedScaling(override_linear_precision=(False, False, True)).fp8_wgrad()
+    with pytest.raises(ValueError, match="override_linear_precision"):
+        Float8CurrentScaling(override_linear_precision=(True, False, False))

@@ -22,6 +22,11 @@ def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
     return values.t() if columnwise else values
 
 
+def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
+    if out is not None and (out.dtype != torch.float32 or bias is not None):
+        raise ValueError("gemm: `out` (accumulation) must be a float32 tensor and cannot be combined with `bias`")
+
+
 class ReferenceBackend:
     """Emulates every quantized kernel exactly with torch ops."""
 
@@ -42,11 +47,12 @@ class ReferenceBackend:
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
-        float32 (Megatron's main_grad) and `out` is returned."""
+        float32 (Megatron's main_grad; no bias then) and `out` is returned."""
+        check_accumulate(out, bias)
         a2 = operand_2d(a, a_columnwise)
         b2 = operand_2d(b, b_columnwise)
         if out is not None:
-            return out.addmm_(a2, b2.t()) if bias is None else out.addmm_(a2, b2.t()).add_(bias)
+            return out.addmm_(a2, b2.t())
         result = a2 @ b2.t()
         if bias is not None:
             result += bias.float()

@@ -1,0 +1,155 @@
+"""Tensor- and sequence-parallel communication as autograd functions over an explicit process group.
+
+Sequence-parallel tensors are split along dim 0 (Megatron's [s, b, h] layout puts the sequence first);
+tensor-parallel activations are split along the last dim.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+def group_size(group: ProcessGroup) -> int:
+    """World size of `group` (1 when torch.distributed is not initialized)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[0] % world:
+        raise ValueError(f"sequence parallel: dim 0 ({x.shape[0]}) must be divisible by the TP size ({world})")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    gathered = _all_gather_dim0(x.movedim(-1, 0), group)
+    return gathered.movedim(0, -1).contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (input of a column-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (output of a row-parallel linear)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """All-gather along dim 0 forward, reduce-scatter backward (sequence-parallel input of a column linear)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim0(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Reduce-scatter along dim 0 forward, all-gather backward (sequence-parallel output of a row linear)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather along the last dim forward, keep this rank's slice backward (gather_output)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _GatherFromSP.apply(x, group) if group_size(group) > 1 else x
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _ReduceScatterToSP.apply(x, group) if group_size(group) > 1 else x
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _GatherFromTP.apply(x, group) if group_size(group) > 1 else x

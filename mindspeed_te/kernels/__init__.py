@@ -1,0 +1,44 @@
+"""One kernel interface, three backends: npu (torch_npu), torch (`torch._scaled_mm`), reference (exact emulation).
+
+The backend is chosen per tensor device; `MINDSPEED_TE_BACKEND` = auto | npu | torch | reference forces one.
+"auto" picks npu for NPU tensors, torch for CUDA tensors and the reference elsewhere: on CPU torch's scaled
+GEMM upcasts internally and is slower than dequantize + fp32 GEMM (see REFERENCE.md §7).
+"""
+from __future__ import annotations
+
+import os
+from typing import Union
+
+import torch
+
+from mindspeed_te.kernels.reference import ReferenceBackend
+from mindspeed_te.kernels.torch_native import TorchBackend
+
+BACKEND_ENV = "MINDSPEED_TE_BACKEND"
+BACKEND_CHOICES = ("auto", "npu", "torch", "reference")
+
+Backend = Union[ReferenceBackend, "NpuBackend"]  # noqa: F821  (NpuBackend is imported lazily)
+
+_REFERENCE = ReferenceBackend()
+_TORCH = TorchBackend()
+
+
+def requested_backend() -> str:
+    """The backend asked for through the environment, validated."""
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in BACKEND_CHOICES:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not valid; allowed: {', '.join(BACKEND_CHOICES)}")
+    return value
+
+
+def get_backend(device: Union[torch.device, str, None] = None) -> Backend:
+    """The backend for tensors on `device`."""
+    choice = requested_backend()
+    device_type = torch.device(device).type if device is not None else "cpu"
+    if choice == "auto":
+        choice = "npu" if device_type == "npu" else "torch" if device_type == "cuda" else "reference"
+    if choice == "npu":
+        from mindspeed_te.kernels.npu import get_npu_backend
+
+        return get_npu_backend()
+    return _TORCH if choice == "torch" else _REFERENCE

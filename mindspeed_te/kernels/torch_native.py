@@ -1,0 +1,38 @@
+"""torch-native backend: `torch._scaled_mm` for per-tensor E4M3/E5M2 operands, the reference otherwise."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.kernels.reference import Operand, ReferenceBackend, check_accumulate
+from mindspeed_te.tensor import Float8Tensor
+
+_SCALED_MM_DTYPES = (FP8Dtype.E4M3, FP8Dtype.E5M2)
+
+
+def _scaled_mm_operand(t: Operand, columnwise: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(data as a row-major (rows, k) matrix, scale_inv) when `_scaled_mm` can take this operand."""
+    if not isinstance(t, Float8Tensor) or t.fp8_dtype not in _SCALED_MM_DTYPES or t.data is None:
+        return None
+    data = t.columnwise_data.contiguous() if columnwise else t.data.reshape(-1, t.shape[-1])
+    return data, t.scale_inv.reshape(()).float()
+
+
+class TorchBackend(ReferenceBackend):
+    """Uses torch's own scaled GEMM where it applies (CUDA, and CPU where torch implements it)."""
+
+    name = "torch"
+
+    def gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, bias=None, out=None):
+        check_accumulate(out, bias)
+        pa, pb = _scaled_mm_operand(a, a_columnwise), _scaled_mm_operand(b, b_columnwise)
+        if pa is None or pb is None or not hasattr(torch, "_scaled_mm"):
+            return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise,
+                                out_dtype=out_dtype, bias=bias, out=out)
+        (a_data, a_scale), (b_data, b_scale) = pa, pb
+        mm_dtype = torch.float32 if out is not None else out_dtype
+        result = torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale, scale_b=b_scale,
+                                  bias=None if bias is None else bias.to(mm_dtype), out_dtype=mm_dtype)
+        return out.add_(result) if out is not None else result

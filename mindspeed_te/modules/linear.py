@@ -1,0 +1,142 @@
+"""`Linear`: a TransformerEngine-style linear layer, FP8 inside `fp8_autocast`, high precision outside,
+with optional column/row tensor parallelism and sequence parallelism."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+from mindspeed_te.distributed import (
+    ProcessGroup,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from mindspeed_te.modules.base import FP8ModuleBase
+from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
+from mindspeed_te.state import FP8GlobalStateManager
+
+PARALLEL_MODES = (None, "column", "row")
+
+
+def check_parallel_mode(parallel_mode: Optional[str]) -> None:
+    if parallel_mode not in PARALLEL_MODES:
+        raise ValueError(f"parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
+
+
+def resolve_tp_size(tp_group: ProcessGroup, tp_size: int) -> int:
+    """The TP size: from the group when one is given, else `tp_size` (which must then be 1 on one process)."""
+    size = group_size(tp_group) if tp_group is not None else tp_size
+    if tp_group is not None and tp_size not in (1, size):
+        raise ValueError(f"tp_size={tp_size} does not match the size of tp_group ({size})")
+    return size
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def set_tensor_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int) -> None:
+    """Mark a parameter the way Megatron's optimizer and checkpointing expect."""
+    param.tensor_model_parallel = is_parallel
+    param.partition_dim = dim
+    param.partition_stride = 1
+
+
+class Linear(FP8ModuleBase):
+    """y = x Wᵀ + b. `parallel_mode="column"` splits W's rows over `tp_group` (output stays split unless
+    `gather_output`), `"row"` splits W's columns (input already split, output reduced). With
+    `sequence_parallel` the un-split activations are split along dim 0 and gathered/reduce-scattered."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: ProcessGroup = None,
+        tp_size: int = 1,
+        init_method: Optional[Callable[[torch.Tensor], object]] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        device: Union[torch.device, str, None] = None,
+        gather_output: bool = False,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__(num_gemms=1)
+        check_parallel_mode(parallel_mode)
+        if gather_output and parallel_mode != "column":
+            raise ValueError("gather_output=True needs parallel_mode='column'")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group = tp_group
+        self.tp_size = resolve_tp_size(tp_group, tp_size)
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = sequence_parallel and parallel_mode is not None
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.return_bias = return_bias
+        self.gather_output = gather_output
+        self.name = name
+        local_out = divide(out_features, self.tp_size, "out_features") if parallel_mode == "column" else out_features
+        local_in = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = torch.nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=device))
+        set_tensor_parallel_attributes(self.weight, parallel_mode is not None, 0 if parallel_mode == "column" else 1)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
+            set_tensor_parallel_attributes(self.bias, parallel_mode == "column", 0)
+            if parallel_mode == "row":
+                self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters(init_method)
+        self._weight_cache = WeightCache()
+
+    def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], object]] = None) -> None:
+        with torch.no_grad():
+            if init_method is not None:
+                init_method(self.weight)
+            else:
+                torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        fp8 = self.prepare_forward(inp.device)
+        x = inp
+        if self.parallel_mode == "column":
+            x = (gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel
+                 else copy_to_tensor_parallel_region(x, self.tp_group))
+        quantizers, first = None, False
+        if fp8 is not None:
+            fwd, bwd, first = fp8
+            if FP8GlobalStateManager.is_fp8_enabled():
+                quantizers = LinearQuantizers(fwd[0], fwd[1], bwd[0])
+            else:
+                self.calibrate(fwd[:2], x, self.weight)
+        bias_in_gemm = self.bias if (self.parallel_mode != "row" and not self.return_bias) else None
+        out = fp8_linear(
+            x, self.weight, bias_in_gemm,
+            quantizers=quantizers,
+            fp8_wgrad=FP8GlobalStateManager.get_fp8_recipe().fp8_wgrad(),
+            weight_cache=self._weight_cache,
+            is_first_microbatch=is_first_microbatch,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            reduce_amax_in_backward=first and quantizers is not None,
+        )
+        if self.parallel_mode == "row":
+            out = (reduce_scatter_to_sequence_parallel_region(out, self.tp_group) if self.sequence_parallel
+                   else reduce_from_tensor_parallel_region(out, self.tp_group))
+            if self.bias is not None and not self.return_bias:
+                out = out + self.bias
+        elif self.gather_output:
+            out = gather_from_tensor_parallel_region(out, self.tp_group)
+        if self.return_bias:
+            return out, self.bias
+        return out

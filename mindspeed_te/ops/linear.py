@@ -1,0 +1,180 @@
+"""The FP8 linear autograd function every linear module uses.
+
+Three GEMMs, each through the kernel backend with the recipe's formats:
+    fprop  Y  = X · Wᵀ     (input rowwise,        weight rowwise)
+    dgrad  dX = dY · W     (grad_output rowwise,  weight columnwise)
+    wgrad  dW = dYᵀ · X    (grad_output columnwise, input columnwise)
+Only the quantized input and weight are saved for backward, never their high-precision copies (unless
+wgrad stays in high precision, which needs the real input).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspeed_te.kernels import get_backend
+from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.state import FP8GlobalStateManager
+from mindspeed_te.tensor import QuantizedTensorStorage
+
+__all__ = ["LinearQuantizers", "WeightCache", "fp8_linear"]
+
+
+@dataclass
+class LinearQuantizers:
+    """The quantizers of one linear: forward input and weight, backward grad_output."""
+
+    input: Quantizer
+    weight: Quantizer
+    grad_output: Quantizer
+
+
+class WeightCache:
+    """Holds a weight's quantized form between micro-batches of one step (TE's `is_first_microbatch`):
+    True quantizes and stores, False reuses, None always quantizes and stores nothing."""
+
+    def __init__(self) -> None:
+        self.quantized: Optional[QuantizedTensorStorage] = None
+
+    def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
+            backend) -> QuantizedTensorStorage:
+        if is_first_microbatch is False and self.quantized is not None:
+            return self.quantized
+        quantized = backend.quantize(quantizer, weight)
+        self.quantized = quantized if is_first_microbatch is not None else None
+        return quantized
+
+
+@dataclass
+class _LinearArgs:
+    quantizers: Optional[LinearQuantizers]
+    fp8_wgrad: bool
+    weight_cache: Optional[WeightCache]
+    is_first_microbatch: Optional[bool]
+    fuse_wgrad_accumulation: bool
+    reduce_amax_in_backward: bool
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: _LinearArgs):
+        backend = get_backend(inp.device)
+        x2d = inp.reshape(-1, inp.shape[-1])
+        needs_wgrad = weight.requires_grad
+        q = args.quantizers
+        if q is None:
+            out = torch.nn.functional.linear(x2d, weight, bias)
+            saved_x, saved_w = x2d, weight
+        else:
+            fp8_wgrad = args.fp8_wgrad and needs_wgrad
+            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad)
+            q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
+            qx = backend.quantize(q.input, x2d)
+            if args.weight_cache is not None:
+                qw = args.weight_cache.get(weight, q.weight, args.is_first_microbatch, backend)
+            else:
+                qw = backend.quantize(q.weight, weight)
+            out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
+            # Keep only what backward reads: the columnwise input (or the real input for a bf16 wgrad).
+            if fp8_wgrad:
+                qx.update_usage(rowwise=False, columnwise=True)
+                saved_x = qx
+            else:
+                saved_x = x2d if needs_wgrad else None
+            saved_w = qw
+        ctx.args = args
+        ctx.saved = (saved_x, saved_w)
+        ctx.weight = weight
+        ctx.input_shape = inp.shape
+        ctx.input_dtype = inp.dtype
+        ctx.has_bias = bias is not None
+        return out.reshape(*inp.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        args: _LinearArgs = ctx.args
+        saved_x, saved_w = ctx.saved
+        weight = ctx.weight
+        backend = get_backend(grad_out.device)
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        q = args.quantizers
+        dx = dw = db = None
+        if q is None:
+            if need_dx:
+                dx = dy @ saved_w.to(dy.dtype)
+            if need_dw:
+                dw = _wgrad_high_precision(dy, saved_x, weight, args)
+        else:
+            fp8_wgrad = need_dw and isinstance(saved_x, QuantizedTensorStorage)
+            q.grad_output.set_usage(rowwise=need_dx, columnwise=fp8_wgrad)
+            qdy = backend.quantize(q.grad_output, dy) if (need_dx or fp8_wgrad) else None
+            if need_dx:
+                dx = backend.gemm(qdy, saved_w, b_columnwise=True, out_dtype=ctx.input_dtype)
+            if need_dw:
+                if fp8_wgrad:
+                    main_grad = _main_grad(weight) if args.fuse_wgrad_accumulation else None
+                    dw = backend.gemm(qdy, saved_x, a_columnwise=True, b_columnwise=True,
+                                      out_dtype=weight.dtype, out=main_grad)
+                    dw = _finish_fused_wgrad(weight) if main_grad is not None else dw
+                else:
+                    dw = _wgrad_high_precision(dy, saved_x, weight, args)
+            if args.reduce_amax_in_backward:
+                # This is the first FP8 module of the step, so its backward is the last one to run.
+                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+        if need_db and ctx.has_bias:
+            db = dy.sum(dim=0).to(weight.dtype)
+        ctx.saved = None
+        if dx is not None:
+            dx = dx.reshape(ctx.input_shape)
+        return dx, dw, db, None
+
+
+def _main_grad(weight: torch.Tensor) -> torch.Tensor:
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("fuse_wgrad_accumulation=True needs `weight.main_grad` (a float32 buffer), as Megatron "
+                           "allocates with --gradient-accumulation-fusion")
+    return main_grad
+
+
+def _finish_fused_wgrad(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """After accumulating into main_grad, tell Megatron (as TransformerEngine does) and return no grad."""
+    weight.grad_added_to_main_grad = True
+    return None
+
+
+def _wgrad_high_precision(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
+                          args: _LinearArgs) -> Optional[torch.Tensor]:
+    if args.fuse_wgrad_accumulation:
+        _main_grad(weight).addmm_(dy.t().float(), x2d.float())
+        return _finish_fused_wgrad(weight)
+    return (dy.t() @ x2d.to(dy.dtype)).to(weight.dtype)
+
+
+def fp8_linear(
+    inp: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    quantizers: Optional[LinearQuantizers] = None,
+    fp8_wgrad: bool = True,
+    weight_cache: Optional[WeightCache] = None,
+    is_first_microbatch: Optional[bool] = None,
+    fuse_wgrad_accumulation: bool = False,
+    reduce_amax_in_backward: bool = False,
+) -> torch.Tensor:
+    """y = inp · weightᵀ + bias with quantized GEMMs (high precision when `quantizers` is None).
+
+    fp8_wgrad: False keeps the weight-gradient GEMM in high precision (Megatron's --no-fp8-wgrad).
+    weight_cache / is_first_microbatch: quantize the weight once per step and reuse it across micro-batches.
+    fuse_wgrad_accumulation: add the weight gradient into `weight.main_grad` (float32) instead of returning it.
+    reduce_amax_in_backward: set for the step's first FP8 module; its backward reduces the backward amaxes.
+    """
+    if inp.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"fp8_linear: input's last dim {inp.shape[-1]} != weight in_features {weight.shape[-1]}")
+    args = _LinearArgs(quantizers, fp8_wgrad, weight_cache, is_first_microbatch, fuse_wgrad_accumulation,
+                       reduce_amax_in_backward)
+    return _Linear.apply(inp, weight, bias, args)
