@@ -165,12 +165,9 @@ class Float8BlockQuantizer(Quantizer):
         out = Float8BlockwiseQTensor(
             self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len
         )
-        if self.rowwise_usage or (self.columnwise_usage and self.block_scaling_dim == 2):
+        if self.rowwise_usage or self.block_scaling_dim == 2:  # 128x128: one copy serves both layouts
             data, scale_inv = _quantize_tiles(x2d, rows, self.block_len, self.fp8_dtype, self._scales)
-            if self.rowwise_usage:
-                out.rowwise_data, out.rowwise_scale_inv = data.reshape(x.shape), scale_inv
-            if self.columnwise_usage and self.block_scaling_dim == 2:
-                out.columnwise_data, out.columnwise_scale_inv = data.t().contiguous(), scale_inv.t().contiguous()
+            out.rowwise_data, out.rowwise_scale_inv = data.reshape(x.shape), scale_inv
         if self.columnwise_usage and self.block_scaling_dim == 1:
             out.columnwise_data, out.columnwise_scale_inv = _quantize_tiles(
                 x2d.t(), 1, self.block_len, self.fp8_dtype, self._scales

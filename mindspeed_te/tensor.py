@@ -110,6 +110,11 @@ class _TiledTensor(QuantizedTensorStorage):
     def has_data(self, columnwise: bool = False) -> bool:
         return (self.columnwise_data if columnwise else self.rowwise_data) is not None
 
+    def columnwise_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data (K, M), scale_inv) of the columnwise form."""
+        self._require(True)
+        return self.columnwise_data, self.columnwise_scale_inv
+
     def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         rows, cols = self._tile()
         m, k = data.shape
@@ -121,7 +126,7 @@ class _TiledTensor(QuantizedTensorStorage):
     def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
         self._require(columnwise)
         if columnwise:
-            values = self._dequantize_2d(self.columnwise_data, self.columnwise_scale_inv).t()
+            values = self._dequantize_2d(*self.columnwise_pair()).t()
         else:
             values = self._dequantize_2d(self.rowwise_data.reshape(_as_2d(self.shape)), self.rowwise_scale_inv)
         return values.reshape(self.shape).to(dtype or self.dtype)
@@ -140,7 +145,8 @@ class _TiledTensor(QuantizedTensorStorage):
 class Float8BlockwiseQTensor(_TiledTensor):
     """Blockwise scaling: float32 scale_inv per 1x128 tile (block_scaling_dim=1) or 128x128 tile (=2).
 
-    Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128.
+    Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
+    with 128x128 tiles the columnwise form is a transposed view of the rowwise one.
     """
 
     block_scaling_dim: int = 1
@@ -148,6 +154,25 @@ class Float8BlockwiseQTensor(_TiledTensor):
 
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
+
+    # 128x128 tiles are symmetric: the columnwise form is the transpose of the rowwise one, never a copy.
+    def has_data(self, columnwise: bool = False) -> bool:
+        if self.block_scaling_dim == 2:
+            return self.rowwise_data is not None
+        return super().has_data(columnwise)
+
+    def columnwise_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.block_scaling_dim == 2:
+            self._require(True)
+            return self.rowwise_data.reshape(_as_2d(self.shape)).t(), self.rowwise_scale_inv.t()
+        return super().columnwise_pair()
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if self.block_scaling_dim == 2:
+            if rowwise is False and columnwise is False:
+                self.rowwise_data = self.rowwise_scale_inv = None
+            return
+        super().update_usage(rowwise, columnwise)
 
 
 @dataclass

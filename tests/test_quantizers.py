@@ -91,8 +91,9 @@ def test_blockwise_matches_oracle(fp8_dtype, block_dim, shape):
     np.testing.assert_array_equal(q.rowwise_scale_inv.numpy(), scale_inv)
     # Columnwise: 1x128 re-quantized from the high-precision transpose; 128x128 is the exact transpose.
     ccodes, cscale = tiles_reference(np.ascontiguousarray(x2.T), rows, 128, fp8_dtype.name, fp8_dtype.max, True)
-    np.testing.assert_array_equal(_codes(q.columnwise_data), ccodes)
-    np.testing.assert_array_equal(q.columnwise_scale_inv.numpy(), cscale)
+    cdata, cscale_inv = q.columnwise_pair()
+    np.testing.assert_array_equal(_codes(cdata), ccodes)
+    np.testing.assert_array_equal(cscale_inv.numpy(), cscale)
     # Dequantize is exact: decode(data) * the tile's scale_inv.
     tile_scales = np.repeat(np.repeat(scale_inv, rows, 0)[: x2.shape[0]], 128, 1)[:, : x2.shape[1]]
     expected = np_decode(codes, fp8_dtype.name) * tile_scales
@@ -138,6 +139,8 @@ def test_usage_controls_and_dropping_copies():
     x = _sample((128, 128))
     q = Float8BlockQuantizer(FP8Dtype.E4M3, 448.0, rowwise=False, columnwise=True)(x)
     assert q.rowwise_data is None and q.columnwise_data is not None
+    w = Float8BlockQuantizer(FP8Dtype.E4M3, 448.0, block_scaling_dim=2)(x)
+    assert w.columnwise_data is None and w.columnwise_pair()[0].data_ptr() == w.rowwise_data.data_ptr()
     with pytest.raises(RuntimeError, match="no rowwise data"):
         q.dequantize()
     q = MXFP8Quantizer(FP8Dtype.E4M3)(x)

@@ -9,6 +9,7 @@ wgrad stays in high precision, which needs the real input).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -83,7 +84,9 @@ class _Linear(torch.autograd.Function):
                 saved_x = qx
             else:
                 saved_x = x2d if needs_wgrad else None
-            saved_w = qw
+            # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
+            saved_w = dataclasses.replace(qw)
+            saved_w.update_usage(rowwise=False, columnwise=True)
         ctx.args = args
         ctx.saved = (saved_x, saved_w)
         ctx.weight = weight
