@@ -12,6 +12,10 @@ import torch.distributed as dist
 
 ProcessGroup = Optional[dist.ProcessGroup]
 
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: ProcessGroup) -> int:
     """World size of `group` (1 when torch.distributed is not initialized)."""
@@ -40,7 +44,7 @@ def _all_gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_single(out, x, group=group)
     return out
 
 
@@ -52,7 +56,7 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         raise ValueError(f"sequence parallel: dim 0 ({x.shape[0]}) must be divisible by the TP size ({world})")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_single(out, x, group=group)
     return out
 
 
