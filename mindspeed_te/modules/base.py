@@ -2,7 +2,9 @@
 once-per-step amax reduction, and the module's FP8 metadata in `_extra_state`."""
 from __future__ import annotations
 
-from typing import Optional
+import io
+import warnings
+from typing import Any, Optional
 
 import torch
 
@@ -20,6 +22,7 @@ class FP8ModuleBase(torch.nn.Module):
         self.num_gemms = num_gemms
         self.fp8_states: Optional[tuple[RecipeState, RecipeState]] = None
         self._fp8_recipe_key: Optional[str] = None
+        self._loaded_fp8_meta: Optional[dict[str, Any]] = None  # from a checkpoint, applied to matching states
 
     def _states_for_current_recipe(self, device: torch.device) -> tuple[RecipeState, RecipeState]:
         recipe = FP8GlobalStateManager.get_fp8_recipe()
@@ -29,6 +32,7 @@ class FP8ModuleBase(torch.nn.Module):
                 RecipeState.create(recipe, forward=False, num_quantizers=2 * self.num_gemms, device=device),
             )
             self._fp8_recipe_key = recipe.key()
+            self._apply_loaded_fp8_meta()
         return self.fp8_states
 
     def prepare_forward(self, device: torch.device) -> Optional[tuple[list[Quantizer], list[Quantizer], bool]]:
@@ -53,3 +57,54 @@ class FP8ModuleBase(torch.nn.Module):
 
     def has_delayed_state(self) -> bool:
         return self.fp8_states is not None and isinstance(self.fp8_states[0], DelayedScalingRecipeState)
+
+    # Checkpointing: the FP8 metadata travels in the module's `_extra_state` entry ---------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        """Serialized FP8 metadata (recipe identity, amax histories and scales) as a uint8 tensor, the form
+        torch.distributed.checkpoint and Megatron's sharded checkpoints carry as an opaque object."""
+        meta: dict[str, Any] = {"version": 1, "recipe_key": self._fp8_recipe_key}
+        if self.has_delayed_state():
+            fwd, bwd = self.fp8_states
+            meta.update(fwd_amax_history=fwd.amax_history.cpu(), fwd_scale=fwd.scale.cpu(),
+                        bwd_amax_history=bwd.amax_history.cpu(), bwd_scale=bwd.scale.cpu())
+        buffer = io.BytesIO()
+        torch.save(meta, buffer)
+        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+    def set_extra_state(self, state: Any) -> None:
+        name = type(self).__name__
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8?); scales start fresh")
+            return
+        try:
+            raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
+            meta = torch.load(io.BytesIO(raw), weights_only=True)
+            if not isinstance(meta, dict) or meta.get("version") != 1 or "recipe_key" not in meta:
+                raise ValueError("unknown layout")
+        except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
+            raise RuntimeError(f"{name}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
+        if meta["recipe_key"] is None:
+            warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh")
+            return
+        self._loaded_fp8_meta = meta
+        if self.fp8_states is not None:
+            self._apply_loaded_fp8_meta()
+
+    def _apply_loaded_fp8_meta(self) -> None:
+        meta, self._loaded_fp8_meta = self._loaded_fp8_meta, None
+        if meta is None:
+            return
+        if meta["recipe_key"] != self._fp8_recipe_key:
+            warnings.warn(f"{type(self).__name__}: checkpoint FP8 metadata was made with {meta['recipe_key']}, "
+                          f"the active recipe is {self._fp8_recipe_key}; scales start fresh")
+            return
+        if not self.has_delayed_state():
+            return
+        fwd, bwd = self.fp8_states
+        for state, prefix in ((fwd, "fwd"), (bwd, "bwd")):
+            history, scale = meta[f"{prefix}_amax_history"], meta[f"{prefix}_scale"]
+            if history.shape != state.amax_history.shape or scale.shape != state.scale.shape:
+                raise RuntimeError(f"{type(self).__name__}: corrupt _extra_state, {prefix} amax history "
+                                   f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
+            state.amax_history.copy_(history)
+            state.scale.copy_(scale)
