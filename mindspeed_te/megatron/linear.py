@@ -1,0 +1,187 @@
+"""Megatron-facing linear layers: megatron-core 0.16.1's TE* constructor keywords and return values, built
+on `mindspeed_te.Linear`."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+from mindspeed_te.distributed import group_size
+from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.modules.linear import Linear, divide
+from mindspeed_te.recipe import DelayedScaling, Format
+
+__all__ = ["TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TEDelayedScaling"]
+
+
+class TELinear(Linear):
+    """Megatron's `TELinear`. parallel_mode "column" / "row" / "duplicated" (no TP, weight replicated).
+    Expert layers under TP or expert parallelism do their own communication (the token dispatcher does it),
+    so the layer runs on its local shard without collectives. forward(x) returns (output, bias or None)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: Optional[str],
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        skip_weight_param_allocation: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        is_expert: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        pg_collection: Optional[object] = None,
+    ) -> None:
+        if skip_weight_param_allocation:
+            raise ValueError("TELinear does not support skip_weight_param_allocation=True")
+        if parallel_mode not in ("column", "row", "duplicated", None):
+            raise ValueError(f"parallel_mode must be 'column', 'row', 'duplicated' or None, got {parallel_mode!r}")
+        self.config = config
+        self.te_return_bias = skip_bias_add and bias
+        self.is_first_microbatch = True
+        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        if tp_group is None and pg_collection is not None:
+            tp_group = getattr(pg_collection, "expt_tp" if is_expert else "tp", None)
+        expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        local_mode, local_group = parallel_mode, tp_group
+        if parallel_mode == "duplicated":
+            local_mode, local_group = None, None
+        elif is_expert and (group_size(tp_group) > 1 or expert_parallel):
+            # Expert communication happens in the token dispatcher: build the local shard only.
+            size = group_size(tp_group)
+            if parallel_mode == "column":
+                output_size = divide(output_size, size, "output_size")
+            elif parallel_mode == "row":
+                input_size = divide(input_size, size, "input_size")
+            local_mode, local_group = None, None
+        super().__init__(
+            input_size, output_size,
+            sequence_parallel=config.sequence_parallel,
+            fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
+            tp_group=local_group,
+            init_method=condition_init_method(config, init_method),
+            bias=bias,
+            return_bias=self.te_return_bias,
+            params_dtype=config.params_dtype,
+            parallel_mode=local_mode,
+            device=megatron_device(config),
+        )
+        for param in self.parameters():
+            if is_expert:
+                param.allreduce = not expert_parallel
+            else:
+                param.allreduce = True
+                if parallel_mode == "duplicated":
+                    param.sequence_parallel = config.sequence_parallel
+        self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        out = super().forward(x, is_first_microbatch=first)
+        self.is_first_microbatch = False
+        if self.te_return_bias:
+            return out
+        return out, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Replicated across TP (only valid for the duplicated mode, as in Megatron)."""
+        return self._sharded(prefix, None, sharded_offsets, metadata)
+
+    def _sharded(self, prefix, axis_map, sharded_offsets, metadata):
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state_dict, prefix, axis_map, sharded_offsets,
+            tp_group=self._tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+
+class TEColumnParallelLinear(TELinear):
+    """Megatron's `TEColumnParallelLinear`: weight split along the output dimension."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: Callable,
+        gather_output: bool,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        stride: int = 1,
+        pg_collection: Optional[object] = None,
+    ) -> None:
+        if gather_output:
+            raise ValueError("TEColumnParallelLinear does not support gather_output=True (as in Megatron's TE path)")
+        super().__init__(
+            input_size, output_size, parallel_mode="column", config=config, init_method=init_method, bias=bias,
+            skip_bias_add=skip_bias_add, skip_weight_param_allocation=skip_weight_param_allocation,
+            tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, tp_group=tp_group,
+            pg_collection=pg_collection,
+        )
+        self.stride = stride
+        for param in self.parameters():
+            param.partition_stride = stride
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Weight and bias sharded along dim 0."""
+        return self._sharded(prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
+
+
+class TERowParallelLinear(TELinear):
+    """Megatron's `TERowParallelLinear`: weight split along the input dimension, output reduced."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        pg_collection: Optional[object] = None,
+    ) -> None:
+        if not input_is_parallel:
+            raise ValueError("TERowParallelLinear needs input_is_parallel=True (as in Megatron's TE path)")
+        super().__init__(
+            input_size, output_size, parallel_mode="row", config=config, init_method=init_method, bias=bias,
+            skip_bias_add=skip_bias_add, skip_weight_param_allocation=False,
+            tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, tp_group=tp_group,
+            pg_collection=pg_collection,
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Weight sharded along dim 1, bias replicated."""
+        return self._sharded(prefix, {"weight": 1}, sharded_offsets, metadata)
+
+
+class TEDelayedScaling(DelayedScaling):
+    """Megatron's `TEDelayedScaling`: a DelayedScaling recipe from the config's --fp8-* values."""
+
+    def __init__(self, config: ModelParallelConfig, fp8_format: Format | str,
+                 override_linear_precision: tuple = (False, False, False)) -> None:
+        super().__init__(
+            margin=config.fp8_margin,
+            fp8_format=fp8_format if isinstance(fp8_format, Format) else Format.from_name(fp8_format),
+            amax_history_len=config.fp8_amax_history_len,
+            amax_compute_algo=config.fp8_amax_compute_algo,
+            override_linear_precision=override_linear_precision,
+            fp8_dpa=getattr(config, "fp8_dot_product_attention", False),
+            fp8_mha=getattr(config, "fp8_multi_head_attention", False),
+        )

@@ -1,0 +1,138 @@
+"""Megatron-facing linear classes: same constructor keywords as megatron-core 0.16.1's TE* classes, the
+(output, bias) return convention, and FP8 under a Megatron TransformerConfig."""
+import ast
+import inspect
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+mcore_te = pytest.importorskip("megatron.core.extensions.transformer_engine")
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast  # noqa: E402
+from mindspeed_te.megatron import (  # noqa: E402
+    TEColumnParallelLinear,
+    TEDelayedScaling,
+    TELinear,
+    TERowParallelLinear,
+)
+from mindspeed_te.megatron.common import recipe_from_config  # noqa: E402
+
+
+def _params(cls):
+    sig = inspect.signature(cls.__init__)
+    return {n: (p.kind, p.default) for n, p in sig.parameters.items() if n != "self"}
+
+
+def megatron_init_params(class_name: str) -> dict:
+    """Constructor parameters of a class in megatron-core's extensions/transformer_engine.py, read from its
+    source: without TransformerEngine installed those classes are built on a MagicMock and have no real
+    signature to inspect."""
+    tree = ast.parse(open(inspect.getsourcefile(mcore_te)).read())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    args = init.args
+    result = {}
+    positional = args.posonlyargs + args.args
+    defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+    for arg, default in zip(positional, defaults):
+        result[arg.arg] = (inspect.Parameter.POSITIONAL_OR_KEYWORD, default)
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults):
+        result[arg.arg] = (inspect.Parameter.KEYWORD_ONLY, default)
+    result.pop("self", None)
+    return result
+
+
+@pytest.mark.parametrize("ours", [TELinear, TEColumnParallelLinear, TERowParallelLinear, TEDelayedScaling],
+                         ids=lambda c: c.__name__)
+def test_constructor_accepts_everything_megatron_passes(ours):
+    mine, megatron = _params(ours), megatron_init_params(ours.__name__)
+    assert megatron, "megatron-core source not parsed"
+    for name, (kind, default) in megatron.items():
+        assert name in mine, f"{ours.__name__} lacks keyword {name!r}"
+        assert mine[name][0] == kind, f"{ours.__name__}.{name}: kind {mine[name][0]} != {kind}"
+        has_default = mine[name][1] is not inspect.Parameter.empty
+        assert has_default == (default is not None), f"{ours.__name__}.{name}: required-ness differs"
+        if isinstance(default, ast.Constant):
+            assert mine[name][1] == default.value, f"{ours.__name__}.{name}: default differs"
+    for name, (_, default) in mine.items():  # our additions must be optional
+        assert name in megatron or default is not inspect.Parameter.empty
+
+
+def _config(**kw):
+    base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _init(w):
+    torch.nn.init.normal_(w, std=0.02)
+
+
+def test_return_convention_and_bias_handling():
+    cfg = _config()
+    layer = TEColumnParallelLinear(64, 128, config=cfg, init_method=_init, gather_output=False, bias=True,
+                                   skip_bias_add=True, is_expert=False)
+    x = torch.randn(8, 2, 64)
+    out, bias = layer(x)
+    assert out.shape == (8, 2, 128) and bias is layer.bias
+    assert torch.allclose(out, x @ layer.weight.t(), atol=1e-6)
+    layer = TERowParallelLinear(64, 32, config=cfg, init_method=_init, bias=True, input_is_parallel=True,
+                                skip_bias_add=False, is_expert=False)
+    out, bias = layer(x)
+    assert bias is None and torch.allclose(out, x @ layer.weight.t() + layer.bias, atol=1e-6)
+    assert layer.weight.partition_dim == 1 and layer.weight.allreduce
+
+
+def test_rejects_unsupported_options_clearly():
+    cfg = _config()
+    with pytest.raises(ValueError, match="gather_output"):
+        TEColumnParallelLinear(64, 64, config=cfg, init_method=_init, gather_output=True, bias=False,
+                               skip_bias_add=False, is_expert=False)
+    with pytest.raises(ValueError, match="input_is_parallel"):
+        TERowParallelLinear(64, 64, config=cfg, init_method=_init, bias=False, input_is_parallel=False,
+                            skip_bias_add=False, is_expert=False)
+    with pytest.raises(ValueError, match="skip_weight_param_allocation"):
+        TELinear(64, 64, parallel_mode="duplicated", config=cfg, init_method=_init, bias=False,
+                 skip_bias_add=False, skip_weight_param_allocation=True)
+
+
+def test_perform_initialization_off_skips_init_and_first_microbatch_flag():
+    cfg = _config(perform_initialization=False)
+    called = []
+    layer = TELinear(64, 64, parallel_mode="duplicated", config=cfg, init_method=lambda w: called.append(1),
+                     bias=False, skip_bias_add=False, skip_weight_param_allocation=False)
+    assert not called and layer.weight.sequence_parallel is False
+    FP8GlobalStateManager.reset()
+    with torch.no_grad():
+        layer.weight.normal_()
+    recipe = DelayedScaling(fp8_format=Format.HYBRID)
+    with fp8_autocast(fp8_recipe=recipe):
+        first, _ = layer(torch.randn(4, 64))
+    assert layer.is_first_microbatch is False
+    with torch.no_grad():
+        layer.weight.mul_(3)  # within the step the weight's FP8 copy is reused (Megatron resets the flag per step)
+    with fp8_autocast(fp8_recipe=recipe):
+        again, _ = layer(torch.ones(4, 64))
+    layer.is_first_microbatch = True
+    with fp8_autocast(fp8_recipe=recipe):
+        fresh, _ = layer(torch.ones(4, 64))
+    assert not torch.allclose(again, fresh)
+
+
+@pytest.mark.parametrize("fp8, recipe, expected", [
+    ("hybrid", "delayed", "DelayedScaling"), ("hif8", "delayed", "DelayedScaling"),
+    ("hif8", "tensorwise", "Float8CurrentScaling"), ("e4m3", "blockwise", "Float8BlockScaling"),
+    ("e4m3", "mxfp8", "MXFP8BlockScaling"),
+])
+def test_recipe_from_config(fp8, recipe, expected):
+    cfg = _config(fp8=fp8, fp8_recipe=recipe, fp8_margin=1, fp8_amax_history_len=7, fp8_wgrad=False)
+    r = recipe_from_config(cfg)
+    assert type(r).__name__ == expected and r.fp8_format is Format.from_name(fp8)
+    assert not r.fp8_wgrad()
+    if recipe == "delayed":
+        assert r.margin == 1 and r.amax_history_len == 7 and r.amax_compute_algo == "most_recent"
+    d = TEDelayedScaling(cfg, Format.HIF8)
+    assert d.amax_history_len == 7 and d.fp8_format is Format.HIF8
