@@ -13,13 +13,21 @@ from typing import Callable
 
 import torch
 
+from mindspeed_te.diagnostics import HostSyncCounter
 from mindspeed_te.formats import hif8_encode
+from mindspeed_te.kernels import get_backend
+from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
 from mindspeed_te.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 from mindspeed_te.recipe_state import RecipeState
 
+# name -> (target, True when the ratio must be at least the target / False when at most)
 TARGETS = {
-    "quantize current E4M3": 0.5,  # ratio to copy_, higher is better
-    "hif8_encode vs en_dtypes": 10.0,  # speed-up, higher is better
+    "quantize current E4M3": (0.5, True),  # ratio to copy_
+    "hif8_encode vs en_dtypes": (10.0, True),  # speed-up
+    "fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear": (1.25, False),
+    "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
+    "bytes saved for backward / bf16 linear": (0.55, False),
+    "host syncs per fp8 linear fwd+bwd": (0, False),
 }
 
 
@@ -82,12 +90,69 @@ def bench_hif8(size_mib: int, repeats: int) -> list[tuple[str, float, str]]:
     return [("hif8_encode vs en_dtypes", theirs / ours, f"ours {ours * 1e3:.1f} ms, en_dtypes {theirs * 1e3:.0f} ms")]
 
 
+def _linear_case(recipe, m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
+    """A forward+backward closure of fp8_linear with persistent quantizers, and its inputs."""
+    fwd = RecipeState.create(recipe, forward=True, num_quantizers=3)
+    bwd = RecipeState.create(recipe, forward=False, num_quantizers=2)
+    f, b = fwd.make_quantizers(), bwd.make_quantizers()
+    quantizers = LinearQuantizers(f[0], f[1], b[0])
+    x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, k, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, dtype=dtype)
+
+    def step():
+        fp8_linear(x, w, quantizers=quantizers).backward(dy)
+
+    return step, x, w, dy
+
+
+def _torch_linear_step(m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
+    layer = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+    x = torch.randn(m, k, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, dtype=dtype)
+    return lambda: layer(x).backward(dy)
+
+
+def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]:
+    recipe = Float8CurrentScaling(fp8_format=Format.E4M3)
+    rows = []
+    base = best_time(_torch_linear_step(size, size, size), repeats)
+    ours = best_time(_linear_case(recipe, size, size, size)[0], repeats)
+    rows.append(("fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear", ours / base,
+                 f"fp8 {ours * 1e3:.0f} ms, fp32 {base * 1e3:.0f} ms ({get_backend().name} backend)"))
+    small_base = best_time(_torch_linear_step(64, 64, 64), repeats * 20)
+    small = best_time(_linear_case(recipe, 64, 64, 64)[0], repeats * 20)
+    rows.append(("host overhead 64x64 fwd+bwd / nn.Linear", small / small_base,
+                 f"fp8 {small * 1e6:.0f} us, nn.Linear {small_base * 1e6:.0f} us"))
+    for recipe in (DelayedScaling(fp8_format=Format.HIF8), Float8BlockScaling(), MXFP8BlockScaling()):
+        x = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
+        ratio = _saved_bytes(recipe, x, w) / ((x.numel() + w.numel()) * 2)
+        rows.append(("bytes saved for backward / bf16 linear", ratio, type(recipe).__name__))
+    with HostSyncCounter() as counter:
+        _linear_case(DelayedScaling(fp8_format=Format.HIF8), 64, 64, 64)[0]()
+    rows.append(("host syncs per fp8 linear fwd+bwd", float(counter.total), str(dict(counter.counts)) or "none"))
+    return rows
+
+
+def _saved_bytes(recipe, x: torch.Tensor, w: torch.Tensor) -> int:
+    """Bytes the fp8 linear keeps for backward (its ctx holds quantized storages)."""
+    fwd = RecipeState.create(recipe, forward=True, num_quantizers=3).make_quantizers()
+    bwd = RecipeState.create(recipe, forward=False, num_quantizers=2).make_quantizers()
+    y = fp8_linear(x, w, quantizers=LinearQuantizers(fwd[0], fwd[1], bwd[0]))
+    return sum(t.nbytes() for t in y.grad_fn.saved)
+
+
 def report(rows: list[tuple[str, float, str]]) -> str:
-    lines = [f"{'case':36s} {'ratio':>8s}  {'target':>8s}  detail"]
+    lines = [f"{'case':44s} {'ratio':>8s}  {'target':>10s}  detail"]
     for name, ratio, detail in rows:
         target = TARGETS.get(name)
-        mark = "" if target is None else (f">={target:g}x " + ("ok" if ratio >= target else "MISS"))
-        lines.append(f"{name:36s} {ratio:7.2f}x  {mark:>8s}  {detail}")
+        mark = ""
+        if target is not None:
+            value, at_least = target
+            ok = ratio >= value if at_least else ratio <= value
+            mark = f"{'>=' if at_least else '<='}{value:g} " + ("ok" if ok else "MISS")
+        lines.append(f"{name:44s} {ratio:7.2f}x  {mark:>10s}  {detail}")
     return "\n".join(lines)
 
 
@@ -96,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8"], help="run one group of cases")
+    parser.add_argument("--only", choices=["quantize", "hif8", "linear"], help="run one group of cases")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be >= 1")
@@ -106,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_quantize(args.size_mib, args.repeats)
     if args.only in (None, "hif8"):
         rows += bench_hif8(args.size_mib, args.repeats)
+    if args.only in (None, "linear"):
+        rows += bench_linear(args.repeats)
     print(report(rows))
 
 

@@ -74,6 +74,11 @@ class RecipeState:
         return {"input": recipe.x_block_scaling_dim, "output": recipe.x_block_scaling_dim,
                 "weight": recipe.w_block_scaling_dim}.get(role, recipe.grad_block_scaling_dim)
 
+    def frozen_copy(self) -> "RecipeState":
+        """A copy whose quantizers use today's scales and record amaxes nowhere that matters (for the
+        recompute of an activation-checkpointed region). Stateless recipes need no copy."""
+        return self
+
     def make_quantizers(self) -> list[Quantizer]:
         recipe = self.recipe
         target = recipe.target_max(self.forward)
@@ -109,6 +114,11 @@ class DelayedScalingRecipeState(RecipeState):
             Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype)
             for i in range(self.num_quantizers)
         ]
+
+    def frozen_copy(self) -> "DelayedScalingRecipeState":
+        copy = DelayedScalingRecipeState(self.recipe, self.forward, self.num_quantizers, device=self.scale.device)
+        copy.scale.copy_(self.scale)
+        return copy
 
     def update(self) -> None:
         """Roll the history and recompute scales from the amaxes now in slot 0 (after any reduction)."""

@@ -58,6 +58,11 @@ class FP8GlobalStateManager:
     FP8_PARAMETERS: bool = False
     FP8_MODEL_INIT_RECIPE: Optional[Recipe] = None
     HIGH_PRECISION_INIT_VAL: bool = False
+    # Activation checkpointing: None, "forward" (first pass of a checkpointed region) or "recompute".
+    CHECKPOINT_PHASE: Optional[str] = None
+    # The running checkpointed region's stash: each FP8 module's forward state from the first pass, in call
+    # order, for the recompute (set by te_checkpoint).
+    _checkpoint_stash: list = []
     # (key, forward) -> {id(state): state}, in registration order; key -> (recipe, group).
     _registered: dict[tuple[_Key, bool], dict[int, DelayedScalingRecipeState]] = {}
     _key_info: dict[_Key, tuple[Recipe, Optional[dist.ProcessGroup]]] = {}
@@ -75,6 +80,8 @@ class FP8GlobalStateManager:
         cls.FP8_PARAMETERS = False
         cls.FP8_MODEL_INIT_RECIPE = None
         cls.HIGH_PRECISION_INIT_VAL = False
+        cls.CHECKPOINT_PHASE = None
+        cls._checkpoint_stash = []
         cls._registered = {}
         cls._key_info = {}
 

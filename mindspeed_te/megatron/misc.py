@@ -1,0 +1,183 @@
+"""The rest of megatron-core's TE surface: padding for quantized grouped GEMMs, activation checkpointing,
+the RNG states tracker and the CPU-offload context."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.utils.checkpoint
+
+from mindspeed_te.recipe import MXFP8BlockScaling
+from mindspeed_te.state import FP8GlobalStateManager
+
+
+def _alignment() -> int:
+    """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM."""
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    return 32 if isinstance(recipe, MXFP8BlockScaling) else 16
+
+
+def _padded(m_splits: list[int], align: int) -> list[int]:
+    return [(m + align - 1) // align * align for m in m_splits]
+
+
+class Fp8Padding(torch.nn.Module):
+    """Pads every expert's rows to the quantized GEMM's alignment: forward(inp, m_splits) -> (padded, splits)."""
+
+    def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.align_size = align_size
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        _check_splits(inp, m_splits, self.num_gemms)
+        padded = _padded(list(m_splits), self.align_size or _alignment())
+        if padded == list(m_splits):
+            return inp, padded
+        chunks = torch.split(inp, list(m_splits))
+        pieces = [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 1) + (0, p - c.shape[0]))
+                  for c, p in zip(chunks, padded)]
+        return torch.cat(pieces), padded
+
+
+class Fp8Unpadding(torch.nn.Module):
+    """Drops the padding rows again: forward(inp, m_splits) with the original (unpadded) splits."""
+
+    def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.align_size = align_size
+
+    def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
+        padded = _padded(list(m_splits), self.align_size or _alignment())
+        _check_splits(inp, padded, self.num_gemms)
+        if padded == list(m_splits):
+            return inp
+        return torch.cat([c[:m] for c, m in zip(torch.split(inp, padded), m_splits)])
+
+
+def _check_splits(inp: torch.Tensor, m_splits: list[int], num_gemms: int) -> None:
+    if len(m_splits) != num_gemms or sum(m_splits) != inp.shape[0]:
+        raise ValueError(f"m_splits must have {num_gemms} entries summing to the input's rows ({inp.shape[0]}), "
+                         f"got {list(m_splits)}")
+
+
+class TECudaRNGStatesTracker:
+    """Named RNG streams (Megatron's model-parallel RNG) on whatever device torch's default generator
+    lives: the accelerator's when there is one, the CPU's otherwise."""
+
+    def __init__(self, is_inference_rng_tracker: bool = False) -> None:
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+        self._is_initialized = True
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} already exists")
+        self.seeds_.add(seed)
+        saved = _get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = _get_rng_state()
+        _set_rng_state(saved)
+        self._is_initialized = True
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} is not added")
+        saved = _get_rng_state()
+        _set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = _get_rng_state()
+            _set_rng_state(saved)
+
+
+def _accelerator_module():
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return getattr(torch, accelerator.type) if accelerator is not None else None
+
+
+def _get_rng_state() -> torch.Tensor:
+    module = _accelerator_module()
+    return module.get_rng_state() if module is not None else torch.get_rng_state()
+
+
+def _set_rng_state(state: torch.Tensor) -> None:
+    module = _accelerator_module()
+    if module is not None:
+        module.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _phase(phase: str, stash: list, autocast_state: Optional[tuple] = None, tracker_states: Optional[dict] = None,
+           get_rng_state_tracker: Optional[Callable] = None) -> Iterator[None]:
+    """Enter a checkpoint phase. The first pass fills `stash` with each FP8 module's forward state; a
+    recompute (which may stop early, and may run more than once) consumes a fresh copy of it, and also
+    restores the first pass's autocast state and RNG tracker streams so the activations come out equal."""
+    saved_phase = FP8GlobalStateManager.CHECKPOINT_PHASE
+    saved_stash = FP8GlobalStateManager._checkpoint_stash
+    saved_autocast = FP8GlobalStateManager.get_autocast_state()
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    saved_tracker = tracker.get_states() if tracker is not None and tracker_states is not None else None
+    FP8GlobalStateManager.CHECKPOINT_PHASE = phase
+    FP8GlobalStateManager._checkpoint_stash = stash if phase == "forward" else list(stash)
+    if autocast_state is not None:
+        FP8GlobalStateManager.set_autocast_state(autocast_state)
+    if saved_tracker is not None:
+        tracker.set_states(tracker_states)
+    try:
+        yield
+    finally:
+        FP8GlobalStateManager.CHECKPOINT_PHASE = saved_phase
+        FP8GlobalStateManager._checkpoint_stash = saved_stash
+        FP8GlobalStateManager.set_autocast_state(saved_autocast)
+        if saved_tracker is not None:
+            tracker.set_states(saved_tracker)
+
+
+def te_checkpoint(forward_func: Callable, distribute_saved_activations: bool, get_rng_state_tracker: Optional[Callable],
+                  tp_group: Optional[Any], *args: Any, **kwargs: Any) -> Any:
+    """Activation checkpointing for regions containing FP8 modules: the recompute uses the same FP8 scales,
+    autocast state and RNG streams as the first pass, and does not record amaxes twice."""
+    autocast_state = FP8GlobalStateManager.get_autocast_state()
+    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
+    tracker_states = tracker.get_states() if tracker is not None and tracker.is_initialized() else None
+
+    stash: list = []
+
+    def contexts():
+        return (_phase("forward", stash),
+                _phase("recompute", stash, autocast_state, tracker_states, get_rng_state_tracker))
+
+    return torch.utils.checkpoint.checkpoint(forward_func, *args, use_reentrant=False, context_fn=contexts,
+                                             preserve_rng_state=True, **kwargs)
+
+
+def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, activation_offloading: bool,
+                            weight_offloading: bool, double_buffering: bool = False) -> tuple[Any, Callable]:
+    """CPU offloading is not implemented: a no-op context and an identity sync function, and a clear error
+    when Megatron's --cpu-offloading asks for it."""
+    if enabled:
+        raise NotImplementedError("mindspeed_te does not implement CPU offloading (--cpu-offloading); turn it off")
+    return contextlib.nullcontext(), (lambda x: x)

@@ -1,0 +1,92 @@
+"""Fp8Padding/Fp8Unpadding, te_checkpoint with FP8 modules, the RNG states tracker."""
+import pytest
+import torch
+
+from mindspeed_te import DelayedScaling, Float8CurrentScaling, Format, FP8GlobalStateManager, MXFP8BlockScaling, fp8_autocast
+from mindspeed_te.megatron.misc import (
+    Fp8Padding,
+    Fp8Unpadding,
+    TECudaRNGStatesTracker,
+    get_cpu_offload_context,
+    te_checkpoint,
+)
+from mindspeed_te.modules import Linear
+
+
+def test_padding_round_trip_and_gradients():
+    x = torch.randn(5 + 0 + 17, 8, requires_grad=True)
+    splits = [5, 0, 17]
+    padded, psplits = Fp8Padding(3)(x, splits)
+    assert psplits == [16, 0, 32] and padded.shape == (48, 8)
+    assert torch.equal(padded[:5], x[:5]) and not padded[5:16].any() and torch.equal(padded[16:33], x[5:])
+    back = Fp8Unpadding(3)(padded, splits)
+    assert torch.equal(back, x)
+    back.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    with fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
+        assert Fp8Padding(1)(torch.ones(40, 2), [40])[1] == [64]
+    with pytest.raises(ValueError, match="m_splits"):
+        Fp8Padding(2)(x, [1, 2])
+
+
+def _block(layers):
+    def run(x):
+        return layers[1](torch.nn.functional.gelu(layers[0](x)))
+    return run
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HIF8, amax_history_len=4),
+                                    Float8CurrentScaling(fp8_format=Format.HYBRID)])
+def test_checkpointed_fp8_region_matches_plain_run(recipe):
+    def run(checkpointed: bool):
+        FP8GlobalStateManager.reset()
+        torch.manual_seed(0)
+        layers = [Linear(32, 64), Linear(64, 32)]
+        grads = []
+        for step in range(3):  # the scale changes between steps; the recompute must use the first pass's
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step), requires_grad=True) * (step + 1)
+            with fp8_autocast(fp8_recipe=recipe):
+                y = te_checkpoint(_block(layers), False, None, None, x) if checkpointed else _block(layers)(x)
+            y.square().sum().backward()
+            grads.append((y.detach(), layers[0].weight.grad.clone(), layers[1].weight.grad.clone()))
+            for layer in layers:
+                layer.weight.grad = None
+        states = [tuple(t.clone() for t in (l.fp8_states[0].scale, l.fp8_states[1].scale)) for l in layers
+                  if hasattr(l.fp8_states[0], "scale")]
+        return grads, states
+
+    plain, plain_states = run(False)
+    ckpt, ckpt_states = run(True)
+    for a, b in zip(plain, ckpt):
+        for ta, tb in zip(a, b):
+            assert torch.equal(ta, tb)
+    for a, b in zip(plain_states, ckpt_states):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert FP8GlobalStateManager._checkpoint_stash == []
+
+
+def test_rng_tracker_streams_are_reproducible_and_isolated():
+    tracker = TECudaRNGStatesTracker()
+    assert not tracker.is_initialized()
+    tracker.add("model-parallel-rng", 123)
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
+    states = tracker.get_states()
+    with tracker.fork():
+        b = torch.rand(4)
+    tracker.set_states(states)
+    with tracker.fork():
+        c = torch.rand(4)
+    assert not torch.equal(a, b) and torch.equal(b, c)
+    with pytest.raises(ValueError, match="seed"):
+        tracker.add("other", 123)
+
+
+def test_cpu_offload_context():
+    ctx, sync = get_cpu_offload_context(False, 2, 2, False, False, False)
+    with ctx:
+        assert sync(3) == 3
+    with pytest.raises(NotImplementedError, match="--cpu-offloading"):
+        get_cpu_offload_context(True, 2, 2, True, False, False)
