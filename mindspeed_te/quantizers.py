@@ -16,6 +16,7 @@ from mindspeed_te.scaling import (
     e8m0_encode,
     mx_scale_exponent,
     pad_to_multiple,
+    tensor_amax,
     tile_view,
 )
 from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
@@ -78,7 +79,7 @@ class Float8Quantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
         _check_input(x)
-        torch.maximum(self.amax, x.detach().abs().amax().float().reshape(self.amax.shape), out=self.amax)
+        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
         data = scaled_cast(x.detach(), self.scale, self.fp8_dtype)
         return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=self.scale.reciprocal())
 
@@ -105,7 +106,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
         _check_input(x)
-        amax = x.detach().abs().amax().float().reshape(1)
+        amax = tensor_amax(x.detach()).reshape(1)
         if self.amax_reduction_group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
         scale = current_scale(amax, self.target_max, self.amax_epsilon, self.power_2_scale)

@@ -91,18 +91,23 @@ def delayed_scaling_update(
     return roll_amax_history(amax_history), new_scale
 
 
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-d tensor, NaN if x holds a NaN. One pass with aminmax, which is several times
+    faster on CPU than abs().amax() and needs no temporary."""
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, low.neg()).float()
+
+
 def current_scale(
     amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.0, power_2_scale: bool = False
 ) -> torch.Tensor:
     """Current-scaling scale from an amax tensor (any shape): fp8_max / max(amax, eps); 1 where amax is 0,
     Inf or NaN; FLT_MAX where the quotient overflows; optionally rounded down to a power of two."""
-    amax = amax.float()
     if amax_epsilon > 0:
         amax = torch.clamp(amax, min=amax_epsilon)
-    scale = _div(fp8_max, amax)
-    scale = torch.where(torch.isinf(scale) & (amax > 0), torch.full_like(scale, FLT_MAX), scale)
-    usable = torch.isfinite(amax) & (amax > 0)
-    scale = torch.where(usable, scale, torch.ones_like(scale))
+    amax = torch.nan_to_num(amax, nan=0.0, posinf=0.0)  # non-finite amaxes fall back to scale 1 below
+    scale = torch.full_like(amax, fp8_max).div_(amax).clamp_(max=FLT_MAX)
+    scale = torch.where(amax > 0, scale, 1.0)
     if power_2_scale:
         scale = _power_2_floor(scale)
     return scale

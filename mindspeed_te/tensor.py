@@ -30,6 +30,11 @@ def _as_2d(shape: torch.Size) -> tuple[int, int]:
     return m, k
 
 
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t.to(dtype)` without the call when nothing changes (host overhead matters on small GEMMs)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _nbytes(*tensors: Optional[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -82,7 +87,7 @@ class Float8Tensor(QuantizedTensorStorage):
     def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
         self._require(columnwise)
         values = cast_from_fp8(self.data, self.fp8_dtype) * self.scale_inv
-        return values.to(dtype or self.dtype)
+        return _to(values, dtype or self.dtype)
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is False and columnwise is False:
@@ -129,7 +134,7 @@ class _TiledTensor(QuantizedTensorStorage):
             values = self._dequantize_2d(*self.columnwise_pair()).t()
         else:
             values = self._dequantize_2d(self.rowwise_data.reshape(_as_2d(self.shape)), self.rowwise_scale_inv)
-        return values.reshape(self.shape).to(dtype or self.dtype)
+        return _to(values.reshape(self.shape), dtype or self.dtype)
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is False:

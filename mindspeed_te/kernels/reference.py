@@ -17,8 +17,9 @@ def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
     if isinstance(t, QuantizedTensorStorage):
         values = t.dequantize(torch.float32, columnwise=columnwise)
     else:
-        values = t.float()
-    values = values.reshape(-1, values.shape[-1])
+        values = t if t.dtype == torch.float32 else t.float()
+    if values.dim() != 2:
+        values = values.reshape(-1, values.shape[-1])
     return values.t() if columnwise else values
 
 
@@ -53,10 +54,8 @@ class ReferenceBackend:
         b2 = operand_2d(b, b_columnwise)
         if out is not None:
             return out.addmm_(a2, b2.t())
-        result = a2 @ b2.t()
-        if bias is not None:
-            result += bias.float()
-        return result.to(out_dtype)
+        result = a2 @ b2.t() if bias is None else torch.addmm(bias.float(), a2, b2.t())
+        return result if result.dtype == out_dtype else result.to(out_dtype)
 
     def grouped_gemm(
         self,
