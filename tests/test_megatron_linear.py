@@ -136,3 +136,35 @@ def test_recipe_from_config(fp8, recipe, expected):
         assert r.margin == 1 and r.amax_history_len == 7 and r.amax_compute_algo == "most_recent"
     d = TEDelayedScaling(cfg, Format.HIF8)
     assert d.amax_history_len == 7 and d.fp8_format is Format.HIF8
+
+
+def _sharded_worker(rank: int, world: int) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    cfg = _config()
+    col = TEColumnParallelLinear(64, 128, config=cfg, init_method=_init, gather_output=False, bias=True,
+                                 skip_bias_add=False, is_expert=False, tp_group=tp)
+    row = TERowParallelLinear(128, 64, config=cfg, init_method=_init, bias=True, input_is_parallel=True,
+                              skip_bias_add=False, is_expert=False, tp_group=tp)
+    out = {}
+    for name, layer in (("col", col), ("row", row)):
+        sd = layer.sharded_state_dict(prefix=f"{name}.", metadata=meta)
+        out[name] = {k: (type(v).__name__, getattr(v, "global_shape", None), getattr(v, "global_offset", None))
+                     for k, v in sd.items()}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_sharded_state_dict_layout():
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_sharded_worker, 2)
+    for rank, res in enumerate(results):
+        assert res["col"]["col.weight"] == ("ShardedTensor", (128, 64), (64 * rank, 0))
+        assert res["col"]["col.bias"] == ("ShardedTensor", (128,), (64 * rank,))
+        assert res["row"]["row.weight"] == ("ShardedTensor", (64, 128), (0, 64 * rank))
+        assert res["row"]["row.bias"][:2] == ("ShardedTensor", (64,))  # replicated
+        assert res["col"]["col._extra_state"][0] == "ShardedObject"
