@@ -1,0 +1,92 @@
+"""`LayerNormLinear`: TransformerEngine's norm-then-linear layer (Megatron's QKV and FC1 projections).
+
+It is a `Linear` with a LayerNorm/RMSNorm in front: the linear part, with its FP8 GEMMs, tensor parallelism
+and sequence-parallel gather, is Linear's own code. With sequence parallelism the norm runs on this rank's
+slice of the sequence, and Linear then gathers the normalized activations before the GEMM.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+from mindspeed_te.distributed import ProcessGroup
+from mindspeed_te.modules.linear import Linear
+from mindspeed_te.modules.norm import layer_norm, norm_parameters, rms_norm
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+LayerNormLinearOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+
+
+class LayerNormLinear(Linear):
+    """y = norm(x) Wᵀ + b, with TE's parameter names: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only),
+    `weight`, `bias` (Megatron's checkpoints and its TELayerNormColumnParallelLinear rely on them).
+    parallel_mode None or "column"; a row-parallel input holds only part of the hidden dimension, which the
+    norm needs whole. forward returns out, (out, bias) with `return_bias`, and the norm output last with
+    `return_layernorm_output` (this rank's sequence slice under sequence parallelism, as in TE)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: ProcessGroup = None,
+        tp_size: int = 1,
+        init_method: Optional[Callable[[torch.Tensor], object]] = None,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        return_layernorm_output: bool = False,
+        zero_centered_gamma: bool = False,
+        device: Union[torch.device, str, None] = None,
+    ) -> None:
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"LayerNormLinear: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+        if parallel_mode not in (None, "column"):
+            raise ValueError(f"LayerNormLinear: parallel_mode must be None or 'column', got {parallel_mode!r}")
+        super().__init__(
+            in_features, out_features,
+            sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            tp_group=tp_group,
+            tp_size=tp_size,
+            init_method=init_method,
+            bias=bias,
+            return_bias=return_bias,
+            params_dtype=params_dtype,
+            parallel_mode=parallel_mode,
+            device=device,
+        )
+        self.eps = eps
+        self.normalization = normalization
+        self.zero_centered_gamma = zero_centered_gamma
+        self.return_layernorm_output = return_layernorm_output
+        # `self.sequence_parallel` (set by Linear) is the effective flag: the input is sequence-split only
+        # when the layer is column-parallel.
+        ln_weight, ln_bias = norm_parameters(
+            in_features, bias=normalization == "LayerNorm", zero_centered_gamma=zero_centered_gamma,
+            sequence_parallel=self.sequence_parallel, dtype=params_dtype, device=device,
+        )
+        self.layer_norm_weight = ln_weight
+        if ln_bias is not None:
+            self.layer_norm_bias = ln_bias
+        # Register in TE's order (norm first): optimizer states saved by position follow parameter order.
+        for name in ("weight", "bias"):
+            self._parameters[name] = self._parameters.pop(name)
+
+    def _norm(self, inp: torch.Tensor) -> torch.Tensor:
+        if self.normalization == "RMSNorm":
+            return rms_norm(inp, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
+        return layer_norm(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> LayerNormLinearOutput:
+        ln_out = self._norm(inp)
+        out = super().forward(ln_out, is_first_microbatch=is_first_microbatch)
+        if not self.return_layernorm_output:
+            return out
+        return (*out, ln_out) if self.return_bias else (out, ln_out)

@@ -1,0 +1,121 @@
+"""`LayerNorm` and `RMSNorm` with TransformerEngine semantics: float32 math whatever the input dtype, output in
+the input dtype, optional zero-centered gamma, and the `sequence_parallel` parameter flag Megatron reads."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "norm_parameters", "rms_norm"]
+
+ShapeLike = Union[int, Sequence[int]]
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 for bf16/fp16/fp32 inputs (as TE's kernels); float64 inputs keep their precision."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _gamma(weight: torch.Tensor, zero_centered_gamma: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The applied scale. With zero-centered gamma the stored weight is gamma - 1, and the 1 is added in the
+    compute dtype: adding it in bf16 would round away the small deviations the weight stores."""
+    gamma = weight.to(dtype)
+    return gamma + 1 if zero_centered_gamma else gamma
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+               zero_centered_gamma: bool = False) -> torch.Tensor:
+    """LayerNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype."""
+    dtype = _compute_dtype(x)
+    beta = bias.to(dtype) if bias is not None else None
+    y = F.layer_norm(x.to(dtype), weight.shape, _gamma(weight, zero_centered_gamma, dtype), beta, eps)
+    return y.to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = x / sqrt(mean(x², trailing gamma.shape dims) + eps) · gamma, computed in float32, in x's dtype.
+
+    The single place RMSNorm is computed, so that an NPU can run it as `torch_npu.npu_rms_norm(x, gamma, eps)`
+    (through the kernel backend). `gamma` is the applied scale, already 1 + weight for zero-centered gamma."""
+    dtype = _compute_dtype(x)
+    return F.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
+    """RMSNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype."""
+    return _rms_norm(x, _gamma(weight, zero_centered_gamma, _compute_dtype(x)), eps)
+
+
+def norm_parameters(
+    shape: ShapeLike,
+    *,
+    bias: bool,
+    zero_centered_gamma: bool,
+    sequence_parallel: bool,
+    dtype: Optional[torch.dtype],
+    device: Union[torch.device, str, None],
+) -> tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
+    """A norm's (weight, bias or None), initialised to the identity transform. Each carries
+    `sequence_parallel`: under sequence parallelism every rank normalizes its own slice of the sequence, so
+    their gradients are partial sums that Megatron all-reduces over the tensor-parallel group."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dtype = dtype or torch.get_default_dtype()
+    gamma_init = 0.0 if zero_centered_gamma else 1.0
+    weight = torch.nn.Parameter(torch.full(shape, gamma_init, dtype=dtype, device=device))
+    beta = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) if bias else None
+    for param in (weight, beta):
+        if param is not None:
+            param.sequence_parallel = sequence_parallel
+    return weight, beta
+
+
+class _Norm(torch.nn.Module):
+    """What LayerNorm and RMSNorm share: TE's constructor arguments and parameters."""
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float, sequence_parallel: bool,
+                 params_dtype: Optional[torch.dtype], zero_centered_gamma: bool,
+                 device: Union[torch.device, str, None], bias: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.sequence_parallel = sequence_parallel
+        self.zero_centered_gamma = zero_centered_gamma
+        weight, beta = norm_parameters(normalized_shape, bias=bias, zero_centered_gamma=zero_centered_gamma,
+                                       sequence_parallel=sequence_parallel, dtype=params_dtype, device=device)
+        self.weight = weight
+        if beta is not None:
+            self.bias = beta
+        self.normalized_shape = tuple(weight.shape)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, sequence_parallel={self.sequence_parallel}, "
+                f"zero_centered_gamma={self.zero_centered_gamma}")
+
+
+class LayerNorm(_Norm):
+    """TransformerEngine's LayerNorm: y = (x - mean) / sqrt(var + eps) · gamma + bias, where gamma is `weight`,
+    or 1 + `weight` with `zero_centered_gamma` (weight then starts at 0, which keeps weight decay from
+    pulling gamma towards 0)."""
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, sequence_parallel: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 device: Union[torch.device, str, None] = None) -> None:
+        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device,
+                         bias=True)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return layer_norm(inp, self.weight, self.bias, self.eps, self.zero_centered_gamma)
+
+
+class RMSNorm(_Norm):
+    """TransformerEngine's RMSNorm: y = x / sqrt(mean(x²) + eps) · gamma, gamma as in `LayerNorm`; no bias."""
+
+    def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, sequence_parallel: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
+                 device: Union[torch.device, str, None] = None) -> None:
+        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device,
+                         bias=False)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return rms_norm(inp, self.weight, self.eps, self.zero_centered_gamma)
