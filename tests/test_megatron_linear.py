@@ -15,15 +15,18 @@ from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_auto
 from mindspeed_te.megatron import (  # noqa: E402
     TEColumnParallelLinear,
     TEDelayedScaling,
+    TELayerNormColumnParallelLinear,
     TELinear,
+    TENorm,
     TERowParallelLinear,
 )
+from mindspeed_te.modules import LayerNorm, RMSNorm  # noqa: E402
 from mindspeed_te.megatron.common import recipe_from_config  # noqa: E402
 
 
 def _params(cls):
-    sig = inspect.signature(cls.__init__)
-    return {n: (p.kind, p.default) for n, p in sig.parameters.items() if n != "self"}
+    sig = inspect.signature(cls.__new__ if "__new__" in vars(cls) else cls.__init__)
+    return {n: (p.kind, p.default) for n, p in sig.parameters.items() if n not in ("self", "cls")}
 
 
 def megatron_init_params(class_name: str) -> dict:
@@ -32,7 +35,7 @@ def megatron_init_params(class_name: str) -> dict:
     signature to inspect."""
     tree = ast.parse(open(inspect.getsourcefile(mcore_te)).read())
     cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__"))
     args = init.args
     result = {}
     positional = args.posonlyargs + args.args
@@ -42,10 +45,12 @@ def megatron_init_params(class_name: str) -> dict:
     for arg, default in zip(args.kwonlyargs, args.kw_defaults):
         result[arg.arg] = (inspect.Parameter.KEYWORD_ONLY, default)
     result.pop("self", None)
+    result.pop("cls", None)
     return result
 
 
-@pytest.mark.parametrize("ours", [TELinear, TEColumnParallelLinear, TERowParallelLinear, TEDelayedScaling],
+@pytest.mark.parametrize("ours", [TELinear, TEColumnParallelLinear, TERowParallelLinear, TEDelayedScaling,
+                                  TENorm, TELayerNormColumnParallelLinear],
                          ids=lambda c: c.__name__)
 def test_constructor_accepts_everything_megatron_passes(ours):
     mine, megatron = _params(ours), megatron_init_params(ours.__name__)
@@ -168,3 +173,28 @@ def test_sharded_state_dict_layout():
         assert res["row"]["row.weight"] == ("ShardedTensor", (64, 128), (0, 64 * rank))
         assert res["row"]["row.bias"][:2] == ("ShardedTensor", (64,))  # replicated
         assert res["col"]["col._extra_state"][0] == "ShardedObject"
+
+
+def test_te_norm_follows_config():
+    norm = TENorm(_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True, sequence_parallel=False),
+                  hidden_size=64, eps=1e-6)
+    assert isinstance(norm, RMSNorm) and norm.zero_centered_gamma and norm.eps == 1e-6
+    assert not norm.weight.any()  # zero-centered: stored gamma starts at 0
+    assert isinstance(TENorm(_config(), 64), LayerNorm)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_column_parallel_linear(normalization):
+    cfg = _config(normalization=normalization, layernorm_epsilon=1e-6)
+    layer = TELayerNormColumnParallelLinear(64, 96, config=cfg, init_method=_init, gather_output=False, bias=True,
+                                            skip_bias_add=True, is_expert=False)
+    names = [n for n, _ in layer.named_parameters()]
+    assert names[:1] == ["layer_norm_weight"] and names[-2:] == ["weight", "bias"]
+    x = torch.randn(8, 2, 64)
+    out, bias = layer(x)
+    norm = (torch.nn.functional.layer_norm(x, (64,), eps=1e-6) if normalization == "LayerNorm"
+            else torch.nn.functional.rms_norm(x, (64,), eps=1e-6))
+    assert bias is layer.bias and torch.allclose(out, norm @ layer.weight.t(), atol=1e-5)
+    with pytest.raises(ValueError, match="is_expert"):
+        TELayerNormColumnParallelLinear(64, 96, config=cfg, init_method=_init, gather_output=False, bias=True,
+                                        skip_bias_add=True, is_expert=True)

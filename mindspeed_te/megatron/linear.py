@@ -17,7 +17,28 @@ from mindspeed_te.recipe import DelayedScaling, Format
 __all__ = ["TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TEDelayedScaling"]
 
 
-class TELinear(Linear):
+class TEModuleMixin:
+    """Megatron's calling convention on top of a mindspeed_te linear: forward(x) -> (output, bias or None),
+    weights quantized once per step (Megatron sets `is_first_microbatch` at each step's first micro-batch),
+    and sharded checkpoints."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        out = super().forward(x, is_first_microbatch=first)
+        self.is_first_microbatch = False
+        if self.te_return_bias:
+            return out
+        return out, None
+
+    def _sharded(self, prefix: str, axis_map: Optional[dict], sharded_offsets: tuple, metadata: Optional[dict]):
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state_dict, prefix, axis_map, sharded_offsets,
+            tp_group=self._tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
+
+
+class TELinear(TEModuleMixin, Linear):
     """Megatron's `TELinear`. parallel_mode "column" / "row" / "duplicated" (no TP, weight replicated).
     Expert layers under TP or expert parallelism do their own communication (the token dispatcher does it),
     so the layer runs on its local shard without collectives. forward(x) returns (output, bias or None)."""
@@ -82,24 +103,9 @@ class TELinear(Linear):
                     param.sequence_parallel = config.sequence_parallel
         self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
-        out = super().forward(x, is_first_microbatch=first)
-        self.is_first_microbatch = False
-        if self.te_return_bias:
-            return out
-        return out, None
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Replicated across TP (only valid for the duplicated mode, as in Megatron)."""
         return self._sharded(prefix, None, sharded_offsets, metadata)
-
-    def _sharded(self, prefix, axis_map, sharded_offsets, metadata):
-        state_dict = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(
-            state_dict, prefix, axis_map, sharded_offsets,
-            tp_group=self._tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"),
-        )
 
 
 class TEColumnParallelLinear(TELinear):

@@ -1,0 +1,90 @@
+"""Megatron-facing norms: `TENorm` and `TELayerNormColumnParallelLinear` (megatron-core 0.16.1 keywords)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.megatron.linear import TEModuleMixin
+from mindspeed_te.modules.layernorm_linear import LayerNormLinear
+from mindspeed_te.modules.norm import LayerNorm, RMSNorm
+
+__all__ = ["TENorm", "TELayerNormColumnParallelLinear"]
+
+
+class TENorm:
+    """LayerNorm or RMSNorm, as `config.normalization` says (a factory, like Megatron's)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+        norms = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"TENorm: config.normalization must be 'LayerNorm' or 'RMSNorm', "
+                             f"got {config.normalization!r}")
+        return norms[config.normalization](
+            hidden_size, eps=eps, sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype, zero_centered_gamma=config.layernorm_zero_centered_gamma,
+            device=megatron_device(config),
+        )
+
+
+class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
+    """Megatron's `TELayerNormColumnParallelLinear`: the norm fused in front of a column-parallel linear,
+    with TE's parameter names (`layer_norm_weight`, `layer_norm_bias`, `weight`, `bias`)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        init_method: Callable,
+        gather_output: bool,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        stride: int = 1,
+        pg_collection: Optional[object] = None,
+    ) -> None:
+        if gather_output:
+            raise ValueError("TELayerNormColumnParallelLinear does not support gather_output=True")
+        if is_expert:
+            raise ValueError("TELayerNormColumnParallelLinear does not support is_expert=True (as in Megatron)")
+        if skip_weight_param_allocation:
+            raise ValueError("TELayerNormColumnParallelLinear does not support skip_weight_param_allocation=True")
+        if tp_group is None and pg_collection is not None:
+            tp_group = getattr(pg_collection, "tp", None)
+        self.config = config
+        self.te_return_bias = skip_bias_add and bias
+        self.is_first_microbatch = True
+        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        self.stride = stride
+        super().__init__(
+            input_size, output_size,
+            eps=config.layernorm_epsilon,
+            sequence_parallel=config.sequence_parallel,
+            fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
+            tp_group=tp_group,
+            init_method=condition_init_method(config, init_method),
+            bias=bias,
+            normalization=config.normalization,
+            return_bias=self.te_return_bias,
+            params_dtype=config.params_dtype,
+            parallel_mode="column",
+            zero_centered_gamma=config.layernorm_zero_centered_gamma,
+            device=megatron_device(config),
+        )
+        for name in ("weight", "bias"):
+            param = getattr(self, name)
+            if param is not None:
+                param.partition_stride = stride
+        self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Linear weight and bias sharded along dim 0; the norm's parameters replicated."""
+        return self._sharded(prefix, {"weight": 0, "bias": 0}, sharded_offsets, metadata)
