@@ -236,17 +236,19 @@ def cast_from_fp8(data: torch.Tensor, fp8_dtype: FP8Dtype) -> torch.Tensor:
     return data.float()
 
 
-def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: FP8Dtype) -> torch.Tensor:
-    """Saturating cast of x * scale (computed in float32): the quantize hot path.
+def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -> torch.Tensor:
+    """Saturating cast of x / scale_inv (computed in float32, one IEEE division, as the NPU's quantize
+    kernels do): the quantize hot path.
 
-    `scale` is a float32 tensor broadcastable to x: one element for per-tensor scaling, or e.g.
+    `scale_inv` is a float32 tensor broadcastable to x: one element for per-tensor scaling, or e.g.
     (..., nblocks, 1) against x of shape (..., nblocks, block). It stays a tensor (no host sync). A
     one-element scale takes a chunked path whose temporaries stay in cache."""
-    scale = scale.float()
-    if scale.numel() != 1 or x.numel() <= _CHUNK:
-        return cast_to_fp8(x.float() * scale, fp8_dtype, saturate=True)
+    scale_inv = scale_inv.float()
+    if scale_inv.dim() == 0:
+        scale_inv = scale_inv.reshape(1)  # a 0-d divisor would be turned into a multiply by its reciprocal
+    if scale_inv.numel() != 1 or x.numel() <= _CHUNK:
+        return cast_to_fp8(torch.div(x.float(), scale_inv), fp8_dtype, saturate=True)
     flat = x.detach().reshape(-1)
-    scale = scale.reshape(1)
     out = torch.empty(flat.numel(), dtype=fp8_dtype.storage_dtype, device=flat.device)
     scaled = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float32, device=flat.device)
     limit = fp8_dtype.max
@@ -254,7 +256,7 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: FP8Dtype) -> to
 
     def body(s: slice, scratch: torch.Tensor) -> None:
         buf = scaled[: s.stop - s.start]
-        torch.mul(flat[s], scale, out=buf)
+        torch.div(flat[s], scale_inv, out=buf)
         if table is not None:
             _encode_chunk(buf.view(torch.int32), table, out[s], scratch)
         else:

@@ -12,7 +12,7 @@ import torch
 
 from mindspeed_te.formats import FP8Dtype, scaled_cast
 from mindspeed_te.scaling import (
-    current_scale,
+    current_scale_inv,
     e8m0_encode,
     mx_scale_exponent,
     pad_to_multiple,
@@ -80,8 +80,9 @@ class Float8Quantizer(Quantizer):
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
         _check_input(x)
         torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
-        data = scaled_cast(x.detach(), self.scale, self.fp8_dtype)
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=self.scale.reciprocal())
+        scale_inv = self.scale.reciprocal()
+        data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale_inv)
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -109,9 +110,9 @@ class Float8CurrentScalingQuantizer(Quantizer):
         amax = tensor_amax(x.detach()).reshape(1)
         if self.amax_reduction_group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
-        scale = current_scale(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
-        data = scaled_cast(x.detach(), scale, self.fp8_dtype)
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale.reciprocal())
+        scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
+        data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale_inv)
 
 
 def _quantize_tiles(
@@ -119,13 +120,13 @@ def _quantize_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D tensor per rows x cols tile (zero-padded to whole tiles, padding dropped after).
 
-    `scale_fn(tile_amax) -> (scale, scale_inv_to_store)`. Returns (data (M, K), stored scale_inv).
+    `scale_fn(tile_amax) -> (scale_inv, scale_inv_to_store)`. Returns (data (M, K), stored scale_inv).
     """
     m, k = x2d.shape
     tiles = tile_view(pad_to_multiple(x2d.float(), rows, cols), rows, cols)
     amax = tiles.abs().amax(dim=(1, 3))
-    scale, stored_scale_inv = scale_fn(amax)
-    data = scaled_cast(tiles, scale[:, None, :, None], fp8_dtype)
+    scale_inv, stored_scale_inv = scale_fn(amax)
+    data = scaled_cast(tiles, scale_inv[:, None, :, None], fp8_dtype)
     data = data.reshape(tiles.shape[0] * rows, tiles.shape[2] * cols)[:m, :k]
     return data.contiguous(), stored_scale_inv
 
@@ -156,8 +157,8 @@ class Float8BlockQuantizer(Quantizer):
         self.block_len = block_len
 
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = current_scale(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
-        return scale, scale.reciprocal()
+        scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
+        return scale_inv, scale_inv
 
     def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
         _check_input(x)
@@ -191,8 +192,7 @@ class MXFP8Quantizer(Quantizer):
 
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exponent = mx_scale_exponent(amax, self.fp8_dtype.max, _EMAX[self.fp8_dtype], self.rounding)
-        scale = torch.ldexp(torch.ones_like(amax), -exponent)
-        return scale, e8m0_encode(exponent)
+        return torch.ldexp(torch.ones_like(amax), exponent), e8m0_encode(exponent)
 
     def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
         _check_input(x)

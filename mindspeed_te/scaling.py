@@ -113,6 +113,21 @@ def current_scale(
     return scale
 
 
+def current_scale_inv(
+    amax: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.0, power_2_scale: bool = False
+) -> torch.Tensor:
+    """Current-scaling decode scale, the form the NPU's dynamic-quant kernels produce (data = x / scale_inv):
+    max(amax, eps) / fp8_max in one IEEE division, never below 1/FLT_MAX; 1 where amax is 0, Inf or NaN.
+    With `power_2_scale` it is the inverse of the power-of-two `current_scale`, so it is exact."""
+    if power_2_scale:
+        return current_scale(amax, fp8_max, amax_epsilon, True).reciprocal()
+    if amax_epsilon > 0:
+        amax = torch.clamp(amax, min=amax_epsilon)
+    amax = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
+    scale_inv = torch.div(amax, torch.full_like(amax, fp8_max)).clamp_(min=1.0 / FLT_MAX)
+    return torch.where(amax > 0, scale_inv, 1.0)
+
+
 def pad_to_multiple(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Zero-pad a 2-D tensor so both dims are whole multiples of the tile size."""
     pad_r = (-x.shape[0]) % rows

@@ -43,6 +43,19 @@ def current_scale(amax: float, target: float, eps: float = 0.0, pow2: bool = Fal
     return np.float32(scale)
 
 
+def current_scale_inv(amax: float, target: float, eps: float = 0.0, pow2: bool = False) -> np.float32:
+    """Decode scale as the NPU's dynamic-quant kernels define it: max(amax, eps) / target in float32 (at least
+    1/FLT_MAX); 1 for 0/Inf/NaN; the exact inverse of the power-of-two scale with pow2."""
+    if pow2:
+        return np.float32(1.0) / current_scale(amax, target, eps, True)
+    amax = np.float32(amax)
+    if eps > 0:
+        amax = max(amax, np.float32(eps))
+    if not math.isfinite(amax) or amax == 0:
+        return np.float32(1.0)
+    return max(np.float32(amax / np.float32(target)), np.float32(1.0) / np.float32(FLT_MAX))
+
+
 class DelayedReference:
     """Delayed scaling for one tensor, in Python floats: history list, scale, update()."""
 
@@ -84,9 +97,9 @@ def tiles_reference(x: np.ndarray, rows: int, cols: int, fmt: str, target: float
     for i in range(nr):
         for j in range(nc):
             tile = x[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
-            scale = current_scale(float(np.abs(tile).max()), target, 0.0, pow2)
-            codes[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = np_cast(tile * scale, fmt)
-            scale_inv[i, j] = np.float32(1.0) / scale
+            s_inv = current_scale_inv(float(np.abs(tile).max()), target, 0.0, pow2)
+            codes[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = np_cast(tile / s_inv, fmt)
+            scale_inv[i, j] = s_inv
     return codes, scale_inv
 
 

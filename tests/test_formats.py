@@ -117,27 +117,30 @@ def test_fp8_casts_match_ml_dtypes(fp8_dtype, ref):
 
 @pytest.mark.parametrize("fp8_dtype", list(FP8Dtype))
 @pytest.mark.parametrize("shape", [(7,), (1000, 1003), (3, 700_001)])
-def test_scaled_cast_equals_cast_of_product(fp8_dtype, shape):
+def test_scaled_cast_equals_cast_of_quotient(fp8_dtype, shape):
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g) * 100
-    for scale in (torch.tensor([0.37]), torch.tensor(3.0e3)):
-        got = scaled_cast(x, scale, fp8_dtype)
-        want = cast_to_fp8(x * scale, fp8_dtype, saturate=True)
+    for scale_inv in (torch.tensor([0.37]), torch.tensor(3.0e-3)):
+        got = scaled_cast(x, scale_inv, fp8_dtype)
+        want = cast_to_fp8(torch.from_numpy(x.numpy() / scale_inv.numpy()), fp8_dtype, saturate=True)
         assert got.dtype == fp8_dtype.storage_dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_scaled_cast_block_scales_non_contiguous_and_bf16():
     x = torch.randn(64, 4, 32)
-    scale = torch.rand(64, 4, 1) * 10
+    scale_inv = torch.rand(64, 4, 1) / 10
     for fp8_dtype in FP8Dtype:
-        got = scaled_cast(x, scale, fp8_dtype).view(torch.uint8)
-        assert torch.equal(got, cast_to_fp8(x * scale, fp8_dtype).view(torch.uint8))
+        got = scaled_cast(x, scale_inv, fp8_dtype).view(torch.uint8)
+        want = cast_to_fp8(torch.from_numpy(x.numpy() / scale_inv.numpy()), fp8_dtype).view(torch.uint8)
+        assert torch.equal(got, want)
     big = torch.randn(2048, 600).t()  # non-contiguous, larger than one chunk
-    s = torch.tensor([2.5])
-    assert torch.equal(scaled_cast(big, s, FP8Dtype.HIF8), cast_to_fp8(big * s, FP8Dtype.HIF8))
+    s = torch.tensor([0.3])
+    want = torch.from_numpy(big.numpy() / np.float32(0.3))
+    assert torch.equal(scaled_cast(big, s, FP8Dtype.HIF8), cast_to_fp8(want, FP8Dtype.HIF8))
     xb = torch.randn(1 << 20, dtype=torch.bfloat16)
     assert torch.equal(scaled_cast(xb, s, FP8Dtype.E4M3).view(torch.uint8),
-                       cast_to_fp8(xb.float() * s, FP8Dtype.E4M3).view(torch.uint8))
+                       cast_to_fp8(torch.from_numpy(xb.float().numpy() / np.float32(0.3)),
+                                   FP8Dtype.E4M3).view(torch.uint8))
 
 
 def test_format_members_and_names():

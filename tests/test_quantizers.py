@@ -13,7 +13,7 @@ from mindspeed_te import (
     RecipeState,
 )
 from mindspeed_te.formats import cast_from_fp8
-from tests.oracles import current_scale, mx_reference, np_cast, np_decode, tiles_reference
+from tests.oracles import current_scale_inv, mx_reference, np_cast, np_decode, tiles_reference
 
 ALL = [FP8Dtype.E4M3, FP8Dtype.E5M2, FP8Dtype.HIF8]
 
@@ -34,10 +34,10 @@ def test_current_scaling_matches_oracle(fp8_dtype, target):
     x = _sample((37, 100))
     q = Float8CurrentScalingQuantizer(fp8_dtype, target)(x)
     xn = x.numpy()
-    scale = current_scale(float(np.abs(xn).max()), target)
-    np.testing.assert_array_equal(_codes(q.data), np_cast(xn * scale, fp8_dtype.name))
-    assert q.scale_inv.item() == np.float32(1.0) / scale
-    expected = np_decode(_codes(q.data), fp8_dtype.name) * (np.float32(1.0) / scale)
+    scale_inv = current_scale_inv(float(np.abs(xn).max()), target)
+    np.testing.assert_array_equal(_codes(q.data), np_cast(xn / scale_inv, fp8_dtype.name))
+    assert q.scale_inv.item() == scale_inv
+    expected = np_decode(_codes(q.data), fp8_dtype.name) * scale_inv
     np.testing.assert_array_equal(q.dequantize().numpy(), expected)
     assert q.data.shape == x.shape and q.columnwise_data.shape == (100, 37)
 
@@ -55,7 +55,7 @@ def test_power_2_and_epsilon_options():
     q = Float8CurrentScalingQuantizer(FP8Dtype.E4M3, 448.0, power_2_scale=True)(x)
     assert q.scale_inv.item() == 1 / 128
     q = Float8CurrentScalingQuantizer(FP8Dtype.E4M3, 448.0, amax_epsilon=1.0)(torch.full((2,), 1e-3))
-    assert q.scale_inv.item() == np.float32(1) / np.float32(448)
+    assert q.scale_inv.item() == np.float32(1) / np.float32(448)  # amax raised to epsilon = 1
 
 
 @pytest.mark.parametrize("fp8_dtype", ALL)
@@ -68,7 +68,9 @@ def test_delayed_quantizer_uses_state_scale_and_records_amax(fp8_dtype):
     state.scale[1] = 3.5
     x = _sample((8, 16), seed=5)
     q = quantizers[1](x)
-    np.testing.assert_array_equal(_codes(q.data), np_cast(x.numpy() * np.float32(3.5), fp8_dtype.name))
+    # Delayed scaling divides by scale_inv = 1/scale, as npu_quantize(div_mode=True) does.
+    np.testing.assert_array_equal(_codes(q.data), np_cast(x.numpy() / (np.float32(1) / np.float32(3.5)),
+                                                          fp8_dtype.name))
     assert state.amax_history[0].tolist() == [0.0, x.abs().max().item(), 0.0]
     quantizers[1](x * 0.5)  # max-accumulates
     assert state.amax_history[0, 1].item() == x.abs().max().item()
@@ -175,7 +177,7 @@ def test_low_precision_inputs_dequantize_to_their_dtype(dtype):
     x = _sample((16, 128)).to(dtype)
     q = Float8CurrentScalingQuantizer(FP8Dtype.HIF8, 15.0)(x)
     assert q.dequantize().dtype == dtype
-    scale = current_scale(float(x.float().abs().max()), 15.0)
-    np.testing.assert_array_equal(_codes(q.data), np_cast(x.float().numpy() * scale, "HIF8"))
+    scale_inv = current_scale_inv(float(x.float().abs().max()), 15.0)
+    np.testing.assert_array_equal(_codes(q.data), np_cast(x.float().numpy() / scale_inv, "HIF8"))
     np.testing.assert_array_equal(cast_from_fp8(q.data, FP8Dtype.HIF8).numpy(),
                                   np_decode(_codes(q.data), "HIF8"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mindspeed_te import scaling
-from tests.oracles import FLT_MAX, DelayedReference, current_scale
+from tests.oracles import FLT_MAX, DelayedReference, current_scale, current_scale_inv
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
@@ -73,6 +73,14 @@ def test_tiny_amax_gives_flt_max_and_callables_are_used():
 def test_current_scale_matches_reference(amax, eps, pow2):
     got = scaling.current_scale(torch.tensor([amax]), 448.0, eps, pow2).item()
     assert got == float(current_scale(amax, 448.0, eps, pow2))
+
+
+@pytest.mark.parametrize("amax", [2.0, 3.0, 448.0, 1e-3, 0.0, math.inf, math.nan, 1e-44, 6e4])
+@pytest.mark.parametrize("eps", [0.0, 1e-2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_current_scale_inv_matches_reference(amax, eps, pow2):
+    got = scaling.current_scale_inv(torch.tensor([amax]), 15.0, eps, pow2).item()
+    assert got == float(current_scale_inv(amax, 15.0, eps, pow2))
 
 
 def test_current_scale_closed_form():
