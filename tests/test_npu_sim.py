@@ -1,0 +1,706 @@
+"""The torch_npu simulator: kernel results against independent numpy computations (ml_dtypes / en_dtypes casts,
+float64 matmuls), the argument contract (every violation raises, naming the argument), launch counting."""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import types
+
+import en_dtypes
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from mindspeed_te.kernels.npu_sim import (
+    NpuContractError,
+    NpuSimNotImplemented,
+    NpuSocError,
+    NpuTypeError,
+    NpuValueError,
+    make_simulator,
+)
+
+NP = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "hif8": en_dtypes.hifloat8}
+FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "hif8": 32768.0}
+EMAX = {"e4m3": 8, "e5m2": 15}
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@pytest.fixture
+def sim():
+    return make_simulator()
+
+
+def npu_dtype(sim, fmt):
+    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "hif8": sim.hifloat8}[fmt]
+
+
+# Oracles ----------------------------------------------------------------------------------------------------
+def codes_of(values, fmt, saturate=True):
+    """uint8 codes of float32 values (ml_dtypes / en_dtypes casts; clipped first when saturating)."""
+    v = np.asarray(values, dtype=np.float32)
+    if saturate:
+        v = np.where(np.isnan(v), v, np.clip(v, -FMT_MAX[fmt], FMT_MAX[fmt])).astype(np.float32)
+    return v.astype(NP[fmt]).view(np.uint8)
+
+
+def values_of(codes, fmt):
+    return np.asarray(codes, dtype=np.uint8).view(NP[fmt]).astype(np.float64)
+
+
+def raw(t):
+    """The bytes of an 8-bit tensor as a numpy uint8 array."""
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def f32(t):
+    return t.float().numpy()
+
+
+def random_codes(shape, fmt, seed, scale=4.0):
+    """A tensor of valid data in `fmt` (native fp8, or uint8 HiF8 codes) and its float64 values."""
+    gen = np.random.default_rng(seed)
+    codes = codes_of(gen.standard_normal(shape).astype(np.float32) * scale, fmt)
+    t = torch.from_numpy(codes.copy())
+    return (t.view(TORCH_FP8[fmt]) if fmt in TORCH_FP8 else t), values_of(codes, fmt)
+
+
+def mx_scale_byte(amax, fmt, alg, bound=0.0):
+    """E8M0 byte of one block, written from the rules: OCP floor rule or round-up rule."""
+    if alg == 1:
+        amax = max(amax, bound)
+    if not math.isfinite(amax):
+        return 0xFF
+    if amax == 0:
+        return 0
+    if alg == 0:
+        exp = math.floor(math.log2(amax)) - EMAX[fmt]
+    else:
+        exp = math.ceil(math.log2(amax / FMT_MAX[fmt]))
+        while FMT_MAX[fmt] * 2.0 ** (exp - 1) >= amax:
+            exp -= 1
+        while FMT_MAX[fmt] * 2.0**exp < amax:
+            exp += 1
+    return min(max(exp + 127, 0), 254)
+
+
+def mx_reference(x, fmt, alg, block=32, bound=0.0):
+    """Row-wise MX quantization of a 2-D float32 array: (codes, byte per block (rows, blocks))."""
+    rows, n = x.shape
+    nb = -(-n // block)
+    codes = np.zeros((rows, n), np.uint8)
+    scales = np.zeros((rows, nb), np.int64)
+    for r in range(rows):
+        for b in range(nb):
+            seg = x[r, b * block:(b + 1) * block]
+            byte = mx_scale_byte(float(np.abs(seg).max()), fmt, alg, bound)
+            scales[r, b] = byte
+            codes[r, b * block:(b + 1) * block] = codes_of(seg.astype(np.float64) / 2.0 ** (byte - 127), fmt)
+    return codes, scales
+
+
+def pair_blocks(scales):
+    """(rows, blocks) bytes -> (rows, ceil(blocks / 2), 2), padding an odd block count with 0."""
+    rows, nb = scales.shape
+    if nb % 2:
+        scales = np.concatenate([scales, np.zeros((rows, 1), scales.dtype)], axis=1)
+    return scales.reshape(rows, -1, 2)
+
+
+def assert_raises(fn, exc, *words):
+    with pytest.raises(exc) as info:
+        fn()
+    assert isinstance(info.value, RuntimeError)  # like torch_npu's own errors
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+# Module-likeness --------------------------------------------------------------------------------------------
+def test_module_object_dtypes_and_device_name(monkeypatch):
+    sim = make_simulator("Ascend950DT")
+    assert isinstance(sim, types.ModuleType)
+    assert (sim.hifloat8, sim.float8_e5m2, sim.float8_e4m3fn, sim.float8_e8m0fnu, sim.float4_e2m1fn_x2) == (
+        290, 291, 292, 293, 296)
+    assert sim.npu.get_device_name() == "Ascend950DT" and sim.supports_fp8
+    assert not make_simulator("Ascend910B3").supports_fp8
+    monkeypatch.setitem(sys.modules, "torch_npu", sim)
+    import torch_npu
+
+    assert torch_npu is sim
+
+
+def test_signatures_match_torch_npu_2_14():
+    sim = make_simulator()
+    expected = {
+        "npu_quantize": ["input", "scales", "zero_points", "dtype", "axis", "div_mode"],
+        "npu_dynamic_quant": ["input", "smooth_scales", "group_index", "dst_type", "quant_mode", "dst_type_max"],
+        "npu_dynamic_block_quant": ["x", "min_scale", "round_mode", "dst_type", "row_block_size",
+                                    "col_block_size", "dst_type_max"],
+        "npu_dynamic_mx_quant": ["input", "axis", "round_mode", "dst_type", "block_size", "scale_alg",
+                                 "dst_type_max", "max_low_bound"],
+        "npu_quant_matmul": ["x1", "x2", "scale", "offset", "pertoken_scale", "bias", "output_dtype", "x1_dtype",
+                             "x2_dtype", "pertoken_scale_dtype", "scale_dtype", "group_sizes", "y_scale"],
+        "npu_grouped_matmul": ["x", "weight", "bias", "scale", "offset", "antiquant_scale", "antiquant_offset",
+                               "per_token_scale", "group_list", "activation_input", "activation_quant_scale",
+                               "activation_quant_offset", "split_item", "group_type", "group_list_type",
+                               "act_type", "tuning_config", "output_dtype", "x_dtype", "weight_dtype",
+                               "scale_dtype", "per_token_scale_dtype"],
+        "npu_dtype_cast": ["input", "dtype", "input_dtype"],
+        "npu_rms_norm": ["input", "gamma", "epsilon"],
+    }
+    for name, params in expected.items():
+        assert list(inspect.signature(getattr(sim, name)).parameters) == params, name
+    sig = inspect.signature(sim.npu_dynamic_mx_quant).parameters
+    assert sig["dst_type"].default == 296 and sig["axis"].kind is inspect.Parameter.KEYWORD_ONLY
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError):  # the real schema calls it `self`: pass the first tensor positionally
+        sim.npu_rms_norm(input=x, gamma=torch.ones(8))
+    with pytest.raises(TypeError):  # keyword-only options
+        sim.npu_quant_matmul(x, x, x, None)
+
+
+# npu_quantize -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_quantize_divides_by_scales(sim, fmt, per_channel):
+    gen = np.random.default_rng(1)
+    x = torch.from_numpy(gen.standard_normal((6, 40)).astype(np.float32) * 30)
+    s = torch.from_numpy(gen.uniform(0.01, 0.5, 40 if per_channel else 1).astype(np.float32))
+    y = sim.npu_quantize(x, s, None, npu_dtype(sim, fmt), axis=-1)
+    expected = codes_of(f32(x) / f32(s), fmt)  # float32 division, saturating cast
+    np.testing.assert_array_equal(raw(y), expected)
+    assert y.dtype == (torch.bits8 if fmt == "hif8" else TORCH_FP8[fmt])
+
+
+def test_quantize_bf16_input_axis0(sim):
+    x = torch.randn(8, 5, dtype=torch.bfloat16) * 100
+    s = torch.rand(8, dtype=torch.bfloat16) + 0.1
+    y = sim.npu_quantize(x, s, None, torch.float8_e4m3fn, axis=0)
+    np.testing.assert_array_equal(raw(y), codes_of(f32(x) / f32(s)[:, None], "e4m3"))
+
+
+def test_quantize_contract(sim):
+    x = torch.randn(4, 8)
+    s = torch.ones(1)
+    q = sim.npu_quantize
+    assert_raises(lambda: q(x, s, None, torch.float16), NpuTypeError, "dtype")
+    assert_raises(lambda: q(x, s, None, None), NpuTypeError, "dtype")
+    assert_raises(lambda: q(x, s, None, 999), NpuTypeError, "dtype")
+    assert_raises(lambda: q(x.bfloat16(), s, None, torch.float8_e4m3fn), NpuTypeError, "scales")
+    assert_raises(lambda: q(x, torch.ones(3), None, torch.float8_e4m3fn, axis=-1), NpuValueError, "scales")
+    assert_raises(lambda: q(x, torch.ones(1, 8), None, torch.float8_e4m3fn, axis=-1), NpuValueError, "scales")
+    assert_raises(lambda: q(x, s, None, sim.hifloat8, axis=2), NpuValueError, "axis")
+    assert_raises(lambda: q(x, s, None, torch.float8_e5m2, div_mode=False), NpuValueError, "div_mode")
+    assert_raises(lambda: q(x.int(), s, None, torch.float8_e5m2), NpuTypeError, "input")
+    assert_raises(lambda: make_simulator("Ascend910B3").npu_quantize(x, s, None, sim.hifloat8), NpuSocError,
+                  "Ascend910B3")
+    with pytest.raises(NpuSimNotImplemented):
+        q(x, s, None, torch.qint8)
+    with pytest.raises(NpuSimNotImplemented):
+        q(x, s, torch.zeros(1), torch.float8_e4m3fn)
+
+
+# npu_dynamic_quant ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,mode,target", [
+    ("e4m3", "pertoken", 0.0), ("e5m2", "perchannel", 0.0), ("hif8", "pertensor", 15.0),
+    ("hif8", "pertoken", 224.0), ("hif8", "pertensor", 0.0), ("e4m3", "pertensor", 0.0),
+])
+def test_dynamic_quant(sim, fmt, mode, target):
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16) * 7
+    x[0, 1] = 0  # an all-zero row
+    y, scale = sim.npu_dynamic_quant(x, dst_type=npu_dtype(sim, fmt), quant_mode=mode, dst_type_max=target)
+    xf = f32(x)
+    axis = {"pertoken": -1, "perchannel": -2, "pertensor": None}[mode]
+    amax = np.abs(xf).max(axis=axis, keepdims=True) if axis is not None else np.abs(xf).max().reshape(1, 1, 1)
+    expected_scale = np.where(amax == 0, 1, amax / np.float32(target or FMT_MAX[fmt])).astype(np.float32)
+    q = (xf / expected_scale).astype(np.float32)
+    np.testing.assert_array_equal(raw(y), codes_of(q, fmt))
+    shape = {"pertoken": (3, 5), "perchannel": (3, 64), "pertensor": (1,)}[mode]
+    assert scale.dtype == torch.float32 and tuple(scale.shape) == shape
+    np.testing.assert_array_equal(scale.numpy(), expected_scale.reshape(shape))
+    if mode == "pertoken":
+        assert scale[0, 1] == 1 and not raw(y)[0, 1].any()
+
+
+def test_dynamic_quant_smooth_scales(sim):
+    x = torch.randn(6, 16, dtype=torch.float16)
+    smooth = torch.rand(2, 16, dtype=torch.float16) + 0.5
+    group_index = torch.tensor([2, 6], dtype=torch.int32)
+    y, scale = sim.npu_dynamic_quant(x, smooth_scales=smooth, group_index=group_index,
+                                     dst_type=torch.float8_e4m3fn)
+    xs = f32(x) * np.repeat(f32(smooth), [2, 4], axis=0)
+    expected_scale = (np.abs(xs).max(-1, keepdims=True) / np.float32(448)).astype(np.float32)
+    np.testing.assert_array_equal(scale.numpy(), expected_scale[:, 0])
+    np.testing.assert_array_equal(raw(y), codes_of(xs / expected_scale, "e4m3"))
+
+
+def test_dynamic_quant_contract(sim):
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    dq = sim.npu_dynamic_quant
+    assert_raises(lambda: dq(x.float(), dst_type=sim.hifloat8), NpuTypeError, "input")
+    assert_raises(lambda: dq(x[0], dst_type=sim.hifloat8), NpuValueError, "input")
+    assert_raises(lambda: dq(x, dst_type=torch.float16), NpuTypeError, "dst_type")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, quant_mode="perblock"), NpuValueError, "quant_mode")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, dst_type_max=100.0), NpuValueError, "dst_type_max")
+    assert_raises(lambda: dq(x, dst_type=torch.float8_e4m3fn, dst_type_max=15.0), NpuValueError, "dst_type_max")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, dst_type_max=float("nan")), NpuTypeError, "dst_type_max")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, smooth_scales=torch.ones(8)), NpuTypeError, "smooth_scales")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, smooth_scales=torch.ones(7, dtype=torch.bfloat16)),
+                  NpuValueError, "smooth_scales")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, group_index=torch.tensor([4], dtype=torch.int32)),
+                  NpuValueError, "group_index")
+    with pytest.raises(NpuSimNotImplemented):
+        dq(x)  # int8 (the default) is valid but not simulated
+
+
+# npu_dynamic_block_quant ------------------------------------------------------------------------------------
+def block_reference(x, rows, cols, fmt, target, min_scale=0.0):
+    """Tile-by-tile loop: scale = max(amax / target, min_scale) (1 for an all-zero tile), codes of x / scale."""
+    *batch, m, n = x.shape
+    flat = x.reshape(-1, m, n)
+    codes = np.zeros(flat.shape, np.uint8)
+    scales = np.zeros((flat.shape[0], -(-m // rows), -(-n // cols)), np.float32)
+    for b in range(flat.shape[0]):
+        for i in range(scales.shape[1]):
+            for j in range(scales.shape[2]):
+                tile = flat[b, i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+                amax = np.float32(np.abs(tile).max())
+                scale = np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(target))
+                scale = max(scale, np.float32(min_scale))
+                codes[b, i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = codes_of(
+                    (tile / scale).astype(np.float32), fmt)
+                scales[b, i, j] = scale
+    return codes.reshape(x.shape), scales.reshape(*batch, *scales.shape[1:])
+
+
+@pytest.mark.parametrize("fmt,shape,rows,cols,target,min_scale", [
+    ("e4m3", (130, 200), 1, 128, 0.0, 0.0),
+    ("e5m2", (2, 40, 70), 1, 64, 0.0, 0.0),
+    ("hif8", (130, 300), 128, 128, 15.0, 0.0),
+    ("hif8", (3, 64), 256, 192, 224.0, 0.0),
+    ("e4m3", (4, 256), 1, 256, 0.0, 0.05),
+])
+def test_dynamic_block_quant(sim, fmt, shape, rows, cols, target, min_scale):
+    x = torch.randn(shape, dtype=torch.bfloat16) * 3
+    x[..., 0, :cols] = 0  # an all-zero tile in the (1 x cols) cases
+    round_mode = "round" if fmt == "hif8" else "rint"
+    y, scale = sim.npu_dynamic_block_quant(x, min_scale=min_scale, round_mode=round_mode,
+                                           dst_type=npu_dtype(sim, fmt), row_block_size=rows,
+                                           col_block_size=cols, dst_type_max=target)
+    codes, scales = block_reference(f32(x), rows, cols, fmt, target or FMT_MAX[fmt], min_scale)
+    np.testing.assert_array_equal(raw(y), codes)
+    np.testing.assert_array_equal(scale.numpy(), scales)
+    assert y.dtype == (torch.uint8 if fmt == "hif8" else TORCH_FP8[fmt])
+
+
+def test_dynamic_block_quant_contract(sim):
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    bq = sim.npu_dynamic_block_quant
+    e4m3, hif8 = torch.float8_e4m3fn, sim.hifloat8
+    assert_raises(lambda: bq(x, dst_type=hif8), NpuValueError, "round_mode")
+    assert_raises(lambda: bq(x, dst_type=hif8, round_mode="hybrid"), NpuValueError, "round_mode")
+    assert_raises(lambda: bq(x, dst_type=e4m3, round_mode="round"), NpuValueError, "round_mode")
+    assert_raises(lambda: bq(x, dst_type=e4m3, row_block_size=64), NpuValueError, "row_block_size")
+    assert_raises(lambda: bq(x, dst_type=e4m3, col_block_size=32), NpuValueError, "col_block_size")
+    assert_raises(lambda: bq(x, dst_type=e4m3, col_block_size=128.0), NpuTypeError, "col_block_size")
+    assert_raises(lambda: bq(x, dst_type=hif8, round_mode="round", dst_type_max=448.0), NpuValueError,
+                  "dst_type_max")
+    assert_raises(lambda: bq(x, dst_type=e4m3, dst_type_max=15.0), NpuValueError, "dst_type_max")
+    assert_raises(lambda: bq(x, dst_type=e4m3, min_scale=-1.0), NpuValueError, "min_scale")
+    assert_raises(lambda: bq(x[None, None], dst_type=e4m3), NpuValueError, "x")
+    assert_raises(lambda: bq(x.float(), dst_type=e4m3), NpuTypeError, "x")
+    assert_raises(lambda: bq(x), NpuTypeError, "dst_type")  # int8, the A2/A3 default, is not a 950 output
+
+
+# npu_dynamic_mx_quant ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,alg,n", [("e4m3", 0, 96), ("e5m2", 0, 64), ("e4m3", 1, 160), ("e5m2", 1, 40)])
+def test_dynamic_mx_quant_rowwise(sim, fmt, alg, n):
+    x = torch.randn(5, n, dtype=torch.bfloat16) * 50
+    x[1, :32] = 0
+    x[2, :32] = 1e-38  # tiny block amax: the scale exponent clamps at 2^-127
+    y, scale = sim.npu_dynamic_mx_quant(x, dst_type=npu_dtype(sim, fmt), scale_alg=alg)
+    codes, scales = mx_reference(f32(x), fmt, alg)
+    np.testing.assert_array_equal(raw(y), codes)
+    assert scale.dtype == torch.uint8 and tuple(scale.shape) == (5, -(-n // 64), 2)
+    np.testing.assert_array_equal(scale.numpy(), pair_blocks(scales))
+
+
+def test_dynamic_mx_quant_columnwise_interleaves_block_pairs(sim):
+    x = torch.randn(96, 7, dtype=torch.float16) * 3
+    y, scale = sim.npu_dynamic_mx_quant(x, axis=0, dst_type=sim.float8_e4m3fn, scale_alg=1)
+    codes, scales = mx_reference(f32(x).T.copy(), "e4m3", 1)  # column j of x is row j here
+    np.testing.assert_array_equal(raw(y), codes.T)
+    assert tuple(scale.shape) == (2, 7, 2)
+    np.testing.assert_array_equal(scale.numpy(), pair_blocks(scales).transpose(1, 0, 2))
+
+
+def test_dynamic_mx_quant_max_low_bound_and_fp32(sim):
+    x = torch.randn(2, 64) * 1e-3
+    _, scale = sim.npu_dynamic_mx_quant(x, dst_type=sim.float8_e4m3fn, scale_alg=1, max_low_bound=448.0)
+    assert (scale == 127).all()  # amax raised to 448 -> scale 1
+    y, scale = sim.npu_dynamic_mx_quant(x, dst_type=torch.float8_e5m2)
+    codes, scales = mx_reference(f32(x), "e5m2", 0)
+    np.testing.assert_array_equal(raw(y), codes)
+
+
+def test_dynamic_mx_quant_contract(sim):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    mq = sim.npu_dynamic_mx_quant
+    e4m3 = sim.float8_e4m3fn
+    assert_raises(lambda: mq(x, dst_type=e4m3, round_mode="round"), NpuValueError, "round_mode")
+    assert_raises(lambda: mq(x, dst_type=e4m3, block_size=48), NpuValueError, "block_size")
+    assert_raises(lambda: mq(x, dst_type=e4m3, block_size=2048), NpuValueError, "block_size")
+    assert_raises(lambda: mq(x, dst_type=e4m3, scale_alg=2), NpuValueError, "scale_alg")
+    assert_raises(lambda: mq(x, dst_type=e4m3, dst_type_max=6.0), NpuValueError, "dst_type_max")
+    assert_raises(lambda: mq(x, dst_type=e4m3, max_low_bound=1.0), NpuValueError, "max_low_bound")
+    assert_raises(lambda: mq(x, dst_type=e4m3, scale_alg=1, max_low_bound=-1.0), NpuValueError, "max_low_bound")
+    assert_raises(lambda: mq(x, dst_type=sim.hifloat8), NpuTypeError, "dst_type")
+    assert_raises(lambda: mq(x, dst_type=e4m3, axis=2), NpuValueError, "axis")
+    assert_raises(lambda: mq(x.float(), dst_type=e4m3, block_size=64), NpuValueError, "block_size")
+    assert_raises(lambda: mq(x.int(), dst_type=e4m3), NpuTypeError, "input")
+    assert_raises(lambda: make_simulator("Ascend910_9392").npu_dynamic_mx_quant(x, dst_type=e4m3), NpuSocError)
+    with pytest.raises(NpuSimNotImplemented):
+        mq(x)  # FP4 (the default dst_type) is valid but not simulated
+
+
+# npu_quant_matmul -------------------------------------------------------------------------------------------
+def close(actual, expected, rtol=2e-6):
+    np.testing.assert_allclose(actual.double().numpy(), expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("f1,f2", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2"), ("hif8", "hif8")])
+def test_quant_matmul_per_tensor_and_channel(sim, f1, f2):
+    m, k, n = 7, 48, 24
+    x1, v1 = random_codes((m, k), f1, 1)
+    w, vw = random_codes((n, k), f2, 2)  # weight stored (n, k); x2 is its transposed view
+    scale = torch.rand(n) + 0.5
+    pertoken = torch.rand(m) + 0.5
+    bias = torch.randn(n)
+    kw = dict(x1_dtype=sim.hifloat8, x2_dtype=sim.hifloat8) if f1 == "hif8" else {}
+    out = sim.npu_quant_matmul(x1, w.t(), scale, pertoken_scale=pertoken, bias=bias, output_dtype=torch.float32,
+                               **kw)
+    expected = (v1 @ vw.T) * f32(scale) * f32(pertoken)[:, None] + f32(bias)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    close(out, expected)
+    out = sim.npu_quant_matmul(x1, w.t().contiguous(), scale[:1], output_dtype=torch.bfloat16, **kw)
+    expected = torch.from_numpy((v1 @ vw.T) * float(scale[0])).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_quant_matmul_batch_broadcast(sim):
+    x1, v1 = random_codes((2, 3, 5, 32), "e4m3", 3)
+    x2, v2 = random_codes((32, 8), "e4m3", 4)
+    out = sim.npu_quant_matmul(x1, x2, torch.tensor([0.5]), output_dtype=torch.float16)
+    assert out.shape == (2, 3, 5, 8) and out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), torch.from_numpy(0.5 * (v1 @ v2)).float(), rtol=2e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("groups", [[1, 128, 128], [128, 128, 128]])
+def test_quant_matmul_blockwise(sim, groups):
+    m, k, n = 130, 320, 200
+    gm = groups[0]
+    x1, v1 = random_codes((m, k), "e4m3", 5)
+    w, vw = random_codes((n, k), "e4m3", 6)
+    gen = np.random.default_rng(7)
+    s1 = gen.uniform(0.5, 2, (-(-m // gm), 3)).astype(np.float32)
+    s2 = gen.uniform(0.5, 2, (2, 3)).astype(np.float32)  # stored (ceil(n/128), ceil(k/128)) like the weight
+    out = sim.npu_quant_matmul(x1, w.t(), torch.from_numpy(s2).t(), pertoken_scale=torch.from_numpy(s1),
+                               output_dtype=torch.float32, group_sizes=groups)
+    a = v1 * np.repeat(np.repeat(s1, gm, 0)[:m], 128, 1)[:, :k]
+    b = vw * np.repeat(np.repeat(s2, 128, 0)[:n], 128, 1)[:, :k]
+    close(out, a @ b.T, rtol=5e-6)
+
+
+def test_quant_matmul_mx(sim):
+    m, k, n = 6, 160, 10
+    x = torch.randn(m, k, dtype=torch.bfloat16) * 10
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    q1, s1 = sim.npu_dynamic_mx_quant(x, dst_type=sim.float8_e4m3fn)
+    q2, s2 = sim.npu_dynamic_mx_quant(w.t().contiguous(), axis=0, dst_type=sim.float8_e5m2, scale_alg=1)
+    out = sim.npu_quant_matmul(q1, q2, s2, pertoken_scale=s1, output_dtype=torch.float32,
+                               scale_dtype=sim.float8_e8m0fnu, pertoken_scale_dtype=sim.float8_e8m0fnu,
+                               group_sizes=[1, 1, 32])
+    pow1 = 2.0 ** (s1.numpy().reshape(m, -1)[:, :5].astype(np.float64) - 127)  # 5 blocks of 32 along k
+    pow2 = 2.0 ** (s2.numpy().transpose(0, 2, 1).reshape(-1, n)[:5].astype(np.float64) - 127)
+    a = values_of(raw(q1), "e4m3") * np.repeat(pow1, 32, 1)
+    b = values_of(raw(q2), "e5m2") * np.repeat(pow2, 32, 0)
+    close(out, a @ b, rtol=5e-6)
+    # the weight-side operands as transposed views: (n, k) data and (n, ceil(k/64), 2) scales, both .t()
+    q2t, s2t = sim.npu_dynamic_mx_quant(w, dst_type=sim.float8_e5m2, scale_alg=1)
+    out_t = sim.npu_quant_matmul(q1, q2t.t(), s2t.transpose(0, 1), pertoken_scale=s1, output_dtype=torch.float32,
+                                 scale_dtype=sim.float8_e8m0fnu, pertoken_scale_dtype=sim.float8_e8m0fnu,
+                                 group_sizes=[1, 1, 32])
+    torch.testing.assert_close(out_t, out, rtol=0, atol=0)
+
+
+def test_quant_matmul_contract(sim):
+    m, k, n = 4, 64, 8
+    x1, _ = random_codes((m, k), "e4m3", 1)
+    x2, _ = random_codes((k, n), "e4m3", 2)
+    h1, _ = random_codes((m, k), "hif8", 3)
+    h2, _ = random_codes((k, n), "hif8", 4)
+    s = torch.ones(1)
+    qmm = sim.npu_quant_matmul
+    out = torch.float32
+    hif = dict(x1_dtype=sim.hifloat8, x2_dtype=sim.hifloat8)
+    e8 = dict(scale_dtype=sim.float8_e8m0fnu, pertoken_scale_dtype=sim.float8_e8m0fnu, group_sizes=[1, 1, 32])
+    assert_raises(lambda: qmm(h1, h2, s, output_dtype=out), NpuTypeError, "x1_dtype")
+    assert_raises(lambda: qmm(h1, h2, s, output_dtype=out, x1_dtype=sim.hifloat8), NpuTypeError, "x2_dtype")
+    assert_raises(lambda: qmm(x1, x2, s, output_dtype=out, x1_dtype=torch.float8_e4m3fn), NpuTypeError, "x1_dtype")
+    assert_raises(lambda: qmm(x1, x2, s, output_dtype=out, x1_dtype=sim.float8_e4m3fn), NpuTypeError, "x1_dtype")
+    assert_raises(lambda: qmm(x1, h2, s, output_dtype=out, x2_dtype=sim.hifloat8), NpuTypeError, "x1")
+    assert_raises(lambda: qmm(x1, x2, s, output_dtype=out, **hif), NpuTypeError, "x1")
+    assert_raises(lambda: qmm(x1.float(), x2, s, output_dtype=out), NpuTypeError, "x1")
+    assert_raises(lambda: qmm(x1, x2, s), NpuTypeError, "output_dtype")
+    assert_raises(lambda: qmm(x1, x2, s, output_dtype=torch.int8), NpuTypeError, "output_dtype")
+    assert_raises(lambda: qmm(x1, x2, torch.ones(n + 1), output_dtype=out), NpuValueError, "scale")
+    assert_raises(lambda: qmm(x1, x2, torch.ones(1, n), output_dtype=out), NpuValueError, "scale")
+    assert_raises(lambda: qmm(x1, x2, s.double(), output_dtype=out), NpuTypeError, "scale")
+    assert_raises(lambda: qmm(x1, x2, s.bfloat16(), output_dtype=out), NpuTypeError, "scale")
+    assert_raises(lambda: qmm(x1, x2, s, pertoken_scale=torch.ones(m + 1), output_dtype=out), NpuValueError,
+                  "pertoken_scale")
+    assert_raises(lambda: qmm(x1, x2, s, offset=torch.zeros(1), output_dtype=out), NpuValueError, "offset")
+    assert_raises(lambda: qmm(x1, x2[:32], s, output_dtype=out), NpuValueError, "k")
+    assert_raises(lambda: qmm(x1, x2[:, ::2], s, output_dtype=out), NpuValueError, "x2")
+    assert_raises(lambda: qmm(x1[0], x2, s, output_dtype=out), NpuValueError, "x1")
+    assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(1, n), output_dtype=out), NpuValueError, "bias")
+    assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(n + 1), output_dtype=out), NpuValueError, "bias")
+    assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(n, dtype=torch.bfloat16), output_dtype=out),
+                  NpuTypeError, "bias")
+    assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(n, dtype=torch.int32), output_dtype=out),
+                  NpuTypeError, "bias")
+    # group_sizes and the scale shapes they imply
+    bs1, bs2 = torch.ones(m, 1), torch.ones(1, 1)
+    assert_raises(lambda: qmm(x1, x2, bs2, pertoken_scale=bs1, output_dtype=out, group_sizes=[1, 64, 64]),
+                  NpuValueError, "group_sizes")
+    assert_raises(lambda: qmm(x1, x2, bs2, pertoken_scale=bs1, output_dtype=out, group_sizes=[128, 128]),
+                  NpuValueError, "group_sizes")
+    assert_raises(lambda: qmm(x1, x2, bs2, output_dtype=out, group_sizes=[1, 128, 128]), NpuValueError,
+                  "pertoken_scale")
+    assert_raises(lambda: qmm(x1, x2, bs2, pertoken_scale=torch.ones(m, 2), output_dtype=out,
+                              group_sizes=[1, 128, 128]), NpuValueError, "pertoken_scale")
+    assert_raises(lambda: qmm(x1, x2, torch.ones(2, 1), pertoken_scale=bs1, output_dtype=out,
+                              group_sizes=[1, 128, 128]), NpuValueError, "scale")
+    w_t = x2.t().contiguous().t()  # x2 as the transposed view of a contiguous (n, k)
+    k_big = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    assert_raises(lambda: qmm(k_big[:m], k_big.t(), torch.ones(2, 2), pertoken_scale=torch.ones(m, 2),
+                              output_dtype=out, group_sizes=[1, 128, 128]), NpuValueError, "transposed")
+    qmm(x1, w_t, bs2, pertoken_scale=bs1, output_dtype=out, group_sizes=[1, 128, 128])  # 1x1 scale: either layout
+    # MX
+    ms1, ms2 = torch.full((m, 1, 2), 127, dtype=torch.uint8), torch.full((1, n, 2), 127, dtype=torch.uint8)
+    qmm(x1, x2, ms2, pertoken_scale=ms1, output_dtype=out, **e8)
+    assert_raises(lambda: qmm(x1, x2, ms2, pertoken_scale=ms1, output_dtype=out, group_sizes=[1, 1, 32]),
+                  NpuTypeError, "scale_dtype")
+    assert_raises(lambda: qmm(x1, x2, ms2, pertoken_scale=ms1, output_dtype=out, scale_dtype=torch.float8_e8m0fnu,
+                              pertoken_scale_dtype=sim.float8_e8m0fnu, group_sizes=[1, 1, 32]),
+                  NpuTypeError, "scale_dtype")
+    assert_raises(lambda: qmm(x1, x2, ms2, pertoken_scale=torch.full((m, 2), 127, dtype=torch.uint8),
+                              output_dtype=out, **e8), NpuValueError, "pertoken_scale")
+    assert_raises(lambda: qmm(x1, x2, ms2.float(), pertoken_scale=ms1, output_dtype=out, **e8), NpuTypeError,
+                  "scale")
+    assert_raises(lambda: qmm(h1, h2, ms2, pertoken_scale=ms1, output_dtype=out, **e8, **hif), NpuTypeError, "MX")
+    assert_raises(lambda: qmm(x1, x2, s, output_dtype=out, scale_dtype=sim.float8_e8m0fnu), NpuValueError,
+                  "group_sizes")
+    assert_raises(lambda: make_simulator("Ascend910B1").npu_quant_matmul(x1, x2, s, output_dtype=out),
+                  NpuSocError, "Ascend910B1")
+    with pytest.raises(NpuSimNotImplemented):
+        qmm(x1.view(torch.int8), x2.view(torch.int8), s, output_dtype=out)
+
+
+# npu_grouped_matmul -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["e4m3", "hif8"])
+@pytest.mark.parametrize("list_type", [0, 1])
+def test_grouped_matmul_fp8_split_m(sim, fmt, list_type):
+    m, k, n, sizes = 20, 32, 12, [5, 0, 9]  # 6 trailing rows belong to no group
+    x, vx = random_codes((m, k), fmt, 11)
+    w, vw = random_codes((3, n, k), fmt, 12)
+    gen = np.random.default_rng(13)
+    scale = torch.from_numpy(gen.uniform(0.5, 2, (3, n)).astype(np.float32))
+    pts = torch.from_numpy(gen.uniform(0.5, 2, m).astype(np.float32))
+    group_list = torch.tensor(np.cumsum(sizes) if list_type == 0 else sizes, dtype=torch.int64)
+    kw = dict(x_dtype=sim.hifloat8, weight_dtype=sim.hifloat8) if fmt == "hif8" else {}
+    (out,) = sim.npu_grouped_matmul([x], [w.transpose(1, 2)], scale=[scale], per_token_scale=[pts],
+                                    group_list=group_list, split_item=3, group_type=0, group_list_type=list_type,
+                                    output_dtype=torch.float32, **kw)
+    expected = np.zeros((m, n))
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        expected[rows] = (vx[rows] @ vw[g].T) * f32(scale)[g] * f32(pts)[rows, None]
+        start += size
+    close(out, expected)
+
+
+def test_grouped_matmul_fp8_split_k(sim):
+    m, k, n, sizes = 6, 40, 5, [16, 24]
+    xt, vxt = random_codes((k, m), "e5m2", 14)  # x is the transposed view of a contiguous (k, m)
+    w, vw = random_codes((k, n), "e4m3", 15)
+    scale, pts = torch.tensor([0.5, 2.0]), torch.tensor([4.0])
+    (out,) = sim.npu_grouped_matmul([xt.t()], [w], scale=[scale], per_token_scale=[pts],
+                                    group_list=torch.tensor(sizes), split_item=2, group_type=2,
+                                    group_list_type=1, output_dtype=torch.bfloat16)
+    assert out.shape == (2, m, n) and out.dtype == torch.bfloat16
+    expected = np.stack([vxt[:16].T @ vw[:16] * 0.5 * 4, vxt[16:].T @ vw[16:] * 2.0 * 4])
+    torch.testing.assert_close(out, torch.from_numpy(expected).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_grouped_matmul_bf16(sim):
+    m, k, n = 10, 16, 6
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(3, k, n, dtype=torch.bfloat16)
+    bias = torch.randn(3, n)
+    sizes = [3, 3, 4]
+    (out,) = sim.npu_grouped_matmul([x], [w], bias=[bias], group_list=torch.tensor(sizes), split_item=3,
+                                    group_type=0, group_list_type=1)
+    parts = torch.split(x.float(), sizes)
+    expected = torch.cat([p @ w[i].float() + bias[i] for i, p in enumerate(parts)]).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    outs = sim.npu_grouped_matmul([x], list(w.unbind(0)), group_list=[3, 6, 10], split_item=0)
+    assert [tuple(o.shape) for o in outs] == [(3, n), (3, n), (4, n)]
+    # k-split (weight gradient): x is the transposed view of the (tokens, hidden) activations
+    act = torch.randn(m, k, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+    (wgrad,) = sim.npu_grouped_matmul([act.t()], [dy], group_list=torch.tensor([3, 6, 10]), split_item=3,
+                                      group_type=2, group_list_type=0)
+    expected = torch.stack([act[a:b].float().t() @ dy[a:b].float() for a, b in ((0, 3), (3, 6), (6, 10))])
+    torch.testing.assert_close(wgrad, expected.to(torch.bfloat16), rtol=0, atol=0)
+    # several independent GEMMs
+    outs = sim.npu_grouped_matmul([x, x[:2]], [w[0], w[1]], group_type=-1)
+    torch.testing.assert_close(outs[1], (x[:2].float() @ w[1].float()).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_grouped_matmul_contract(sim):
+    m, k, n, g = 8, 32, 4, 2
+    x, _ = random_codes((m, k), "e4m3", 1)
+    w, _ = random_codes((g, k, n), "e4m3", 2)
+    h, _ = random_codes((m, k), "hif8", 3)
+    hw, _ = random_codes((g, k, n), "hif8", 4)
+    gl = torch.tensor([3, 5])
+    sc = [torch.ones(g)]
+    ok = dict(scale=sc, group_list=gl, split_item=3, group_type=0, group_list_type=1, output_dtype=torch.bfloat16)
+    gmm = sim.npu_grouped_matmul
+
+    def call(xs=(x,), ws=(w,), **changes):
+        return gmm(list(xs), list(ws), **{**ok, **changes})
+
+    call()
+    assert_raises(lambda: call(bias=[torch.zeros(g, n)]), NpuValueError, "bias")
+    assert_raises(lambda: call(group_type=None), NpuValueError, "group_type")
+    assert_raises(lambda: call(group_type=1), NpuValueError, "group_type")
+    assert_raises(lambda: call(split_item=0), NpuValueError, "split_item")
+    assert_raises(lambda: call(output_dtype=None), NpuTypeError, "output_dtype")
+    assert_raises(lambda: call(output_dtype=torch.float8_e4m3fn), NpuTypeError, "output_dtype")
+    assert_raises(lambda: call(xs=(h,), ws=(hw,)), NpuTypeError, "x_dtype")
+    assert_raises(lambda: call(xs=(h,), ws=(w,), x_dtype=sim.hifloat8), NpuTypeError, "HiF8")
+    assert_raises(lambda: call(xs=(h,), ws=(hw,), x_dtype=sim.hifloat8, weight_dtype=torch.float8_e4m3fn),
+                  NpuTypeError, "weight_dtype")
+    call(xs=(h,), ws=(hw,), x_dtype=sim.hifloat8, weight_dtype=sim.hifloat8)
+    assert_raises(lambda: call(xs=(x, x)), NpuValueError, "single")
+    assert_raises(lambda: call(group_list=torch.tensor([8])), NpuValueError, "group_list")
+    assert_raises(lambda: call(group_list=torch.tensor([5, 3]), group_list_type=0), NpuValueError, "group_list")
+    assert_raises(lambda: call(group_list=torch.tensor([5, 4])), NpuValueError, "group_list")
+    assert_raises(lambda: call(group_list=torch.tensor([3, 5], dtype=torch.int32)), NpuTypeError, "group_list")
+    assert_raises(lambda: call(group_list=[3, 8]), NpuTypeError, "group_list")
+    assert_raises(lambda: call(group_list_type=2), NpuValueError, "group_list_type")
+    assert_raises(lambda: call(scale=[torch.ones(g + 1)]), NpuValueError, "scale")
+    assert_raises(lambda: call(scale=[torch.ones(g, dtype=torch.bfloat16)]), NpuTypeError, "scale")
+    assert_raises(lambda: call(scale=None), NpuValueError, "scale")
+    assert_raises(lambda: call(per_token_scale=[torch.ones(m + 1)]), NpuValueError, "per_token_scale")
+    assert_raises(lambda: call(offset=[torch.zeros(1)]), NpuValueError, "offset")
+    assert_raises(lambda: call(x_dtype=torch.float8_e4m3fn), NpuTypeError, "x_dtype")
+    assert_raises(lambda: call(scale_dtype=torch.float8_e8m0fnu), NpuTypeError, "scale_dtype")
+    assert_raises(lambda: call(ws=(w[:, :16],)), NpuValueError, "k")
+    assert_raises(lambda: call(xs=(x.t().contiguous().t(),)), NpuValueError, "x[0]")
+    # k-split layouts: transposed x, contiguous weight
+    xt, _ = random_codes((k, m), "e4m3", 5)
+    w2, _ = random_codes((k, n), "e4m3", 6)
+    ks = dict(group_type=2, group_list=torch.tensor([16, 16]))
+    call(xs=(xt.t(),), ws=(w2,), **ks)
+    assert_raises(lambda: call(xs=(xt.t().contiguous(),), ws=(w2,), **ks), NpuValueError, "x[0]")
+    assert_raises(lambda: call(xs=(xt.t(),), ws=(w2.t().contiguous().t(),), **ks), NpuValueError, "weight[0]")
+    assert_raises(lambda: call(xs=(xt.t(),), ws=(w2,), group_type=2, group_list=torch.tensor([16, 17])),
+                  NpuValueError, "group_list")
+    # bf16 path
+    xb, wb = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(g, k, n, dtype=torch.bfloat16)
+    bf = dict(group_list=gl, split_item=3, group_type=0, group_list_type=1)
+    assert_raises(lambda: gmm([xb], [wb], bias=[torch.zeros(g, n, dtype=torch.bfloat16)], **bf), NpuTypeError,
+                  "bias")
+    assert_raises(lambda: gmm([xb], [wb.half()], **bf), NpuTypeError, "weight")
+    assert_raises(lambda: gmm([xb], [wb], output_dtype=torch.float32, **bf), NpuTypeError, "output_dtype")
+    assert_raises(lambda: gmm([xb], [wb], group_list=gl, split_item=3, group_list_type=1), NpuValueError,
+                  "group_type")
+    assert_raises(lambda: gmm([xb], [wb], split_item=4, group_list=gl, group_type=0), NpuValueError, "split_item")
+    with pytest.raises(NpuSimNotImplemented):
+        gmm([xb], [wb], act_type=1, **bf)
+
+
+# npu_dtype_cast / npu_rms_norm ------------------------------------------------------------------------------
+def test_dtype_cast(sim):
+    x = torch.randn(64) * 1000
+    x[:4] = torch.tensor([1e5, -5e4, 0.0, float("nan")])
+    h = sim.npu_dtype_cast(x, sim.hifloat8)
+    assert h.dtype == torch.uint8
+    np.testing.assert_array_equal(h.numpy(), codes_of(f32(x), "hif8", saturate=False))  # overflow -> Inf
+    back = sim.npu_dtype_cast(h, torch.float32, input_dtype=sim.hifloat8)
+    np.testing.assert_array_equal(back.numpy(), values_of(h.numpy(), "hif8").astype(np.float32))
+    e = sim.npu_dtype_cast(x.bfloat16(), torch.float8_e4m3fn)
+    assert torch.equal(e.view(torch.uint8), x.bfloat16().to(torch.float8_e4m3fn).view(torch.uint8))
+    assert sim.npu_dtype_cast(e, sim.float8_e5m2).dtype == torch.float8_e5m2  # 291 is torch.float8_e5m2
+    assert_raises(lambda: sim.npu_dtype_cast(x, torch.float32, input_dtype=sim.hifloat8), NpuTypeError, "input")
+    assert_raises(lambda: sim.npu_dtype_cast(x, 999), NpuTypeError, "dtype")
+    assert_raises(lambda: sim.npu_dtype_cast(x, torch.float16, input_dtype=torch.bfloat16), NpuTypeError,
+                  "input_dtype")
+    assert_raises(lambda: make_simulator("Ascend910B2").npu_dtype_cast(x, sim.hifloat8), NpuSocError)
+    assert make_simulator("Ascend910B2").npu_dtype_cast(x, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_rms_norm(sim):
+    x = torch.randn(3, 4, 32, dtype=torch.bfloat16)
+    gamma = torch.randn(32, dtype=torch.bfloat16)
+    y, rstd = sim.npu_rms_norm(x, gamma, epsilon=1e-5)
+    xf = f32(x).astype(np.float64)
+    ref_rstd = 1 / np.sqrt((xf**2).mean(-1, keepdims=True) + 1e-5)
+    assert rstd.shape == (3, 4, 1) and rstd.dtype == torch.float32 and y.dtype == torch.bfloat16
+    np.testing.assert_allclose(rstd.numpy(), ref_rstd, rtol=1e-6)
+    torch.testing.assert_close(y, torch.from_numpy(xf * ref_rstd * f32(gamma)).to(torch.bfloat16), rtol=1e-2,
+                               atol=1e-2)
+    y2, rstd2 = sim.npu_rms_norm(x.float(), torch.ones(4, 32))
+    assert rstd2.shape == (3, 1, 1)
+    assert_raises(lambda: sim.npu_rms_norm(x, gamma.float()), NpuTypeError, "gamma")
+    assert_raises(lambda: sim.npu_rms_norm(x, gamma[:16]), NpuValueError, "gamma")
+    assert_raises(lambda: sim.npu_rms_norm(x[0, 0], gamma), NpuValueError, "input")
+    assert_raises(lambda: sim.npu_rms_norm(x.int(), gamma.int()), NpuTypeError, "input")
+
+
+# Launch counting --------------------------------------------------------------------------------------------
+def test_launch_counts():
+    sim, other = make_simulator(), make_simulator()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    q, s = sim.npu_dynamic_quant(x, dst_type=torch.float8_e4m3fn)
+    sim.npu_dynamic_quant(x, dst_type=torch.float8_e4m3fn)
+    sim.npu_quant_matmul(q, q.t(), torch.ones(1), pertoken_scale=s, output_dtype=torch.bfloat16)
+    sim.npu_rms_norm(x, torch.ones(64, dtype=torch.bfloat16))
+    with pytest.raises(NpuContractError, match="npu_quant_matmul: output_dtype"):
+        sim.npu_quant_matmul(q, q.t(), torch.ones(1))  # rejected calls launch nothing
+    assert sim.launch_counts == {"npu_dynamic_quant": 2, "npu_quant_matmul": 1, "npu_rms_norm": 1}
+    assert sim.total_launches() == 4
+    assert other.total_launches() == 0 and not other.launch_counts
+    sim.reset_counts()
+    assert sim.total_launches() == 0 and not sim.launch_counts
+    sim.npu_dtype_cast(x, sim.hifloat8)
+    assert sim.launch_counts["npu_dtype_cast"] == 1
+
+
+def test_gradients_follow_torch_npu():
+    """Quantizer outputs carry no autograd graph; rms_norm and the float grouped GEMM are differentiable."""
+    sim = make_simulator()
+    x = torch.randn(4, 64, requires_grad=True)
+    _, scale = sim.npu_dynamic_quant(x.bfloat16(), dst_type=torch.float8_e4m3fn)
+    assert not scale.requires_grad
+    gamma = torch.ones(64, requires_grad=True)
+    y, _ = sim.npu_rms_norm(x, gamma)
+    y.sum().backward()
+    assert gamma.grad is not None and x.grad is not None
