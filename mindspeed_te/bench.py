@@ -8,6 +8,7 @@ so 1.0x means "as fast as a memory copy" and higher is better.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Callable
 
@@ -28,6 +29,8 @@ TARGETS = {
     "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
     "bytes saved for backward / bf16 linear": (0.55, False),
     "host syncs per fp8 linear fwd+bwd": (0, False),
+    "NPU kernel launches, forward (weight cached)": (3, False),
+    "NPU kernel launches, backward": (4, False),
 }
 
 
@@ -135,6 +138,44 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
     return rows
 
 
+def bench_npu_launches() -> list[tuple[str, float, str]]:
+    """torch_npu kernels one FP8 linear launches, counted through the simulator (torch ops not included)."""
+    from mindspeed_te.kernels.npu import NpuBackend
+    from mindspeed_te.kernels.npu_sim import make_simulator
+    from mindspeed_te.ops.linear import WeightCache
+    import mindspeed_te.kernels.npu as npu_kernels
+
+    sim = make_simulator()
+    saved = os.environ.get("MINDSPEED_TE_BACKEND"), npu_kernels.get_npu_backend
+    os.environ["MINDSPEED_TE_BACKEND"] = "npu"
+    npu_kernels.get_npu_backend = lambda: NpuBackend(sim)
+    rows = []
+    try:
+        for recipe in (DelayedScaling(fp8_format=Format.HIF8), Float8CurrentScaling(fp8_format=Format.HIF8),
+                       MXFP8BlockScaling()):
+            fwd = RecipeState.create(recipe, forward=True, num_quantizers=3).make_quantizers()
+            bwd = RecipeState.create(recipe, forward=False, num_quantizers=2).make_quantizers()
+            q, cache = LinearQuantizers(fwd[0], fwd[1], bwd[0]), WeightCache()
+            x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+            w = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+            fp8_linear(x, w, quantizers=q, weight_cache=cache, is_first_microbatch=True)
+            sim.reset_counts()
+            y = fp8_linear(x, w, quantizers=q, weight_cache=cache, is_first_microbatch=False)
+            forward = sim.total_launches()
+            sim.reset_counts()
+            y.backward(torch.ones_like(y))
+            name = f"{type(recipe).__name__} {recipe.fp8_format.name}"
+            rows.append(("NPU kernel launches, forward (weight cached)", float(forward), name))
+            rows.append(("NPU kernel launches, backward", float(sim.total_launches()), name))
+    finally:
+        npu_kernels.get_npu_backend = saved[1]
+        if saved[0] is None:
+            os.environ.pop("MINDSPEED_TE_BACKEND", None)
+        else:
+            os.environ["MINDSPEED_TE_BACKEND"] = saved[0]
+    return rows
+
+
 def _saved_bytes(recipe, x: torch.Tensor, w: torch.Tensor) -> int:
     """Bytes the fp8 linear keeps for backward (its ctx holds quantized storages)."""
     fwd = RecipeState.create(recipe, forward=True, num_quantizers=3).make_quantizers()
@@ -161,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8", "linear"], help="run one group of cases")
+    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu"], help="run one group of cases")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be >= 1")
@@ -173,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_hif8(args.size_mib, args.repeats)
     if args.only in (None, "linear"):
         rows += bench_linear(args.repeats)
+    if args.only in (None, "npu"):
+        rows += bench_npu_launches()
     print(report(rows))
 
 

@@ -91,6 +91,12 @@ class FP8GlobalStateManager:
         """FP8 needs torch's float8 dtypes; the reference backend then runs it on any device."""
         if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
             return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
+        from mindspeed_te.kernels import requested_backend
+
+        if requested_backend() == "npu":
+            from mindspeed_te.kernels.npu import get_npu_backend
+
+            return get_npu_backend().available()
         return True, ""
 
     @classmethod

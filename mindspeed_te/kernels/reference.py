@@ -5,8 +5,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from mindspeed_te.formats import cast_from_fp8
 from mindspeed_te.quantizers import Quantizer
-from mindspeed_te.tensor import QuantizedTensorStorage
+from mindspeed_te.tensor import Float8Tensor, QuantizedTensorStorage
 
 Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
@@ -50,11 +51,18 @@ class ReferenceBackend:
         """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
         float32 (Megatron's main_grad; no bias then) and `out` is returned."""
         check_accumulate(out, bias)
-        a2 = operand_2d(a, a_columnwise)
-        b2 = operand_2d(b, b_columnwise)
+        if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+            # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
+            a_codes = a.columnwise_data if a_columnwise else a.data.reshape(-1, a.shape[-1])
+            b_codes = b.columnwise_data if b_columnwise else b.data.reshape(-1, b.shape[-1])
+            result = torch.matmul(cast_from_fp8(a_codes, a.fp8_dtype), cast_from_fp8(b_codes.t(), b.fp8_dtype))
+            result = result * b.scale_inv.float() * a.scale_inv.float().reshape(-1, 1)
+        else:
+            result = operand_2d(a, a_columnwise) @ operand_2d(b, b_columnwise).t()
         if out is not None:
-            return out.addmm_(a2, b2.t())
-        result = a2 @ b2.t() if bias is None else torch.addmm(bias.float(), a2, b2.t())
+            return out.add_(result)
+        if bias is not None:
+            result = result + bias.float()
         return result if result.dtype == out_dtype else result.to(out_dtype)
 
     def grouped_gemm(

@@ -1,0 +1,209 @@
+"""NPU backend: the torch_npu 2.14 quantization and GEMM kernels, called as their schemas define them.
+
+torch_npu is imported here and only here, lazily: importing it needs the CANN libraries. Without an NPU,
+`MINDSPEED_TE_NPU_SIMULATOR=1` puts the simulator (kernels/npu_sim.py) in its place, which enforces the
+kernels' contract on CPU tensors and computes their reference results.
+
+What goes to a kernel and what stays on torch ops (which run on the NPU too):
+  delayed      npu_quantize(x, 1/scale, div_mode=True)     amax bookkeeping with torch ops
+  tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   unless power-of-2 scales, amax_epsilon, an amax
+                                                            reduction group or a non-kernel target is asked for
+  blockwise    npu_dynamic_block_quant                      unless power-of-2 scales (the default!) or epsilon
+  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor)
+  GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX); shapes the kernels cannot
+               take (1x128 x 1x128 blockwise wgrad, MX with k not a multiple of 64, high-precision operands)
+               use dequantize + matmul.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Optional
+
+import torch
+
+from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.kernels.reference import Operand, ReferenceBackend, check_accumulate
+from mindspeed_te.quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    Quantizer,
+)
+from mindspeed_te.scaling import tensor_amax
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensor,
+    Float8Tensor,
+    MXFP8Tensor,
+    QuantizedTensorStorage,
+    _TiledTensor,
+)
+
+SIMULATOR_ENV = "MINDSPEED_TE_NPU_SIMULATOR"
+_HIF8_DST_MAX = (15.0, 56.0, 224.0, 32768.0)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def load_torch_npu() -> Any:
+    """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR=1."""
+    if os.environ.get(SIMULATOR_ENV, "0") == "1":
+        from mindspeed_te.kernels.npu_sim import make_simulator
+
+        return make_simulator()
+    try:
+        import torch_npu  # noqa: F401  (the one place the real module is imported)
+    except ImportError as err:
+        raise RuntimeError(
+            f"MINDSPEED_TE_BACKEND=npu needs torch_npu (pip install 'mindspeed_te[npu]', with the CANN "
+            f"libraries), or {SIMULATOR_ENV}=1 to run the NPU path on the torch_npu simulator: {err}"
+        ) from err
+    return torch_npu
+
+
+@functools.lru_cache(maxsize=1)
+def get_npu_backend() -> "NpuBackend":
+    return NpuBackend(load_torch_npu())
+
+
+def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data (rows, k), scale_inv) of the requested form of a tiled tensor."""
+    if columnwise:
+        return t.columnwise_pair()
+    t._require(False)
+    return t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
+
+
+class NpuBackend(ReferenceBackend):
+    """Dispatches quantize and GEMM to torch_npu kernels; everything else is the reference emulation."""
+
+    name = "npu"
+
+    def __init__(self, torch_npu: Any) -> None:
+        self.npu = torch_npu
+        device_name = torch_npu.npu.get_device_name()
+        self.device_name = device_name
+        self.supports_fp8 = str(device_name).startswith("Ascend950")
+
+    def available(self) -> tuple[bool, str]:
+        """FP8, HiF8 and MX kernels exist on the Ascend 950 series only."""
+        if self.supports_fp8:
+            return True, ""
+        return False, (f"the NPU is {self.device_name}; FP8/HiF8/MXFP8 matmuls need an Ascend 950 series chip "
+                       "(A2/A3 chips have int8/int4 quantized matmuls only)")
+
+    # Quantize ------------------------------------------------------------------------------------------------
+    def _npu_dtype(self, fp8_dtype: FP8Dtype) -> Any:
+        return {FP8Dtype.E4M3: torch.float8_e4m3fn, FP8Dtype.E5M2: torch.float8_e5m2,
+                FP8Dtype.HIF8: self.npu.hifloat8}[fp8_dtype]
+
+    def _dst_type_max(self, fp8_dtype: FP8Dtype, target: float) -> Optional[float]:
+        """The kernels' dst_type_max for a target max, or None when no kernel takes that target."""
+        if fp8_dtype is FP8Dtype.HIF8:
+            return target if target in _HIF8_DST_MAX else None
+        return 0.0 if target == fp8_dtype.max else None
+
+    def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
+        x2d = x.detach().reshape(-1, x.shape[-1])
+        if isinstance(quantizer, Float8Quantizer):
+            return self._quantize_delayed(quantizer, x, x2d)
+        if isinstance(quantizer, Float8CurrentScalingQuantizer):
+            dst_max = self._dst_type_max(quantizer.fp8_dtype, quantizer.target_max)
+            if (x.dtype in _HALF and dst_max is not None and not quantizer.power_2_scale
+                    and quantizer.amax_epsilon == 0 and quantizer.amax_reduction_group is None):
+                y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(quantizer.fp8_dtype),
+                                                      quant_mode="pertensor", dst_type_max=dst_max)
+                return Float8Tensor(quantizer.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale)
+        elif isinstance(quantizer, Float8BlockQuantizer):
+            dst_max = self._dst_type_max(quantizer.fp8_dtype, quantizer.target_max)
+            if x.dtype in _HALF and dst_max is not None and not quantizer.power_2_scale \
+                    and quantizer.amax_epsilon == 0 and quantizer.block_len == 128:
+                return self._quantize_blocks(quantizer, x, x2d, dst_max)
+        elif isinstance(quantizer, MXFP8Quantizer) and quantizer.block_len == 32:
+            return self._quantize_mx(quantizer, x, x2d)
+        return quantizer.quantize(x)
+
+    def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8Tensor:
+        torch.maximum(q.amax, tensor_amax(x2d).reshape(q.amax.shape), out=q.amax)
+        scale_inv = q.scale.reciprocal()
+        # A non-float32 input would need scales in its own dtype; keep them exact by quantizing from float32.
+        src = x2d if x2d.dtype == torch.float32 else x2d.float()
+        y = self.npu.npu_quantize(src, scale_inv, None, self._npu_dtype(q.fp8_dtype), -1, True)
+        if q.fp8_dtype is FP8Dtype.HIF8:
+            y = y.view(torch.uint8)
+        return Float8Tensor(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale_inv)
+
+    def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor,
+                         dst_max: float) -> Float8BlockwiseQTensor:
+        rows = 1 if q.block_scaling_dim == 1 else 128
+        kwargs = dict(round_mode="round" if q.fp8_dtype is FP8Dtype.HIF8 else "rint",
+                      dst_type=self._npu_dtype(q.fp8_dtype), row_block_size=rows, col_block_size=128,
+                      dst_type_max=dst_max)
+        out = Float8BlockwiseQTensor(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim)
+        if q.rowwise_usage or q.block_scaling_dim == 2:
+            y, scale = self.npu.npu_dynamic_block_quant(x2d, **kwargs)
+            out.rowwise_data, out.rowwise_scale_inv = y.reshape(x.shape), scale
+        if q.columnwise_usage and q.block_scaling_dim == 1:
+            out.columnwise_data, out.columnwise_scale_inv = self.npu.npu_dynamic_block_quant(x2d.t(), **kwargs)
+        return out
+
+    def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> MXFP8Tensor:
+        if x2d.shape[0] % 32 or x2d.shape[1] % 32:
+            return q.quantize(x)  # raises the quantizer's own error about the shape
+        out = MXFP8Tensor(q.fp8_dtype, x.shape, x.dtype)
+        kwargs = dict(dst_type=self._npu_dtype(q.fp8_dtype), scale_alg=1 if q.rounding == "ceil" else 0)
+
+        def run(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, **kwargs)
+            return y, pairs.reshape(t.shape[0], -1)[:, : t.shape[1] // 32]
+
+        if q.rowwise_usage:
+            y, out.rowwise_scale_inv = run(x2d)
+            out.rowwise_data = y.reshape(x.shape)
+        if q.columnwise_usage:
+            out.columnwise_data, out.columnwise_scale_inv = run(x2d.t())
+        return out
+
+    # GEMM ----------------------------------------------------------------------------------------------------
+    def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
+        return {name: self.npu.hifloat8 for name in names} if fp8_dtype is FP8Dtype.HIF8 else {}
+
+    def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
+             out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        check_accumulate(out, bias)
+        args = self._quant_matmul_args(a, b, a_columnwise, b_columnwise)
+        if args is None:
+            return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
+                                bias=bias, out=out)
+        x1, x2, kwargs = args
+        mm_dtype = torch.float32 if out is not None else out_dtype
+        result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
+                                           bias=None if bias is None else bias.float(), **kwargs)
+        return out.add_(result) if out is not None else result
+
+    def _quant_matmul_args(self, a: Operand, b: Operand, a_col: bool, b_col: bool
+                           ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """(x1, x2, keyword arguments) of npu_quant_matmul for a · bᵀ, or None when no mode fits."""
+        if type(a) is not type(b) or not isinstance(a, (Float8Tensor, Float8BlockwiseQTensor, MXFP8Tensor)):
+            return None
+        if (a.fp8_dtype is FP8Dtype.HIF8) != (b.fp8_dtype is FP8Dtype.HIF8):
+            return None
+        hif8 = self._hif8_kwargs(a.fp8_dtype, ("x1_dtype", "x2_dtype"))
+        if isinstance(a, Float8Tensor):
+            x1 = a.columnwise_data if a_col else a.data.reshape(-1, a.shape[-1])
+            b2d = b.columnwise_data if b_col else b.data.reshape(-1, b.shape[-1])
+            return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
+        (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
+        if isinstance(a, Float8BlockwiseQTensor):
+            if s1.shape[0] != x1.shape[0] or s2.shape[0] == b2d.shape[0]:
+                return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
+            return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
+        if x1.shape[1] % 64:
+            return None  # E8M0 scales travel in pairs along k
+        e8m0 = self.npu.float8_e8m0fnu
+        return x1, b2d.t(), dict(
+            scale=s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
+            pertoken_scale=s1.reshape(s1.shape[0], -1, 2),
+            scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
+        )

@@ -1,0 +1,140 @@
+"""The NPU backend, run on CPU through the torch_npu simulator (which enforces the kernels' contract), must
+give the reference backend's results bit for bit, launch few kernels and never synchronize the host."""
+import pytest
+import torch
+
+from mindspeed_te import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    FP8GlobalStateManager,
+    MXFP8BlockScaling,
+    QParams,
+    RecipeState,
+)
+from mindspeed_te.diagnostics import HostSyncCounter
+from mindspeed_te.kernels import get_backend, requested_backend
+from mindspeed_te.kernels.npu import NpuBackend
+from mindspeed_te.kernels.npu_sim import make_simulator
+from mindspeed_te.ops import LinearQuantizers, fp8_linear
+
+NO_POW2 = QParams(power_2_scale=False)
+RECIPES = {
+    "delayed/hybrid": DelayedScaling(fp8_format=Format.HYBRID),
+    "delayed/hif8": DelayedScaling(fp8_format=Format.HIF8),
+    "tensorwise/e4m3": Float8CurrentScaling(fp8_format=Format.E4M3),
+    "tensorwise/hybrid": Float8CurrentScaling(fp8_format=Format.HYBRID),
+    "tensorwise/hif8": Float8CurrentScaling(fp8_format=Format.HIF8),
+    "blockwise/e4m3": Float8BlockScaling(fp8_quant_fwd_inp=NO_POW2, fp8_quant_fwd_weight=NO_POW2,
+                                         fp8_quant_bwd_grad=NO_POW2),
+    "blockwise/hif8 pow2 (torch-op quantize)": Float8BlockScaling(fp8_format=Format.HIF8),
+    "mxfp8/hybrid": MXFP8BlockScaling(fp8_format=Format.HYBRID),
+    "mxfp8/e4m3 floor": MXFP8BlockScaling(scale_rounding="floor"),
+}
+
+
+def _quantizers(recipe):
+    fwd = RecipeState.create(recipe, forward=True, num_quantizers=3)
+    bwd = RecipeState.create(recipe, forward=False, num_quantizers=2)
+    if isinstance(recipe, DelayedScaling):
+        fwd.scale.fill_(recipe.target_max(True) / 3.0)
+        bwd.scale.fill_(recipe.target_max(False) / 0.5)
+    f, b = fwd.make_quantizers(), bwd.make_quantizers()
+    return LinearQuantizers(f[0], f[1], b[0])
+
+
+def _step(backend_name, monkeypatch, recipe, sim=None):
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", backend_name)
+    if sim is not None:
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 192, generator=g) * 2).bfloat16().requires_grad_()
+    w = (torch.randn(128, 192, generator=g) * 0.1).bfloat16().requires_grad_()
+    b = torch.randn(128, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(64, 128, generator=g).bfloat16()
+    w.main_grad = torch.zeros(128, 192)
+    y = fp8_linear(x, w, b, quantizers=_quantizers(recipe), fuse_wgrad_accumulation=True)
+    y.backward(dy)
+    return y.detach(), x.grad, w.main_grad, b.grad
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch):
+    recipe = RECIPES[name]
+    sim = make_simulator()
+    got = _step("npu", monkeypatch, recipe, sim)
+    want = _step("reference", monkeypatch, recipe)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_quant_matmul"] >= 2  # the GEMMs really went through the kernel
+    quantize_kernel = {"delayed": "npu_quantize", "tensorwise": "npu_dynamic_quant",
+                       "blockwise/e4m3": "npu_dynamic_block_quant", "mxfp8": "npu_dynamic_mx_quant"}
+    for prefix, kernel in quantize_kernel.items():
+        if name.startswith(prefix):
+            assert sim.launch_counts[kernel] >= 3
+
+
+def test_kernels_used_and_launch_counts(monkeypatch):
+    """Delayed HiF8: forward = quantize input + GEMM with the step's weight already quantized; backward =
+    quantize grad + dgrad + wgrad."""
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    q = _quantizers(RECIPES["delayed/hif8"])
+    x = torch.randn(32, 64).requires_grad_()
+    w = torch.randn(48, 64).requires_grad_()
+    qw = backend.quantize(q.weight, w)  # once per step (is_first_microbatch)
+    sim.reset_counts()
+    qx = backend.quantize(q.input, x)
+    backend.gemm(qx, qw)
+    forward = sim.total_launches()
+    sim.reset_counts()
+    qdy = backend.quantize(q.grad_output, torch.randn(32, 48))
+    backend.gemm(qdy, qw, b_columnwise=True)
+    backend.gemm(qdy, qx, a_columnwise=True, b_columnwise=True)
+    backward = sim.total_launches()
+    assert (forward, backward) == (2, 3)
+    assert sim.launch_counts == {"npu_quantize": 1, "npu_quant_matmul": 2}
+
+
+def test_no_host_sync_through_the_npu_path(monkeypatch):
+    sim = make_simulator()
+    for name in ("delayed/hif8", "tensorwise/hif8", "mxfp8/hybrid"):
+        with HostSyncCounter() as counter:
+            _step("npu", monkeypatch, RECIPES[name], sim)
+        assert counter.total == 0, (name, dict(counter.counts))
+
+
+def test_backend_selection_and_errors(monkeypatch):
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "fast")
+    with pytest.raises(ValueError, match="MINDSPEED_TE_BACKEND='fast' is not valid; allowed: auto, npu, torch"):
+        requested_backend()
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "auto")
+    assert get_backend("cpu").name == "reference"
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "torch")
+    assert get_backend("cpu").name == "torch"
+    a2 = NpuBackend(make_simulator("Ascend910B3"))
+    ok, reason = a2.available()
+    assert not ok and "Ascend 950" in reason
+
+
+def test_chip_without_fp8_is_refused_by_the_kernel():
+    backend = NpuBackend(make_simulator("Ascend910B3"))
+    q = _quantizers(RECIPES["delayed/hybrid"])
+    with pytest.raises(RuntimeError, match="950"):
+        backend.quantize(q.input, torch.randn(4, 32))
+    FP8GlobalStateManager.reset()
+
+
+def test_fp8_availability_reports_the_chip(monkeypatch):
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend",
+                        lambda: NpuBackend(make_simulator("Ascend910B3")))
+    ok, reason = FP8GlobalStateManager.is_fp8_available()
+    assert not ok and "Ascend910B3" in reason
+    from mindspeed_te import fp8_autocast
+
+    with pytest.raises(RuntimeError, match="FP8 is not available: the NPU is Ascend910B3"):
+        with fp8_autocast():
+            pass
+    assert not FP8GlobalStateManager.is_fp8_enabled()
