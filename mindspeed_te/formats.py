@@ -23,6 +23,7 @@ __all__ = [
     "cast_to_fp8",
     "cast_from_fp8",
     "scaled_cast",
+    "as_float32",
 ]
 
 HIF8_MAX = 32768.0
@@ -201,7 +202,7 @@ def hif8_encode(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
     """HiF8 codes (uint8, same shape) of a float tensor, rounding half away from zero. Without `saturate`,
     |x| >= 40960 becomes +-Inf; with it, +-32768. NaN -> 0x80, -0 -> 0x00."""
     flat = x.detach().reshape(-1)
-    flat = flat.float().contiguous() if flat.dtype != torch.float32 else flat.contiguous()
+    flat = as_float32(flat).contiguous()
     bits = flat.view(torch.int32)
     table = _table("encode_sat" if saturate else "encode", flat.device)
     out = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
@@ -220,12 +221,17 @@ def hif8_decode(data: torch.Tensor) -> torch.Tensor:
 
 
 # Casts ----------------------------------------------------------------------------------------------------
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """t in float32, without a call when it already is (each call costs microseconds on small GEMMs)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def cast_to_fp8(x: torch.Tensor, fp8_dtype: FP8Dtype, saturate: bool = True) -> torch.Tensor:
     """Round x to the format (nearest-even for E4M3/E5M2, half away from zero for HiF8). With `saturate`,
     values beyond the largest finite one (and +-Inf) become +-max; NaN stays NaN."""
     if fp8_dtype is FP8Dtype.HIF8:
         return hif8_encode(x, saturate)
-    x = x.float()
+    x = as_float32(x)
     if saturate:
         x = x.clamp(-fp8_dtype.max, fp8_dtype.max)
     return x.to(fp8_dtype.storage_dtype)
@@ -245,11 +251,11 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -
     `scale_inv` is a float32 tensor broadcastable to x: one element for per-tensor scaling, or e.g.
     (..., nblocks, 1) against x of shape (..., nblocks, block). It stays a tensor (no host sync). A
     one-element scale takes a chunked path whose temporaries stay in cache."""
-    scale_inv = scale_inv.float()
+    scale_inv = as_float32(scale_inv)
     if scale_inv.dim() == 0:
         scale_inv = scale_inv.reshape(1)  # a 0-d divisor would be turned into a multiply by its reciprocal
     if scale_inv.numel() != 1 or x.numel() <= _CHUNK:
-        return cast_to_fp8(torch.div(x.float(), scale_inv), fp8_dtype, saturate=True)
+        return cast_to_fp8(torch.div(as_float32(x), scale_inv), fp8_dtype, saturate=True)
     flat = x.detach().reshape(-1)
     out = torch.empty(flat.numel(), dtype=fp8_dtype.storage_dtype, device=flat.device)
     scaled = torch.empty(min(flat.numel(), _CHUNK), dtype=torch.float32, device=flat.device)

@@ -5,7 +5,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mindspeed_te.formats import cast_from_fp8
+from mindspeed_te.formats import as_float32, cast_from_fp8
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.tensor import Float8Tensor, QuantizedTensorStorage
 
@@ -18,7 +18,7 @@ def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
     if isinstance(t, QuantizedTensorStorage):
         values = t.dequantize(torch.float32, columnwise=columnwise)
     else:
-        values = t if t.dtype == torch.float32 else t.float()
+        values = as_float32(t)
     if values.dim() != 2:
         values = values.reshape(-1, values.shape[-1])
     return values.t() if columnwise else values
@@ -56,7 +56,7 @@ class ReferenceBackend:
             a_codes = a.columnwise_data if a_columnwise else a.data.reshape(-1, a.shape[-1])
             b_codes = b.columnwise_data if b_columnwise else b.data.reshape(-1, b.shape[-1])
             result = torch.matmul(cast_from_fp8(a_codes, a.fp8_dtype), cast_from_fp8(b_codes.t(), b.fp8_dtype))
-            result = result * b.scale_inv.float() * a.scale_inv.float().reshape(-1, 1)
+            result = result * as_float32(b.scale_inv) * as_float32(a.scale_inv).reshape(-1, 1)
         else:
             result = operand_2d(a, a_columnwise) @ operand_2d(b, b_columnwise).t()
         if out is not None:
