@@ -1,0 +1,106 @@
+"""`GroupedLinear`: one linear per expert (MoE), TransformerEngine's parameter names weight{i} / bias{i}."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from mindspeed_te.distributed import ProcessGroup, copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from mindspeed_te.modules.base import FP8ModuleBase
+from mindspeed_te.modules.linear import check_parallel_mode, divide, resolve_tp_size, set_tensor_parallel_attributes
+from mindspeed_te.ops.grouped_linear import grouped_linear
+from mindspeed_te.ops.linear import LinearQuantizers, WeightCache
+from mindspeed_te.state import FP8GlobalStateManager
+
+
+class GroupedLinear(FP8ModuleBase):
+    """`num_gemms` experts; forward(inp, m_splits) applies expert i to the next m_splits[i] rows. Expert
+    tensor parallelism: "column" splits out_features, "row" splits in_features and all-reduces the output."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: ProcessGroup = None,
+        tp_size: int = 1,
+        init_method: Optional[Callable[[torch.Tensor], object]] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        device: Union[torch.device, str, None] = None,
+        use_fp8_gemm: bool = True,
+    ) -> None:
+        super().__init__(num_gemms=num_gemms)
+        check_parallel_mode(parallel_mode)
+        if num_gemms < 1:
+            raise ValueError(f"num_gemms must be >= 1, got {num_gemms}")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group = tp_group
+        self.tp_size = resolve_tp_size(tp_group, tp_size)
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = sequence_parallel
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.return_bias = return_bias
+        self.use_fp8_gemm = use_fp8_gemm
+        local_out = divide(out_features, self.tp_size, "out_features") if parallel_mode == "column" else out_features
+        local_in = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
+        dtype = params_dtype or torch.get_default_dtype()
+        self.use_bias = bias
+        for i in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=device))
+            set_tensor_parallel_attributes(weight, parallel_mode is not None, 0 if parallel_mode == "column" else 1)
+            weight.allreduce = False  # Megatron reduces expert gradients over the expert-data-parallel group
+            with torch.no_grad():
+                if init_method is not None:
+                    init_method(weight)
+                else:
+                    torch.nn.init.kaiming_uniform_(weight, a=5**0.5)
+            self.register_parameter(f"weight{i}", weight)
+            if bias:
+                b = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
+                set_tensor_parallel_attributes(b, parallel_mode == "column", 0)
+                b.allreduce = False
+                self.register_parameter(f"bias{i}", b)
+        self._weight_caches = [WeightCache() for _ in range(num_gemms)]
+
+    @property
+    def weights(self) -> list[torch.nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> Optional[list[torch.nn.Parameter]]:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def forward(self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
+        shape = inp.shape
+        x = inp.reshape(-1, shape[-1])
+        if self.parallel_mode == "column":
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        fp8 = self.prepare_forward(inp.device)
+        quantizers, first = None, False
+        if fp8 is not None:
+            fwd, bwd, first = fp8
+            if FP8GlobalStateManager.is_fp8_enabled() and self.use_fp8_gemm:
+                quantizers = [LinearQuantizers(fwd[3 * i], fwd[3 * i + 1], bwd[2 * i]) for i in range(self.num_gemms)]
+        add_bias = self.use_bias and not self.return_bias and self.parallel_mode != "row"
+        out = grouped_linear(
+            x, m_splits, self.weights, self.biases if add_bias else None,
+            quantizers=quantizers,
+            fp8_wgrad=FP8GlobalStateManager.get_fp8_recipe().fp8_wgrad(),
+            weight_caches=self._weight_caches,
+            is_first_microbatch=is_first_microbatch,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            reduce_amax_in_backward=first and quantizers is not None,
+        )
+        if self.parallel_mode == "row":
+            out = reduce_from_tensor_parallel_region(out, self.tp_group)
+            if self.use_bias and not self.return_bias:
+                out = out + torch.cat([b.expand(m, -1) for b, m in zip(self.biases, m_splits)])
+        out = out.reshape(*shape[:-1], out.shape[-1])
+        if self.return_bias:
+            return out, self.biases
+        return out
