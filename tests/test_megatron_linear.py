@@ -13,7 +13,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast  # noqa: E402
 from mindspeed_te.megatron import (  # noqa: E402
+    TEColumnParallelGroupedLinear,
     TEColumnParallelLinear,
+    TEGroupedLinear,
+    TERowParallelGroupedLinear,
     TEDelayedScaling,
     TELayerNormColumnParallelLinear,
     TELinear,
@@ -50,7 +53,8 @@ def megatron_init_params(class_name: str) -> dict:
 
 
 @pytest.mark.parametrize("ours", [TELinear, TEColumnParallelLinear, TERowParallelLinear, TEDelayedScaling,
-                                  TENorm, TELayerNormColumnParallelLinear],
+                                  TENorm, TELayerNormColumnParallelLinear, TEGroupedLinear,
+                                  TEColumnParallelGroupedLinear, TERowParallelGroupedLinear],
                          ids=lambda c: c.__name__)
 def test_constructor_accepts_everything_megatron_passes(ours):
     mine, megatron = _params(ours), megatron_init_params(ours.__name__)
@@ -198,3 +202,22 @@ def test_layernorm_column_parallel_linear(normalization):
     with pytest.raises(ValueError, match="is_expert"):
         TELayerNormColumnParallelLinear(64, 96, config=cfg, init_method=_init, gather_output=False, bias=True,
                                         skip_bias_add=True, is_expert=True)
+
+
+def test_grouped_linear_returns_biases_and_honours_use_gmm_fp8():
+    cfg = _config(num_moe_experts=4, moe_ffn_hidden_size=32)
+    fc1 = TEColumnParallelGroupedLinear(4, 64, 32, config=cfg, init_method=_init, bias=True, skip_bias_add=True,
+                                        is_expert=True)
+    x = torch.randn(10, 64)
+    out, biases = fc1(x, [1, 2, 3, 4])
+    assert out.shape == (10, 32) and len(biases) == 4 and fc1.is_first_microbatch is False
+    assert [n for n, _ in fc1.named_parameters()][:2] == ["weight0", "bias0"]
+    cfg.use_gmm_fp8 = False
+    fc2 = TERowParallelGroupedLinear(4, 32, 64, config=cfg, init_method=_init, bias=False, skip_bias_add=False,
+                                     is_expert=True)
+    assert not fc2.use_fp8_gemm
+    out, bias = fc2(torch.randn(10, 32), [1, 2, 3, 4])
+    assert bias is None and out.shape == (10, 64)
+    with pytest.raises(ValueError, match="is_expert"):
+        TEGroupedLinear(2, 8, 8, parallel_mode=None, config=cfg, init_method=_init, bias=False,
+                        skip_bias_add=False, is_expert=False)

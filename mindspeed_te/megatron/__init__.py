@@ -1,5 +1,10 @@
 """Megatron-facing TE* classes, built from a Megatron `TransformerConfig` with megatron-core's constructor
 keywords. Importing this package imports megatron.core (and nothing from megatron.training)."""
+from mindspeed_te.megatron.grouped_linear import (
+    TEColumnParallelGroupedLinear,
+    TEGroupedLinear,
+    TERowParallelGroupedLinear,
+)
 from mindspeed_te.megatron.linear import TEColumnParallelLinear, TEDelayedScaling, TELinear, TERowParallelLinear
 from mindspeed_te.megatron.misc import (
     Fp8Padding,
@@ -13,5 +18,5 @@ from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear, TENorm
 __all__ = [
     "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear", "TENorm",
     "TEDelayedScaling", "Fp8Padding", "Fp8Unpadding", "TECudaRNGStatesTracker", "get_cpu_offload_context",
-    "te_checkpoint",
+    "te_checkpoint", "TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
 ]

@@ -1,0 +1,106 @@
+"""Megatron-facing grouped (MoE expert) linears, megatron-core 0.16.1's keywords, built on GroupedLinear."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from megatron.core.model_parallel_config import ModelParallelConfig
+
+from mindspeed_te.distributed import group_size
+from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.modules.grouped_linear import GroupedLinear
+from mindspeed_te.modules.linear import divide
+
+__all__ = ["TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear"]
+
+
+def _expert_tp_group(pg_collection: Optional[object]) -> Optional[torch.distributed.ProcessGroup]:
+    if pg_collection is not None:
+        return getattr(pg_collection, "expt_tp", None)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_expert_tensor_parallel_group()
+    return None
+
+
+class TEGroupedLinear(GroupedLinear):
+    """Megatron's `TEGroupedLinear`: forward(x, m_splits) -> (output, biases or None). The MoE token
+    dispatcher does the expert communication, so under expert TP or EP each rank holds its local shard and
+    the layer itself communicates nothing. `config.use_gmm_fp8` (MindSpeed's --no-use-gmm-fp8 turns it off)
+    keeps the expert GEMMs in BF16 inside FP8 regions."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        parallel_mode: Optional[str],
+        config: ModelParallelConfig,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        pg_collection: Optional[object] = None,
+    ) -> None:
+        if not is_expert:
+            raise ValueError("TEGroupedLinear only supports expert layers (is_expert=True), as in Megatron")
+        self.config = config
+        self.te_return_bias = skip_bias_add and bias
+        self.is_first_microbatch = True
+        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        self._tp_group = _expert_tp_group(pg_collection)
+        expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        size = group_size(self._tp_group)
+        if size > 1 or expert_parallel:
+            if parallel_mode == "column":
+                output_size = divide(output_size, size, "output_size")
+            elif parallel_mode == "row":
+                input_size = divide(input_size, size, "input_size")
+            parallel_mode = None
+        super().__init__(
+            num_gemms, input_size, output_size,
+            sequence_parallel=config.sequence_parallel,
+            fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
+            init_method=condition_init_method(config, init_method),
+            bias=bias,
+            return_bias=self.te_return_bias,
+            params_dtype=config.params_dtype,
+            parallel_mode=parallel_mode,
+            device=megatron_device(config),
+            use_fp8_gemm=getattr(config, "use_gmm_fp8", True),
+        )
+        for param in self.parameters():
+            param.allreduce = not expert_parallel
+
+    def forward(self, x: torch.Tensor, m_splits):
+        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
+        out = super().forward(x, m_splits, is_first_microbatch=first)
+        self.is_first_microbatch = False
+        if self.te_return_bias:
+            return out
+        return out, None
+
+
+class TEColumnParallelGroupedLinear(TEGroupedLinear):
+    """Experts' first linear (FC1): split along the output dimension under expert TP."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None) -> None:
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+
+
+class TERowParallelGroupedLinear(TEGroupedLinear):
+    """Experts' second linear (FC2): split along the input dimension under expert TP."""
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None) -> None:
+        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
