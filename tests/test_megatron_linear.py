@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast  # noqa: E402
 from mindspeed_te.megatron import (  # noqa: E402
     TEColumnParallelGroupedLinear,
+    TEDotProductAttention,
     TEColumnParallelLinear,
     TEGroupedLinear,
     TERowParallelGroupedLinear,
@@ -54,7 +55,7 @@ def megatron_init_params(class_name: str) -> dict:
 
 @pytest.mark.parametrize("ours", [TELinear, TEColumnParallelLinear, TERowParallelLinear, TEDelayedScaling,
                                   TENorm, TELayerNormColumnParallelLinear, TEGroupedLinear,
-                                  TEColumnParallelGroupedLinear, TERowParallelGroupedLinear],
+                                  TEColumnParallelGroupedLinear, TERowParallelGroupedLinear, TEDotProductAttention],
                          ids=lambda c: c.__name__)
 def test_constructor_accepts_everything_megatron_passes(ours):
     mine, megatron = _params(ours), megatron_init_params(ours.__name__)

@@ -1,5 +1,6 @@
 """Megatron-facing TE* classes, built from a Megatron `TransformerConfig` with megatron-core's constructor
 keywords. Importing this package imports megatron.core (and nothing from megatron.training)."""
+from mindspeed_te.megatron.attention import TEDotProductAttention
 from mindspeed_te.megatron.grouped_linear import (
     TEColumnParallelGroupedLinear,
     TEGroupedLinear,
@@ -18,5 +19,5 @@ from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear, TENorm
 __all__ = [
     "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear", "TENorm",
     "TEDelayedScaling", "Fp8Padding", "Fp8Unpadding", "TECudaRNGStatesTracker", "get_cpu_offload_context",
-    "te_checkpoint", "TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
+    "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
 ]
