@@ -138,3 +138,22 @@ def test_fp8_availability_reports_the_chip(monkeypatch):
         with fp8_autocast():
             pass
     assert not FP8GlobalStateManager.is_fp8_enabled()
+
+
+def test_rms_norm_runs_the_fused_kernel(monkeypatch):
+    from mindspeed_te.modules import RMSNorm
+
+    sim = make_simulator()
+    norm = RMSNorm(64, eps=1e-6, zero_centered_gamma=True)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(8, 3, 64, requires_grad=True)
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "reference")
+    want = norm(x)
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    got = norm(x)
+    assert sim.launch_counts["npu_rms_norm"] == 1
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    got.sum().backward()  # the kernel's output is differentiable
+    assert x.grad is not None and norm.weight.grad is not None

@@ -164,6 +164,12 @@ class NpuBackend(ReferenceBackend):
             out.columnwise_data, out.columnwise_scale_inv = run(x2d.t())
         return out
 
+    def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+        """The fused npu_rms_norm (gamma in x's dtype, as the kernel requires); float64 stays on torch ops."""
+        if x.dtype == torch.float64 or x.dim() < 2:
+            return super().rms_norm(x, gamma, eps)
+        return self.npu.npu_rms_norm(x, gamma.to(x.dtype), eps)[0]
+
     # GEMM ----------------------------------------------------------------------------------------------------
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
         return {name: self.npu.hifloat8 for name in names} if fp8_dtype is FP8Dtype.HIF8 else {}

@@ -37,6 +37,11 @@ class ReferenceBackend:
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         return quantizer.quantize(x)
 
+    def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / sqrt(mean(x², trailing gamma dims) + eps) · gamma in float32 (float64 stays), x's dtype out."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return torch.nn.functional.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
+
     def gemm(
         self,
         a: Operand,

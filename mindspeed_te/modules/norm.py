@@ -8,6 +8,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from mindspeed_te.kernels import get_backend
+
 __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "norm_parameters", "rms_norm"]
 
 ShapeLike = Union[int, Sequence[int]]
@@ -39,8 +41,7 @@ def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
 
     The single place RMSNorm is computed, so that an NPU can run it as `torch_npu.npu_rms_norm(x, gamma, eps)`
     (through the kernel backend). `gamma` is the applied scale, already 1 + weight for zero-centered gamma."""
-    dtype = _compute_dtype(x)
-    return F.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
+    return get_backend(x.device).rms_norm(x, gamma, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
