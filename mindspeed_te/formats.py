@@ -214,8 +214,9 @@ def hif8_decode(data: torch.Tensor) -> torch.Tensor:
     """Exact float32 values of HiF8 codes."""
     if data.dtype != torch.uint8:
         raise TypeError(f"hif8_decode expects uint8 codes, got {data.dtype}")
-    if data.dim() == 2 and not data.is_contiguous() and data.t().is_contiguous():
-        return hif8_decode(data.t()).t()  # keep a transposed view transposed, as a native dtype cast does
+    if data.dim() >= 2 and not data.is_contiguous() and data.transpose(-1, -2).is_contiguous():
+        # keep a transposed view transposed, as a native dtype cast does
+        return hif8_decode(data.transpose(-1, -2)).transpose(-1, -2)
     table = _table("decode", data.device)
     return torch.index_select(table, 0, data.reshape(-1).to(torch.int32)).reshape(data.shape)
 

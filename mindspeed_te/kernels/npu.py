@@ -188,6 +188,60 @@ class NpuBackend(ReferenceBackend):
                                            bias=None if bias is None else bias.float(), **kwargs)
         return out.add_(result) if out is not None else result
 
+    def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
+        """Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
+        all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). Other
+        operands take one GEMM per group."""
+        if not self._groupable(a, b) or (a_columnwise and not b_columnwise):
+            return super().grouped_gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise,
+                                        out_dtype=out_dtype, out=out)
+        fp8 = a[0].fp8_dtype
+        hif8 = {"x_dtype": self.npu.hifloat8, "weight_dtype": self.npu.hifloat8} if fp8 is FP8Dtype.HIF8 else {}
+        rows = [t.data.reshape(-1, t.shape[-1]) for t in a]
+        mm_dtype = torch.float32 if out is not None else out_dtype
+        if not a_columnwise:
+            # x (M, K); weight (G, K, N): the stacked weight codes, transposed for fprop (W is (N, K)) and as
+            # they are for dgrad (W itself is the (K, N) operand there).
+            b_codes = torch.stack([t.data.reshape(-1, t.shape[-1]) for t in b])
+            b_codes = b_codes if b_columnwise else b_codes.transpose(1, 2)
+            sizes = [r.shape[0] for r in rows]
+            per_token = torch.cat([t.scale_inv.reshape(1).expand(m) for t, m in zip(a, sizes)])
+            (y,) = self.npu.npu_grouped_matmul(
+                [torch.cat(rows)], [b_codes], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
+                per_token_scale=[per_token], group_list=self._group_list(sizes, rows[0].device),
+                split_item=3, group_type=0, output_dtype=mm_dtype, **hif8)
+            results = list(torch.split(y, sizes))
+        else:
+            # K-split: x = the concatenated (tokens, N) codes transposed, weight the (tokens, K) codes.
+            sizes = [r.shape[0] for r in rows]
+            x_rows = torch.cat([t.data.reshape(-1, t.shape[-1]) for t in b])
+            (y,) = self.npu.npu_grouped_matmul(
+                [torch.cat(rows).t()], [x_rows], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
+                per_token_scale=[torch.cat([t.scale_inv.reshape(1) for t in a])],
+                group_list=self._group_list(sizes, rows[0].device),
+                split_item=3, group_type=2, output_dtype=mm_dtype, **hif8)
+            results = list(y.unbind(0))
+        if out is not None:
+            return [o.add_(r) for o, r in zip(out, results)]
+        return results
+
+    @staticmethod
+    def _group_list(sizes: list[int], device: torch.device) -> torch.Tensor:
+        ends, total = [], 0
+        for m in sizes:
+            total += m
+            ends.append(total)
+        return torch.tensor(ends, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def _groupable(a, b) -> bool:
+        """Per-tensor scaled groups of one 8-bit format (the only grouped FP8 form the kernel has)."""
+        tensors = list(a) + list(b)
+        if not tensors or not all(isinstance(t, Float8Tensor) and t.data is not None for t in tensors):
+            return False
+        hif8 = [t.fp8_dtype is FP8Dtype.HIF8 for t in tensors]
+        return all(hif8) or not any(hif8)
+
     def _quant_matmul_args(self, a: Operand, b: Operand, a_col: bool, b_col: bool
                            ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
         """(x1, x2, keyword arguments) of npu_quant_matmul for a · bᵀ, or None when no mode fits."""
