@@ -92,6 +92,13 @@ class NpuBackend(ReferenceBackend):
         return False, (f"the NPU is {self.device_name}; FP8/HiF8/MXFP8 matmuls need an Ascend 950 series chip "
                        "(A2/A3 chips have int8/int4 quantized matmuls only)")
 
+    def hcom(self, group: Any) -> str:
+        """The HCCL communicator name of a process group, which the fused matmul+communication kernels take."""
+        if hasattr(self.npu, "hcom_of"):  # the simulator
+            return self.npu.hcom_of(group)
+        rank = torch.distributed.get_rank(group)
+        return group._get_backend(torch.device("npu")).get_hccl_comm_name(rank)
+
     # Quantize ------------------------------------------------------------------------------------------------
     def _npu_dtype(self, fp8_dtype: FP8Dtype) -> Any:
         return {FP8Dtype.E4M3: torch.float8_e4m3fn, FP8Dtype.E5M2: torch.float8_e5m2,

@@ -321,7 +321,84 @@ def _kernel(fn: Optional[Callable] = None, *, differentiable: bool = False) -> C
     return wrapper
 
 
-class NpuSimulator(types.ModuleType):
+class _Mc2Mixin:
+    """Fused matmul + communication kernels (`--use-ascend-mc2`), run over the torch.distributed group that
+    `hcom` names. High precision only here: their FP8/MX forms (x1_scale/x2_scale) are not simulated."""
+
+    def _mc2_group(self, kernel: str, x1: torch.Tensor, x2: torch.Tensor, hcom: Any, world_size: Any,
+                   bias: Any, scales: tuple) -> Any:
+        import torch.distributed as dist
+
+        _check_tensor("self", x1, _HALF_FLOATS)
+        _check_tensor("x2", x2, (x1.dtype,))
+        _check_dims("self", x1, 2, 2)
+        _check_dims("x2", x2, 2, 2)
+        if x1.shape[1] != x2.shape[0]:
+            raise NpuValueError(f"k of self {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
+        _check_none("bias", bias, f"for {kernel} (it takes no bias)")
+        if any(s is not None for s in scales):
+            raise NpuSimNotImplemented(f"{kernel}: quantized (x1_scale/x2_scale) forms are not simulated")
+        if not isinstance(hcom, str) or hcom not in self._groups:
+            raise NpuValueError(f"hcom must be the HCCL communicator name of the group, got {hcom!r}")
+        group = self._groups[hcom]
+        size = dist.get_world_size(group)
+        if world_size is not None:
+            _check_choice("world_size", _check_int("world_size", world_size), (2, 4, 8, 16, 32))
+            if world_size != size:
+                raise NpuValueError(f"world_size={world_size} but the hcom group has {size} ranks")
+        return group
+
+    @_kernel
+    def npu_all_gather_base_mm(self, input: torch.Tensor, /, x2: torch.Tensor, hcom: str, world_size: int,
+                               bias: Optional[torch.Tensor] = None, x1_scale: Optional[torch.Tensor] = None,
+                               x2_scale: Optional[torch.Tensor] = None, gather_index: int = 0,
+                               gather_output: bool = True, comm_turn: int = 0, output_dtype: DtypeArg = None,
+                               comm_mode: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(all_gather(input) @ x2, all_gather(input)): gather along dim 0, then the GEMM (fp32 accumulation,
+        output in the input dtype)."""
+        import torch.distributed as dist
+
+        group = self._mc2_group("npu_all_gather_base_mm", input, x2, hcom, world_size, bias, (x1_scale, x2_scale))
+        _check_choice("gather_index", gather_index, (0,), "(gathering x2 is not simulated)")
+        gathered = torch.empty(world_size * input.shape[0], input.shape[1], dtype=input.dtype)
+        dist.all_gather_into_tensor(gathered, input.contiguous(), group=group)
+        out = (gathered.float() @ x2.float()).to(input.dtype)
+        return out, (gathered if gather_output else gathered.new_empty(0))
+
+    @_kernel
+    def npu_mm_reduce_scatter_base(self, input: torch.Tensor, /, x2: torch.Tensor, hcom: str, world_size: int,
+                                   reduce_op: str = "sum", bias: Optional[torch.Tensor] = None,
+                                   x1_scale: Optional[torch.Tensor] = None, x2_scale: Optional[torch.Tensor] = None,
+                                   comm_turn: int = 0, output_dtype: DtypeArg = None,
+                                   comm_mode: Optional[str] = None) -> torch.Tensor:
+        """reduce_scatter(input @ x2) along dim 0 (fp32 GEMM and reduction, output in the input dtype)."""
+        import torch.distributed as dist
+
+        group = self._mc2_group("npu_mm_reduce_scatter_base", input, x2, hcom, world_size, bias,
+                                (x1_scale, x2_scale))
+        _check_choice("reduce_op", reduce_op, ("sum",))
+        if input.shape[0] % world_size:
+            raise NpuValueError(f"self's dim 0 ({input.shape[0]}) must be divisible by world_size ({world_size})")
+        full = input.float() @ x2.float()
+        out = torch.empty(input.shape[0] // world_size, x2.shape[1], dtype=torch.float32)
+        dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
+        return out.to(input.dtype)
+
+    @_kernel
+    def npu_mm_all_reduce_base(self, x1: torch.Tensor, x2: torch.Tensor, hcom: str, reduce_op: str = "sum",
+                               bias: Optional[torch.Tensor] = None, **quantized: Any) -> torch.Tensor:
+        """all_reduce(x1 @ x2) (fp32 GEMM and reduction, output in x1's dtype)."""
+        import torch.distributed as dist
+
+        group = self._mc2_group("npu_mm_all_reduce_base", x1, x2, hcom, None, bias,
+                                tuple(v for v in quantized.values() if isinstance(v, torch.Tensor)))
+        _check_choice("reduce_op", reduce_op, ("sum",))
+        full = (x1.float() @ x2.float()).contiguous()
+        dist.all_reduce(full, group=group)
+        return full.to(x1.dtype)
+
+
+class NpuSimulator(_Mc2Mixin, types.ModuleType):
     """Module object usable in place of `torch_npu`; see the module docstring."""
 
     hifloat8 = HIFLOAT8
@@ -343,6 +420,14 @@ class NpuSimulator(types.ModuleType):
         npu.is_available = lambda: True
         npu.device_count = lambda: 1
         self.npu = npu
+        self._groups: dict[str, Any] = {}
+
+    def hcom_of(self, group: Any) -> str:
+        """Simulator stand-in for `group._get_backend(npu).get_hccl_comm_name(rank)`: the communicator name
+        the fused matmul+communication kernels take as `hcom`."""
+        name = f"sim_hccl_{id(group)}"
+        self._groups[name] = group
+        return name
 
     # bookkeeping
     def reset_counts(self) -> None:

@@ -93,6 +93,7 @@ class TELinear(TEModuleMixin, Linear):
             params_dtype=config.params_dtype,
             parallel_mode=local_mode,
             device=megatron_device(config),
+            use_ascend_mc2=getattr(config, "use_ascend_mc2", False),
         )
         for param in self.parameters():
             if is_expert:

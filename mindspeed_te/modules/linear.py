@@ -2,6 +2,7 @@
 with optional column/row tensor parallelism and sequence parallelism."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -15,7 +16,9 @@ from mindspeed_te.distributed import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from mindspeed_te.kernels import get_backend
 from mindspeed_te.modules.base import FP8ModuleBase
+from mindspeed_te.ops.mc2 import mc2_linear
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
 from mindspeed_te.state import FP8GlobalStateManager
 
@@ -69,6 +72,7 @@ class Linear(FP8ModuleBase):
         device: Union[torch.device, str, None] = None,
         gather_output: bool = False,
         name: Optional[str] = None,
+        use_ascend_mc2: bool = False,
     ) -> None:
         super().__init__(num_gemms=1)
         check_parallel_mode(parallel_mode)
@@ -83,6 +87,8 @@ class Linear(FP8ModuleBase):
         self.return_bias = return_bias
         self.gather_output = gather_output
         self.name = name
+        self.use_ascend_mc2 = use_ascend_mc2
+        self._mc2_warned = False
         local_out = divide(out_features, self.tp_size, "out_features") if parallel_mode == "column" else out_features
         local_in = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
         dtype = params_dtype or torch.get_default_dtype()
@@ -107,8 +113,30 @@ class Linear(FP8ModuleBase):
             if self.bias is not None:
                 self.bias.zero_()
 
+    def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
+        """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision only; quantized
+        GEMMs fall back to separate collectives (warned once)."""
+        if not self.use_ascend_mc2 or self.tp_size == 1 or get_backend(device).name != "npu":
+            return False
+        if self.parallel_mode == "column" and not self.sequence_parallel:
+            return False
+        if quantized:
+            if not self._mc2_warned:
+                warnings.warn("--use-ascend-mc2: fused communication runs in high precision only; FP8 GEMMs of "
+                              f"{type(self).__name__} use separate collectives")
+                self._mc2_warned = True
+            return False
+        return True
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)
+        quantized = fp8 is not None and FP8GlobalStateManager.is_fp8_enabled()
+        if self._mc2_applies(inp.device, quantized):
+            out = mc2_linear(inp, self.weight, get_backend(inp.device), self.tp_group, self.parallel_mode,
+                             self.sequence_parallel, self.fuse_wgrad_accumulation)
+            if self.bias is not None and not self.return_bias:
+                out = out + self.bias
+            return (out, self.bias) if self.return_bias else out
         x = inp
         if self.parallel_mode == "column":
             x = (gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel

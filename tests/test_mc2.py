@@ -1,0 +1,80 @@
+"""--use-ascend-mc2 on 2 gloo processes: the fused all-gather+matmul / matmul+reduce-scatter / all-reduce
+kernels (simulated over the real process group) give what separate collectives give; FP8 falls back."""
+import os
+import warnings
+
+import torch
+
+from tests.dist_utils import run_distributed
+
+S, B, K, N = 16, 2, 64, 96
+LAYOUTS = [("column", True), ("row", True), ("row", False)]
+
+
+def _worker(rank: int, world: int) -> dict:
+    import mindspeed_te.kernels.npu as npu_kernels
+    from mindspeed_te import Float8CurrentScaling, FP8GlobalStateManager, fp8_autocast
+    from mindspeed_te.kernels.npu import NpuBackend
+    from mindspeed_te.kernels.npu_sim import make_simulator
+    from mindspeed_te.modules import Linear
+
+    os.environ["MINDSPEED_TE_BACKEND"] = "npu"
+    sim = make_simulator()
+    npu_kernels.get_npu_backend = lambda: NpuBackend(sim)
+    group = torch.distributed.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(0)
+    w_full = torch.randn(N, K, generator=g) * 0.1
+    x_full = torch.randn(S, B, K, generator=g)
+    dy_full = torch.randn(S, B, N, generator=g)
+    out = {}
+    for mode, sp in LAYOUTS:
+        for mc2 in (False, True):
+            FP8GlobalStateManager.reset()
+            layer = Linear(K, N, parallel_mode=mode, sequence_parallel=sp, tp_group=group, bias=True,
+                           use_ascend_mc2=mc2, params_dtype=torch.bfloat16)
+            with torch.no_grad():
+                layer.weight.copy_(w_full.chunk(world, 0 if mode == "column" else 1)[rank])
+                layer.bias.fill_(0.5)
+            if mode == "column":
+                x = x_full.chunk(world, 0)[rank] if sp else x_full
+                dy = dy_full.chunk(world, 2)[rank]
+            else:
+                x = x_full.chunk(world, 2)[rank]
+                dy = dy_full.chunk(world, 0)[rank] if sp else dy_full
+            x = x.bfloat16().requires_grad_()
+            sim.reset_counts()
+            y = layer(x)
+            y.backward(dy.bfloat16())
+            out[(mode, sp, mc2)] = (y.detach().float(), x.grad.float(), layer.weight.grad.float(),
+                                    dict(sim.launch_counts))
+    # FP8 with mc2: one warning, separate collectives.
+    layer = Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=group, use_ascend_mc2=True,
+                   params_dtype=torch.bfloat16)
+    sim.reset_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+                layer(x_full.chunk(world, 2)[rank].bfloat16())
+    out["fp8"] = ([str(w.message) for w in caught if "mc2" in str(w.message)], dict(sim.launch_counts))
+    return out
+
+
+def test_mc2_matches_separate_collectives():
+    results = run_distributed(_worker, 2)
+    for res in results:
+        for mode, sp in LAYOUTS:
+            plain, fused = res[(mode, sp, False)], res[(mode, sp, True)]
+            for a, b in zip(plain[:3], fused[:3]):
+                assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), (mode, sp)
+            kernels = fused[3]
+            if mode == "column":
+                assert kernels == {"npu_all_gather_base_mm": 1, "npu_mm_reduce_scatter_base": 1}
+            elif sp:
+                assert kernels == {"npu_mm_reduce_scatter_base": 1, "npu_all_gather_base_mm": 1}
+            else:
+                assert kernels == {"npu_mm_all_reduce_base": 1}
+            assert not any("base_mm" in k or "mm_" in k for k in plain[3])
+        messages, kernels = res["fp8"]
+        assert len(messages) == 1 and "high precision only" in messages[0]
+        assert "npu_mm_reduce_scatter_base" not in kernels and kernels.get("npu_quant_matmul", 0) == 2
