@@ -190,3 +190,25 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch):
         assert sim.launch_counts["npu_grouped_matmul"] == 3  # fprop, dgrad, wgrad: one call each
     else:
         assert sim.launch_counts["npu_quant_matmul"] == 6  # MX: no grouped kernel form; one GEMM per expert
+
+
+@pytest.mark.parametrize("mask_type, groups", [("causal", 4), ("padding_causal", 2), ("no_mask", 1)])
+def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch):
+    from mindspeed_te.modules import DotProductAttention
+
+    attn = DotProductAttention(4, 16, num_gqa_groups=groups, attn_mask_type=mask_type)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 2, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(8, 2, groups, 16, generator=g, requires_grad=True)
+    v = torch.randn(8, 2, groups, 16, generator=g, requires_grad=True)
+    mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+    mask[1, ..., 6:] = True
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "reference")
+    want = attn(q, k, v, attention_mask=mask)
+    sim = make_simulator()
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    got = attn(q, k, v, attention_mask=mask)
+    assert sim.launch_counts["npu_fusion_attention"] == 1 and torch.equal(got, want)
+    got.sum().backward()
+    assert q.grad is not None and k.grad is not None

@@ -177,6 +177,17 @@ class NpuBackend(ReferenceBackend):
             return super().rms_norm(x, gamma, eps)
         return self.npu.npu_rms_norm(x, gamma.to(x.dtype), eps)[0]
 
+    def attention(self, query, key, value, mask, scale, dropout):
+        """npu_fusion_attention in the SBH layout with a boolean mask (True = masked) and no dropout; other
+        cases (dropout, additive bias masks) run the reference attention on the device."""
+        if dropout > 0 or (mask is not None and mask.dtype != torch.bool):
+            return super().attention(query, key, value, mask, scale, dropout)
+        s_q, b, h, d = query.shape
+        out = self.npu.npu_fusion_attention(
+            query.reshape(s_q, b, h * d), key.reshape(key.shape[0], b, -1), value.reshape(value.shape[0], b, -1),
+            h, "SBH", atten_mask=None if mask is None else ~mask, scale=scale, keep_prob=1.0)[0]
+        return out
+
     # GEMM ----------------------------------------------------------------------------------------------------
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
         return {name: self.npu.hifloat8 for name in names} if fp8_dtype is FP8Dtype.HIF8 else {}

@@ -37,6 +37,19 @@ class ReferenceBackend:
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         return quantizer.quantize(x)
 
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: Optional[torch.Tensor], scale: float, dropout: float) -> torch.Tensor:
+        """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs (key/value may have fewer heads);
+        `mask` is a boolean "may attend" mask or an additive float one. Returns [s, b, heads · d]."""
+        s_q, b, h, _ = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        if k.shape[1] != h:
+            k = k.repeat_interleave(h // k.shape[1], dim=1)
+            v = v.repeat_interleave(h // v.shape[1], dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                               scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(s_q, b, h * v.shape[-1])
+
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x², trailing gamma dims) + eps) · gamma in float32 (float64 stays), x's dtype out."""
         dtype = torch.promote_types(x.dtype, torch.float32)

@@ -9,6 +9,8 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspeed_te.kernels import get_backend
+
 MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal")
 
 
@@ -60,20 +62,14 @@ class DotProductAttention(torch.nn.Module):
         s_q, b, h, d = query.shape
         if h % key.shape[2]:
             raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[2]})")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        if k.shape[1] != h:
-            k = k.repeat_interleave(h // k.shape[1], dim=1)
-            v = v.repeat_interleave(h // v.shape[1], dim=1)
-        allowed = self._allowed(mask_type, attention_mask, s_q, k.shape[2], query.device)
+        allowed = self._allowed(mask_type, attention_mask, s_q, key.shape[0], query.device)
         if attention_bias is not None:
-            bias = attention_bias.to(q.dtype)
+            bias = attention_bias.to(query.dtype)
             allowed = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
         with rng or contextlib.nullcontext():
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(s_q, b, h * v.shape[-1])
+            return get_backend(query.device).attention(query, key, value, allowed, self.softmax_scale, dropout)
 
     @staticmethod
     def _allowed(mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
