@@ -222,3 +222,30 @@ def test_grouped_linear_returns_biases_and_honours_use_gmm_fp8():
     with pytest.raises(ValueError, match="is_expert"):
         TEGroupedLinear(2, 8, 8, parallel_mode=None, config=cfg, init_method=_init, bias=False,
                         skip_bias_add=False, is_expert=False)
+
+
+def _grouped_sharded_worker(rank: int, world: int) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    cfg = _config(num_moe_experts=4, expert_model_parallel_size=world)
+    fc1 = TEColumnParallelGroupedLinear(2, 64, 32, config=cfg, init_method=_init, bias=True, skip_bias_add=False,
+                                        is_expert=True)
+    sd = fc1.sharded_state_dict(prefix="experts.fc1.", metadata=meta)
+    out = {k: (type(v).__name__, getattr(v, "key", None), getattr(v, "global_shape", None),
+               getattr(v, "global_offset", None)) for k, v in sd.items()}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_grouped_sharded_state_dict_stacks_experts_across_ep_ranks():
+    from tests.dist_utils import run_distributed
+
+    for rank, res in enumerate(run_distributed(_grouped_sharded_worker, 2)):
+        for i in range(2):
+            kind, key, shape, offset = res[f"experts.fc1.weight{i}"]
+            assert (kind, key, shape, offset) == ("ShardedTensor", "experts.fc1.weight", (4, 32, 64),
+                                                  (2 * rank + i, 0, 0))
+            assert res[f"experts.fc1.bias{i}"][2:] == ((4, 32), (2 * rank + i, 0))
+        assert res["experts.fc1._extra_state"][0] == "ShardedObject"

@@ -6,7 +6,10 @@ from typing import Callable, Optional
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 
-from mindspeed_te.distributed import group_size
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from mindspeed_te.distributed import group_rank, group_size
 from mindspeed_te.megatron.common import condition_init_method, megatron_device
 from mindspeed_te.modules.grouped_linear import GroupedLinear
 from mindspeed_te.modules.linear import divide
@@ -22,6 +25,18 @@ def _expert_tp_group(pg_collection: Optional[object]) -> Optional[torch.distribu
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_expert_tensor_parallel_group()
     return None
+
+
+def _expert_parallel_coords(pg_collection: Optional[object]) -> tuple[int, int]:
+    """(size, rank) of the expert-parallel group."""
+    group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+    if group is None:
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return 1, 0
+        group = parallel_state.get_expert_model_parallel_group()
+    return group_size(group), group_rank(group)
 
 
 class TEGroupedLinear(GroupedLinear):
@@ -51,6 +66,7 @@ class TEGroupedLinear(GroupedLinear):
         self.te_return_bias = skip_bias_add and bias
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        self._pg_collection = pg_collection
         self._tp_group = _expert_tp_group(pg_collection)
         expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
         size = group_size(self._tp_group)
@@ -75,6 +91,35 @@ class TEGroupedLinear(GroupedLinear):
         for param in self.parameters():
             param.allreduce = not expert_parallel
 
+    def _sharded_grouped(self, weight_axis: int, bias_axis: Optional[int], prefix: str, sharded_offsets: tuple,
+                         metadata: Optional[dict]) -> dict:
+        """Each local expert's weight/bias as ShardedTensors of the global expert stack (expert index along a
+        new leading axis, Megatron's layout) and the module's FP8 metadata as one ShardedObject per EP rank."""
+        ep_size, ep_rank = _expert_parallel_coords(self._pg_collection)
+        ep_axis = len(sharded_offsets)
+        full = self.state_dict(prefix="", keep_vars=True)
+        dp_cp_group = (metadata or {}).get("dp_cp_group")
+        result = {}
+        for i in range(self.num_gemms):
+            local = {f"{i}.weight": full[f"weight{i}"]}
+            axes = {f"{i}.weight": weight_axis}
+            if self.use_bias:
+                local[f"{i}.bias"] = full[f"bias{i}"]
+                if bias_axis is not None:
+                    axes[f"{i}.bias"] = bias_axis
+            offsets = (*sharded_offsets, (ep_axis, ep_rank * self.num_gemms + i, ep_size * self.num_gemms))
+            sub = make_sharded_tensors_for_checkpoint(local, "", axes, offsets, tp_group=self._tp_group,
+                                                      dp_cp_group=dp_cp_group)
+            replace_prefix_for_sharding(sub, f"{i}.", prefix)
+            result[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
+            if self.use_bias:
+                result[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+        extra = make_sharded_tensors_for_checkpoint(
+            {"_extra_state": full["_extra_state"]}, prefix, None, (*sharded_offsets, (ep_axis, ep_rank, ep_size)),
+            tp_group=self._tp_group, dp_cp_group=dp_cp_group)
+        result.update(extra)
+        return result
+
     def forward(self, x: torch.Tensor, m_splits):
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
         out = super().forward(x, m_splits, is_first_microbatch=first)
@@ -94,6 +139,10 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
                          init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
                          tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Per expert: weight and bias sharded along dim 0 under expert TP."""
+        return self._sharded_grouped(0, 0, prefix, sharded_offsets, metadata)
+
 
 class TERowParallelGroupedLinear(TEGroupedLinear):
     """Experts' second linear (FC2): split along the input dimension under expert TP."""
@@ -104,3 +153,7 @@ class TERowParallelGroupedLinear(TEGroupedLinear):
         super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
                          init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
                          tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Per expert: weight sharded along dim 1 under expert TP, bias replicated."""
+        return self._sharded_grouped(1, None, prefix, sharded_offsets, metadata)
