@@ -150,12 +150,6 @@ def tile_view(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return x.reshape(m // rows, rows, k // cols, cols)
 
 
-def tile_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """amax of every rows x cols tile of a 2-D tensor (zero-padded to whole tiles): [ceil(M/rows), ceil(K/cols)]."""
-    tiles = tile_view(pad_to_multiple(x.float(), rows, cols), rows, cols)
-    return tiles.abs().amax(dim=(1, 3))
-
-
 def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, emax_elem: int, rounding: str) -> torch.Tensor:
     """Unbiased power-of-two exponent of each MX block's decode scale, clamped to E8M0's range [-127, 127].
 

@@ -90,14 +90,6 @@ def test_current_scale_closed_form():
     assert scaling.current_scale(torch.tensor(1e-6), 15.0, amax_epsilon=1e-3).item() == pytest.approx(15e3)
 
 
-def test_tile_amax_pads_partial_tiles():
-    x = torch.arange(1, 1 + 3 * 200, dtype=torch.float32).reshape(3, 200)
-    amax = scaling.tile_amax(x, 1, 128)
-    assert amax.shape == (3, 2)
-    assert amax[:, 0].tolist() == [128.0, 328.0, 528.0] and amax[:, 1].tolist() == [200.0, 400.0, 600.0]
-    assert scaling.tile_amax(x, 128, 128).tolist() == [[528.0, 600.0]]
-
-
 @pytest.mark.parametrize("rounding", ["ceil", "floor"])
 def test_mx_exponents_closed_form(rounding):
     values = [448.0, 449.0, 1.0, 896.0, 0.0, 3e38, 1e-40]
