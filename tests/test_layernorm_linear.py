@@ -3,30 +3,14 @@
 import pytest
 import torch
 
-from mindspeed_te import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
-    FP8GlobalStateManager,
-    MXFP8BlockScaling,
-    fp8_autocast,
-)
+from mindspeed_te import FP8GlobalStateManager, fp8_autocast
 from mindspeed_te.modules.layernorm_linear import LayerNormLinear
 from mindspeed_te.modules.linear import Linear
 from mindspeed_te.modules.norm import LayerNorm, RMSNorm
 from tests.dist_utils import run_distributed
+from tests.test_linear_parallel import RECIPES  # the same recipe table as Linear's parity tests
 
 NORMS = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
-RECIPES = {
-    "high precision": None,
-    "delayed/hybrid": lambda: DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
-    "delayed/hif8": lambda: DelayedScaling(fp8_format=Format.HIF8, amax_history_len=4),
-    "tensorwise/e4m3": lambda: Float8CurrentScaling(fp8_format=Format.E4M3),
-    "tensorwise/hif8": lambda: Float8CurrentScaling(fp8_format=Format.HIF8),
-    "blockwise/e4m3": lambda: Float8BlockScaling(fp8_format=Format.E4M3),
-    "mxfp8/hybrid": lambda: MXFP8BlockScaling(fp8_format=Format.HYBRID),
-}
 STEPS = 2  # the second step runs delayed scaling with the scales the first one produced
 
 

@@ -7,7 +7,7 @@ GEMM upcasts internally and is slower than dequantize + fp32 GEMM (see REFERENCE
 from __future__ import annotations
 
 import os
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 
@@ -17,7 +17,10 @@ from mindspeed_te.kernels.torch_native import TorchBackend
 BACKEND_ENV = "MINDSPEED_TE_BACKEND"
 BACKEND_CHOICES = ("auto", "npu", "torch", "reference")
 
-Backend = Union[ReferenceBackend, "NpuBackend"]  # noqa: F821  (NpuBackend is imported lazily)
+if TYPE_CHECKING:
+    from mindspeed_te.kernels.npu import NpuBackend
+
+Backend = Union[ReferenceBackend, "NpuBackend"]  # the npu module is imported only when asked for
 
 _REFERENCE = ReferenceBackend()
 _TORCH = TorchBackend()
