@@ -323,21 +323,34 @@ def _kernel(fn: Optional[Callable] = None, *, differentiable: bool = False) -> C
 
 class _Mc2Mixin:
     """Fused matmul + communication kernels (`--use-ascend-mc2`), run over the torch.distributed group that
-    `hcom` names. High precision only here: their FP8/MX forms (x1_scale/x2_scale) are not simulated."""
+    `hcom` names: high precision (fp16/bf16), or MXFP8 with E8M0 x1_scale (m, ceil(k/64), 2) and x2_scale
+    (ceil(k/64), n, 2) as in npu_quant_matmul's [1, 1, 32] mode (output_dtype then required)."""
 
-    def _mc2_group(self, kernel: str, x1: torch.Tensor, x2: torch.Tensor, hcom: Any, world_size: Any,
-                   bias: Any, scales: tuple) -> Any:
+    def _mc2_operands(self, kernel: str, x1: torch.Tensor, x2: torch.Tensor, hcom: Any, world_size: Any,
+                      bias: Any, x1_scale: Any, x2_scale: Any, output_dtype: DtypeArg) -> tuple:
+        """(group, output dtype, whether MX) after the contract checks."""
         import torch.distributed as dist
 
-        _check_tensor("self", x1, _HALF_FLOATS)
-        _check_tensor("x2", x2, (x1.dtype,))
+        _check_tensor("self", x1)
+        _check_tensor("x2", x2)
         _check_dims("self", x1, 2, 2)
         _check_dims("x2", x2, 2, 2)
         if x1.shape[1] != x2.shape[0]:
             raise NpuValueError(f"k of self {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
         _check_none("bias", bias, f"for {kernel} (it takes no bias)")
-        if any(s is not None for s in scales):
-            raise NpuSimNotImplemented(f"{kernel}: quantized (x1_scale/x2_scale) forms are not simulated")
+        mx = x1_scale is not None or x2_scale is not None
+        if mx:
+            if x1_scale is None or x2_scale is None:
+                raise NpuValueError("MX needs both x1_scale and x2_scale")
+            _check_dtype("self.dtype", x1.dtype, _FP8_NATIVE)
+            _check_dtype("x2.dtype", x2.dtype, _FP8_NATIVE)
+            self._require_fp8_soc(kernel)
+            out_dtype = _dtype_arg("output_dtype", output_dtype, required=True)
+            _check_dtype("output_dtype", out_dtype, _GEMM_OUT)
+        else:
+            _check_dtype("self.dtype", x1.dtype, _HALF_FLOATS)
+            _check_dtype("x2.dtype", x2.dtype, (x1.dtype,))
+            out_dtype = x1.dtype
         if not isinstance(hcom, str) or hcom not in self._groups:
             raise NpuValueError(f"hcom must be the HCCL communicator name of the group, got {hcom!r}")
         group = self._groups[hcom]
@@ -346,7 +359,14 @@ class _Mc2Mixin:
             _check_choice("world_size", _check_int("world_size", world_size), (2, 4, 8, 16, 32))
             if world_size != size:
                 raise NpuValueError(f"world_size={world_size} but the hcom group has {size} ranks")
-        return group
+        return group, out_dtype, mx
+
+    def _mc2_matmul(self, x1, x2, x1_scale, x2_scale, mx: bool) -> torch.Tensor:
+        if not mx:
+            return x1.float() @ x2.float()
+        a, b = self._mx_operands(x1, x2, x1.dtype, x2.dtype, x2_scale, x1_scale,
+                                 _check_layout("self", x1, ("row",)), _check_layout("x2", x2))
+        return a @ b
 
     @_kernel
     def npu_all_gather_base_mm(self, input: torch.Tensor, /, x2: torch.Tensor, hcom: str, world_size: int,
@@ -354,15 +374,23 @@ class _Mc2Mixin:
                                x2_scale: Optional[torch.Tensor] = None, gather_index: int = 0,
                                gather_output: bool = True, comm_turn: int = 0, output_dtype: DtypeArg = None,
                                comm_mode: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(all_gather(input) @ x2, all_gather(input)): gather along dim 0, then the GEMM (fp32 accumulation,
-        output in the input dtype)."""
+        """(all_gather(input) @ x2, all_gather(input)): input (and its x1_scale) gathered along dim 0, then the
+        GEMM with fp32 accumulation."""
         import torch.distributed as dist
 
-        group = self._mc2_group("npu_all_gather_base_mm", input, x2, hcom, world_size, bias, (x1_scale, x2_scale))
+        group, out_dtype, mx = self._mc2_operands("npu_all_gather_base_mm", input, x2, hcom, world_size, bias,
+                                                  x1_scale, x2_scale, output_dtype)
         _check_choice("gather_index", gather_index, (0,), "(gathering x2 is not simulated)")
-        gathered = torch.empty(world_size * input.shape[0], input.shape[1], dtype=input.dtype)
-        dist.all_gather_into_tensor(gathered, input.contiguous(), group=group)
-        out = (gathered.float() @ x2.float()).to(input.dtype)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            raw = t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.contiguous()
+            out = raw.new_empty(world_size * raw.shape[0], *raw.shape[1:])
+            dist.all_gather_into_tensor(out, raw, group=group)
+            return out.view(t.dtype)
+
+        gathered = gather(input)
+        scale = gather(x1_scale) if mx else None
+        out = self._mc2_matmul(gathered, x2, scale, x2_scale, mx).to(out_dtype)
         return out, (gathered if gather_output else gathered.new_empty(0))
 
     @_kernel
@@ -371,31 +399,33 @@ class _Mc2Mixin:
                                    x1_scale: Optional[torch.Tensor] = None, x2_scale: Optional[torch.Tensor] = None,
                                    comm_turn: int = 0, output_dtype: DtypeArg = None,
                                    comm_mode: Optional[str] = None) -> torch.Tensor:
-        """reduce_scatter(input @ x2) along dim 0 (fp32 GEMM and reduction, output in the input dtype)."""
+        """reduce_scatter(input @ x2) along dim 0 (fp32 GEMM and reduction)."""
         import torch.distributed as dist
 
-        group = self._mc2_group("npu_mm_reduce_scatter_base", input, x2, hcom, world_size, bias,
-                                (x1_scale, x2_scale))
+        group, out_dtype, mx = self._mc2_operands("npu_mm_reduce_scatter_base", input, x2, hcom, world_size, bias,
+                                                  x1_scale, x2_scale, output_dtype)
         _check_choice("reduce_op", reduce_op, ("sum",))
         if input.shape[0] % world_size:
             raise NpuValueError(f"self's dim 0 ({input.shape[0]}) must be divisible by world_size ({world_size})")
-        full = input.float() @ x2.float()
+        full = self._mc2_matmul(input, x2, x1_scale, x2_scale, mx).contiguous()
         out = torch.empty(input.shape[0] // world_size, x2.shape[1], dtype=torch.float32)
-        dist.reduce_scatter_tensor(out, full.contiguous(), group=group)
-        return out.to(input.dtype)
+        dist.reduce_scatter_tensor(out, full, group=group)
+        return out.to(out_dtype)
 
     @_kernel
     def npu_mm_all_reduce_base(self, x1: torch.Tensor, x2: torch.Tensor, hcom: str, reduce_op: str = "sum",
                                bias: Optional[torch.Tensor] = None, **quantized: Any) -> torch.Tensor:
-        """all_reduce(x1 @ x2) (fp32 GEMM and reduction, output in x1's dtype)."""
+        """all_reduce(x1 @ x2) (fp32 GEMM and reduction, output in x1's dtype). High precision only here."""
         import torch.distributed as dist
 
-        group = self._mc2_group("npu_mm_all_reduce_base", x1, x2, hcom, None, bias,
-                                tuple(v for v in quantized.values() if isinstance(v, torch.Tensor)))
+        if any(isinstance(v, torch.Tensor) for v in quantized.values()):
+            raise NpuSimNotImplemented("npu_mm_all_reduce_base: quantized forms are not simulated")
+        group, out_dtype, _ = self._mc2_operands("npu_mm_all_reduce_base", x1, x2, hcom, None, bias, None, None,
+                                                 None)
         _check_choice("reduce_op", reduce_op, ("sum",))
         full = (x1.float() @ x2.float()).contiguous()
         dist.all_reduce(full, group=group)
-        return full.to(x1.dtype)
+        return full.to(out_dtype)
 
 
 class _AttentionMixin:

@@ -18,7 +18,8 @@ from mindspeed_te.distributed import (
 )
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.modules.base import FP8ModuleBase
-from mindspeed_te.ops.mc2 import mc2_linear
+from mindspeed_te.ops.mc2 import mc2_linear, mc2_mx_linear
+from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
 from mindspeed_te.state import FP8GlobalStateManager
 
@@ -114,16 +115,18 @@ class Linear(FP8ModuleBase):
                 self.bias.zero_()
 
     def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
-        """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision only; quantized
-        GEMMs fall back to separate collectives (warned once)."""
+        """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
+        sequence parallelism) MXFP8; other recipes fall back to separate collectives (warned once)."""
         if not self.use_ascend_mc2 or self.tp_size == 1 or get_backend(device).name != "npu":
             return False
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
-        if quantized:
+        mx_ok = isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling) and self.sequence_parallel
+        if quantized and not mx_ok:
             if not self._mc2_warned:
-                warnings.warn("--use-ascend-mc2: fused communication runs in high precision only; FP8 GEMMs of "
-                              f"{type(self).__name__} use separate collectives")
+                warnings.warn("--use-ascend-mc2: fused communication runs in high precision and, with sequence "
+                              f"parallelism, MXFP8; other FP8 recipes in {type(self).__name__} use separate "
+                              "collectives")
                 self._mc2_warned = True
             return False
         return True
@@ -132,8 +135,14 @@ class Linear(FP8ModuleBase):
         fp8 = self.prepare_forward(inp.device)
         quantized = fp8 is not None and FP8GlobalStateManager.is_fp8_enabled()
         if self._mc2_applies(inp.device, quantized):
-            out = mc2_linear(inp, self.weight, get_backend(inp.device), self.tp_group, self.parallel_mode,
-                             self.sequence_parallel, self.fuse_wgrad_accumulation)
+            backend = get_backend(inp.device)
+            if quantized:
+                fwd, bwd, _ = fp8
+                out = mc2_mx_linear(inp, self.weight, LinearQuantizers(fwd[0], fwd[1], bwd[0]), backend,
+                                    self.tp_group, self.parallel_mode, self.fuse_wgrad_accumulation)
+            else:
+                out = mc2_linear(inp, self.weight, backend, self.tp_group, self.parallel_mode,
+                                 self.sequence_parallel, self.fuse_wgrad_accumulation)
             if self.bias is not None and not self.return_bias:
                 out = out + self.bias
             return (out, self.bias) if self.return_bias else out

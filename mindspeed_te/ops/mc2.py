@@ -1,5 +1,5 @@
 """Communication fused with the GEMM (`--use-ascend-mc2`): torch_npu's all-gather+matmul and
-matmul+reduce-scatter / all-reduce kernels for tensor-parallel linears in high precision.
+matmul+reduce-scatter / all-reduce kernels for tensor-parallel linears, in high precision and MXFP8.
 
 Column parallel with sequence parallelism: y = all_gather(x) · Wᵀ forward, and the reverse pair backward
 (dgrad = reduce_scatter(dy · W), wgrad from the gathered input the forward kernel returned). Row parallel:
@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from mindspeed_te.distributed import group_size
-from mindspeed_te.ops.linear import _finish_fused_wgrad, _main_grad
+from mindspeed_te.ops.linear import LinearQuantizers, _finish_fused_wgrad, _main_grad
+from mindspeed_te.tensor import MXFP8Tensor
 
 
 def _wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fuse: bool):
@@ -82,4 +83,111 @@ def mc2_linear(x: torch.Tensor, weight: torch.Tensor, backend: Any, group: Any, 
     else:
         out = _MatmulAllReduce.apply(x2d, weight, *args)
         lead = x.shape[:-1]
+    return out.reshape(*lead, weight.shape[0])
+
+
+# MXFP8 ---------------------------------------------------------------------------------------------------
+def _mx_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
+    """(rows, k/32) E8M0 bytes -> the kernels' (rows, k/64, 2) pairs."""
+    return scale_inv.reshape(scale_inv.shape[0], -1, 2)
+
+
+def _x2(t: MXFP8Tensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GEMM's x2 (k, n) and its scale (k/64, n, 2) from the operand form (n, k) of an MXFP8 tensor."""
+    if columnwise:
+        data, scale = t.columnwise_data, t.columnwise_scale_inv
+    else:
+        data, scale = t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
+    return data.t(), _mx_pairs(scale).transpose(0, 1)
+
+
+def _gather_columnwise(t: MXFP8Tensor, group: Any, world: int) -> MXFP8Tensor:
+    """All-gather the columnwise (k, tokens) form along the token dim: blocks of 32 tokens never straddle
+    ranks when each rank holds a multiple of 32 tokens, so this equals quantizing the gathered tensor."""
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        raw = x.contiguous().view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(world)]
+        torch.distributed.all_gather(parts, raw, group=group)
+        return torch.cat(parts, dim=1).view(x.dtype)
+
+    shape = torch.Size((t.shape[0] * world, *t.shape[1:]))
+    return MXFP8Tensor(t.fp8_dtype, shape, t.dtype, columnwise_data=gather(t.columnwise_data),
+                       columnwise_scale_inv=gather(t.columnwise_scale_inv))
+
+
+class _MXAllGatherMatmul(torch.autograd.Function):
+    """Column parallel + sequence parallel, MXFP8: fused all-gather+matmul forward, fused matmul+
+    reduce-scatter dgrad backward, wgrad from the gathered columnwise input."""
+
+    @staticmethod
+    def forward(ctx, x, weight, q: LinearQuantizers, backend, group, hcom, world, fuse):
+        q.input.set_usage(rowwise=True, columnwise=True)
+        q.weight.set_usage(rowwise=True, columnwise=True)
+        qx, qw = backend.quantize(q.input, x), backend.quantize(q.weight, weight)
+        x2, x2_scale = _x2(qw, columnwise=False)
+        y, _ = backend.npu.npu_all_gather_base_mm(
+            qx.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qx.rowwise_scale_inv), x2_scale=x2_scale,
+            output_dtype=x.dtype)
+        ctx.saved = (_gather_columnwise(qx, group, world), qw)
+        ctx.args = (q, backend, hcom, world, fuse, weight, x.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_cols, qw = ctx.saved
+        q, backend, hcom, world, fuse, weight, dtype = ctx.args
+        q.grad_output.set_usage(rowwise=True, columnwise=True)
+        qdy = backend.quantize(q.grad_output, dy.contiguous())
+        x2, x2_scale = _x2(qw, columnwise=True)
+        dx = backend.npu.npu_mm_reduce_scatter_base(
+            qdy.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qdy.rowwise_scale_inv), x2_scale=x2_scale,
+            output_dtype=dtype)
+        dw = backend.gemm(qdy, x_cols, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype,
+                          out=_main_grad(weight) if fuse else None)
+        ctx.saved = ctx.args = None
+        return dx, _finish_fused_wgrad(weight) if fuse else dw, None, None, None, None, None, None
+
+
+class _MXMatmulReduceScatter(torch.autograd.Function):
+    """Row parallel + sequence parallel, MXFP8: fused matmul+reduce-scatter forward, fused all-gather+matmul
+    dgrad backward, wgrad with the gathered columnwise gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, q: LinearQuantizers, backend, group, hcom, world, fuse):
+        q.input.set_usage(rowwise=True, columnwise=True)
+        q.weight.set_usage(rowwise=True, columnwise=True)
+        qx, qw = backend.quantize(q.input, x), backend.quantize(q.weight, weight)
+        x2, x2_scale = _x2(qw, columnwise=False)
+        y = backend.npu.npu_mm_reduce_scatter_base(
+            qx.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qx.rowwise_scale_inv), x2_scale=x2_scale,
+            output_dtype=x.dtype)
+        ctx.saved = (qx, qw)
+        ctx.args = (q, backend, group, hcom, world, fuse, weight, x.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        qx, qw = ctx.saved
+        q, backend, group, hcom, world, fuse, weight, dtype = ctx.args
+        q.grad_output.set_usage(rowwise=True, columnwise=True)
+        qdy = backend.quantize(q.grad_output, dy.contiguous())
+        x2, x2_scale = _x2(qw, columnwise=True)
+        dx, _ = backend.npu.npu_all_gather_base_mm(
+            qdy.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qdy.rowwise_scale_inv), x2_scale=x2_scale,
+            output_dtype=dtype)
+        dw = backend.gemm(_gather_columnwise(qdy, group, world), qx, a_columnwise=True, b_columnwise=True,
+                          out_dtype=weight.dtype, out=_main_grad(weight) if fuse else None)
+        ctx.saved = ctx.args = None
+        return dx, _finish_fused_wgrad(weight) if fuse else dw, None, None, None, None, None, None
+
+
+def mc2_mx_linear(x: torch.Tensor, weight: torch.Tensor, quantizers: LinearQuantizers, backend: Any, group: Any,
+                  parallel_mode: str, fuse_wgrad_accumulation: bool) -> torch.Tensor:
+    """MXFP8 through the fused kernels, for the sequence-parallel column and row linears."""
+    world = group_size(group)
+    x2d = x.reshape(-1, x.shape[-1])
+    fn = _MXAllGatherMatmul if parallel_mode == "column" else _MXMatmulReduceScatter
+    out = fn.apply(x2d, weight, quantizers, backend, group, backend.hcom(group), world, fuse_wgrad_accumulation)
+    lead = (x.shape[0] * world, *x.shape[1:-1]) if parallel_mode == "column" else (x.shape[0] // world,
+                                                                                   *x.shape[1:-1])
     return out.reshape(*lead, weight.shape[0])
