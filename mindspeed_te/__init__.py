@@ -3,6 +3,15 @@
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
 from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.modules import (
+    DotProductAttention,
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    Linear,
+    RMSNorm,
+    convert_linears,
+)
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -39,4 +48,5 @@ __all__ = [
     "RecipeState", "DelayedScalingRecipeState",
     "QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
+    "Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention", "convert_linears",
 ]
