@@ -109,7 +109,7 @@ class _Linear(torch.autograd.Function):
             if need_dx:
                 dx = dy @ saved_w.to(dy.dtype)
             if need_dw:
-                dw = _wgrad_high_precision(dy, saved_x, weight, args)
+                dw = wgrad_high_precision(dy, saved_x, weight, args.fuse_wgrad_accumulation)
         else:
             fp8_wgrad = need_dw and isinstance(saved_x, QuantizedTensorStorage)
             q.grad_output.set_usage(rowwise=need_dx, columnwise=fp8_wgrad)
@@ -123,7 +123,7 @@ class _Linear(torch.autograd.Function):
                                       out_dtype=weight.dtype, out=main_grad)
                     dw = _finish_fused_wgrad(weight) if main_grad is not None else dw
                 else:
-                    dw = _wgrad_high_precision(dy, saved_x, weight, args)
+                    dw = wgrad_high_precision(dy, saved_x, weight, args.fuse_wgrad_accumulation)
             if args.reduce_amax_in_backward:
                 # This is the first FP8 module of the step, so its backward is the last one to run.
                 FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
@@ -149,9 +149,10 @@ def _finish_fused_wgrad(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return None
 
 
-def _wgrad_high_precision(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
-                          args: _LinearArgs) -> Optional[torch.Tensor]:
-    if args.fuse_wgrad_accumulation:
+def wgrad_high_precision(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
+                         fuse_wgrad_accumulation: bool) -> Optional[torch.Tensor]:
+    """dYᵀ·X in the activations' precision, or accumulated into `weight.main_grad` in float32."""
+    if fuse_wgrad_accumulation:
         _main_grad(weight).addmm_(dy.t().float(), x2d.float())
         return _finish_fused_wgrad(weight)
     return (dy.t() @ x2d.to(dy.dtype)).to(weight.dtype)

@@ -12,15 +12,8 @@ from typing import Any
 import torch
 
 from mindspeed_te.distributed import group_size
-from mindspeed_te.ops.linear import LinearQuantizers, _finish_fused_wgrad, _main_grad
+from mindspeed_te.ops.linear import LinearQuantizers, _finish_fused_wgrad, _main_grad, wgrad_high_precision
 from mindspeed_te.tensor import MXFP8Tensor
-
-
-def _wgrad(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fuse: bool):
-    if fuse:
-        _main_grad(weight).addmm_(dy.t().float(), x.float())
-        return _finish_fused_wgrad(weight)
-    return (dy.t().float() @ x.float()).to(weight.dtype)
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -36,7 +29,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         gathered, weight = ctx.saved_tensors
         dy = dy.contiguous()
         dx = ctx.npu.npu_mm_reduce_scatter_base(dy, weight, ctx.hcom, ctx.world)
-        return dx, _wgrad(dy, gathered, weight, ctx.fuse), None, None, None, None
+        return dx, wgrad_high_precision(dy, gathered, weight, ctx.fuse), None, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -50,7 +43,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
         dx, dy_full = ctx.npu.npu_all_gather_base_mm(dy.contiguous(), weight, ctx.hcom, ctx.world)
-        return dx, _wgrad(dy_full, x, weight, ctx.fuse), None, None, None, None
+        return dx, wgrad_high_precision(dy_full, x, weight, ctx.fuse), None, None, None, None
 
 
 class _MatmulAllReduce(torch.autograd.Function):
@@ -64,7 +57,7 @@ class _MatmulAllReduce(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
         dx = (dy.float() @ weight.float()).to(x.dtype)
-        return dx, _wgrad(dy, x, weight, ctx.fuse), None, None, None, None
+        return dx, wgrad_high_precision(dy, x, weight, ctx.fuse), None, None, None, None
 
 
 def mc2_linear(x: torch.Tensor, weight: torch.Tensor, backend: Any, group: Any, parallel_mode: str,
