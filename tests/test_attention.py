@@ -54,6 +54,22 @@ def test_matches_float64_reference(mask_type, groups):
     assert torch.allclose(out.double(), reference(q, k, v, 1 / math.sqrt(D), allowed), atol=1e-5)
 
 
+def test_per_query_padding_mask_and_fully_masked_rows():
+    """A [b, 1, s_q, s_k] mask; a query row with no key to attend gets zeros (not NaN) and zero gradients."""
+    q, k, v = (t.requires_grad_() for t in _qkv(2))
+    mask = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(1)) < 0.3
+    mask[1, :, 4, :] = True
+    attn = DotProductAttention(H, D, num_gqa_groups=2, attn_mask_type="padding")
+    out = attn(q, k, v, attention_mask=mask)
+    out.sum().backward()
+    want = reference(q.detach(), k.detach(), v.detach(), 1 / math.sqrt(D), ~mask)
+    masked_row = torch.zeros(S, B, dtype=torch.bool)
+    masked_row[4, 1] = True
+    assert torch.allclose(out.double()[~masked_row], want[~masked_row], atol=1e-5)
+    assert not out[4, 1].any() and not q.grad[4, 1].any()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_softmax_scale_bf16_and_gradients():
     q, k, v = (t.requires_grad_() for t in _qkv(2))
     attn = DotProductAttention(H, D, num_gqa_groups=2, attn_mask_type="causal", softmax_scale=0.3)
@@ -93,6 +109,9 @@ def test_bad_arguments():
         DotProductAttention(H, D, attn_mask_type="arbitrary")
     with pytest.raises(ValueError, match="num_gqa_groups"):
         DotProductAttention(H, D, num_gqa_groups=3)
+    with pytest.raises(ValueError, match="num_gqa_groups"):
+        DotProductAttention(H, D, num_gqa_groups=2, tp_size=4)  # 2 key/value heads cannot split over 4 ranks
+    assert DotProductAttention(H, D, num_gqa_groups=2, tp_size=2).num_heads == H // 2
     with pytest.raises(ValueError, match="attention_mask"):
         DotProductAttention(H, D, attn_mask_type="padding")(*_qkv())
 

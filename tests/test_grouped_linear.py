@@ -1,7 +1,10 @@
-"""GroupedLinear (MoE experts): equals one Linear per expert, in every recipe; expert tensor parallelism on
-2 gloo processes matches one process; the backward amax reduction waits for every expert."""
+"""GroupedLinear (MoE experts): equals one Linear / fp8_linear per expert in every recipe and stays within the
+formats' bounds of float64; backward keeps only columnwise quantized operands; main_grad fusion, calibration,
+the BF16 expert switch; expert tensor parallelism on 2 gloo processes matches one process; the backward amax
+reduction waits for every expert."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mindspeed_te import (
     DelayedScaling,
@@ -13,6 +16,10 @@ from mindspeed_te import (
     fp8_autocast,
 )
 from mindspeed_te.modules import GroupedLinear, Linear
+from mindspeed_te.ops import LinearQuantizers, WeightCache, fp8_linear
+from mindspeed_te.ops.grouped_linear import grouped_linear
+from mindspeed_te.recipe_state import RecipeState
+from mindspeed_te.tensor import MXFP8Tensor
 from tests.dist_utils import run_distributed
 
 RECIPES = {
@@ -60,6 +67,127 @@ def test_grouped_equals_one_linear_per_expert(name):
     for a, b in zip(*results):
         assert torch.equal(a, b)
     assert not grouped.weight1.grad.any() and not grouped.bias1.grad.any()  # the expert with no rows
+
+
+# Unit roundoff of the coarsest operand format of the forward and the backward GEMMs: each element of a
+# quantized operand is off by at most this (relative), so a GEMM's relative error norm stays below it.
+FORMAT_BOUNDS = {
+    "high precision": (1e-6, 1e-6),
+    "delayed/hybrid": (2**-4, 2**-3),  # E4M3 forward, E5M2 gradients
+    "tensorwise/hif8": (2**-4, 2**-3),  # 3 mantissa bits up to the target 15, 2 bits near the gradient target 224
+    "blockwise/e4m3": (2**-4, 2**-4),
+    "mxfp8/e4m3": (2**-4, 2**-4),
+}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_outputs_and_gradients_within_format_bounds_of_float64(name):
+    FP8GlobalStateManager.reset()
+    grouped, _ = _experts(seed=1)
+    x = torch.randn(sum(SPLITS), 128, requires_grad=True)
+    dy = torch.randn(sum(SPLITS), 64)
+    with fp8_autocast(enabled=RECIPES[name] is not None, fp8_recipe=RECIPES[name]):
+        y = grouped(x, SPLITS)
+    y.backward(dy)
+    xd = x.detach().double().requires_grad_()
+    wd = [w.detach().double().requires_grad_() for w in grouped.weights]
+    bd = [b.detach().double().requires_grad_() for b in grouped.biases]
+    yd = torch.cat([F.linear(part, w, b) for part, w, b in zip(torch.split(xd, SPLITS), wd, bd)])
+    yd.backward(dy.double())
+    fwd_bound, bwd_bound = FORMAT_BOUNDS[name]
+    assert _rel(y, yd) <= fwd_bound
+    assert _rel(x.grad, xd.grad) <= bwd_bound
+    for i in (0, 2, 3):
+        assert _rel(grouped.weights[i].grad, wd[i].grad) <= bwd_bound
+        assert _rel(grouped.biases[i].grad, bd[i].grad) <= 1e-6  # bias gradients are high-precision sums
+
+
+def _mx_quantizers(n):
+    fwd = RecipeState.create(MXFP8BlockScaling(), forward=True, num_quantizers=3 * n).make_quantizers()
+    bwd = RecipeState.create(MXFP8BlockScaling(), forward=False, num_quantizers=2 * n).make_quantizers()
+    return [LinearQuantizers(fwd[3 * i], fwd[3 * i + 1], bwd[2 * i]) for i in range(n)]
+
+
+def test_op_matches_fp8_linear_per_slice_and_saves_only_columnwise_operands():
+    grouped, _ = _experts()
+    weights = [w.detach().clone().requires_grad_() for w in grouped.weights]
+    x = torch.randn(sum(SPLITS), 128, requires_grad=True)
+    dy = torch.randn(sum(SPLITS), 64)
+    caches = [WeightCache() for _ in SPLITS]
+    y = grouped_linear(x, SPLITS, weights, quantizers=_mx_quantizers(len(SPLITS)), weight_caches=caches,
+                       is_first_microbatch=True)
+    saved_x, saved_w = y.grad_fn.saved
+    assert len(saved_x) == len(saved_w) == 3  # the expert without rows saves nothing
+    for t in saved_x + saved_w:
+        assert isinstance(t, MXFP8Tensor) and t.rowwise_data is None and t.columnwise_data is not None
+    assert all(caches[i].quantized.rowwise_data is not None for i in (0, 2, 3))  # the cached weights stay whole
+    y.backward(dy)
+
+    xs = [part.detach().requires_grad_() for part in torch.split(x.detach(), SPLITS)]
+    ws = [w.detach().clone().requires_grad_() for w in weights]
+    q = _mx_quantizers(1)[0]
+    ys = [fp8_linear(part, w, quantizers=q) for part, w in zip(xs, ws)]
+    for yi, dyi in zip(ys, torch.split(dy, SPLITS)):
+        yi.backward(dyi)
+    assert torch.equal(y, torch.cat(ys)) and torch.equal(x.grad, torch.cat([p.grad for p in xs]))
+    for i in (0, 2, 3):
+        assert torch.equal(weights[i].grad, ws[i].grad)
+
+
+@pytest.mark.parametrize("name", ["high precision", "delayed/hybrid"])
+def test_main_grad_fusion_accumulates_in_float32(name):
+    recipe = RECIPES[name]
+    x, dy = torch.randn(sum(SPLITS), 128), torch.randn(sum(SPLITS), 64)
+    grads = []
+    for fuse in (False, True):
+        FP8GlobalStateManager.reset()
+        grouped, _ = _experts()
+        grouped.fuse_wgrad_accumulation = fuse
+        for w in grouped.weights:
+            w.main_grad = torch.full_like(w, 0.5)
+        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            y = grouped(x, SPLITS)
+        y.backward(dy)
+        grads.append([w.grad if not fuse else w.main_grad for w in grouped.weights])
+        if fuse:
+            assert all(w.grad is None for w in grouped.weights)
+            assert [getattr(w, "grad_added_to_main_grad", False) for w in grouped.weights] == [True, False, True, True]
+    for plain, fused in zip(*grads):
+        assert torch.equal(plain + 0.5, fused)
+
+
+def test_calibration_records_each_experts_amax():
+    FP8GlobalStateManager.reset()
+    grouped, _ = _experts()
+    x = torch.randn(sum(SPLITS), 128)
+    with fp8_autocast(enabled=False, calibrating=True, fp8_recipe=DelayedScaling(amax_history_len=1)):
+        y = grouped(x, SPLITS)
+    assert torch.equal(y, grouped(x, SPLITS))  # calibration runs in high precision
+    scale = grouped.fp8_states[0].scale
+    for i, rows in enumerate(torch.split(x, SPLITS)):
+        if rows.shape[0]:
+            assert scale[3 * i].item() == pytest.approx(448.0 / rows.abs().max().item(), rel=1e-6)
+            assert scale[3 * i + 1].item() == pytest.approx(448.0 / grouped.weights[i].abs().max().item(), rel=1e-6)
+        else:
+            assert scale[3 * i].item() == scale[3 * i + 1].item() == 1.0
+
+
+def test_high_precision_experts_leave_the_amax_reduction_to_fp8_modules():
+    """With FP8 grouped GEMMs off, the experts running first must not take the first-module flag: the FP8
+    linear after them still reduces the backward amaxes."""
+    FP8GlobalStateManager.reset()
+    experts = GroupedLinear(2, 32, 16, use_fp8_gemm=False)
+    linear = Linear(16, 8)
+    x = torch.randn(6, 32)
+    with fp8_autocast(fp8_recipe=DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1)):
+        y = linear(experts(x, [2, 4]))
+    y.backward(torch.full_like(y, 2.0))
+    assert experts.fp8_states is None
+    assert linear.fp8_states[1].scale[0].item() == 57344.0 / 2
 
 
 def test_bad_m_splits_and_empty_experts():
@@ -145,10 +273,6 @@ def _tp_worker(rank: int, world: int) -> dict:
             dy_local = dy.chunk(world, 1)[rank] if mode == "column" else dy
             out[(name, mode)] = _train_experts(layer, name, x_local, dy_local, group)
     return out
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

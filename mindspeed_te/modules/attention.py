@@ -9,7 +9,9 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspeed_te.distributed import ProcessGroup
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.modules.linear import divide, resolve_tp_size
 
 MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal")
 
@@ -30,7 +32,7 @@ class DotProductAttention(torch.nn.Module):
         softmax_scale: Optional[float] = None,
         get_rng_state_tracker: Optional[Callable] = None,
         tp_size: int = 1,
-        tp_group: Optional[object] = None,
+        tp_group: ProcessGroup = None,
         layer_number: Optional[int] = None,
         attention_type: str = "self",
     ) -> None:
@@ -43,8 +45,9 @@ class DotProductAttention(torch.nn.Module):
         if num_attention_heads % groups:
             raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
                              f"num_gqa_groups ({groups})")
-        self.num_heads = num_attention_heads // tp_size
-        self.num_groups = groups // tp_size
+        tp_size = resolve_tp_size(tp_group, tp_size)
+        self.num_heads = divide(num_attention_heads, tp_size, "num_attention_heads")
+        self.num_groups = divide(groups, tp_size, "num_gqa_groups")
         self.kv_channels = kv_channels
         self.attention_dropout = attention_dropout
         self.attn_mask_type = attn_mask_type

@@ -8,14 +8,18 @@ import torch
 from mindspeed_te.distributed import ProcessGroup, copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from mindspeed_te.modules.base import FP8ModuleBase
 from mindspeed_te.modules.linear import check_parallel_mode, divide, resolve_tp_size, set_tensor_parallel_attributes
-from mindspeed_te.ops.grouped_linear import grouped_linear
+from mindspeed_te.ops.grouped_linear import check_m_splits, grouped_linear
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache
 from mindspeed_te.state import FP8GlobalStateManager
 
 
 class GroupedLinear(FP8ModuleBase):
     """`num_gemms` experts; forward(inp, m_splits) applies expert i to the next m_splits[i] rows. Expert
-    tensor parallelism: "column" splits out_features, "row" splits in_features and all-reduces the output."""
+    tensor parallelism: "column" splits out_features, "row" splits in_features and all-reduces the output.
+
+    `use_fp8_gemm=False` (MindSpeed's --no-use-gmm-fp8) keeps the expert GEMMs in high precision inside FP8
+    regions. `sequence_parallel` is recorded for Megatron: the MoE token dispatcher, not this layer, moves
+    expert tokens between sequence-parallel ranks."""
 
     def __init__(
         self,
@@ -78,17 +82,24 @@ class GroupedLinear(FP8ModuleBase):
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
         shape = inp.shape
         x = inp.reshape(-1, shape[-1])
+        splits = check_m_splits(x, m_splits, self.num_gemms)
         if self.parallel_mode == "column":
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        fp8 = self.prepare_forward(inp.device)
+        # With FP8 grouped GEMMs switched off the experts take no part in FP8: no scaling state, and they
+        # must not take the first-module flag, which would leave the step's backward amax reduction undone.
+        fp8 = self.prepare_forward(inp.device) if self.use_fp8_gemm else None
         quantizers, first = None, False
         if fp8 is not None:
             fwd, bwd, first = fp8
-            if FP8GlobalStateManager.is_fp8_enabled() and self.use_fp8_gemm:
+            if FP8GlobalStateManager.is_fp8_enabled():
                 quantizers = [LinearQuantizers(fwd[3 * i], fwd[3 * i + 1], bwd[2 * i]) for i in range(self.num_gemms)]
+            else:
+                for i, rows in enumerate(torch.split(x, splits)):
+                    if rows.shape[0]:
+                        self.calibrate(fwd[3 * i: 3 * i + 2], rows, self.weights[i])
         add_bias = self.use_bias and not self.return_bias and self.parallel_mode != "row"
         out = grouped_linear(
-            x, m_splits, self.weights, self.biases if add_bias else None,
+            x, splits, self.weights, self.biases if add_bias else None,
             quantizers=quantizers,
             fp8_wgrad=FP8GlobalStateManager.get_fp8_recipe().fp8_wgrad(),
             weight_caches=self._weight_caches,
@@ -98,8 +109,8 @@ class GroupedLinear(FP8ModuleBase):
         )
         if self.parallel_mode == "row":
             out = reduce_from_tensor_parallel_region(out, self.tp_group)
-            if self.use_bias and not self.return_bias:
-                out = out + torch.cat([b.expand(m, -1) for b, m in zip(self.biases, m_splits)])
+            if self.use_bias and not self.return_bias:  # added once, after the partial sums are reduced
+                out = out + torch.cat([b.expand(m, -1) for b, m in zip(self.biases, splits)])
         out = out.reshape(*shape[:-1], out.shape[-1])
         if self.return_bias:
             return out, self.biases

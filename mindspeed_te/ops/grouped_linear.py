@@ -2,26 +2,49 @@
 
 One autograd function for all experts, so each of the three GEMM kinds is one grouped GEMM call (one
 `npu_grouped_matmul` on an NPU): fprop and dgrad split the rows (M), wgrad splits the contraction (the
-tokens, K). Each expert keeps its own quantizers, as in TransformerEngine's GroupedLinear.
+tokens, K). Each expert keeps its own quantizers, as in TransformerEngine's GroupedLinear. As in
+`fp8_linear`, backward keeps only the columnwise quantized operands it reads, never high-precision copies
+(except the input when wgrad stays in high precision).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad
 from mindspeed_te.state import FP8GlobalStateManager
+from mindspeed_te.tensor import QuantizedTensorStorage
+
+__all__ = ["check_m_splits", "grouped_linear"]
+
+Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
 
 def check_m_splits(inp: torch.Tensor, m_splits: Sequence[int], num_gemms: int) -> list[int]:
+    """m_splits as ints, after checking there is one non-negative count per GEMM and they cover every row."""
     splits = [int(m) for m in m_splits]
     if len(splits) != num_gemms or any(m < 0 for m in splits) or sum(splits) != inp.shape[0]:
         raise ValueError(f"m_splits must be {num_gemms} non-negative row counts summing to the input's "
                          f"{inp.shape[0]} rows, got {list(m_splits)}")
     return splits
+
+
+def _columnwise_only(t: QuantizedTensorStorage) -> QuantizedTensorStorage:
+    """A shallow copy that drops the rowwise form backward never reads (a cached weight stays whole)."""
+    t = dataclasses.replace(t)
+    t.update_usage(rowwise=False, columnwise=True)
+    return t
+
+
+def _concat_rows(pieces: list[torch.Tensor], cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The experts' row blocks stacked back in order (experts without rows contribute none)."""
+    if not pieces:
+        return like.new_zeros(0, cols, dtype=dtype)
+    return torch.cat(pieces).to(dtype)
 
 
 @dataclass
@@ -44,27 +67,33 @@ class _GroupedLinear(torch.autograd.Function):
         backend = get_backend(inp.device)
         active = [i for i, m in enumerate(args.splits) if m > 0]
         xs = torch.split(inp, args.splits)
+        needs_wgrad = any(w.requires_grad for w in weights)
         q = args.quantizers
-        fp8_wgrad = q is not None and args.fp8_wgrad and any(w.requires_grad for w in weights)
+        fp8_wgrad = q is not None and args.fp8_wgrad and needs_wgrad
         if q is None:
-            saved_x, saved_w = [xs[i] for i in active], [weights[i] for i in active]
-            outs = backend.grouped_gemm(saved_x, saved_w, out_dtype=torch.float32)
+            a_ops: list[Operand] = [xs[i] for i in active]
+            b_ops: list[Operand] = [weights[i] for i in active]
         else:
-            saved_x, saved_w = [], []
+            a_ops, b_ops = [], []
             for i in active:
                 q[i].input.set_usage(rowwise=True, columnwise=fp8_wgrad)
                 q[i].weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
-                saved_x.append(backend.quantize(q[i].input, xs[i]))
+                a_ops.append(backend.quantize(q[i].input, xs[i]))
                 cache = args.weight_caches[i] if args.weight_caches is not None else None
-                saved_w.append(cache.get(weights[i], q[i].weight, args.is_first_microbatch, backend)
-                               if cache is not None else backend.quantize(q[i].weight, weights[i]))
-            outs = backend.grouped_gemm(saved_x, saved_w, out_dtype=torch.float32)
-            if not fp8_wgrad:
-                saved_x = [xs[i] for i in active]
-        out = inp.new_zeros(inp.shape[0], weights[0].shape[0])
-        for i, piece in zip(active, outs):
-            rows = out[sum(args.splits[:i]): sum(args.splits[: i + 1])]
-            rows.copy_(piece if not biases else piece + biases[i].float())  # bias added in fp32, as in fp8_linear
+                b_ops.append(cache.get(weights[i], q[i].weight, args.is_first_microbatch, backend)
+                             if cache is not None else backend.quantize(q[i].weight, weights[i]))
+        outs = backend.grouped_gemm(a_ops, b_ops, out_dtype=torch.float32)
+        if biases:
+            outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
+        out = _concat_rows(outs, weights[0].shape[0], inp, inp.dtype)
+
+        if fp8_wgrad:
+            saved_x = [_columnwise_only(x) for x in a_ops]
+        else:
+            saved_x = [xs[i] for i in active] if needs_wgrad else None
+        saved_w = None
+        if inp.requires_grad:
+            saved_w = b_ops if q is None else [_columnwise_only(w) for w in b_ops]
         ctx.args, ctx.active, ctx.saved = args, active, (saved_x, saved_w)
         ctx.weights, ctx.input_dtype, ctx.fp8_wgrad = weights, inp.dtype, fp8_wgrad
         return out
@@ -74,38 +103,38 @@ class _GroupedLinear(torch.autograd.Function):
         args: _GroupedArgs = ctx.args
         active, (saved_x, saved_w), weights = ctx.active, ctx.saved, ctx.weights
         backend = get_backend(grad_out.device)
-        need_dx = ctx.needs_input_grad[0]
         n = len(args.splits)
+        need_dx = ctx.needs_input_grad[0]
+        need_dw = any(ctx.needs_input_grad[2: 2 + n])
         dys = torch.split(grad_out, args.splits)
         q = args.quantizers
-        if q is None:
-            grads = [dys[i] for i in active]
+        if q is None or not (need_dx or ctx.fp8_wgrad):
+            grads: list[Operand] = [dys[i] for i in active]
         else:
             grads = []
             for i in active:
                 q[i].grad_output.set_usage(rowwise=need_dx, columnwise=ctx.fp8_wgrad)
                 grads.append(backend.quantize(q[i].grad_output, dys[i]))
+
         dx = None
         if need_dx:
-            dx = grad_out.new_zeros(grad_out.shape[0], weights[0].shape[1], dtype=ctx.input_dtype)
             pieces = backend.grouped_gemm(grads, saved_w, b_columnwise=True, out_dtype=ctx.input_dtype)
-            for i, piece in zip(active, pieces):
-                dx[sum(args.splits[:i]): sum(args.splits[: i + 1])] = piece
+            dx = _concat_rows(pieces, weights[0].shape[1], grad_out, ctx.input_dtype)
+
         dws: list[Optional[torch.Tensor]] = [None] * n
-        if any(ctx.needs_input_grad[2: 2 + n]):
-            wgrad_a = grads if ctx.fp8_wgrad or q is None else [dys[i] for i in active]
+        if need_dw:
+            wgrad_a = grads if q is None or ctx.fp8_wgrad else [dys[i] for i in active]
             fused = args.fuse_wgrad_accumulation
-            outs = [_main_grad(weights[i]) for i in active] if fused else None
+            main_grads = [_main_grad(weights[i]) for i in active] if fused else None
             results = backend.grouped_gemm(wgrad_a, saved_x, a_columnwise=True, b_columnwise=True,
-                                           out_dtype=weights[0].dtype, out=outs)
+                                           out_dtype=weights[0].dtype, out=main_grads)
             for i, dw in zip(active, results):
                 dws[i] = _finish_fused_wgrad(weights[i]) if fused else dw.to(weights[i].dtype)
-            if not fused:
-                for i in range(n):
-                    if dws[i] is None:
-                        dws[i] = torch.zeros_like(weights[i])
-        dbs = [dy.sum(dim=0).to(weights[0].dtype) for dy in dys][: args.num_biases]
+            if not fused:  # experts that received no rows get an explicit zero gradient
+                dws = [torch.zeros_like(w) if dw is None else dw for w, dw in zip(weights, dws)]
+        dbs = [dys[i].sum(dim=0).to(weights[i].dtype) for i in range(args.num_biases)]
         if q is not None and args.reduce_amax_in_backward:
+            # The step's first FP8 module runs backward last: every expert's amax is recorded by now.
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
         ctx.saved = None
         return (dx, None, *dws, *dbs)
@@ -125,7 +154,13 @@ def grouped_linear(
     reduce_amax_in_backward: bool = False,
 ) -> torch.Tensor:
     """Rows of `inp` (sum(m_splits), K) split along dim 0, expert i's GEMMs on its rows; high precision when
-    `quantizers` is None (Megatron's --no-use-gmm-fp8 path). Experts with no rows are skipped."""
+    `quantizers` (one LinearQuantizers per expert) is None, Megatron's --no-use-gmm-fp8 path. Experts with no
+    rows are skipped. The keywords mean what they mean in `fp8_linear`, per expert."""
+    if not weights:
+        raise ValueError("grouped_linear needs at least one weight")
+    if inp.dim() != 2 or any(w.shape[-1] != inp.shape[-1] for w in weights):
+        raise ValueError(f"grouped_linear: input must be (rows, {weights[0].shape[-1]}) to match the weights' "
+                         f"in_features, got {tuple(inp.shape)}")
     splits = check_m_splits(inp, m_splits, len(weights))
     args = _GroupedArgs(splits, quantizers, fp8_wgrad, weight_caches, is_first_microbatch,
                         fuse_wgrad_accumulation, reduce_amax_in_backward, len(biases) if biases else 0)
