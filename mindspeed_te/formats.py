@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from mindspeed_te import fused_cast
+
 __all__ = [
     "HIF8_MAX",
     "FP8Dtype",
@@ -199,6 +201,17 @@ def _table(kind: str, device: torch.device) -> torch.Tensor:
     return table
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    """A float32 1 on `device`, the scale_inv of an unscaled cast."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
+
+
 # Layout and chunking helpers -------------------------------------------------------------------------------
 def as_float32(t: torch.Tensor) -> torch.Tensor:
     """t in float32, without a call when it already is (each call costs microseconds on small GEMMs)."""
@@ -328,6 +341,9 @@ def hif8_encode(x: torch.Tensor, saturate: bool = False) -> torch.Tensor:
         raise TypeError(f"hif8_encode expects a floating-point tensor, got {x.dtype}")
     x = x.detach()
     table = _table("encode_sat" if saturate else "encode", x.device)
+    fused = fused_cast.scaled_cast(x, _one(x.device), "hif8", table)  # x / 1 is exact and quiets NaNs
+    if fused is not None:
+        return fused
     if x.numel() <= _CHUNK and x.is_contiguous():
         values = torch.mul(x, 1.0) if x.dtype == torch.float32 else x.float().mul_(1.0)  # quiets NaNs
         return _encode_small(values, table)
@@ -357,6 +373,9 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: FP8Dtype, saturate: bool = True) -> 
             nan = torch.copysign(torch.full_like(values, float("nan")), values)
             return torch.where(values.abs() > _E4M3_OVERFLOW, nan, values).to(fp8_dtype.storage_dtype)
         return x.to(fp8_dtype.storage_dtype)
+    fused = fused_cast.scaled_cast(x.detach(), _one(x.device), fp8_dtype.value)
+    if fused is not None:
+        return fused.view(fp8_dtype.storage_dtype)
     if x.numel() <= _CHUNK:
         return as_float32(x).clamp(-fp8_dtype.max, fp8_dtype.max).to(fp8_dtype.storage_dtype)
     return _convert(x.detach(), fp8_dtype.storage_dtype, "clamp", limit=fp8_dtype.max)
@@ -387,9 +406,12 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -
     elif scale_inv.dim() > x.dim():
         raise ValueError(f"scale_inv of shape {tuple(scale_inv.shape)} does not broadcast to {tuple(x.shape)}")
     x = x.detach()
+    table = _table("encode_sat", x.device) if fp8_dtype is FP8Dtype.HIF8 else None
+    fused = fused_cast.scaled_cast(x, scale_inv, fp8_dtype.value, table)
+    if fused is not None:
+        return fused.view(fp8_dtype.storage_dtype)
     small = x.numel() <= _CHUNK
     if fp8_dtype is FP8Dtype.HIF8:
-        table = _table("encode_sat", x.device)
         if small and x.is_contiguous():
             return _encode_small(torch.div(x, scale_inv), table)
         return _convert(x, torch.uint8, "div", divisor=scale_inv, table=table)

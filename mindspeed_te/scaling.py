@@ -9,6 +9,7 @@ from typing import Callable, Union
 
 import torch
 
+from mindspeed_te import fused_cast
 from mindspeed_te.formats import as_float32
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -99,6 +100,9 @@ _SMALL = 1 << 16  # elements below which per-op overhead, not memory traffic, do
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 0-d tensor, NaN if x holds a NaN. One pass with aminmax, which is several times
     faster on CPU than abs().amax() and needs no temporary."""
+    fused = fused_cast.amax(x)
+    if fused is not None:
+        return fused
     if x.numel() < _SMALL:
         return as_float32(x.abs().amax())  # fewer ops: cheaper below a few hundred KiB
     low, high = torch.aminmax(x)

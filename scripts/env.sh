@@ -8,7 +8,9 @@ STAMP="$VENV/.mindspeed_te-installed"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON_BIN" -m venv "$VENV"
 fi
-if [ ! -f "$STAMP" ] || [ "$ROOT/requirements-dev.txt" -nt "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ]; then
+# Reinstall when the pins, setup.py or the C sources (built in place by the editable install) change.
+if [ ! -f "$STAMP" ] || [ "$ROOT/requirements-dev.txt" -nt "$STAMP" ] || [ "$ROOT/setup.py" -nt "$STAMP" ] \
+        || [ -n "$(find "$ROOT/mindspeed_te/csrc" -newer "$STAMP" 2>/dev/null)" ]; then
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     # torch first and pinned, so nothing later pulls a multi-gigabyte CUDA build.
     "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
