@@ -183,22 +183,37 @@ def _build_decode_table() -> torch.Tensor:
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}  # constant lookup tables, built lazily per device
 
 
+def _build_table(kind: str) -> torch.Tensor:
+    if kind == "encode":
+        return _build_encode_table()
+    if kind == "encode_sat":
+        table = _build_encode_table()
+        table[table == HIF8_INF] = HIF8_MAX_CODE
+        table[table == (0x80 | HIF8_INF)] = 0x80 | HIF8_MAX_CODE
+        return table
+    if kind == "decode_hif8":
+        return _build_decode_table()
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)  # "decode_e4m3", "decode_e5m2"
+    return codes.view(FP8Dtype(kind[len("decode_"):]).storage_dtype).float()
+
+
 def _table(kind: str, device: torch.device) -> torch.Tensor:
-    """The constant table `kind` ("encode", "encode_sat", "decode") on `device`, built on first use."""
+    """The constant table `kind` on `device`, built on first use: "encode" / "encode_sat" (HiF8 codes by
+    the top 16 bits of a float32), "decode_hif8" / "decode_e4m3" / "decode_e5m2" (values of the codes)."""
     key = (kind, device)
     table = _TABLES.get(key)
     if table is None:
         cpu = torch.device("cpu")
         if (kind, cpu) not in _TABLES:
-            plain = _build_encode_table()
-            saturated = plain.clone()
-            saturated[plain == HIF8_INF] = HIF8_MAX_CODE
-            saturated[plain == (0x80 | HIF8_INF)] = 0x80 | HIF8_MAX_CODE
-            _TABLES[("encode", cpu)] = plain
-            _TABLES[("encode_sat", cpu)] = saturated
-            _TABLES[("decode", cpu)] = _build_decode_table()
+            _TABLES[(kind, cpu)] = _build_table(kind)
         table = _TABLES[key] = _TABLES[(kind, cpu)].to(device)
     return table
+
+
+def quantize_table(fp8_dtype: FP8Dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """The `table` argument of mindspeed_te.fused_cast's quantize functions: HiF8's saturating encode
+    table, None for E4M3 and E5M2 (the kernels round those arithmetically)."""
+    return _table("encode_sat", device) if fp8_dtype is FP8Dtype.HIF8 else None
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}
@@ -354,7 +369,10 @@ def hif8_decode(data: torch.Tensor) -> torch.Tensor:
     """Exact float32 values of HiF8 codes (same shape; a transposed input gives a transposed result)."""
     if data.dtype != torch.uint8:
         raise TypeError(f"hif8_decode expects uint8 codes, got {data.dtype}")
-    table = _table("decode", data.device).view(torch.int32)  # torch's gather is 2x faster on int32 than float32
+    fused = fused_cast.decode(data, _table("decode_hif8", data.device))
+    if fused is not None:
+        return fused
+    table = _table("decode_hif8", data.device).view(torch.int32)  # torch's gather is 2x faster on int32 than float32
     if data.numel() <= _CHUNK and data.is_contiguous():
         return torch.gather(table, 0, data.view(-1).long()).view(torch.float32).view(data.shape)
     return _convert(data, torch.float32, "none", table=table)
@@ -381,10 +399,16 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: FP8Dtype, saturate: bool = True) -> 
     return _convert(x.detach(), fp8_dtype.storage_dtype, "clamp", limit=fp8_dtype.max)
 
 
+_DECODE_TABLE = {f: "decode_" + f.value for f in FP8Dtype}
+
+
 def cast_from_fp8(data: torch.Tensor, fp8_dtype: FP8Dtype) -> torch.Tensor:
     """Exact float32 values of quantized data (E4M3/E5M2 data may also come as its uint8 bytes)."""
     if fp8_dtype is FP8Dtype.HIF8:
         return hif8_decode(data)
+    fused = fused_cast.decode(data, _table(_DECODE_TABLE[fp8_dtype], data.device))
+    if fused is not None:
+        return fused
     if data.dtype == torch.uint8:
         data = data.view(fp8_dtype.storage_dtype)
     return data.float()
@@ -406,12 +430,12 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -
     elif scale_inv.dim() > x.dim():
         raise ValueError(f"scale_inv of shape {tuple(scale_inv.shape)} does not broadcast to {tuple(x.shape)}")
     x = x.detach()
-    table = _table("encode_sat", x.device) if fp8_dtype is FP8Dtype.HIF8 else None
+    table = quantize_table(fp8_dtype, x.device)
     fused = fused_cast.scaled_cast(x, scale_inv, fp8_dtype.value, table)
     if fused is not None:
         return fused.view(fp8_dtype.storage_dtype)
     small = x.numel() <= _CHUNK
-    if fp8_dtype is FP8Dtype.HIF8:
+    if table is not None:  # HiF8
         if small and x.is_contiguous():
             return _encode_small(torch.div(x, scale_inv), table)
         return _convert(x, torch.uint8, "div", divisor=scale_inv, table=table)

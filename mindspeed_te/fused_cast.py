@@ -5,7 +5,8 @@ dispatch each; the extension reads every element once and also serves small tens
 the per-tensor hot path: contiguous float32/bfloat16 CPU tensors, one float32 scale. Every function returns
 None when its input is outside that, and the caller then uses the torch ops, which give the same bits.
 
-`MINDSPEED_TE_FUSED_CAST=0` switches the extension off (the torch path is then used everywhere).
+`MINDSPEED_TE_FUSED_CAST=0` in the environment at import switches the extension off (the torch path is then
+used everywhere); `enabled` is the switch at run time.
 """
 from __future__ import annotations
 
@@ -19,19 +20,20 @@ try:
 except ImportError:  # not built (no compiler at install time, or a source tree without `pip install -e .`)
     _ext = None
 
-__all__ = ["available", "amax", "scaled_cast"]
+__all__ = ["available", "amax", "current_scale_inv", "decode", "quantize_current", "quantize_delayed", "scaled_cast"]
 
+enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_FORMATS = {"e4m3": 0, "e5m2": 1, "hif8": 2}
 
 
 def available() -> bool:
     """Whether the extension is built and switched on."""
-    return _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
+    return enabled and _ext is not None
 
 
 def _applies(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in _IN_DTYPES and x.is_contiguous() and available()
+    return enabled and x.is_cpu and x.dtype in _IN_DTYPES and x.is_contiguous() and _ext is not None
 
 
 def amax(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -47,11 +49,66 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str,
                 hif8_table: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Codes of sat(x / scale_inv) in format `fmt` ("e4m3", "e5m2" or "hif8" with its 65536-entry uint8
     saturating or plain encode table) as uint8 in x's shape, or None when the extension does not apply."""
-    if not (_applies(x) and scale_inv.numel() == 1 and scale_inv.dtype == torch.float32
-            and scale_inv.device.type == "cpu"):
+    if not (_applies(x) and _one_element_f32(scale_inv)):
         return None
-    out = torch.empty(x.shape, dtype=torch.uint8)
+    out = torch.empty_like(x, dtype=torch.uint8)
     table = hif8_table.data_ptr() if hif8_table is not None else 0
     _ext.scaled_cast(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), scale_inv.data_ptr(), out.data_ptr(),
                      _OUT_FORMATS[fmt], table, torch.get_num_threads())
     return out
+
+
+def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
+    """values[codes] as float32 in codes' shape (`values`: the 256 float32 values of a format's codes), or
+    None when the extension does not apply. `codes` may be uint8 or a float8 dtype."""
+    if not (enabled and codes.is_cpu and codes.element_size() == 1 and codes.is_contiguous() and _ext is not None):
+        return None
+    out = torch.empty_like(codes, dtype=torch.float32)
+    _ext.decode(codes.data_ptr(), codes.numel(), values.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def current_scale_inv(amax: torch.Tensor, fp8_max: float, amax_epsilon: float,
+                      power_2_scale: bool) -> Optional[torch.Tensor]:
+    """`mindspeed_te.scaling.current_scale_inv` of a one-element float32 CPU amax in one call, or None."""
+    if not (enabled and _one_element_f32(amax) and _ext is not None):
+        return None
+    out = torch.empty_like(amax)
+    _ext.current_scale_inv(amax.data_ptr(), out.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
+    return out
+
+
+def _one_element_f32(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.numel() == 1 and t.dtype == torch.float32
+
+
+def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Optional[torch.Tensor],
+              scale: Optional[torch.Tensor], fp8_max: float, amax_epsilon: float,
+              power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    data = torch.empty_like(x, dtype=torch.uint8)
+    scale_inv = torch.empty(1, dtype=torch.float32)
+    _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), _OUT_FORMATS[fmt],
+                  table.data_ptr() if table is not None else 0, torch.get_num_threads(),
+                  amax.data_ptr() if amax is not None else 0, scale.data_ptr() if scale is not None else 0,
+                  scale_inv.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
+    return data, scale_inv
+
+
+def quantize_current(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], fp8_max: float,
+                     amax_epsilon: float, power_2_scale: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Current scaling in one call: (codes, scale_inv of shape (1,)) with scale_inv = `current_scale_inv` of
+    x's amax and codes = sat(x / scale_inv); `table` is HiF8's saturating encode table. None when the
+    extension does not apply."""
+    if not _applies(x):
+        return None
+    return _quantize(x, fmt, table, None, None, fp8_max, amax_epsilon, power_2_scale)
+
+
+def quantize_delayed(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: torch.Tensor,
+                     scale: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Delayed scaling in one call: max-accumulates x's amax into the one-element `amax` (in place, NaN
+    propagating) and returns (codes of sat(x / scale_inv), scale_inv = 1 / scale). None when the extension
+    does not apply."""
+    if not (_applies(x) and _one_element_f32(amax) and _one_element_f32(scale)):
+        return None
+    return _quantize(x, fmt, table, amax, scale, 0.0, 0.0, False)

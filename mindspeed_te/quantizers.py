@@ -10,7 +10,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_te.formats import FP8Dtype, scaled_cast
+from mindspeed_te import fused_cast
+from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
 from mindspeed_te.scaling import (
     current_scale_inv,
     e8m0_encode,
@@ -67,6 +68,11 @@ class Quantizer:
     def __call__(self, x: torch.Tensor) -> QuantizedTensorStorage:
         return self.quantize(x)
 
+    def _tensor(self, x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> Float8Tensor:
+        """A per-tensor quantized tensor from the uint8 codes of x and their scale_inv."""
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=codes.view(self.fp8_dtype.storage_dtype),
+                            scale_inv=scale_inv)
+
 
 class Float8Quantizer(Quantizer):
     """Delayed scaling: cast with the scale computed at the last update, and max-accumulate this tensor's
@@ -79,6 +85,10 @@ class Float8Quantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
         _check_input(x)
+        fused = fused_cast.quantize_delayed(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
+                                            self.amax, self.scale)
+        if fused is not None:
+            return self._tensor(x, *fused)
         torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
         scale_inv = self.scale.reciprocal()
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
@@ -107,6 +117,11 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
         _check_input(x)
+        if self.amax_reduction_group is None:
+            fused = fused_cast.quantize_current(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
+                                                self.target_max, self.amax_epsilon, self.power_2_scale)
+            if fused is not None:
+                return self._tensor(x, *fused)
         amax = tensor_amax(x.detach()).reshape(1)
         if self.amax_reduction_group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)

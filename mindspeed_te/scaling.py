@@ -130,6 +130,9 @@ def current_scale_inv(
     """Current-scaling decode scale, the form the NPU's dynamic-quant kernels produce (data = x / scale_inv):
     max(amax, eps) / fp8_max in one IEEE division, never below 1/FLT_MAX; 1 where amax is 0, Inf or NaN.
     With `power_2_scale` it is the inverse of the power-of-two `current_scale`, so it is exact."""
+    fused = fused_cast.current_scale_inv(amax, fp8_max, amax_epsilon, power_2_scale)
+    if fused is not None:
+        return fused
     if power_2_scale:
         return current_scale(amax, fp8_max, amax_epsilon, True).reciprocal()
     if amax_epsilon > 0:

@@ -10,6 +10,7 @@ every stored form the scaled dimension is the last one.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,6 +55,13 @@ class QuantizedTensorStorage:
     def has_data(self, columnwise: bool = False) -> bool:
         raise NotImplementedError
 
+    def columnwise_only(self) -> "QuantizedTensorStorage":
+        """This tensor without the rowwise form that backward never reads: a shallow copy, so that the
+        original (e.g. a weight cached across micro-batches) stays whole; `self` when nothing would go."""
+        copy = dataclasses.replace(self)
+        copy.update_usage(rowwise=False, columnwise=True)
+        return copy
+
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         """Drop copies that are no longer needed (e.g. the rowwise input after fprop) to save memory."""
         raise NotImplementedError
@@ -88,6 +96,9 @@ class Float8Tensor(QuantizedTensorStorage):
         self._require(columnwise)
         values = cast_from_fp8(self.data, self.fp8_dtype) * self.scale_inv
         return _to(values, dtype or self.dtype)
+
+    def columnwise_only(self) -> "Float8Tensor":
+        return self  # one copy of the data serves both layouts
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is False and columnwise is False:
@@ -171,6 +182,9 @@ class Float8BlockwiseQTensor(_TiledTensor):
             self._require(True)
             return self.rowwise_data.reshape(_as_2d(self.shape)).t(), self.rowwise_scale_inv.t()
         return super().columnwise_pair()
+
+    def columnwise_only(self) -> "Float8BlockwiseQTensor":
+        return self if self.block_scaling_dim == 2 else super().columnwise_only()
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if self.block_scaling_dim == 2:

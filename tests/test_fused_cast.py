@@ -7,13 +7,16 @@ import torch
 
 from mindspeed_te import formats, fused_cast
 from mindspeed_te.formats import FP8Dtype
-from tests.oracles import np_cast
+from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format, QParams
+from mindspeed_te.recipe_state import RecipeState
+from tests.oracles import FLT_MAX, NP_DTYPES, np_cast
+from tests.oracles import current_scale_inv as oracle_scale_inv
 
 
 
 @pytest.fixture(autouse=True)
 def _switched_on(monkeypatch):
-    monkeypatch.setenv("MINDSPEED_TE_FUSED_CAST", "1")
+    monkeypatch.setattr(fused_cast, "enabled", True)
 
 FORMATS = {"e4m3": "E4M3", "e5m2": "E5M2", "hif8": "HIF8"}
 
@@ -77,8 +80,8 @@ def test_formats_give_the_same_bits_with_and_without_the_extension(monkeypatch, 
     x.view(-1)[5::101] = float("inf")
     scale_inv = torch.tensor([0.11])
     results = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("MINDSPEED_TE_FUSED_CAST", switch)
+    for switch in (True, False):
+        monkeypatch.setattr(fused_cast, "enabled", switch)
         results.append([formats.scaled_cast(x, scale_inv, f).view(torch.uint8) for f in FP8Dtype]
                        + [formats.hif8_encode(x, saturate=s) for s in (False, True)]
                        + [formats.cast_to_fp8(x, f).view(torch.uint8) for f in FP8Dtype])
@@ -114,3 +117,67 @@ def test_outside_the_hot_path_the_torch_ops_take_over():
     want = np_cast(half.float().numpy() / np.float32(0.5), "E4M3")
     got = formats.scaled_cast(half, torch.tensor([0.5]), FP8Dtype.E4M3).view(torch.uint8).numpy()
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+@pytest.mark.parametrize("numel", [256, 3 * 65536 + 5])
+def test_decode_matches_oracle(fmt, numel):
+    codes = torch.arange(numel, dtype=torch.int64).remainder(256).to(torch.uint8)
+    got = fused_cast.decode(codes, formats._table("decode_" + fmt, torch.device("cpu"))).numpy()
+    want = codes.numpy().view(NP_DTYPES[FORMATS[fmt]]).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+
+
+def test_decode_takes_float8_data_and_keeps_the_shape():
+    x = torch.randn(3, 5, 7).to(torch.float8_e4m3fn)
+    got = fused_cast.decode(x, formats._table("decode_e4m3", torch.device("cpu")))
+    assert got.shape == x.shape and torch.equal(got, x.float())
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 1e-3])
+@pytest.mark.parametrize("fp8_max", [448.0, 57344.0, 15.0, 224.0])
+def test_current_scale_inv_matches_the_scale_oracle(pow2, eps, fp8_max):
+    amaxes = [0.0, float("nan"), float("inf"), 1e-45, 1e-38, 2.5e-4, 1e-3, 0.37, 1.0, 448.0, 3.1e5, 3e38, FLT_MAX]
+    amaxes += list(np.exp(np.random.default_rng(0).uniform(-80, 80, 200)).astype(np.float32))
+    for amax in amaxes:
+        got = fused_cast.current_scale_inv(torch.tensor([amax], dtype=torch.float32), fp8_max, eps, pow2)
+        want = oracle_scale_inv(float(np.float32(amax)), fp8_max, eps, pow2)
+        assert got.numpy().view(np.uint32)[0] == np.float32(want).view(np.uint32), (amax, got.item(), want)
+
+
+@pytest.mark.parametrize("recipe", [
+    DelayedScaling(fp8_format=Format.HYBRID), DelayedScaling(fp8_format=Format.HIF8),
+    Float8CurrentScaling(fp8_format=Format.E4M3), Float8CurrentScaling(fp8_format=Format.HIF8),
+    Float8CurrentScaling(fp8_format=Format.HYBRID, fp8_quant_fwd_inp=QParams(True, 1e-2),
+                         fp8_quant_bwd_grad=QParams(True, 1e-2)),
+], ids=lambda r: f"{type(r).__name__}-{r.fp8_format.name}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_tensor_quantizers_agree_with_the_torch_path(monkeypatch, recipe, dtype):
+    """One fused call (amax, scale, cast) gives the data, scale_inv and delayed amax of the torch ops."""
+    g = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(40, 96, generator=g) * 30).to(dtype), torch.zeros(8, 32, dtype=dtype),
+              torch.full((4, 4), float("nan"), dtype=dtype), (torch.randn(3, 5, 7, generator=g) * 1e-3).to(dtype)]
+    results = []
+    for switch in (True, False):
+        monkeypatch.setattr(fused_cast, "enabled", switch)
+        fwd = RecipeState.create(recipe, forward=True, num_quantizers=3)
+        bwd = RecipeState.create(recipe, forward=False, num_quantizers=2)
+        if isinstance(recipe, DelayedScaling):  # non-trivial scales
+            fwd.scale.copy_(torch.tensor([3.5, 0.25, 7.0]))
+        quantizers = fwd.make_quantizers() + bwd.make_quantizers()
+        out = []
+        for i, x in enumerate(inputs):
+            q = quantizers[i % len(quantizers)]
+            t = q(x)
+            out.append((t.data.view(torch.uint8), t.scale_inv, t.shape, t.dtype))
+        amaxes = fwd.amax_history.clone() if isinstance(recipe, DelayedScaling) else None
+        results.append((out, amaxes))
+    (fused, fused_amax), (plain, plain_amax) = results
+    for (d1, s1, sh1, dt1), (d2, s2, sh2, dt2) in zip(fused, plain):
+        assert torch.equal(d1, d2) and sh1 == sh2 and dt1 == dt2
+        assert s1.shape == s2.shape and torch.equal(s1, s2)
+    if fused_amax is not None:
+        assert torch.equal(fused_amax.nan_to_num(-1.0), plain_amax.nan_to_num(-1.0))
+        assert torch.isnan(fused_amax).any()  # the NaN input's amax reached the history (the update skips it)

@@ -11,6 +11,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -57,12 +59,9 @@ typedef struct {
     int out_format;
     const uint8_t *table;
     uint32_t amax_bits;
+    const float *values; /* decode: the value of each of the 256 codes */
+    float *decoded;
 } Job;
-
-static inline float load(const void *in, int in_dtype, int64_t i) {
-    if (in_dtype == IN_F32) return ((const float *)in)[i];
-    return float_of((uint32_t)((const uint16_t *)in)[i] << 16);
-}
 
 /* Locals and restrict: a uint8 store may alias anything, and without them the loops reload their bounds. */
 #define CAST_LOOP(LOAD, CONVERT)                                                                         \
@@ -167,6 +166,15 @@ static void amax_range(Job *j) {
     j->amax_bits = m;
 }
 
+/* Codes to values through a 256-entry table: the exact decode of any 8-bit format. */
+static void decode_range(Job *j) {
+    const int64_t begin = j->begin, end = j->end;
+    const uint8_t *restrict in = (const uint8_t *)j->in;
+    const float *restrict values = j->values;
+    float *restrict out = j->decoded;
+    for (int64_t i = begin; i < end; ++i) out[i] = values[in[i]];
+}
+
 typedef void (*RangeFn)(Job *);
 typedef struct { RangeFn fn; Job *job; } Task;
 
@@ -195,23 +203,44 @@ static void parallel(RangeFn fn, const Job *proto, int64_t n, int threads, Job *
     *used = t;
 }
 
-static PyObject *py_scaled_cast(PyObject *self, PyObject *args) {
-    unsigned long long in, scale_inv_ptr, out, table;
-    long long n;
-    int in_dtype, out_format, threads;
-    if (!PyArg_ParseTuple(args, "KiLKKiKi", &in, &in_dtype, &n, &scale_inv_ptr, &out, &out_format, &table, &threads))
-        return NULL;
-    if ((in_dtype != IN_F32 && in_dtype != IN_BF16) || out_format < OUT_E4M3 || out_format > OUT_HIF8 ||
-        (out_format == OUT_HIF8 && !table) || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "scaled_cast: bad input dtype, output format or missing HiF8 table");
-        return NULL;
-    }
-    Job proto = {(const void *)in, in_dtype, 0, 0, *(const float *)scale_inv_ptr, (uint8_t *)out, out_format,
-                 (const uint8_t *)table, 0};
+/* max |in| over [0, n) on up to `threads` threads, as float32 (the canonical quiet NaN if any NaN). */
+static float amax_of(const void *in, int in_dtype, int64_t n, int threads) {
+    Job proto = {in, in_dtype, 0, 0, 1.0f, NULL, 0, NULL, 0, NULL, NULL};
     Job jobs[MAX_THREADS];
     int used;
-    Py_BEGIN_ALLOW_THREADS
+    uint32_t m = 0;
+    parallel(amax_range, &proto, n, threads, jobs, &used);
+    for (int k = 0; k < used; ++k) m = jobs[k].amax_bits > m ? jobs[k].amax_bits : m;
+    return float_of(m > 0x7F800000u ? 0x7FC00000u : m);
+}
+
+static void cast_all(const void *in, int in_dtype, int64_t n, float scale_inv, void *out, int out_format,
+                     const void *table, int threads) {
+    Job proto = {in, in_dtype, 0, 0, scale_inv, (uint8_t *)out, out_format, (const uint8_t *)table, 0, NULL, NULL};
+    Job jobs[MAX_THREADS];
+    int used;
     parallel(cast_range, &proto, n, threads, jobs, &used);
+}
+
+static int check_formats(int in_dtype, int out_format, unsigned long long table, long long n) {
+    if ((in_dtype != IN_F32 && in_dtype != IN_BF16) || out_format < OUT_E4M3 || out_format > OUT_HIF8 ||
+        (out_format == OUT_HIF8 && !table) || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "bad input dtype, output format, size or missing HiF8 table");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_scaled_cast(PyObject *self, PyObject *args) {
+    unsigned long long in, scale_inv, out, table;
+    long long n;
+    int in_dtype, out_format, threads;
+    if (!PyArg_ParseTuple(args, "KiLKKiKi", &in, &in_dtype, &n, &scale_inv, &out, &out_format, &table, &threads))
+        return NULL;
+    if (!check_formats(in_dtype, out_format, table, n)) return NULL;
+    const float s = *(const float *)scale_inv;
+    Py_BEGIN_ALLOW_THREADS
+    cast_all((const void *)in, in_dtype, n, s, (void *)out, out_format, (const void *)table, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -221,27 +250,96 @@ static PyObject *py_amax(PyObject *self, PyObject *args) {
     long long n;
     int in_dtype, threads;
     if (!PyArg_ParseTuple(args, "KiLKi", &in, &in_dtype, &n, &out, &threads)) return NULL;
-    if ((in_dtype != IN_F32 && in_dtype != IN_BF16) || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "amax: bad input dtype");
+    if (!check_formats(in_dtype, OUT_E4M3, 0, n)) return NULL;
+    float m;
+    Py_BEGIN_ALLOW_THREADS
+    m = amax_of((const void *)in, in_dtype, n, threads);
+    Py_END_ALLOW_THREADS
+    *(float *)out = m;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode(PyObject *self, PyObject *args) {
+    unsigned long long in, values, out;
+    long long n;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLKKi", &in, &n, &values, &out, &threads)) return NULL;
+    if (n < 0 || !values) {
+        PyErr_SetString(PyExc_ValueError, "decode: bad size or missing table");
         return NULL;
     }
-    Job proto = {(const void *)in, in_dtype, 0, 0, 1.0f, NULL, 0, NULL, 0};
+    Job proto = {(const void *)in, 0, 0, 0, 1.0f, NULL, 0, NULL, 0, (const float *)values, (float *)out};
     Job jobs[MAX_THREADS];
     int used;
-    uint32_t m = 0;
     Py_BEGIN_ALLOW_THREADS
-    parallel(amax_range, &proto, n, threads, jobs, &used);
-    for (int k = 0; k < used; ++k) m = jobs[k].amax_bits > m ? jobs[k].amax_bits : m;
+    parallel(decode_range, &proto, n, threads, jobs, &used);
     Py_END_ALLOW_THREADS
-    if (m > 0x7F800000u) m = 0x7FC00000u; /* any NaN: the canonical quiet NaN */
-    *(float *)out = float_of(m);
+    Py_RETURN_NONE;
+}
+
+/* Current scaling's decode scale from an amax, as mindspeed_te.scaling.current_scale_inv computes it with
+ * tensor ops (float32 throughout): max(amax, eps) / fp8_max, at least 1/FLT_MAX, and 1 for an amax that is
+ * 0, Inf or NaN; with pow2, the reciprocal of the scale fp8_max / max(amax, eps) (FLT_MAX at most) rounded
+ * down to a power of two. One call instead of half a dozen tensor ops on one element. */
+static float current_scale_inv(float amax, float fp8_max, float eps, int pow2) {
+    if (eps > 0 && amax < eps) amax = eps;
+    if (!(amax > 0) || amax == INFINITY) return 1.0f;
+    if (pow2) {
+        float scale = fp8_max / amax;
+        if (scale > FLT_MAX) scale = FLT_MAX;
+        return 1.0f / float_of(bits_of(scale) & 0x7F800000u);
+    }
+    float scale_inv = amax / fp8_max;
+    const float min_scale_inv = (float)(1.0 / FLT_MAX);
+    return scale_inv < min_scale_inv ? min_scale_inv : scale_inv;
+}
+
+static PyObject *py_current_scale_inv(PyObject *self, PyObject *args) {
+    unsigned long long amax, out;
+    double fp8_max, eps;
+    int pow2;
+    if (!PyArg_ParseTuple(args, "KKddp", &amax, &out, &fp8_max, &eps, &pow2)) return NULL;
+    *(float *)out = current_scale_inv(*(const float *)amax, (float)fp8_max, (float)eps, pow2);
+    Py_RETURN_NONE;
+}
+
+/* A whole per-tensor quantize in one call: the amax pass, the scale, the cast pass. Delayed scaling
+ * (scale given): max-accumulate the amax into *amax (NaN wins, as torch.maximum) and cast with 1 / *scale.
+ * Current scaling (no scale): cast with current_scale_inv(amax). *scale_inv_out receives the scale used. */
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    unsigned long long in, out, table, amax, scale, scale_inv_out;
+    long long n;
+    int in_dtype, out_format, threads, pow2;
+    double fp8_max, eps;
+    if (!PyArg_ParseTuple(args, "KiLKiKiKKKddp", &in, &in_dtype, &n, &out, &out_format, &table, &threads, &amax,
+                          &scale, &scale_inv_out, &fp8_max, &eps, &pow2))
+        return NULL;
+    if (!check_formats(in_dtype, out_format, table, n)) return NULL;
+    float scale_inv;
+    Py_BEGIN_ALLOW_THREADS
+    float m = amax_of((const void *)in, in_dtype, n, threads);
+    if (scale) {
+        float old = *(float *)amax;
+        *(float *)amax = (isnan(old) || isnan(m)) ? NAN : (m > old ? m : old);
+        scale_inv = 1.0f / *(const float *)scale;
+    } else {
+        scale_inv = current_scale_inv(m, (float)fp8_max, (float)eps, pow2);
+    }
+    cast_all((const void *)in, in_dtype, n, scale_inv, (void *)out, out_format, (const void *)table, threads);
+    Py_END_ALLOW_THREADS
+    *(float *)scale_inv_out = scale_inv;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
+    {"quantize", py_quantize, METH_VARARGS,
+     "quantize(in, in_dtype, n, out, out_format, table, threads, amax, scale, scale_inv_out, fp8_max, eps, pow2)"},
     {"amax", py_amax, METH_VARARGS, "amax(in, in_dtype, n, out, threads): *out = max |in| (NaN if any)"},
+    {"decode", py_decode, METH_VARARGS, "decode(in, n, values, out, threads): out = values[in] (uint8 codes)"},
+    {"current_scale_inv", py_current_scale_inv, METH_VARARGS,
+     "current_scale_inv(amax, out, fp8_max, eps, pow2): *out = the current-scaling scale_inv of *amax"},
     {NULL, NULL, 0, NULL},
 };
 

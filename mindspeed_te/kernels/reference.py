@@ -24,6 +24,15 @@ def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
     return values.t() if columnwise else values
 
 
+def _decoded_2d(t: Float8Tensor, columnwise: bool) -> torch.Tensor:
+    """The float32 codes (unscaled) of a per-tensor operand as (rows, k), transposed for columnwise."""
+    t._require(columnwise)
+    values = cast_from_fp8(t.data, t.fp8_dtype)
+    if values.dim() != 2:
+        values = values.reshape(-1, values.shape[-1])
+    return values.t() if columnwise else values
+
+
 def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
     if out is not None and (out.dtype != torch.float32 or bias is not None):
         raise ValueError("gemm: `out` (accumulation) must be a float32 tensor and cannot be combined with `bias`")
@@ -71,10 +80,10 @@ class ReferenceBackend:
         check_accumulate(out, bias)
         if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
-            a_codes = a.columnwise_data if a_columnwise else a.data.reshape(-1, a.shape[-1])
-            b_codes = b.columnwise_data if b_columnwise else b.data.reshape(-1, b.shape[-1])
-            result = torch.matmul(cast_from_fp8(a_codes, a.fp8_dtype), cast_from_fp8(b_codes.t(), b.fp8_dtype))
-            result = result * as_float32(b.scale_inv) * as_float32(a.scale_inv).reshape(-1, 1)
+            # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
+            a_values, b_values = _decoded_2d(a, a_columnwise), _decoded_2d(b, b_columnwise)
+            result = torch.matmul(a_values, b_values.t())
+            result = result.mul_(as_float32(b.scale_inv)).mul_(as_float32(a.scale_inv))
         else:
             result = operand_2d(a, a_columnwise) @ operand_2d(b, b_columnwise).t()
         if out is not None:

@@ -8,7 +8,6 @@ tokens, K). Each expert keeps its own quantizers, as in TransformerEngine's Grou
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -31,13 +30,6 @@ def check_m_splits(inp: torch.Tensor, m_splits: Sequence[int], num_gemms: int) -
         raise ValueError(f"m_splits must be {num_gemms} non-negative row counts summing to the input's "
                          f"{inp.shape[0]} rows, got {list(m_splits)}")
     return splits
-
-
-def _columnwise_only(t: QuantizedTensorStorage) -> QuantizedTensorStorage:
-    """A shallow copy that drops the rowwise form backward never reads (a cached weight stays whole)."""
-    t = dataclasses.replace(t)
-    t.update_usage(rowwise=False, columnwise=True)
-    return t
 
 
 def _concat_rows(pieces: list[torch.Tensor], cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,12 +80,12 @@ class _GroupedLinear(torch.autograd.Function):
         out = _concat_rows(outs, weights[0].shape[0], inp, inp.dtype)
 
         if fp8_wgrad:
-            saved_x = [_columnwise_only(x) for x in a_ops]
+            saved_x = [x.columnwise_only() for x in a_ops]
         else:
             saved_x = [xs[i] for i in active] if needs_wgrad else None
         saved_w = None
         if inp.requires_grad:
-            saved_w = b_ops if q is None else [_columnwise_only(w) for w in b_ops]
+            saved_w = b_ops if q is None else [w.columnwise_only() for w in b_ops]
         ctx.args, ctx.active, ctx.saved = args, active, (saved_x, saved_w)
         ctx.weights, ctx.input_dtype, ctx.fp8_wgrad = weights, inp.dtype, fp8_wgrad
         return out

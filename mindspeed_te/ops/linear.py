@@ -9,7 +9,6 @@ wgrad stays in high precision, which needs the real input).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,7 +61,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], args: _LinearArgs):
         backend = get_backend(inp.device)
-        x2d = inp.reshape(-1, inp.shape[-1])
+        x2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         needs_wgrad = weight.requires_grad
         q = args.quantizers
         if q is None:
@@ -85,15 +84,14 @@ class _Linear(torch.autograd.Function):
             else:
                 saved_x = x2d if needs_wgrad else None
             # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
-            saved_w = dataclasses.replace(qw)
-            saved_w.update_usage(rowwise=False, columnwise=True)
+            saved_w = qw.columnwise_only()
         ctx.args = args
         ctx.saved = (saved_x, saved_w)
         ctx.weight = weight
         ctx.input_shape = inp.shape
         ctx.input_dtype = inp.dtype
         ctx.has_bias = bias is not None
-        return out.reshape(*inp.shape[:-1], weight.shape[0])
+        return out if inp.dim() == 2 else out.reshape(*inp.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -101,7 +99,7 @@ class _Linear(torch.autograd.Function):
         saved_x, saved_w = ctx.saved
         weight = ctx.weight
         backend = get_backend(grad_out.device)
-        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         q = args.quantizers
         dx = dw = db = None
@@ -130,7 +128,7 @@ class _Linear(torch.autograd.Function):
         if need_db and ctx.has_bias:
             db = dy.sum(dim=0).to(weight.dtype)
         ctx.saved = None
-        if dx is not None:
+        if dx is not None and dx.shape != ctx.input_shape:
             dx = dx.reshape(ctx.input_shape)
         return dx, dw, db, None
 
