@@ -393,7 +393,7 @@ def cast_to_fp8(x: torch.Tensor, fp8_dtype: FP8Dtype, saturate: bool = True) -> 
         return x.to(fp8_dtype.storage_dtype)
     fused = fused_cast.scaled_cast(x.detach(), _one(x.device), fp8_dtype.value)
     if fused is not None:
-        return fused.view(fp8_dtype.storage_dtype)
+        return fused
     if x.numel() <= _CHUNK:
         return as_float32(x).clamp(-fp8_dtype.max, fp8_dtype.max).to(fp8_dtype.storage_dtype)
     return _convert(x.detach(), fp8_dtype.storage_dtype, "clamp", limit=fp8_dtype.max)
@@ -433,7 +433,7 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -
     table = quantize_table(fp8_dtype, x.device)
     fused = fused_cast.scaled_cast(x, scale_inv, fp8_dtype.value, table)
     if fused is not None:
-        return fused.view(fp8_dtype.storage_dtype)
+        return fused
     small = x.numel() <= _CHUNK
     if table is not None:  # HiF8
         if small and x.is_contiguous():

@@ -24,7 +24,8 @@ __all__ = ["available", "amax", "current_scale_inv", "decode", "quantize_current
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_OUT_FORMATS = {"e4m3": 0, "e5m2": 1, "hif8": 2}
+# format -> (the kernels' format code, the storage dtype of the codes)
+_OUT_FORMATS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2), "hif8": (2, torch.uint8)}
 
 
 def available() -> bool:
@@ -48,13 +49,15 @@ def amax(x: torch.Tensor) -> Optional[torch.Tensor]:
 def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str,
                 hif8_table: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Codes of sat(x / scale_inv) in format `fmt` ("e4m3", "e5m2" or "hif8" with its 65536-entry uint8
-    saturating or plain encode table) as uint8 in x's shape, or None when the extension does not apply."""
+    saturating or plain encode table) in x's shape and the format's storage dtype (float8, or uint8 for
+    HiF8), or None when the extension does not apply."""
     if not (_applies(x) and _one_element_f32(scale_inv)):
         return None
-    out = torch.empty_like(x, dtype=torch.uint8)
+    code, storage = _OUT_FORMATS[fmt]
+    out = torch.empty_like(x, dtype=storage)
     table = hif8_table.data_ptr() if hif8_table is not None else 0
     _ext.scaled_cast(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), scale_inv.data_ptr(), out.data_ptr(),
-                     _OUT_FORMATS[fmt], table, torch.get_num_threads())
+                     code, table, torch.get_num_threads())
     return out
 
 
@@ -85,9 +88,10 @@ def _one_element_f32(t: torch.Tensor) -> bool:
 def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Optional[torch.Tensor],
               scale: Optional[torch.Tensor], fp8_max: float, amax_epsilon: float,
               power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    data = torch.empty_like(x, dtype=torch.uint8)
+    code, storage = _OUT_FORMATS[fmt]
+    data = torch.empty_like(x, dtype=storage)
     scale_inv = torch.empty(1, dtype=torch.float32)
-    _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), _OUT_FORMATS[fmt],
+    _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), code,
                   table.data_ptr() if table is not None else 0, torch.get_num_threads(),
                   amax.data_ptr() if amax is not None else 0, scale.data_ptr() if scale is not None else 0,
                   scale_inv.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
@@ -97,7 +101,7 @@ def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Op
 def quantize_current(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], fp8_max: float,
                      amax_epsilon: float, power_2_scale: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Current scaling in one call: (codes, scale_inv of shape (1,)) with scale_inv = `current_scale_inv` of
-    x's amax and codes = sat(x / scale_inv); `table` is HiF8's saturating encode table. None when the
+    x's amax and codes = sat(x / scale_inv) (as in `scaled_cast`); `table` is HiF8's saturating encode table. None when the
     extension does not apply."""
     if not _applies(x):
         return None

@@ -69,9 +69,8 @@ class Quantizer:
         return self.quantize(x)
 
     def _tensor(self, x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> Float8Tensor:
-        """A per-tensor quantized tensor from the uint8 codes of x and their scale_inv."""
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=codes.view(self.fp8_dtype.storage_dtype),
-                            scale_inv=scale_inv)
+        """A per-tensor quantized tensor from the codes of x and their scale_inv."""
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=codes, scale_inv=scale_inv)
 
 
 class Float8Quantizer(Quantizer):

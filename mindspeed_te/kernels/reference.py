@@ -25,12 +25,11 @@ def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
 
 
 def _decoded_2d(t: Float8Tensor, columnwise: bool) -> torch.Tensor:
-    """The float32 codes (unscaled) of a per-tensor operand as (rows, k), transposed for columnwise."""
+    """The float32 codes (unscaled) of a per-tensor operand's data flattened to 2-D, (M, K); its
+    columnwise form is the transpose of this (checked here, taken by the caller)."""
     t._require(columnwise)
     values = cast_from_fp8(t.data, t.fp8_dtype)
-    if values.dim() != 2:
-        values = values.reshape(-1, values.shape[-1])
-    return values.t() if columnwise else values
+    return values if values.dim() == 2 else values.reshape(-1, values.shape[-1])
 
 
 def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
@@ -77,12 +76,13 @@ class ReferenceBackend:
     ) -> torch.Tensor:
         """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
         float32 (Megatron's main_grad; no bias then) and `out` is returned."""
-        check_accumulate(out, bias)
+        if out is not None or bias is not None:
+            check_accumulate(out, bias)
         if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
             a_values, b_values = _decoded_2d(a, a_columnwise), _decoded_2d(b, b_columnwise)
-            result = torch.matmul(a_values, b_values.t())
+            result = torch.mm(a_values.t() if a_columnwise else a_values, b_values if b_columnwise else b_values.t())
             result = result.mul_(as_float32(b.scale_inv)).mul_(as_float32(a.scale_inv))
         else:
             result = operand_2d(a, a_columnwise) @ operand_2d(b, b_columnwise).t()
