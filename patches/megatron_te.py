@@ -1,0 +1,88 @@
+"""Which Megatron symbols get which replacement, so that `--transformer-impl transformer_engine` builds
+mindspeed_te modules without TransformerEngine installed.
+
+Megatron decides "TE is here" per module, by `import transformer_engine` in a try block that also imports
+the TE* classes and sets `HAVE_TE`. Without TE those blocks fail part-way: the extension module defines its
+TE* classes on a MagicMock base, and its importers end up with missing names and `HAVE_TE = False`. So this
+table (1) replaces the TE* classes and helpers in `megatron.core.extensions.transformer_engine` (the registry
+rebinds every module that already imported them), (2) supplies the names and flags that the failed blocks
+of the GPT path's modules never set, and (3) routes `fp8_utils.get_fp8_recipe` / `get_fp8_context` to our
+state manager. Flags are raised only in modules whose TE branches use nothing but these names.
+"""
+from __future__ import annotations
+
+from packaging.version import Version
+
+from mindspeed_te.megatron import (
+    Fp8Padding,
+    Fp8Unpadding,
+    TEColumnParallelGroupedLinear,
+    TEColumnParallelLinear,
+    TECudaRNGStatesTracker,
+    TEDelayedScaling,
+    TEDotProductAttention,
+    TEGroupedLinear,
+    TELayerNormColumnParallelLinear,
+    TELinear,
+    TENorm,
+    TERowParallelGroupedLinear,
+    TERowParallelLinear,
+    get_cpu_offload_context,
+    te_checkpoint,
+)
+from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
+from patches.registry import PatchRegistry
+
+# The TransformerEngine release whose API the modules mirror, as Megatron's version checks see it.
+TE_API_VERSION = "2.8.0"
+
+EXTENSION = "megatron.core.extensions.transformer_engine"
+
+TE_CLASSES = {
+    "TENorm": TENorm,
+    "TELinear": TELinear,
+    "TEColumnParallelLinear": TEColumnParallelLinear,
+    "TERowParallelLinear": TERowParallelLinear,
+    "TELayerNormColumnParallelLinear": TELayerNormColumnParallelLinear,
+    "TEDotProductAttention": TEDotProductAttention,
+    "TEGroupedLinear": TEGroupedLinear,
+    "TEColumnParallelGroupedLinear": TEColumnParallelGroupedLinear,
+    "TERowParallelGroupedLinear": TERowParallelGroupedLinear,
+    "TEDelayedScaling": TEDelayedScaling,
+    "TECudaRNGStatesTracker": TECudaRNGStatesTracker,
+    "Fp8Padding": Fp8Padding,
+    "Fp8Unpadding": Fp8Unpadding,
+    "te_checkpoint": te_checkpoint,
+    "get_cpu_offload_context": get_cpu_offload_context,
+}
+
+# module -> names its failed TE import block should have bound (taken from the extension after patching),
+# and whether its HAVE_TE may be raised.
+# Names that are None in the extension (not classes) are not rebound by identity, so their importers are
+# listed too. The table is checked against Megatron's source by tests/test_patches_megatron.py.
+IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "megatron.core.extensions.transformer_engine_spec_provider": (
+        ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear"), False),
+    "megatron.core.fp8_utils": (("Fp8Padding", "Fp8Unpadding"), False),
+    "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider"), True),
+    "megatron.core.transformer.transformer_block": (("TENorm", "get_cpu_offload_context", "te_checkpoint"), False),
+    "megatron.core.transformer.moe.experts": (("Fp8Padding", "Fp8Unpadding"), True),
+    "megatron.core.transformer.moe.moe_layer": (("TELinear", "te_checkpoint"), False),
+}
+
+
+def register_megatron_te(registry: PatchRegistry) -> None:
+    """Add the TE replacement patches to `registry` (applied later, together with the others)."""
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    replacements = dict(TE_CLASSES, TESpecProvider=TESpecProvider)
+    for name, replacement in TE_CLASSES.items():
+        registry.register(f"{EXTENSION}.{name}", replacement)
+    for module, (names, raise_flag) in IMPORTERS.items():
+        for name in names:
+            registry.register(f"{module}.{name}", replacements[name], create=True)
+        if raise_flag:
+            registry.register(f"{module}.HAVE_TE", True, create=True)
+    registry.register("megatron.core.fp8_utils.get_fp8_recipe", get_fp8_recipe)
+    registry.register("megatron.core.fp8_utils.get_fp8_context", get_fp8_context)
+    registry.register("megatron.core.utils._te_version", Version(TE_API_VERSION))

@@ -1,0 +1,123 @@
+"""A registry of import-time patches: replace `module.attribute` with our object, everywhere it was bound.
+
+Replacing an attribute in its defining module is not enough when other modules already did
+`from module import name`: they hold the original. `apply()` therefore also rebinds every attribute of an
+already-imported module (under the given prefixes) that *is* the original object. Only classes, functions
+and modules are rebound this way; plain values (flags such as `HAVE_TE = False`) are patched only where they
+are registered, since an identity match on `False` or `None` would hit unrelated names. Modules imported after
+`apply()` import the replacement from the patched module. `revert()` restores every binding it changed.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Patch", "PatchRegistry", "PatchError"]
+
+_MISSING = object()
+
+
+class PatchError(RuntimeError):
+    """A patch target that cannot be resolved or is registered twice."""
+
+
+@dataclass
+class Patch:
+    target: str  # "package.module.attribute"
+    replacement: Any
+    create: bool = False  # the attribute may be absent (added by the patch)
+    original: Any = _MISSING
+    rebound: list[tuple[types.ModuleType, str]] = field(default_factory=list)
+
+    @property
+    def module_name(self) -> str:
+        return self.target.rpartition(".")[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.target.rpartition(".")[2]
+
+
+_SHARED_VALUES = (bool, int, float, complex, str, bytes, tuple, frozenset, type(None))
+
+
+def _rebindable(obj: Any) -> bool:
+    """Whether identity identifies `obj` well enough to follow its bindings across modules: not for plain
+    values, which the interpreter shares between unrelated names (True, None, small ints, strings)."""
+    return type(obj) not in _SHARED_VALUES  # exact types: a MagicMock(spec=str) passes isinstance(str)
+
+
+class PatchRegistry:
+    """register(target, replacement) any number of times, then apply() once; revert() undoes it."""
+
+    def __init__(self, rebind_prefixes: tuple[str, ...] = ("megatron",)) -> None:
+        self.rebind_prefixes = rebind_prefixes
+        self._patches: dict[str, Patch] = {}
+        self.applied = False
+
+    def register(self, target: str, replacement: Any, *, create: bool = False, force: bool = False) -> None:
+        """Replace `target` ("package.module.attribute") with `replacement` at apply(). A second
+        registration of the same target is an error unless `force` (the later one wins)."""
+        if self.applied:
+            raise PatchError(f"cannot register {target!r}: the patches are already applied")
+        if target.count(".") < 1:
+            raise PatchError(f"patch target {target!r} must be 'module.attribute'")
+        if target in self._patches and not force:
+            raise PatchError(f"{target!r} is already patched; pass force=True to replace that patch")
+        self._patches[target] = Patch(target, replacement, create)
+
+    @property
+    def patches(self) -> list[Patch]:
+        return list(self._patches.values())
+
+    def apply(self) -> None:
+        """Import each target module, swap the attribute and rebind the importers. All targets are resolved
+        before anything changes, so a bad target leaves every module untouched."""
+        if self.applied:
+            return
+        resolved = []
+        for patch in self._patches.values():
+            try:
+                module = importlib.import_module(patch.module_name)
+            except ImportError as error:
+                raise PatchError(f"cannot patch {patch.target!r}: module {patch.module_name!r} does not import "
+                                 f"({error})") from error
+            original = getattr(module, patch.attribute, _MISSING)
+            if original is _MISSING and not patch.create:
+                raise PatchError(f"cannot patch {patch.target!r}: {patch.module_name!r} has no attribute "
+                                 f"{patch.attribute!r}")
+            resolved.append((patch, module, original))
+        for patch, module, original in resolved:
+            patch.original = original
+            setattr(module, patch.attribute, patch.replacement)
+            patch.rebound = [(module, patch.attribute)]
+            if original is not _MISSING and _rebindable(original):
+                patch.rebound += self._rebind(original, patch.replacement, skip=module)
+        self.applied = True
+
+    def _rebind(self, original: Any, replacement: Any, skip: types.ModuleType) -> list[tuple[types.ModuleType, str]]:
+        changed = []
+        for name, module in list(sys.modules.items()):
+            if module is None or module is skip or not name.startswith(self.rebind_prefixes):
+                continue
+            for attribute, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, attribute, replacement)
+                    changed.append((module, attribute))
+        return changed
+
+    def revert(self) -> None:
+        """Restore every binding `apply()` changed (in reverse order)."""
+        if not self.applied:
+            return
+        for patch in reversed(list(self._patches.values())):
+            for module, attribute in patch.rebound:
+                if patch.original is _MISSING:
+                    delattr(module, attribute)
+                else:
+                    setattr(module, attribute, patch.original)
+            patch.rebound = []
+        self.applied = False

@@ -1,0 +1,164 @@
+"""The Megatron TE patches against the real megatron-core: specs, importers, fp8 context, a GPT model."""
+from __future__ import annotations
+
+import ast
+import inspect
+import importlib
+import warnings
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message="Apex is not installed")
+pytest.importorskip("megatron.core")
+
+from mindspeed_te import FP8GlobalStateManager  # noqa: E402
+from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
+from patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
+from patches.registry import PatchRegistry  # noqa: E402
+from tests.dist_utils import run_distributed  # noqa: E402
+
+
+@pytest.fixture
+def patched():
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    registry.apply()
+    yield registry
+    registry.revert()
+
+
+def _te_names_imported(module_name: str) -> set[str]:
+    """Names `module_name` imports from Megatron's TE extension, read from its source."""
+    module = importlib.import_module(module_name)
+    tree = ast.parse(inspect.getsource(module))
+    return {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            and node.module == EXTENSION for alias in node.names}
+
+
+def test_every_te_name_on_the_gpt_path_is_ours(patched):
+    modules = [*IMPORTERS, EXTENSION + "_spec_provider", "megatron.core.transformer.moe.shared_experts",
+               "megatron.core.transformer.attention"]
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for name in _te_names_imported(module_name) & set(TE_CLASSES):
+            bound = getattr(module, name, None)
+            # a module whose TE import block failed early may never look the name up; if bound, it is ours
+            if module_name in IMPORTERS and name in IMPORTERS[module_name][0]:
+                assert bound is TE_CLASSES[name], f"{module_name}.{name}"
+            elif bound is not None:
+                assert bound is TE_CLASSES[name], f"{module_name}.{name} is {bound!r}"
+
+
+def test_gpt_layer_specs_use_our_modules(patched):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from mindspeed_te import megatron as ours
+
+    spec = get_gpt_layer_with_transformer_engine_spec()
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    assert attention.linear_qkv is ours.TELayerNormColumnParallelLinear
+    assert attention.core_attention is ours.TEDotProductAttention
+    assert attention.linear_proj is ours.TERowParallelLinear
+    assert (mlp.linear_fc1, mlp.linear_fc2) == (ours.TELayerNormColumnParallelLinear, ours.TERowParallelLinear)
+
+    moe = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True).submodules.mlp
+    experts = moe.submodules.experts.submodules
+    assert (experts.linear_fc1, experts.linear_fc2) == (ours.TEColumnParallelGroupedLinear,
+                                                        ours.TERowParallelGroupedLinear)
+    shared = moe.submodules.shared_experts.submodules
+    assert (shared.linear_fc1, shared.linear_fc2) == (ours.TEColumnParallelLinear, ours.TERowParallelLinear)
+
+
+def test_revert_gives_megatron_back_its_own_objects():
+    module = importlib.import_module(EXTENSION)
+    before = {name: getattr(module, name) for name in TE_CLASSES}
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    registry.apply()
+    registry.revert()
+    assert all(getattr(module, name) is obj for name, obj in before.items())
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                  params_dtype=torch.float32, bias_dropout_fusion=False, apply_rope_fusion=False,
+                  gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def test_fp8_context_follows_the_config(patched):
+    from megatron.core import fp8_utils
+
+    assert isinstance(fp8_utils.get_fp8_context(_config()), nullcontext)
+    recipe = fp8_utils.get_fp8_recipe(_config(fp8="hif8", fp8_recipe="tensorwise"))
+    assert isinstance(recipe, Float8CurrentScaling) and recipe.fp8_format is Format.HIF8
+    with fp8_utils.get_fp8_context(_config(fp8="hybrid", fp8_margin=1, fp8_amax_history_len=8)):
+        assert FP8GlobalStateManager.is_fp8_enabled()
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        assert isinstance(recipe, DelayedScaling) and recipe.margin == 1 and recipe.amax_history_len == 8
+    assert not FP8GlobalStateManager.is_fp8_enabled()
+    # --first-last-layers-bf16: those layers run outside FP8
+    config = _config(fp8="e4m3", fp8_recipe="tensorwise", first_last_layers_bf16=True,
+                     num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=0)
+    assert isinstance(fp8_utils.get_fp8_context(config, layer_no=0), nullcontext)
+    assert not isinstance(fp8_utils.get_fp8_context(config, layer_no=1), nullcontext)
+    with fp8_utils.get_fp8_context(_config(fp8="hif8", fp8_param=True), is_init=True):
+        assert FP8GlobalStateManager.with_fp8_parameters()
+
+
+def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str) -> dict:
+    """Two steps of a tiny GPT built from Megatron's TE layer spec (patched), on one gloo rank."""
+    warnings.filterwarnings("ignore")
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    registry.apply()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    parallel_state.initialize_model_parallel(world_size, 1)
+    torch.manual_seed(0)
+    config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size)
+    model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128, max_sequence_length=32,
+                     position_embedding_type="learned_absolute")
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(32).expand(2, -1)
+    mask = torch.ones(2, 1, 32, 32, dtype=torch.bool).tril().logical_not()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        loss = model(tokens, positions, mask, labels=tokens).mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    module_types = {type(m).__name__ for m in model.modules()}
+    scales = [m.fp8_states[0].scale for m in model.modules()
+              if getattr(m, "fp8_states", None) and hasattr(m.fp8_states[0], "amax_history")]
+    parallel_state.destroy_model_parallel()
+    updated = sum(int((scale != 1).sum()) for scale in scales)
+    return {"losses": losses, "types": module_types, "updated_scales": updated}
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    return run_distributed(_train_gpt, 1, None, "delayed")[0]
+
+
+@pytest.mark.parametrize("fp8,recipe", [("hif8", "delayed"), ("e4m3", "tensorwise"), ("hybrid", "mxfp8")])
+def test_gpt_trains_in_fp8_with_megatron_te_spec(baseline, fp8, recipe):
+    result = run_distributed(_train_gpt, 1, fp8, recipe)[0]
+    assert {"TELayerNormColumnParallelLinear", "TERowParallelLinear", "TEDotProductAttention"} <= result["types"]
+    losses, base = torch.tensor(result["losses"]), torch.tensor(baseline["losses"])
+    assert torch.isfinite(losses).all()
+    assert not torch.equal(losses, base)  # the GEMMs really ran quantized
+    assert torch.allclose(losses, base, rtol=0.05)  # and close to full precision (8-bit formats)
+    assert losses[1] < losses[0]  # it learns
+    if recipe == "delayed":
+        assert result["updated_scales"] > 0  # delayed scaling recorded amaxes and updated its scales

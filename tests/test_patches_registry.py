@@ -1,0 +1,101 @@
+"""The patch registry on throw-away modules: replacement, rebinding of importers, flags, revert, errors."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from patches.registry import PatchError, PatchRegistry
+
+
+class Original:
+    pass
+
+
+class Replacement:
+    pass
+
+
+def original_helper() -> str:
+    return "original"
+
+
+@pytest.fixture
+def fake_modules():
+    """fakepkg.defs defines the targets; fakepkg.user imported them by name; other.user is outside the prefix."""
+    defs = types.ModuleType("fakepkg.defs")
+    defs.Thing, defs.helper, defs.HAVE_X, defs.other_flag = Original, original_helper, False, False
+    user = types.ModuleType("fakepkg.user")
+    user.Thing, user.helper, user.HAVE_X, user.unrelated_false = Original, original_helper, False, False
+    outside = types.ModuleType("other.user")
+    outside.Thing = Original
+    modules = {"fakepkg": types.ModuleType("fakepkg"), "fakepkg.defs": defs, "fakepkg.user": user,
+               "other.user": outside}
+    sys.modules.update(modules)
+    yield defs, user, outside
+    for name in modules:
+        sys.modules.pop(name, None)
+
+
+def test_apply_replaces_and_rebinds_importers_under_the_prefix(fake_modules):
+    defs, user, outside = fake_modules
+    registry = PatchRegistry(rebind_prefixes=("fakepkg",))
+    registry.register("fakepkg.defs.Thing", Replacement)
+    registry.register("fakepkg.defs.helper", len)
+    registry.apply()
+    assert defs.Thing is Replacement and user.Thing is Replacement
+    assert defs.helper is len and user.helper is len
+    assert outside.Thing is Original  # not under the rebind prefixes
+
+
+def test_plain_values_are_patched_only_where_registered(fake_modules):
+    defs, user, _ = fake_modules
+    registry = PatchRegistry(rebind_prefixes=("fakepkg",))
+    registry.register("fakepkg.user.HAVE_X", True)
+    registry.register("fakepkg.user.NEW_NAME", Replacement, create=True)
+    registry.apply()
+    assert user.HAVE_X is True and user.NEW_NAME is Replacement
+    # every other False stays False: identity on shared values says nothing
+    assert defs.HAVE_X is False and defs.other_flag is False and user.unrelated_false is False
+
+
+def test_revert_restores_every_binding_and_removes_created_names(fake_modules):
+    defs, user, _ = fake_modules
+    registry = PatchRegistry(rebind_prefixes=("fakepkg",))
+    registry.register("fakepkg.defs.Thing", Replacement)
+    registry.register("fakepkg.user.HAVE_X", True)
+    registry.register("fakepkg.user.NEW_NAME", 1, create=True)
+    registry.apply()
+    registry.revert()
+    assert defs.Thing is Original and user.Thing is Original and user.HAVE_X is False
+    assert not hasattr(user, "NEW_NAME")
+    assert not registry.applied
+    registry.apply()  # and it can be applied again
+    assert user.Thing is Replacement
+
+
+def test_bad_targets_fail_before_anything_changes(fake_modules):
+    defs, user, _ = fake_modules
+    registry = PatchRegistry(rebind_prefixes=("fakepkg",))
+    registry.register("fakepkg.defs.Thing", Replacement)
+    registry.register("fakepkg.defs.missing", Replacement)
+    with pytest.raises(PatchError, match="fakepkg.defs.missing.*has no attribute 'missing'"):
+        registry.apply()
+    assert defs.Thing is Original and user.Thing is Original and not registry.applied
+
+    registry = PatchRegistry()
+    registry.register("no_such_module_xyz.attr", 1)
+    with pytest.raises(PatchError, match="no_such_module_xyz.*does not import"):
+        registry.apply()
+
+
+def test_registration_errors():
+    registry = PatchRegistry()
+    with pytest.raises(PatchError, match="must be 'module.attribute'"):
+        registry.register("noattribute", 1)
+    registry.register("a.b", 1)
+    with pytest.raises(PatchError, match="already patched"):
+        registry.register("a.b", 2)
+    registry.register("a.b", 2, force=True)
+    assert [p.replacement for p in registry.patches] == [2]
