@@ -1,2 +1,26 @@
-"""Megatron integration, applied at import time: the patch registry, argument hooks and the CPU device
-adaptor live here (being built; see the README's Megatron section)."""
+"""Megatron integration: the patch registry and what it patches. `mindspeed_te.megatron_adaptor` applies it.
+
+    registry = build_registry()   # every patch that applies to the Megatron importable here
+    registry.apply()              # ... and registry.revert() to undo
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from patches.registry import PatchError, PatchRegistry
+
+__all__ = ["PatchError", "PatchRegistry", "build_registry"]
+
+
+def build_registry() -> PatchRegistry:
+    """The TE module patches for megatron.core, plus the argument hooks when megatron.training (the
+    Megatron-LM repository, not on PyPI) is importable."""
+    from patches.megatron_te import register_megatron_te
+
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    if importlib.util.find_spec("megatron.training") is not None:
+        from patches.arguments import register_arguments
+
+        register_arguments(registry)
+    return registry

@@ -162,3 +162,14 @@ def test_gpt_trains_in_fp8_with_megatron_te_spec(baseline, fp8, recipe):
     assert losses[1] < losses[0]  # it learns
     if recipe == "delayed":
         assert result["updated_scales"] > 0  # delayed scaling recorded amaxes and updated its scales
+
+
+def test_importing_the_adaptor_applies_the_patches():
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.filterwarnings('ignore'); import mindspeed_te.megatron_adaptor; "
+            "import megatron.core.extensions.transformer_engine as te_ext, megatron.core.models.gpt.gpt_layer_specs as s; "
+            "from mindspeed_te.megatron import TELinear; print(te_ext.TELinear is TELinear, s.HAVE_TE)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]

@@ -1,0 +1,101 @@
+"""mindspeed_te's Megatron command-line flags, added through `parse_args`'s extra-arguments hook.
+
+Flags: `--fp8-format hif8` (added to Megatron's own choices), `--hif8-fwd-max` / `--hif8-bwd-max` (HiF8
+target maxima, default 15 / 224), `--no-use-gmm-fp8` (MoE grouped GEMMs in high precision) and
+`--use-ascend-mc2` (fused matmul + communication kernels). Megatron copies only TransformerConfig's own
+fields from the arguments into the config, so `core_transformer_config_from_args` is wrapped to carry
+these over as config attributes, where the TE* modules read them.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Callable, Optional
+
+from mindspeed_te.recipe import Format
+
+# args attribute -> default; copied onto the TransformerConfig
+CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None}
+FORMAT_CHOICES = tuple(name.lower() for name in Format.__members__)
+
+
+def _option(parser: argparse.ArgumentParser, flag: str) -> Optional[argparse.Action]:
+    return next((action for action in parser._actions if flag in action.option_strings), None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add our flags to Megatron's parser and let --fp8-format take hif8."""
+    fp8_format = _option(parser, "--fp8-format")
+    if fp8_format is None:
+        parser.add_argument("--fp8-format", dest="fp8", default=None, choices=FORMAT_CHOICES,
+                            help="FP8 element format: e4m3, hybrid or hif8")
+    elif fp8_format.choices is not None:
+        fp8_format.choices = list(dict.fromkeys([*fp8_format.choices, *FORMAT_CHOICES]))
+    group = parser.add_argument_group("mindspeed_te")
+    group.add_argument("--hif8-fwd-max", type=float, default=None,
+                       help="HiF8 target max of activations and weights (default 15)")
+    group.add_argument("--hif8-bwd-max", type=float, default=None, help="HiF8 target max of gradients (default 224)")
+    group.add_argument("--no-use-gmm-fp8", dest="use_gmm_fp8", action="store_false",
+                       help="run MoE grouped GEMMs in high precision inside FP8 training")
+    group.add_argument("--use-ascend-mc2", action="store_true",
+                       help="fused matmul + all-gather / reduce-scatter kernels for tensor-parallel linears")
+    return parser
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Reject flag combinations mindspeed_te cannot run, naming the flags."""
+    fp8 = getattr(args, "fp8", None)
+    if fp8 and getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+        raise ValueError(f"--fp8-format {fp8} needs --transformer-impl transformer_engine "
+                         f"(got --transformer-impl {args.transformer_impl})")
+    recipe = getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
+    if fp8 == "hif8" and recipe == "mxfp8":
+        raise ValueError("--fp8-format hif8 does not work with --fp8-recipe mxfp8 (MX blocks hold E4M3/E5M2 "
+                         "elements); use delayed, tensorwise or blockwise")
+    for flag in ("hif8_fwd_max", "hif8_bwd_max"):
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        name = "--" + flag.replace("_", "-")
+        if fp8 != "hif8":
+            raise ValueError(f"{name} only applies with --fp8-format hif8 (got --fp8-format {fp8})")
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value}")
+
+
+def wrap_parse_args(parse_args: Callable) -> Callable:
+    """Megatron's parse_args with our flags added before the caller's extra arguments, then validated."""
+
+    @functools.wraps(parse_args)
+    def wrapped(extra_args_provider: Optional[Callable] = None, ignore_unknown_args: bool = False):
+        def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+            parser = add_arguments(parser)
+            return extra_args_provider(parser) if extra_args_provider is not None else parser
+
+        args = parse_args(provider, ignore_unknown_args)
+        validate_args(args)
+        return args
+
+    return wrapped
+
+
+def wrap_config_from_args(config_from_args: Callable) -> Callable:
+    """Megatron's core_transformer_config_from_args, then our flags copied onto the config."""
+
+    @functools.wraps(config_from_args)
+    def wrapped(args, *rest, **kwargs):
+        config = config_from_args(args, *rest, **kwargs)
+        for name, default in CONFIG_FIELDS.items():
+            setattr(config, name, getattr(args, name, default))
+        return config
+
+    return wrapped
+
+
+def register_arguments(registry) -> None:
+    """Hook parse_args and core_transformer_config_from_args of megatron.training.arguments."""
+    from megatron.training import arguments
+
+    registry.register("megatron.training.arguments.parse_args", wrap_parse_args(arguments.parse_args))
+    registry.register("megatron.training.arguments.core_transformer_config_from_args",
+                      wrap_config_from_args(arguments.core_transformer_config_from_args))

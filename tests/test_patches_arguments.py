@@ -1,0 +1,100 @@
+"""Command-line flags: hif8 in --fp8-format, our flags, validation, and the config hand-over."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+from patches.arguments import CONFIG_FIELDS, add_arguments, validate_args, wrap_config_from_args, wrap_parse_args
+
+
+def _megatron_like_parse_args(argv: list[str]):
+    """A stand-in with Megatron's parse_args contract: its own flags, then the extra-arguments provider."""
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
+        parser.add_argument("--fp8-recipe", default="delayed",
+                            choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"])
+        parser.add_argument("--transformer-impl", default="transformer_engine",
+                            choices=["local", "transformer_engine"])
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return parser.parse_known_args(argv)[0] if ignore_unknown_args else parser.parse_args(argv)
+
+    return parse_args
+
+
+def _parse(argv: list[str], extra=None):
+    return wrap_parse_args(_megatron_like_parse_args(argv))(extra)
+
+
+def test_hif8_and_our_flags_parse_next_to_megatrons():
+    args = _parse(["--fp8-format", "hif8", "--fp8-recipe", "tensorwise", "--hif8-fwd-max", "56",
+                   "--no-use-gmm-fp8", "--use-ascend-mc2"])
+    assert (args.fp8, args.fp8_recipe, args.hif8_fwd_max, args.hif8_bwd_max) == ("hif8", "tensorwise", 56.0, None)
+    assert args.use_gmm_fp8 is False and args.use_ascend_mc2 is True
+    defaults = _parse([])
+    assert {name: getattr(defaults, name) for name in CONFIG_FIELDS} == CONFIG_FIELDS
+    assert _parse(["--fp8-format", "e4m3"]).fp8 == "e4m3"  # Megatron's own choices still work
+
+
+def test_the_callers_extra_arguments_still_run():
+    def extra(parser):
+        parser.add_argument("--my-flag", type=int, default=3)
+        return parser
+
+    assert _parse(["--my-flag", "5", "--fp8-format", "hybrid"], extra).my_flag == 5
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fp8-format", "hif8", "--transformer-impl", "local"], "needs --transformer-impl transformer_engine"),
+    (["--fp8-format", "hif8", "--fp8-recipe", "mxfp8"], "hif8 does not work with --fp8-recipe mxfp8"),
+    (["--fp8-format", "e4m3", "--hif8-bwd-max", "224"], "--hif8-bwd-max only applies with --fp8-format hif8"),
+    (["--fp8-format", "hif8", "--hif8-fwd-max", "-1"], "--hif8-fwd-max must be a positive number"),
+])
+def test_bad_combinations_name_the_flags(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _parse(argv)
+
+
+def test_unknown_format_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--fp8-format", "e2m1"])
+    assert "invalid choice: 'e2m1'" in capsys.readouterr().err
+
+
+def test_a_parser_without_fp8_format_gets_one():
+    parser = add_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--fp8-format", "hif8"])
+    assert args.fp8 == "hif8"
+    validate_args(args)
+
+
+def test_config_receives_our_fields():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def config_from_args(args, config_class=None):
+        return (config_class or TransformerConfig)(num_layers=1, hidden_size=8, num_attention_heads=1, fp8=args.fp8)
+
+    args = _parse(["--fp8-format", "hif8", "--hif8-fwd-max", "56", "--no-use-gmm-fp8"])
+    config = wrap_config_from_args(config_from_args)(args)
+    assert (config.fp8, config.hif8_fwd_max, config.use_gmm_fp8, config.use_ascend_mc2) == ("hif8", 56.0, False, False)
+
+    from mindspeed_te.megatron.common import recipe_from_config
+
+    assert recipe_from_config(config).fwd_target_max == 56.0
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")
+def test_real_megatron_parse_args(monkeypatch):
+    monkeypatch.syspath_prepend(os.environ["MEGATRON_LM_PATH"])
+    from megatron.training import arguments
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--fp8-format", "hif8", "--fp8-recipe", "tensorwise",
+                                      "--transformer-impl", "transformer_engine", "--no-use-gmm-fp8"])
+    args = wrap_parse_args(arguments.parse_args)(None, True)
+    assert (args.fp8, args.use_gmm_fp8) == ("hif8", False)
