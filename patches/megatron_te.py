@@ -68,19 +68,29 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "megatron.core.transformer.transformer_block": (("TENorm", "get_cpu_offload_context", "te_checkpoint"), False),
     "megatron.core.transformer.moe.experts": (("Fp8Padding", "Fp8Unpadding"), True),
     "megatron.core.transformer.moe.moe_layer": (("TELinear", "te_checkpoint"), False),
+    # Without TE this module never binds the fused MoE kernels, then reads them (`te_general_gemm is not
+    # None`): bind Megatron's own fallbacks (None), so that its torch code paths run.
+    "megatron.core.transformer.moe.moe_utils": ((
+        "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+        "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+        "fused_unpermute", "te_general_gemm"), False),
 }
 
 
 def register_megatron_te(registry: PatchRegistry) -> None:
     """Add the TE replacement patches to `registry` (applied later, together with the others)."""
+    import importlib
+
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
+    extension = importlib.import_module(EXTENSION)
     replacements = dict(TE_CLASSES, TESpecProvider=TESpecProvider)
     for name, replacement in TE_CLASSES.items():
         registry.register(f"{EXTENSION}.{name}", replacement)
     for module, (names, raise_flag) in IMPORTERS.items():
         for name in names:
-            registry.register(f"{module}.{name}", replacements[name], create=True)
+            value = replacements[name] if name in replacements else getattr(extension, name)
+            registry.register(f"{module}.{name}", value, create=True)
         if raise_flag:
             registry.register(f"{module}.HAVE_TE", True, create=True)
     registry.register("megatron.core.fp8_utils.get_fp8_recipe", get_fp8_recipe)

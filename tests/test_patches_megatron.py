@@ -16,6 +16,7 @@ pytest.importorskip("megatron.core")
 
 from mindspeed_te import FP8GlobalStateManager  # noqa: E402
 from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
+from patches.device_cpu import register_device_cpu  # noqa: E402
 from patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
 from patches.registry import PatchRegistry  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
@@ -125,12 +126,16 @@ def _load_shards(model: torch.nn.Module, full: dict, rank: int, world_size: int)
             param.copy_(value)
 
 
-def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: dict | None = None) -> dict:
+def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: dict | None = None,
+               moe: bool = False) -> dict:
     """Two steps of a tiny GPT built from Megatron's TE layer spec (patched) on `world_size` tensor-parallel
-    gloo ranks; `full` (a one-process model's parameters) sets the starting point."""
+    gloo ranks; `full` (a one-process model's parameters) sets the starting point. With `moe`: 4 experts
+    (grouped GEMMs, all-to-all dispatcher) and rotary embeddings, which need the CPU device adaptor."""
     warnings.filterwarnings("ignore")
     registry = PatchRegistry()
     register_megatron_te(registry)
+    if moe:
+        register_device_cpu(registry)
     registry.apply()
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -138,9 +143,12 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
 
     parallel_state.initialize_model_parallel(world_size, 1)
     torch.manual_seed(0)
-    config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size)
-    model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128, max_sequence_length=32,
-                     position_embedding_type="learned_absolute")
+    experts = dict(num_moe_experts=4, moe_grouped_gemm=True, moe_router_topk=2,
+                   moe_token_dispatcher_type="alltoall") if moe else {}
+    config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size, **experts)
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe)
+    model = GPTModel(config, spec, vocab_size=128, max_sequence_length=32,
+                     position_embedding_type="rope" if moe else "learned_absolute")
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     if full is not None:
         _load_shards(model, full, rank, world_size)
@@ -207,3 +215,15 @@ def test_tensor_parallel_gpt_matches_one_process(fp8, recipe):
     if recipe == "delayed" and fp8:
         for a, b in zip(ranks[0]["scales"], ranks[1]["scales"]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8,recipe", [("hif8", "tensorwise"), ("e4m3", "blockwise")])
+def test_moe_gpt_trains_in_fp8_on_cpu(fp8, recipe):
+    """Experts as FP8 grouped GEMMs behind Megatron's all-to-all dispatcher, rotary embeddings: the model
+    code that calls torch.cuda runs on the CPU adaptor."""
+    baseline = run_distributed(_train_gpt, 1, None, "delayed", None, True)[0]
+    result = run_distributed(_train_gpt, 1, fp8, recipe, None, True)[0]
+    assert {"TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear"} <= result["types"]
+    losses, base = torch.tensor(result["losses"]), torch.tensor(baseline["losses"])
+    assert torch.isfinite(losses).all() and not torch.equal(losses, base)
+    assert torch.allclose(losses, base, rtol=0.05) and losses[1] < losses[0]
