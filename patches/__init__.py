@@ -13,12 +13,15 @@ __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 
 
 def build_registry() -> PatchRegistry:
-    """The TE module patches for megatron.core, plus the argument hooks when megatron.training (the
-    Megatron-LM repository, not on PyPI) is importable."""
+    """The TE module patches for megatron.core, the argument hooks when megatron.training (the Megatron-LM
+    repository, not on PyPI) is importable, and the CPU device adaptor when there is no accelerator."""
+    from patches.device_cpu import accelerator_present, register_device_cpu
     from patches.megatron_te import register_megatron_te
 
     registry = PatchRegistry()
     register_megatron_te(registry)
+    if not accelerator_present():
+        register_device_cpu(registry)
     if importlib.util.find_spec("megatron.training") is not None:
         from patches.arguments import register_arguments
 

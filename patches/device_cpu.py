@@ -1,6 +1,10 @@
 """Run Megatron on a machine with no accelerator: `torch.cuda` calls that Megatron makes become their CPU
 meaning, so that models, MoE dispatchers, RNG trackers and the training loop work on CPU tensors.
 
+Megatron's training code also names the device literally (`device="cuda"`, `.cuda()`), as it does on NPUs,
+where torch_npu's transfer_to_npu redirects those calls; here tensor factories, `Tensor.to` and
+`Tensor.cuda` send them to the CPU, and `initialize_megatron` is told that no CUDA is fine.
+
 Applied only when neither CUDA nor an NPU is present (see `register_device_cpu`). Megatron uses
 `torch.cuda.current_device()` as a device for tensors, streams and events for overlap, the CUDA RNG state
 for its dropout tracker and memory statistics for logging; here the device is "cpu", streams and events
@@ -9,8 +13,9 @@ statistics are zero.
 """
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -124,6 +129,80 @@ TORCH_CUDA = {
 }
 
 
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # a CUDA device index
+
+
+def _on_cpu(factory: Callable) -> Callable:
+    """`factory` with a CUDA `device=` argument turned into the CPU."""
+
+    @functools.wraps(factory)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+              "randperm", "eye", "linspace", "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like")
+
+
+def _tensor_to(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and _is_cuda(args[0]):
+            args = ("cpu", *args[1:])
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _allow_no_cuda(initialize_megatron: Callable) -> Callable:
+    @functools.wraps(initialize_megatron)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize_megatron(*args, **kwargs)
+
+    return wrapped
+
+
+def _get_megatron_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Megatron's RNG tracker state getter (tensor_parallel.random), on the CPU generator."""
+    return torch.get_rng_state()
+
+
+def _set_megatron_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                  use_decoupled_grad: bool = False) -> None:
+    """Megatron's gradient clipping by a precomputed total norm, without its check that gradients are
+    CUDA tensors: scale every fp32/bf16 gradient in place by max_norm / total_norm when that is below 1."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attribute).detach() for p in params if getattr(p, attribute, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def _no_fused_kernels(args: Any = None) -> None:
+    """Megatron's legacy fused CUDA kernels: nothing to build on the CPU (its code falls back to torch)."""
+
+
 def accelerator_present() -> bool:
     """Whether CUDA or an Ascend NPU is usable (then nothing here applies)."""
     if torch.cuda.is_available():
@@ -134,5 +213,20 @@ def accelerator_present() -> bool:
 
 def register_device_cpu(registry) -> None:
     """Route Megatron's torch.cuda calls to the CPU (call only when `accelerator_present()` is False)."""
+    import importlib.util
+
     for name, replacement in TORCH_CUDA.items():
         registry.register(f"torch.cuda.{name}", replacement)
+    for name in _FACTORIES:
+        registry.register(f"torch.{name}", _on_cpu(getattr(torch, name)))
+    registry.register("torch.Tensor.to", _tensor_to(torch.Tensor.to))
+    registry.register("torch.Tensor.cuda", _tensor_cuda)
+    registry.register("megatron.core.tensor_parallel.random._get_cuda_rng_state", _get_megatron_rng_state)
+    registry.register("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_megatron_rng_state)
+    registry.register("megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
+    if importlib.util.find_spec("megatron.training") is not None:
+        from megatron.training import initialize
+
+        registry.register("megatron.training.initialize.initialize_megatron",
+                          _allow_no_cuda(initialize.initialize_megatron))
+        registry.register("megatron.legacy.fused_kernels.load", _no_fused_kernels)

@@ -65,7 +65,9 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
         ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear"), False),
     "megatron.core.fp8_utils": (("Fp8Padding", "Fp8Unpadding"), False),
     "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider"), True),
-    "megatron.core.transformer.transformer_block": (("TENorm", "get_cpu_offload_context", "te_checkpoint"), False),
+    # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
+    "megatron.core.transformer.transformer_block": (
+        ("TENorm", "LayerNormImpl", "get_cpu_offload_context", "te_checkpoint"), False),
     "megatron.core.transformer.moe.experts": (("Fp8Padding", "Fp8Unpadding"), True),
     "megatron.core.transformer.moe.moe_layer": (("TELinear", "te_checkpoint"), False),
     # Without TE this module never binds the fused MoE kernels, then reads them (`te_general_gemm is not
@@ -84,7 +86,7 @@ def register_megatron_te(registry: PatchRegistry) -> None:
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
     extension = importlib.import_module(EXTENSION)
-    replacements = dict(TE_CLASSES, TESpecProvider=TESpecProvider)
+    replacements = dict(TE_CLASSES, TESpecProvider=TESpecProvider, LayerNormImpl=TENorm)
     for name, replacement in TE_CLASSES.items():
         registry.register(f"{EXTENSION}.{name}", replacement)
     for module, (names, raise_flag) in IMPORTERS.items():

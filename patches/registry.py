@@ -26,11 +26,11 @@ class PatchError(RuntimeError):
 
 @dataclass
 class Patch:
-    target: str  # "package.module.attribute"
+    target: str  # "package.module.attribute" or "package.module.Class.attribute"
     replacement: Any
     create: bool = False  # the attribute may be absent (added by the patch)
     original: Any = _MISSING
-    rebound: list[tuple[types.ModuleType, str]] = field(default_factory=list)
+    rebound: list[tuple[Any, str]] = field(default_factory=list)  # (module or class, attribute) changed
 
     @property
     def module_name(self) -> str:
@@ -42,6 +42,20 @@ class Patch:
 
 
 _SHARED_VALUES = (bool, int, float, complex, str, bytes, tuple, frozenset, type(None))
+
+
+def _owner(path: str) -> Any:
+    """The module, or a class inside one, that `path` names: "pkg.mod" or "pkg.mod.Class"."""
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        parent, _, name = path.rpartition(".")
+        if not parent:
+            raise
+        owner = _owner(parent)
+        if not hasattr(owner, name):
+            raise
+        return getattr(owner, name)
 
 
 def _rebindable(obj: Any) -> bool:
@@ -59,7 +73,8 @@ class PatchRegistry:
         self.applied = False
 
     def register(self, target: str, replacement: Any, *, create: bool = False, force: bool = False) -> None:
-        """Replace `target` ("package.module.attribute") with `replacement` at apply(). A second
+        """Replace `target` ("package.module.attribute", or an attribute of a class in a module) with
+        `replacement` at apply(). A second
         registration of the same target is an error unless `force` (the later one wins)."""
         if self.applied:
             raise PatchError(f"cannot register {target!r}: the patches are already applied")
@@ -81,7 +96,7 @@ class PatchRegistry:
         resolved = []
         for patch in self._patches.values():
             try:
-                module = importlib.import_module(patch.module_name)
+                module = _owner(patch.module_name)
             except ImportError as error:
                 raise PatchError(f"cannot patch {patch.target!r}: module {patch.module_name!r} does not import "
                                  f"({error})") from error
@@ -98,7 +113,7 @@ class PatchRegistry:
                 patch.rebound += self._rebind(original, patch.replacement, skip=module)
         self.applied = True
 
-    def _rebind(self, original: Any, replacement: Any, skip: types.ModuleType) -> list[tuple[types.ModuleType, str]]:
+    def _rebind(self, original: Any, replacement: Any, skip: Any) -> list[tuple[types.ModuleType, str]]:
         changed = []
         for name, module in list(sys.modules.items()):
             if module is None or module is skip or not name.startswith(self.rebind_prefixes):
