@@ -9,6 +9,7 @@ no accelerator), and the script runs as __main__ with the remaining arguments. t
 """
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
@@ -24,7 +25,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"mindspeed_te.launch: training script {script!r} not found")
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    import mindspeed_te.megatron_adaptor  # noqa: F401  (applies the patches)
+    importlib.import_module("mindspeed_te.megatron_adaptor")  # applies the patches
 
     sys.argv = [script, *rest]
     runpy.run_path(script, run_name="__main__")

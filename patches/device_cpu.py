@@ -199,6 +199,12 @@ def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: 
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _device_arch_version() -> int:
+    """Megatron asks for the GPU generation to decide whether CUDA_DEVICE_MAX_CONNECTIONS=1 is needed for
+    communication overlap; a CPU has no such constraint, which Megatron spells as 10 (Blackwell and up)."""
+    return 10
+
+
 def _no_fused_kernels(args: Any = None) -> None:
     """Megatron's legacy fused CUDA kernels: nothing to build on the CPU (its code falls back to torch)."""
 
@@ -230,3 +236,4 @@ def register_device_cpu(registry) -> None:
         registry.register("megatron.training.initialize.initialize_megatron",
                           _allow_no_cuda(initialize.initialize_megatron))
         registry.register("megatron.legacy.fused_kernels.load", _no_fused_kernels)
+        registry.register("megatron.training.utils.get_device_arch_version", _device_arch_version)
