@@ -106,6 +106,16 @@ def memory_stats(device: Any = None) -> dict:
     return {}
 
 
+# Megatron asks for the GPU generation to gate kernels (grouped GEMM needs >= 8) and to decide whether
+# CUDA_DEVICE_MAX_CONNECTIONS=1 is needed for communication overlap; the CPU path has every kernel and no
+# such constraint, which Megatron spells as compute capability 10 (Blackwell and up).
+_CAPABILITY = (10, 0)
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int]:
+    return _CAPABILITY
+
+
 # torch.cuda.<name> -> CPU replacement
 TORCH_CUDA = {
     "current_device": current_device,
@@ -126,6 +136,7 @@ TORCH_CUDA = {
     "memory_reserved": memory_stat,
     "max_memory_reserved": memory_stat,
     "memory_stats": memory_stats,
+    "get_device_capability": get_device_capability,
 }
 
 
@@ -165,6 +176,22 @@ def _tensor_to(original: Callable) -> Callable:
     return to
 
 
+def _tensor_type(original: Callable) -> Callable:
+    """Tensor.type() names CPU tensors as their CUDA type ('torch.cuda.FloatTensor'): Megatron's optimizer
+    sorts parameters by that name. A cast to a CUDA type name casts to the CPU type."""
+
+    @functools.wraps(original)
+    def type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None:
+            name = original(self)
+            return name.replace("torch.", "torch.cuda.", 1) if self.is_cpu else name
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = dtype.replace("torch.cuda.", "torch.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type
+
+
 def _tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> torch.Tensor:
     return self
 
@@ -187,22 +214,8 @@ def _set_megatron_rng_state(new_state: torch.Tensor, device: Any = -1, graph_saf
     torch.set_rng_state(new_state)
 
 
-def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
-                                  use_decoupled_grad: bool = False) -> None:
-    """Megatron's gradient clipping by a precomputed total norm, without its check that gradients are
-    CUDA tensors: scale every fp32/bf16 gradient in place by max_norm / total_norm when that is below 1."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
-    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [getattr(p, attribute).detach() for p in params if getattr(p, attribute, None) is not None]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0 and grads:
-        torch._foreach_mul_(grads, clip_coeff)
-
-
 def _device_arch_version() -> int:
-    """Megatron asks for the GPU generation to decide whether CUDA_DEVICE_MAX_CONNECTIONS=1 is needed for
-    communication overlap; a CPU has no such constraint, which Megatron spells as 10 (Blackwell and up)."""
-    return 10
+    return _CAPABILITY[0]
 
 
 def _no_fused_kernels(args: Any = None) -> None:
@@ -227,9 +240,9 @@ def register_device_cpu(registry) -> None:
         registry.register(f"torch.{name}", _on_cpu(getattr(torch, name)))
     registry.register("torch.Tensor.to", _tensor_to(torch.Tensor.to))
     registry.register("torch.Tensor.cuda", _tensor_cuda)
+    registry.register("torch.Tensor.type", _tensor_type(torch.Tensor.type))
     registry.register("megatron.core.tensor_parallel.random._get_cuda_rng_state", _get_megatron_rng_state)
     registry.register("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_megatron_rng_state)
-    registry.register("megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_fp32)
     if importlib.util.find_spec("megatron.training") is not None:
         from megatron.training import initialize
 
