@@ -43,3 +43,23 @@ def test_adaptor_routes_torch_cuda_to_the_cpu_and_reverts():
         registry.revert()
     assert torch.cuda.current_device is original
     assert set(TORCH_CUDA) <= set(dir(torch.cuda))  # every target is a real torch.cuda name
+
+
+def test_literal_cuda_devices_land_on_the_cpu_and_type_names_read_as_cuda():
+    originals = (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type)
+    registry = PatchRegistry()
+    register_device_cpu(registry)
+    registry.apply()
+    try:
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.tensor([1.0], device="cuda:0").device.type == "cpu"
+        assert torch.full((1,), 3.0, device=torch.device("cuda")).device.type == "cpu"
+        x = torch.ones(2, dtype=torch.bfloat16)
+        assert x.cuda() is x and x.to("cuda").device.type == "cpu" and x.to(device=0).device.type == "cpu"
+        assert x.to(torch.float32).dtype == torch.float32  # other uses of .to are untouched
+        assert x.type() == "torch.cuda.BFloat16Tensor" and torch.ones(1).type() == "torch.cuda.FloatTensor"
+        assert x.type("torch.cuda.FloatTensor").dtype == torch.float32
+    finally:
+        registry.revert()
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    assert (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type) == originals

@@ -1,0 +1,80 @@
+"""Megatron-LM's own pretrain_gpt.py through `python -m mindspeed_te.launch`, on CPU (needs a Megatron-LM
+checkout at MEGATRON_LM_PATH, tag core_v0.16.1, and its Python requirements; skipped without it)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+MEGATRON = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
+
+TINY_GPT = ("--transformer-impl transformer_engine --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+            "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
+            "--train-iters 3 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+            "--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
+            "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+            "--log-interval 1 --eval-iters 1 --eval-interval 100 --seed 7").split()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dataset_helpers():
+    """Megatron's C++ dataset helpers, built for this interpreter (its Makefile asks python3-config, which
+    may belong to another Python)."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.run(["make", "-s", "-C", os.path.join(MEGATRON, "megatron", "core", "datasets"), f"LIBEXT={suffix}"],
+                   check=True, capture_output=True)
+
+
+def _launch(*extra: str, nproc: int = 1, port: int = 29571) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    script = os.path.join(MEGATRON, "pretrain_gpt.py")
+    if nproc == 1:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        cmd = [sys.executable, "-m", "mindspeed_te.launch", script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
+               "-m", "mindspeed_te.launch", script]
+    return subprocess.run([*cmd, *TINY_GPT, *extra], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run: subprocess.CompletedProcess) -> list[float]:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [float(x) for x in re.findall(r"iteration\s+\d+/\s*3 \|.*?lm loss: ([0-9.E+-]+)", run.stdout)]
+
+
+@pytest.fixture(scope="module")
+def fp32_losses() -> list[float]:
+    return _losses(_launch())
+
+
+@pytest.mark.parametrize("extra", [
+    ("--fp8-format", "hif8", "--fp8-recipe", "delayed"),
+    ("--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"),
+    ("--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--bf16"),
+], ids=lambda e: "-".join(e[1:4:2]))
+def test_pretrain_gpt_trains_in_fp8(fp32_losses, extra):
+    losses = _losses(_launch(*extra))
+    assert len(losses) == 3 == len(fp32_losses)
+    assert losses != fp32_losses  # quantized GEMMs ran
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(losses, fp32_losses))
+
+
+def test_pretrain_gpt_tensor_and_sequence_parallel_moe():
+    run = _launch("--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "4",
+                  "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "2", "--disable-bias-linear",
+                  "--fp8-format", "hif8", "--fp8-recipe", "tensorwise", nproc=2, port=29581)
+    losses = _losses(run)
+    assert len(losses) == 3 and all(5.0 < x < 6.0 for x in losses)
+
+
+def test_fp8_with_the_local_implementation_is_refused():
+    run = _launch("--transformer-impl", "local", "--fp8-format", "hif8")
+    assert run.returncode != 0
+    assert "--fp8-format hif8 needs --transformer-impl transformer_engine" in run.stderr + run.stdout
