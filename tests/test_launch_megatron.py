@@ -78,3 +78,22 @@ def test_fp8_with_the_local_implementation_is_refused():
     run = _launch("--transformer-impl", "local", "--fp8-format", "hif8")
     assert run.returncode != 0
     assert "--fp8-format hif8 needs --transformer-impl transformer_engine" in run.stderr + run.stdout
+
+
+def test_checkpoint_resume_restores_fp8_scales(tmp_path):
+    """Save at iteration 3 through Megatron's distributed checkpointing, resume: the first resumed step has
+    the loss of the uninterrupted run, which needs the delayed-scaling history and scales back from the
+    modules' _extra_state (starting them fresh changes that loss)."""
+    six = ["--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",  # later --train-iters wins
+           "--fp8-format", "e4m3", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "4"]
+    straight = _losses_of_6(_launch(*six, port=29583))
+    _launch(*six, "--save", str(tmp_path), "--save-interval", "3", "--exit-interval", "3", port=29585)
+    resumed = _losses_of_6(_launch(*six, "--load", str(tmp_path), port=29587))
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed[4] == straight[4]
+
+
+def _losses_of_6(run: subprocess.CompletedProcess) -> dict[int, float]:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    found = re.findall(r"iteration\s+(\d+)/\s*6 \|.*?lm loss: ([0-9.E+-]+)", run.stdout)
+    return {int(i): float(x) for i, x in found}
