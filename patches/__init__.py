@@ -15,6 +15,9 @@ __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 def build_registry() -> PatchRegistry:
     """The TE module patches for megatron.core, the argument hooks when megatron.training (the Megatron-LM
     repository, not on PyPI) is importable, and the CPU device adaptor when there is no accelerator."""
+    if importlib.util.find_spec("megatron.core") is None:
+        raise ImportError("mindspeed_te's Megatron patches need megatron-core: pip install megatron-core==0.16.1 "
+                          "(or put a Megatron-LM checkout on sys.path)")
     from patches.device_cpu import accelerator_present, register_device_cpu
     from patches.megatron_te import register_megatron_te
 
