@@ -74,6 +74,13 @@ def test_pretrain_gpt_tensor_and_sequence_parallel_moe():
     assert len(losses) == 3 and all(5.0 < x < 6.0 for x in losses)
 
 
+@pytest.mark.parametrize("layout", [("--pipeline-model-parallel-size", "2"), ("--use-distributed-optimizer",)],
+                         ids=["pipeline-parallel", "data-parallel-distributed-optimizer"])
+def test_pretrain_gpt_other_parallel_layouts(fp32_losses, layout):
+    losses = _losses(_launch(*layout, "--fp8-format", "hif8", "--fp8-recipe", "delayed", nproc=2, port=29589))
+    assert len(losses) == 3 and all(abs(a - b) < 0.05 * b for a, b in zip(losses, fp32_losses))
+
+
 def test_fp8_with_the_local_implementation_is_refused():
     run = _launch("--transformer-impl", "local", "--fp8-format", "hif8")
     assert run.returncode != 0
