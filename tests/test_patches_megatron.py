@@ -127,11 +127,21 @@ def _load_shards(model: torch.nn.Module, full: dict, rank: int, world_size: int)
 
 
 def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: dict | None = None,
-               moe: bool = False) -> dict:
+               moe: bool = False, backend: str | None = None) -> dict:
     """Two steps of a tiny GPT built from Megatron's TE layer spec (patched) on `world_size` tensor-parallel
     gloo ranks; `full` (a one-process model's parameters) sets the starting point. With `moe`: 4 experts
-    (grouped GEMMs, all-to-all dispatcher) and rotary embeddings, which need the CPU device adaptor."""
+    (grouped GEMMs, all-to-all dispatcher) and rotary embeddings, which need the CPU device adaptor. With
+    `backend`: that kernel backend ("npu" runs torch_npu's kernels through the simulator) and bf16 params."""
     warnings.filterwarnings("ignore")
+    if backend is not None:
+        import os
+
+        from mindspeed_te.kernels import npu_sim
+
+        os.environ["MINDSPEED_TE_BACKEND"] = backend
+        os.environ["MINDSPEED_TE_NPU_SIMULATOR"] = "1"
+        simulator = npu_sim.make_simulator()  # one simulator for the run, so its launch counts add up
+        npu_sim.make_simulator = lambda soc_name="Ascend950PR": simulator
     registry = PatchRegistry()
     register_megatron_te(registry)
     if moe:
@@ -145,10 +155,15 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
     torch.manual_seed(0)
     experts = dict(num_moe_experts=4, moe_grouped_gemm=True, moe_router_topk=2,
                    moe_token_dispatcher_type="alltoall") if moe else {}
-    config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size, **experts)
+    precision = dict(params_dtype=torch.bfloat16, bf16=True) if backend is not None else {}
+    config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size, **experts, **precision)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe)
     model = GPTModel(config, spec, vocab_size=128, max_sequence_length=32,
                      position_embedding_type="rope" if moe else "learned_absolute")
+    if backend is not None:  # bf16 as Megatron trains it: the model wrapped to take and return bf16
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     if full is not None:
         _load_shards(model, full, rank, world_size)
@@ -167,9 +182,10 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
     scales = [m.fp8_states[0].scale for m in model.modules()
               if getattr(m, "fp8_states", None) and hasattr(m.fp8_states[0], "amax_history")]
     updated = sum(int((scale != 1).sum()) for scale in scales)
+    launches = dict(simulator.launch_counts) if backend is not None else {}
     parallel_state.destroy_model_parallel()
     return {"losses": losses, "types": module_types, "updated_scales": updated, "initial": initial,
-            "scales": [scale.clone() for scale in scales]}
+            "scales": [scale.clone() for scale in scales], "npu_launches": launches}
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +290,16 @@ def test_every_te_gated_importer_is_patched_or_deliberately_left_alone():
     unclassified = found - set(IMPORTERS) - set(NOT_PATCHED)
     assert not unclassified, f"classify these in IMPORTERS or NOT_PATCHED: {sorted(unclassified)}"
     assert not set(NOT_PATCHED) - found, "NOT_PATCHED lists modules that no longer import the TE extension"
+
+
+@pytest.mark.parametrize("fp8,recipe,quantize_kernel", [("hif8", "tensorwise", "npu_dynamic_quant"),
+                                                         ("hif8", "delayed", "npu_quantize"),
+                                                         ("e4m3", "mxfp8", "npu_dynamic_mx_quant")])
+def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, quantize_kernel):
+    """A bf16 GPT from Megatron's spec, its GEMMs and quantizations through torch_npu's kernels (checked
+    against their contract by the simulator): the same losses, bit for bit, as the reference backend."""
+    npu = run_distributed(_train_gpt, 1, fp8, recipe, None, False, "npu")[0]
+    reference = run_distributed(_train_gpt, 1, fp8, recipe, None, False, "reference")[0]
+    launches = npu["npu_launches"]
+    assert launches.get("npu_quant_matmul", 0) > 0 and launches.get(quantize_kernel, 0) > 0, launches
+    assert npu["losses"] == reference["losses"]
