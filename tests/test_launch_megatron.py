@@ -32,8 +32,8 @@ def dataset_helpers():
                    check=True, capture_output=True)
 
 
-def _launch(*extra: str, nproc: int = 1, port: int = 29571) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _launch(*extra: str, nproc: int = 1, port: int = 29571, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
     script = os.path.join(MEGATRON, "pretrain_gpt.py")
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -79,6 +79,16 @@ def test_pretrain_gpt_tensor_and_sequence_parallel_moe():
 def test_pretrain_gpt_other_parallel_layouts(fp32_losses, layout):
     losses = _losses(_launch(*layout, "--fp8-format", "hif8", "--fp8-recipe", "delayed", nproc=2, port=29589))
     assert len(losses) == 3 and all(abs(a - b) < 0.05 * b for a, b in zip(losses, fp32_losses))
+
+
+def test_pretrain_gpt_through_the_npu_kernels_matches_the_reference_backend():
+    """The whole training run with torch_npu's kernels (the simulator checks every call against their
+    contract) gives the reference backend's losses exactly."""
+    flags = ("--fp8-format", "hif8", "--fp8-recipe", "blockwise", "--bf16")
+    npu = _losses(_launch(*flags, port=29591, env_extra={"MINDSPEED_TE_BACKEND": "npu",
+                                                           "MINDSPEED_TE_NPU_SIMULATOR": "1"}))
+    reference = _losses(_launch(*flags, port=29593, env_extra={"MINDSPEED_TE_BACKEND": "reference"}))
+    assert len(npu) == 3 and npu == reference
 
 
 def test_fp8_with_the_local_implementation_is_refused():
