@@ -91,6 +91,17 @@ def test_pretrain_gpt_through_the_npu_kernels_matches_the_reference_backend():
     assert len(npu) == 3 and npu == reference
 
 
+def test_pretrain_gpt_with_ascend_mc2_on_the_npu_kernels():
+    """--use-ascend-mc2 with MXFP8 and sequence parallelism: the fused all-gather+matmul and
+    matmul+reduce-scatter kernels (simulated over the gloo group) train like separate collectives."""
+    flags = ("--hidden-size", "128", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--bf16")
+    env = {"MINDSPEED_TE_BACKEND": "npu", "MINDSPEED_TE_NPU_SIMULATOR": "1"}
+    fused = _losses(_launch(*flags, "--use-ascend-mc2", nproc=2, port=29595, env_extra=env))
+    separate = _losses(_launch(*flags, nproc=2, port=29597, env_extra=env))
+    assert len(fused) == 3 and all(abs(a - b) < 1e-3 * b for a, b in zip(fused, separate))
+
+
 def test_fp8_with_the_local_implementation_is_refused():
     run = _launch("--transformer-impl", "local", "--fp8-format", "hif8")
     assert run.returncode != 0

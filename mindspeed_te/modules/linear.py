@@ -116,20 +116,26 @@ class Linear(FP8ModuleBase):
 
     def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
         """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
-        sequence parallelism) MXFP8; other recipes fall back to separate collectives (warned once)."""
+        sequence parallelism) MXFP8; otherwise separate collectives (warned once, with the reason)."""
         if not self.use_ascend_mc2 or self.tp_size == 1 or get_backend(device).name != "npu":
             return False
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
-        mx_ok = isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling) and self.sequence_parallel
-        if quantized and not mx_ok:
-            if not self._mc2_warned:
-                warnings.warn("--use-ascend-mc2: fused communication runs in high precision and, with sequence "
-                              f"parallelism, MXFP8; other FP8 recipes in {type(self).__name__} use separate "
-                              "collectives")
-                self._mc2_warned = True
-            return False
-        return True
+        if not quantized:
+            return True
+        if not (isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling) and self.sequence_parallel):
+            reason = "runs in high precision and, with sequence parallelism, MXFP8; other FP8 recipes"
+        elif self.weight.shape[0] % 64 or self.weight.shape[1] % 64:
+            # the fused kernels take E8M0 scales in pairs along each GEMM's contraction dim
+            reason = (f"with MXFP8 needs both weight dims per rank divisible by 64 (got "
+                      f"{tuple(self.weight.shape)}); this layer")
+        else:
+            return True
+        if not self._mc2_warned:
+            warnings.warn(f"--use-ascend-mc2: fused communication {reason} in {type(self).__name__} use "
+                          "separate collectives")
+            self._mc2_warned = True
+        return False
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)
