@@ -34,7 +34,7 @@ def available() -> bool:
 
 
 def _applies(x: torch.Tensor) -> bool:
-    return enabled and x.is_cpu and x.dtype in _IN_DTYPES and x.is_contiguous() and _ext is not None
+    return available() and x.is_cpu and x.dtype in _IN_DTYPES and x.is_contiguous()
 
 
 def amax(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -64,7 +64,7 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str,
 def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
     """values[codes] as float32 in codes' shape (`values`: the 256 float32 values of a format's codes), or
     None when the extension does not apply. `codes` may be uint8 or a float8 dtype."""
-    if not (enabled and codes.is_cpu and codes.element_size() == 1 and codes.is_contiguous() and _ext is not None):
+    if not (available() and codes.is_cpu and codes.element_size() == 1 and codes.is_contiguous()):
         return None
     out = torch.empty_like(codes, dtype=torch.float32)
     _ext.decode(codes.data_ptr(), codes.numel(), values.data_ptr(), out.data_ptr(), torch.get_num_threads())
@@ -74,7 +74,7 @@ def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
 def current_scale_inv(amax: torch.Tensor, fp8_max: float, amax_epsilon: float,
                       power_2_scale: bool) -> Optional[torch.Tensor]:
     """`mindspeed_te.scaling.current_scale_inv` of a one-element float32 CPU amax in one call, or None."""
-    if not (enabled and _one_element_f32(amax) and _ext is not None):
+    if not (available() and _one_element_f32(amax)):
         return None
     out = torch.empty_like(amax)
     _ext.current_scale_inv(amax.data_ptr(), out.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
@@ -101,8 +101,8 @@ def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Op
 def quantize_current(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], fp8_max: float,
                      amax_epsilon: float, power_2_scale: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Current scaling in one call: (codes, scale_inv of shape (1,)) with scale_inv = `current_scale_inv` of
-    x's amax and codes = sat(x / scale_inv) (as in `scaled_cast`); `table` is HiF8's saturating encode table. None when the
-    extension does not apply."""
+    x's amax and codes = sat(x / scale_inv) (as in `scaled_cast`); `table` is HiF8's saturating encode table.
+    None when the extension does not apply."""
     if not _applies(x):
         return None
     return _quantize(x, fmt, table, None, None, fp8_max, amax_epsilon, power_2_scale)

@@ -37,7 +37,10 @@ def requested_backend() -> str:
 def get_backend(device: Union[torch.device, str, None] = None) -> Backend:
     """The backend for tensors on `device`."""
     choice = requested_backend()
-    device_type = "cpu" if device is None else device.type if isinstance(device, torch.device) else torch.device(device).type
+    if device is None:
+        device_type = "cpu"
+    else:
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     if choice == "auto":
         choice = "npu" if device_type == "npu" else "torch" if device_type == "cuda" else "reference"
     if choice == "npu":

@@ -76,8 +76,7 @@ class ReferenceBackend:
     ) -> torch.Tensor:
         """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
         float32 (Megatron's main_grad; no bias then) and `out` is returned."""
-        if out is not None or bias is not None:
-            check_accumulate(out, bias)
+        check_accumulate(out, bias)
         if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
