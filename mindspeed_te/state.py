@@ -372,7 +372,7 @@ def _check_available(recipe: Recipe) -> None:
     else:
         available, reason = FP8GlobalStateManager.is_fp8_available()
     if not available:
-        raise RuntimeError(f"{type(recipe).__name__} is not available: {reason}")
+        raise RuntimeError(f"FP8 is not available: {reason} (recipe {type(recipe).__name__})")
 
 
 def _all_reduce_amaxes(states: list[DelayedScalingRecipeState], group: Optional[dist.ProcessGroup]) -> None:
