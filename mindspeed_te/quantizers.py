@@ -247,6 +247,8 @@ def record_nonfinite(quantizer: Quantizer, out: QuantizedTensorStorage) -> Quant
         scales = out.scale_inv
     else:
         scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
+        if scales.numel() == 0:  # an empty tensor (an expert without tokens)
+            return out
         scales = (e8m0_decode(scales) if isinstance(out, MXFP8Tensor) else scales).amax()
     torch.maximum(flag, scales.reshape(flag.shape), out=flag)
     return out
