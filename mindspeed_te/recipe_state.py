@@ -52,7 +52,8 @@ Mode = Literal["forward", "backward"]
 class RecipeState:
     """State and quantizer factory for one module, one direction. Build it with `RecipeState.create`."""
 
-    def __init__(self, recipe: Recipe, mode: Mode, num_quantizers: int = 1) -> None:
+    def __init__(self, recipe: Recipe, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
         if mode not in ("forward", "backward"):
             raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
         if not isinstance(num_quantizers, int) or num_quantizers < 1:
@@ -63,6 +64,9 @@ class RecipeState:
         self.num_quantizers = num_quantizers
         self.roles = _roles(self.forward, num_quantizers)
         self.fp8_dtype = recipe.fp8_dtype(self.forward)
+        # Per slot: NaN once a tensor holding NaN/Inf was quantized there since the last check (see
+        # quantizers.record_nonfinite and FP8GlobalStateManager.check_nonfinite).
+        self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
 
     @staticmethod
     def create(
@@ -94,6 +98,12 @@ class RecipeState:
         """One quantizer per slot, in the slot order above."""
         raise NotImplementedError
 
+    def _watched(self, quantizers: list[Quantizer]) -> list[Quantizer]:
+        """Give each quantizer its slot of the non-finite flags."""
+        for i, quantizer in enumerate(quantizers):
+            quantizer.nonfinite = self.nonfinite[i : i + 1]
+        return quantizers
+
 
 def _qparams(recipe: Recipe, role: str) -> QParams:
     return {"input": recipe.fp8_quant_fwd_inp, "output": recipe.fp8_quant_fwd_inp,
@@ -105,13 +115,13 @@ class Float8CurrentScalingRecipeState(RecipeState):
 
     def __init__(self, recipe: Float8CurrentScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers)
+        super().__init__(recipe, mode, num_quantizers, device)
 
     def make_quantizers(self) -> list[Quantizer]:
         target = self.recipe.target_max(self.forward)
-        return [Float8CurrentScalingQuantizer(self.fp8_dtype, target, amax_epsilon=q.amax_epsilon,
-                                              power_2_scale=q.power_2_scale)
-                for q in (_qparams(self.recipe, role) for role in self.roles)]
+        return self._watched([Float8CurrentScalingQuantizer(self.fp8_dtype, target, amax_epsilon=q.amax_epsilon,
+                                                            power_2_scale=q.power_2_scale)
+                              for q in (_qparams(self.recipe, role) for role in self.roles)])
 
 
 class Float8BlockScalingRecipeState(RecipeState):
@@ -120,7 +130,7 @@ class Float8BlockScalingRecipeState(RecipeState):
 
     def __init__(self, recipe: Float8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers)
+        super().__init__(recipe, mode, num_quantizers, device)
 
     def _block_dim(self, role: str) -> int:
         recipe = self.recipe
@@ -135,7 +145,7 @@ class Float8BlockScalingRecipeState(RecipeState):
             quantizers.append(Float8BlockQuantizer(
                 self.fp8_dtype, target, block_scaling_dim=self._block_dim(role),
                 amax_epsilon=q.amax_epsilon, power_2_scale=q.power_2_scale))
-        return quantizers
+        return self._watched(quantizers)
 
 
 class MXFP8BlockScalingRecipeState(RecipeState):
@@ -143,11 +153,11 @@ class MXFP8BlockScalingRecipeState(RecipeState):
 
     def __init__(self, recipe: MXFP8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers)
+        super().__init__(recipe, mode, num_quantizers, device)
 
     def make_quantizers(self) -> list[Quantizer]:
-        return [MXFP8Quantizer(self.fp8_dtype, rounding=self.recipe.scale_rounding)
-                for _ in range(self.num_quantizers)]
+        return self._watched([MXFP8Quantizer(self.fp8_dtype, rounding=self.recipe.scale_rounding)
+                              for _ in range(self.num_quantizers)])
 
 
 class DelayedScalingRecipeState(RecipeState):
@@ -156,16 +166,16 @@ class DelayedScalingRecipeState(RecipeState):
 
     def __init__(self, recipe: DelayedScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers)
+        super().__init__(recipe, mode, num_quantizers, device)
         self.fp8_max = recipe.target_max(self.forward)
         self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
 
     def make_quantizers(self) -> list[Quantizer]:
-        return [
+        return self._watched([
             Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype)
             for i in range(self.num_quantizers)
-        ]
+        ])
 
     def frozen_copy(self) -> "DelayedScalingRecipeState":
         copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,

@@ -145,6 +145,14 @@ def current_scale_inv(
     return torch.where(amax > 0, scale_inv, 1.0)
 
 
+def mark_nonfinite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """scale_inv where the matching amax is finite, NaN where it is NaN or Inf (one elementwise op, no host
+    sync). Quantization casts with a finite scale, so the codes and any stored scale stay finite; the NaN
+    decode scale makes the tensor dequantize to NaN, and the GEMM it enters gives a non-finite output, as it
+    would in high precision (a saturated Inf would otherwise look like a large finite value)."""
+    return scale_inv + amax * 0.0
+
+
 def pad_to_multiple(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Zero-pad a 2-D tensor so both dims are whole multiples of the tile size."""
     pad_r = (-x.shape[0]) % rows

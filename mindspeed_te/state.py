@@ -12,6 +12,9 @@ assignment and nothing can be forgotten.
 """
 from __future__ import annotations
 
+import warnings
+import weakref
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Literal, Optional
@@ -90,6 +93,12 @@ class FP8GlobalState:
     checkpoint_phase: Optional[CheckpointPhase] = None
     checkpoint_stash: list[RecipeState] = field(default_factory=list)
     skip_fp8_weight_update_tensor: Optional[torch.Tensor] = None
+    # Non-finite inputs: the recipe states whose flags are checked (module name, weak reference), whether
+    # the check runs at every outermost autocast entry, and what it found so far.
+    nonfinite_watch: list[tuple[str, weakref.ref]] = field(default_factory=list)
+    nonfinite_check: bool = True
+    nonfinite_steps: int = 0
+    nonfinite_counts: Counter = field(default_factory=Counter)
 
 
 def _fp8_support() -> tuple[bool, str]:
@@ -233,6 +242,48 @@ class FP8GlobalStateManager:
                                "region; the region must run the same modules both times")
         return stash.pop(0)
 
+    # Non-finite inputs -----------------------------------------------------------------------------------
+    @classmethod
+    def watch_nonfinite(cls, module_name: str, state: RecipeState) -> None:
+        """Have `check_nonfinite` report NaN/Inf that `state`'s quantizers see, naming `module_name`."""
+        cls.quantization_state.nonfinite_watch.append((module_name, weakref.ref(state)))
+
+    @classmethod
+    def check_nonfinite(cls) -> list[str]:
+        """Report the tensors that held NaN/Inf when quantized since the last check ("<module> <tensor>"),
+        warn once per check naming them, count them, and clear the flags. One host read of all flags; it
+        runs at every outermost autocast entry (for the step before) unless `nonfinite_check` is off."""
+        qstate = cls.quantization_state
+        watched = [(name, ref()) for name, ref in qstate.nonfinite_watch]
+        watched = [(name, state) for name, state in watched if state is not None]
+        qstate.nonfinite_watch = [(name, weakref.ref(state)) for name, state in watched]
+        if not watched:
+            return []
+        flags = [state.nonfinite for _, state in watched]
+        bad = torch.cat(flags).isnan().tolist()
+        torch._foreach_zero_(flags)
+        found, offset = [], 0
+        for name, state in watched:
+            per_gemm = 3 if state.forward else 2
+            for i, role in enumerate(state.roles):
+                if bad[offset + i]:
+                    gemm = f"[{i // per_gemm}]" if state.num_quantizers > per_gemm else ""
+                    found.append(f"{name} {role}{gemm}")
+            offset += state.num_quantizers
+        if found:
+            qstate.nonfinite_steps += 1
+            qstate.nonfinite_counts.update(found)
+            warnings.warn(f"mindspeed_te: NaN/Inf entered quantized GEMMs at {', '.join(found)}: their outputs are "
+                          "non-finite, as in high precision; scales and amax histories were left unchanged "
+                          f"({qstate.nonfinite_steps} such checks so far)", RuntimeWarning, stacklevel=2)
+        return found
+
+    @classmethod
+    def get_nonfinite_counts(cls) -> dict[str, int]:
+        """How many checks found NaN/Inf per "<module> <tensor>", and under "steps" in how many checks."""
+        qstate = cls.quantization_state
+        return {"steps": qstate.nonfinite_steps, **qstate.nonfinite_counts}
+
     # Registration and reduction ----------------------------------------------------------------------
     @staticmethod
     def get_unique_autocast_key(recipe: Optional[Recipe] = None, group: Optional[dist.ProcessGroup] = None) -> str:
@@ -312,6 +363,8 @@ class FP8GlobalStateManager:
         qstate.fp8_recipe = recipe
         qstate.fp8_distributed_group = fp8_group
         qstate.fp8_graph_capturing = bool(_graph)
+        if qstate.autocast_depth == 0 and qstate.nonfinite_check:
+            cls.check_nonfinite()  # the step before
         if qstate.autocast_depth == 0:
             # Set even when this outer region is disabled: an enabled region nested inside still has a
             # first module, whose backward reduces the backward amaxes.

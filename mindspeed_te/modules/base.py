@@ -33,6 +33,9 @@ class FP8ModuleBase(torch.nn.Module):
             )
             self._fp8_recipe_key = recipe.key()
             self._apply_loaded_fp8_meta()
+            name = getattr(self, "name", None) or f"{type(self).__name__}@{id(self):x}"
+            for state in self.fp8_states:
+                FP8GlobalStateManager.watch_nonfinite(name, state)
         return self.fp8_states
 
     def prepare_forward(self, device: torch.device) -> Optional[tuple[list[Quantizer], list[Quantizer], bool]]:
