@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Literal, Optional, Union
 
@@ -126,6 +127,11 @@ class Recipe:
         """A string identifying the recipe's configuration (used for amax-reduction grouping and checkpoints)."""
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init]
         return f"{type(self).__name__}({', '.join(parts)})"
+
+    def portable_key(self) -> str:
+        """`key()` with callables named by module and qualified name instead of their address, so equal
+        configurations give equal strings in different processes."""
+        return re.sub(r"<function (\S+) at 0x[0-9a-f]+>", r"<function \1>", self.key())
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Iterator, Literal, Optional
 import torch
 import torch.distributed as dist
 
+from mindspeed_te.distributed import check_same_on_all_ranks
 from mindspeed_te.recipe import (
     Float8BlockScaling,
     MXFP8BlockScaling,
@@ -99,6 +100,8 @@ class FP8GlobalState:
     nonfinite_check: bool = True
     nonfinite_steps: int = 0
     nonfinite_counts: Counter = field(default_factory=Counter)
+    # reduction groups (by id) whose ranks were checked to run the same recipe
+    recipe_agreed_groups: set[int] = field(default_factory=set)
 
 
 def _fp8_support() -> tuple[bool, str]:
@@ -357,6 +360,12 @@ class FP8GlobalStateManager:
         if enabled:
             _check_available(recipe)
         qstate = cls.quantization_state
+        if enabled and id(fp8_group) not in qstate.recipe_agreed_groups and dist.is_available() \
+                and dist.is_initialized():
+            # Once per group, at its first FP8 step: ranks running different recipes fail here, all of them
+            # with both recipes named, instead of deadlocking or mismatching in the amax reduction.
+            check_same_on_all_ranks("the FP8 recipe", recipe.portable_key(), fp8_group)
+            qstate.recipe_agreed_groups.add(id(fp8_group))
         qstate.autocast_arguments[cls.get_unique_autocast_key(recipe, fp8_group)] = (recipe, fp8_group)
         qstate.fp8_enabled = bool(enabled)
         qstate.fp8_calibration = bool(calibrating)

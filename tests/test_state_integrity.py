@@ -228,3 +228,26 @@ def test_recipe_state_create_follows_te_layout(recipe, state_type):
 def test_block_scaling_refuses_2d_weight_and_gradient_blocks():
     with pytest.raises(ValueError, match="w_block_scaling_dim=2 with grad_block_scaling_dim=2"):
         Float8BlockScaling(w_block_scaling_dim=2, grad_block_scaling_dim=2)
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HIF8), Float8CurrentScaling(fp8_format=Format.HIF8),
+                                    Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()],
+                         ids=lambda r: f"{type(r).__name__}-{r.fp8_format.name}")
+def test_float64_runs_like_its_float32_rounding(recipe):
+    """float64 works: inputs are quantized from their float32 rounding, so a float64 layer gives the float32
+    layer's result (up to the final high-precision accumulation)."""
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        FP8GlobalStateManager.reset()
+        layer = Linear(64, 32, params_dtype=dtype)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+        with fp8_autocast(fp8_recipe=recipe):
+            y = layer(x)
+        y.sum().backward()
+        assert y.dtype == dtype and x.grad.dtype == dtype and layer.weight.grad.dtype == dtype
+        results.append((y.detach(), x.grad, layer.weight.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b.double(), rtol=1e-5, atol=1e-5)
