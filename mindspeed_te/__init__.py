@@ -67,11 +67,18 @@ __all__ = [
 ]
 
 
+_LAZY = ("Fp8Padding", "Fp8Unpadding")
+
+
 def __getattr__(name: str):
     """`Fp8Padding` / `Fp8Unpadding` live with the Megatron-facing modules, whose package imports
     megatron.core: resolved on first use so that `import mindspeed_te` stays free of Megatron."""
-    if name in ("Fp8Padding", "Fp8Unpadding"):
+    if name in _LAZY:
         from mindspeed_te.megatron import misc
 
         return getattr(misc, name)
     raise AttributeError(f"module 'mindspeed_te' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
