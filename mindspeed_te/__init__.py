@@ -2,6 +2,7 @@
 
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
+from mindspeed_te.distributed import checkpoint
 from mindspeed_te.formats import Format, FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,
@@ -61,5 +62,23 @@ __all__ = [
     "QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
+    "checkpoint", "Fp8Padding", "Fp8Unpadding",
     "Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention", "convert_linears",
 ]
+
+
+_LAZY = ("Fp8Padding", "Fp8Unpadding")
+
+
+def __getattr__(name: str):
+    """`Fp8Padding` / `Fp8Unpadding` live with the Megatron-facing modules, whose package imports
+    megatron.core: resolved on first use so that `import mindspeed_te` stays free of Megatron."""
+    if name in _LAZY:
+        from mindspeed_te.megatron import misc
+
+        return getattr(misc, name)
+    raise AttributeError(f"module 'mindspeed_te' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -71,6 +71,10 @@ class Quantizer:
     def quantize(self, x: torch.Tensor) -> QuantizedTensorStorage:
         raise NotImplementedError
 
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Update the quantizer's state as quantizing `x` would, without quantizing (TransformerEngine's
+        calibration). Only delayed scaling has state; the others do nothing."""
+
     def __call__(self, x: torch.Tensor) -> QuantizedTensorStorage:
         return self.quantize(x)
 
@@ -87,6 +91,11 @@ class Float8Quantizer(Quantizer):
         super().__init__(fp8_dtype, **usage)
         self.scale = scale
         self.amax = amax
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Max-accumulate x's amax into the history slot, as `quantize` does (NaN kept, see scaling)."""
+        _check_input(x)
+        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
         _check_input(x)

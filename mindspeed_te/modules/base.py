@@ -64,8 +64,7 @@ class FP8ModuleBase(torch.nn.Module):
         """Calibration (autocast enabled=False, calibrating=True): record delayed-scaling amaxes of the
         high-precision tensors so scales are ready when FP8 is turned on."""
         for quantizer, tensor in zip(quantizers, tensors):
-            if hasattr(quantizer, "amax"):
-                quantizer.quantize(tensor.detach())
+            quantizer.calibrate(tensor.detach())
 
     def has_delayed_state(self) -> bool:
         return self.fp8_states is not None and isinstance(self.fp8_states[0], DelayedScalingRecipeState)
