@@ -278,6 +278,15 @@ fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = _wgrad_gemm_accum
 fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16 = _wgrad_gemm_accum
 
 
+def _maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron's MoE dispatcher moves its split sizes to the host, as numpy arrays for the all-to-all, but
+    converts only CUDA tensors; here they are already on the CPU and still need the conversion (a copy, as
+    the device-to-host transfer makes one)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().clone().numpy()
+    return tensor
+
+
 def _no_fused_kernels(args: Any = None) -> None:
     """Megatron's legacy fused CUDA kernels: nothing to build on the CPU (its code falls back to torch)."""
 
@@ -308,6 +317,7 @@ def register_device_cpu(registry) -> None:
     layers = "megatron.core.tensor_parallel.layers"
     registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
     registry.register(f"{layers}._grad_accum_fusion_available", True)
+    registry.register("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     if importlib.util.find_spec("megatron.training") is not None:
         from megatron.training import initialize
 
