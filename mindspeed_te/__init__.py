@@ -24,6 +24,7 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    HIF8DelayedScaling,
     MMParams,
     MXFP8BlockScaling,
     QParams,
@@ -33,6 +34,7 @@ from mindspeed_te.recipe import (
 from mindspeed_te.recipe_state import (
     DelayedScalingRecipeState,
     Float8BlockScalingRecipeState,
+    HIF8DelayedScalingRecipeState,
     Float8CurrentScalingRecipeState,
     MXFP8BlockScalingRecipeState,
     RecipeState,
@@ -54,12 +56,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Format", "FP8Dtype",
-    "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+    "Recipe", "DelayedScaling", "HIF8DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
     "QParams", "MMParams",
     "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
     "get_default_recipe",
     "RecipeState", "DelayedScalingRecipeState", "Float8CurrentScalingRecipeState", "Float8BlockScalingRecipeState",
-    "MXFP8BlockScalingRecipeState",
+    "MXFP8BlockScalingRecipeState", "HIF8DelayedScalingRecipeState",
     "QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
     "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",

@@ -29,6 +29,7 @@ __all__ = [
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
+    "Float8WarmupQuantizer",
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
 ]
@@ -141,6 +142,28 @@ class Float8CurrentScalingQuantizer(Quantizer):
         if self.amax_reduction_group is not None:
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
         scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
+        data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
+
+
+class Float8WarmupQuantizer(Quantizer):
+    """Current scaling that also max-accumulates each tensor's amax into a delayed-scaling history slot:
+    the warm-up of HIF8DelayedScaling, which fills the history before its delayed scales are trusted."""
+
+    def __init__(self, amax: torch.Tensor, fp8_dtype: FP8Dtype, target_max: float, **usage: bool) -> None:
+        super().__init__(fp8_dtype, **usage)
+        self.amax = amax
+        self.target_max = float(target_max)
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        _check_input(x)
+        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
+
+    def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
+        _check_input(x)
+        amax = tensor_amax(x.detach()).reshape(self.amax.shape)
+        torch.maximum(self.amax, amax, out=self.amax)
+        scale_inv = current_scale_inv(amax, self.target_max)
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
         return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
 
