@@ -49,7 +49,8 @@ from mindspeed_te.state import (
     is_mxfp8_available,
     quantized_model_init,
 )
-from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
+from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorStorage
+from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __version__ = "0.1.0"
 
@@ -61,7 +62,8 @@ __all__ = [
     "get_default_recipe",
     "RecipeState", "DelayedScalingRecipeState", "Float8CurrentScalingRecipeState", "Float8BlockScalingRecipeState",
     "MXFP8BlockScalingRecipeState", "HIF8DelayedScalingRecipeState",
-    "QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
+    "QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
+    "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
     "checkpoint", "Fp8Padding", "Fp8Unpadding",
