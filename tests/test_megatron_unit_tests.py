@@ -15,11 +15,12 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from patches import megatron_tests
+import patches
 
 MEGATRON = os.environ.get("MEGATRON_LM_PATH")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = [pytest.mark.slow,
+PLUGIN = f"{patches.__name__}.megatron_tests"  # named, not imported: importing it applies the patches
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
               pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
 
 UNIT = "tests/unit_tests/transformer/"
@@ -45,9 +46,9 @@ def test_megatrons_te_path_unit_tests_pass_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT="29731", WORLD_SIZE="1",
                LOCAL_RANK="0", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", megatron_tests.__name__, "-o", "addopts=", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-p", PLUGIN, "-o", "addopts=", "-p", "no:cacheprovider",
          "-q", "--timeout", "300", f"--junitxml={report}", *SELECTION],
-        cwd=MEGATRON, env=env, capture_output=True, text=True, timeout=1500)
+        cwd=MEGATRON, env=env, capture_output=True, text=True, timeout=3500)
     assert report.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     counts = {"passed": 0, "failed": 0, "skipped": 0, "needs more ranks": 0}
     failures = []
