@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from patches.registry import PatchError, PatchRegistry
+from mindspeed_te.patches.registry import PatchError, PatchRegistry
 
 __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 
@@ -18,15 +18,15 @@ def build_registry() -> PatchRegistry:
     if importlib.util.find_spec("megatron.core") is None:
         raise ImportError("mindspeed_te's Megatron patches need megatron-core: pip install megatron-core==0.16.1 "
                           "(or put a Megatron-LM checkout on sys.path)")
-    from patches.device_cpu import accelerator_present, register_device_cpu
-    from patches.megatron_te import register_megatron_te
+    from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
+    from mindspeed_te.patches.megatron_te import register_megatron_te
 
     registry = PatchRegistry()
     register_megatron_te(registry)
     if not accelerator_present():
         register_device_cpu(registry)
     if importlib.util.find_spec("megatron.training") is not None:
-        from patches.arguments import register_arguments
+        from mindspeed_te.patches.arguments import register_arguments
 
         register_arguments(registry)
     return registry

@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from patches.device_cpu import Event, Stream, TORCH_CUDA, accelerator_present, register_device_cpu
-from patches.registry import PatchRegistry
+from mindspeed_te.patches.device_cpu import Event, Stream, TORCH_CUDA, accelerator_present, register_device_cpu
+from mindspeed_te.patches.registry import PatchRegistry
 
 
 def test_streams_and_events_behave_like_synchronous_cuda_ones():
