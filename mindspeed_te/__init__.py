@@ -27,13 +27,23 @@ from mindspeed_te.recipe import (
     MXFP8BlockScaling,
     QParams,
     Recipe,
+    get_default_recipe,
 )
-from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
+from mindspeed_te.recipe_state import (
+    DelayedScalingRecipeState,
+    Float8BlockScalingRecipeState,
+    Float8CurrentScalingRecipeState,
+    MXFP8BlockScalingRecipeState,
+    RecipeState,
+)
 from mindspeed_te.state import (
     FP8GlobalStateManager,
     autocast,
     fp8_autocast,
     fp8_model_init,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
     quantized_model_init,
 )
 from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
@@ -45,8 +55,11 @@ __all__ = [
     "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
     "QParams", "MMParams",
     "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
-    "RecipeState", "DelayedScalingRecipeState",
+    "get_default_recipe",
+    "RecipeState", "DelayedScalingRecipeState", "Float8CurrentScalingRecipeState", "Float8BlockScalingRecipeState",
+    "MXFP8BlockScalingRecipeState",
     "QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
+    "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
     "Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention", "convert_linears",
 ]

@@ -430,6 +430,8 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -
     elif scale_inv.dim() > x.dim():
         raise ValueError(f"scale_inv of shape {tuple(scale_inv.shape)} does not broadcast to {tuple(x.shape)}")
     x = x.detach()
+    if x.dtype == torch.float64:  # quantized from its float32 rounding, like every other input
+        x = x.float()
     table = quantize_table(fp8_dtype, x.device)
     fused = fused_cast.scaled_cast(x, scale_inv, fp8_dtype.value, table)
     if fused is not None:

@@ -14,7 +14,9 @@ from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
 from mindspeed_te.scaling import (
     current_scale_inv,
+    e8m0_decode,
     e8m0_encode,
+    mark_nonfinite,
     mx_scale_exponent,
     pad_to_multiple,
     tensor_amax,
@@ -23,6 +25,7 @@ from mindspeed_te.scaling import (
 from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
 
 __all__ = [
+    "record_nonfinite",
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
@@ -55,6 +58,9 @@ class Quantizer:
         self.fp8_dtype = fp8_dtype
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
+        # A one-element float32 flag (set by the module's recipe state) that becomes NaN once a tensor
+        # holding NaN/Inf is quantized here; FP8GlobalStateManager.check_nonfinite reports and clears it.
+        self.nonfinite: Optional[torch.Tensor] = None
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is not None:
@@ -88,10 +94,11 @@ class Float8Quantizer(Quantizer):
                                             self.amax, self.scale)
         if fused is not None:
             return self._tensor(x, *fused)
-        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
+        amax = tensor_amax(x.detach()).reshape(self.amax.shape)
+        torch.maximum(self.amax, amax, out=self.amax)
         scale_inv = self.scale.reciprocal()
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale_inv)
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -126,7 +133,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
         scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale_inv)
+        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 def _quantize_tiles(
@@ -172,7 +179,7 @@ class Float8BlockQuantizer(Quantizer):
 
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
-        return scale_inv, scale_inv
+        return scale_inv, mark_nonfinite(scale_inv, amax)  # a tile holding NaN/Inf dequantizes to NaN
 
     def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
         _check_input(x)
@@ -206,7 +213,9 @@ class MXFP8Quantizer(Quantizer):
 
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exponent = mx_scale_exponent(amax, self.fp8_dtype.max, _EMAX[self.fp8_dtype], self.rounding)
-        return torch.ldexp(torch.ones_like(amax), exponent), e8m0_encode(exponent)
+        # A block holding NaN/Inf gets E8M0's NaN code 0xFF, so it dequantizes to NaN.
+        code = torch.where(torch.isfinite(amax), e8m0_encode(exponent), 0xFF)
+        return torch.ldexp(torch.ones_like(amax), exponent), code
 
     def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
         _check_input(x)
@@ -225,3 +234,21 @@ class MXFP8Quantizer(Quantizer):
                 x2d.t(), 1, self.block_len, self.fp8_dtype, self._scales
             )
         return out
+
+
+def record_nonfinite(quantizer: Quantizer, out: QuantizedTensorStorage) -> QuantizedTensorStorage:
+    """Fold `out`'s decode scales into the quantizer's non-finite flag (if it has one) and return `out`.
+    NaN/Inf data gives NaN decode scales (`scaling.mark_nonfinite`, E8M0's NaN code for MX), and MAX keeps a
+    NaN: one small device op per quantize, no host sync."""
+    flag = quantizer.nonfinite
+    if flag is None:
+        return out
+    if isinstance(out, Float8Tensor):
+        scales = out.scale_inv
+    else:
+        scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
+        if scales.numel() == 0:  # an empty tensor (an expert without tokens)
+            return out
+        scales = (e8m0_decode(scales) if isinstance(out, MXFP8Tensor) else scales).amax()
+    torch.maximum(flag, scales.reshape(flag.shape), out=flag)
+    return out

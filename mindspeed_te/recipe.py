@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Literal, Optional, Union
 
@@ -22,6 +23,7 @@ __all__ = [
     "Float8BlockScaling",
     "MXFP8BlockScaling",
     "recipe_from_name",
+    "get_default_recipe",
 ]
 
 
@@ -75,6 +77,11 @@ class Recipe:
     bwd_target_max: Optional[float]
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises ValueError/TypeError naming the field. Run at construction and again
+        whenever an autocast region or model-init region takes the recipe (fields may change after)."""
         _check_format(self, self._ALLOWED_FORMATS)
         olp = tuple(self.override_linear_precision)
         if len(olp) != 3 or olp[0] or olp[1]:
@@ -121,6 +128,11 @@ class Recipe:
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init]
         return f"{type(self).__name__}({', '.join(parts)})"
 
+    def portable_key(self) -> str:
+        """`key()` with callables named by module and qualified name instead of their address, so equal
+        configurations give equal strings in different processes."""
+        return re.sub(r"<function (\S+) at 0x[0-9a-f]+>", r"<function \1>", self.key())
+
 
 @dataclass
 class DelayedScaling(Recipe):
@@ -138,8 +150,8 @@ class DelayedScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if not isinstance(self.margin, (int, float)) or self.margin < 0:
             raise ValueError(f"DelayedScaling.margin must be a number >= 0, got {self.margin!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
@@ -182,9 +194,6 @@ class Float8CurrentScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
 
 @dataclass
 class Float8BlockScaling(Recipe):
@@ -212,17 +221,17 @@ class Float8BlockScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128 tiles)")
         if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
             raise ValueError("Float8BlockScaling: x_block_scaling_dim=2 with w_block_scaling_dim=2 is not supported")
-        if self.x_block_scaling_dim == 2 and self.grad_block_scaling_dim == 2:
-            raise ValueError(
-                "Float8BlockScaling: x_block_scaling_dim=2 with grad_block_scaling_dim=2 is not supported"
-            )
+        for first, second in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if getattr(self, f"{first}_block_scaling_dim") == 2 and getattr(self, f"{second}_block_scaling_dim") == 2:
+                raise ValueError(f"Float8BlockScaling: {first}_block_scaling_dim=2 with {second}_block_scaling_dim=2 "
+                                 "is not supported (one operand of every GEMM must use 1x128 tiles)")
 
 
 @dataclass
@@ -244,8 +253,8 @@ class MXFP8BlockScaling(Recipe):
 
     _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3, Format.HYBRID)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if self.fwd_target_max is not None or self.bwd_target_max is not None:
             raise ValueError("MXFP8BlockScaling takes no fwd_target_max/bwd_target_max: E8M0 scales use the format max")
         if self.scale_rounding not in ("ceil", "floor"):
@@ -260,6 +269,11 @@ _RECIPE_NAMES = {
     "blockwise": Float8BlockScaling,
     "mxfp8": MXFP8BlockScaling,
 }
+
+
+def get_default_recipe() -> Recipe:
+    """The recipe used when none is given: TransformerEngine's default on devices without MXFP8 GEMMs."""
+    return DelayedScaling()
 
 
 def recipe_from_name(name: str, fp8_format: Union[Format, str], **kwargs) -> Recipe:

@@ -16,7 +16,25 @@ from mindspeed_te.recipe import Format
 
 # args attribute -> default; copied onto the TransformerConfig
 CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None}
-FORMAT_CHOICES = tuple(name.lower() for name in Format.__members__)
+# E5M2 alone is not a training format (TransformerEngine refuses it too): gradients only, through hybrid.
+FORMAT_CHOICES = tuple(f.name.lower() for f in Format if f is not Format.E5M2)
+
+
+def _hif8_target(flag: str) -> Callable[[str], float]:
+    """argparse type of a HiF8 target max: a number in (0, HiF8's largest finite value]."""
+    limit = Format.HIF8.fwd_dtype.max
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not 0 < value <= limit:
+            raise argparse.ArgumentTypeError(f"{flag} must be in (0, {limit:g}] (HiF8's largest finite value), "
+                                             f"got {text}")
+        return value
+
+    return parse
 
 
 def _option(parser: argparse.ArgumentParser, flag: str) -> Optional[argparse.Action]:
@@ -30,11 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--fp8-format", dest="fp8", default=None, choices=FORMAT_CHOICES,
                             help="FP8 element format: e4m3, hybrid or hif8")
     elif fp8_format.choices is not None:
-        fp8_format.choices = list(dict.fromkeys([*fp8_format.choices, *FORMAT_CHOICES]))
+        fp8_format.choices = [c for c in dict.fromkeys([*fp8_format.choices, *FORMAT_CHOICES]) if c != "e5m2"]
+    if _option(parser, "--hif8-fwd-max") is not None:
+        return parser  # added by an earlier hook: adding them twice would be an argparse conflict
     group = parser.add_argument_group("mindspeed_te")
-    group.add_argument("--hif8-fwd-max", type=float, default=None,
+    group.add_argument("--hif8-fwd-max", type=_hif8_target("--hif8-fwd-max"), default=None,
                        help="HiF8 target max of activations and weights (default 15)")
-    group.add_argument("--hif8-bwd-max", type=float, default=None, help="HiF8 target max of gradients (default 224)")
+    group.add_argument("--hif8-bwd-max", type=_hif8_target("--hif8-bwd-max"), default=None,
+                       help="HiF8 target max of gradients (default 224)")
     group.add_argument("--no-use-gmm-fp8", dest="use_gmm_fp8", action="store_false",
                        help="run MoE grouped GEMMs in high precision inside FP8 training")
     group.add_argument("--use-ascend-mc2", action="store_true",
@@ -59,8 +80,6 @@ def validate_args(args: argparse.Namespace) -> None:
         name = "--" + flag.replace("_", "-")
         if fp8 != "hif8":
             raise ValueError(f"{name} only applies with --fp8-format hif8 (got --fp8-format {fp8})")
-        if not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value}")
 
 
 def wrap_parse_args(parse_args: Callable) -> Callable:

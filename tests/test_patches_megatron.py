@@ -303,3 +303,16 @@ def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, 
     launches = npu["npu_launches"]
     assert launches.get("npu_quant_matmul", 0) > 0 and launches.get(quantize_kernel, 0) > 0, launches
     assert npu["losses"] == reference["losses"]
+
+
+def test_a_second_full_registry_is_refused_by_name():
+    from mindspeed_te.patches import build_registry
+    from mindspeed_te.patches.registry import PatchError
+
+    first = build_registry()
+    first.apply()
+    try:
+        with pytest.raises(PatchError, match="another patch registry has already patched it"):
+            build_registry().apply()
+    finally:
+        first.revert()

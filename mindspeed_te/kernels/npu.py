@@ -30,8 +30,9 @@ from mindspeed_te.quantizers import (
     Float8Quantizer,
     MXFP8Quantizer,
     Quantizer,
+    record_nonfinite,
 )
-from mindspeed_te.scaling import tensor_amax
+from mindspeed_te.scaling import mark_nonfinite, tensor_amax
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensor,
     Float8Tensor,
@@ -111,6 +112,9 @@ class NpuBackend(ReferenceBackend):
         return 0.0 if target == fp8_dtype.max else None
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
+        return record_nonfinite(quantizer, self._quantize(quantizer, x))
+
+    def _quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         x2d = x.detach().reshape(-1, x.shape[-1])
         if isinstance(quantizer, Float8Quantizer):
             return self._quantize_delayed(quantizer, x, x2d)
@@ -131,14 +135,16 @@ class NpuBackend(ReferenceBackend):
         return quantizer.quantize(x)
 
     def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8Tensor:
-        torch.maximum(q.amax, tensor_amax(x2d).reshape(q.amax.shape), out=q.amax)
+        amax = tensor_amax(x2d).reshape(q.amax.shape)
+        torch.maximum(q.amax, amax, out=q.amax)
         scale_inv = q.scale.reciprocal()
         # A non-float32 input would need scales in its own dtype; keep them exact by quantizing from float32.
         src = x2d if x2d.dtype == torch.float32 else x2d.float()
         y = self.npu.npu_quantize(src, scale_inv, None, self._npu_dtype(q.fp8_dtype), -1, True)
         if q.fp8_dtype is FP8Dtype.HIF8:
             y = y.view(torch.uint8)
-        return Float8Tensor(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale_inv)
+        return Float8Tensor(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
+                            scale_inv=mark_nonfinite(scale_inv, amax))
 
     def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor,
                          dst_max: float) -> Float8BlockwiseQTensor:

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.formats import as_float32, cast_from_fp8
-from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import Float8Tensor, QuantizedTensorStorage
 
 Operand = Union[torch.Tensor, QuantizedTensorStorage]
@@ -43,7 +43,7 @@ class ReferenceBackend:
     name = "reference"
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
-        return quantizer.quantize(x)
+        return record_nonfinite(quantizer, quantizer.quantize(x))
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[torch.Tensor], scale: float, dropout: float) -> torch.Tensor:

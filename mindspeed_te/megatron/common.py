@@ -1,10 +1,12 @@
 """Small helpers shared by the Megatron-facing modules: device, init and recipe from a Megatron config."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Union
 
 import torch
 
+from mindspeed_te.distributed import group_rank, group_size
 from mindspeed_te.recipe import Format, Recipe, recipe_from_name
 
 
@@ -24,6 +26,56 @@ def condition_init_method(config, init_method: Optional[Callable]) -> Callable:
     if init_method is None or not getattr(config, "perform_initialization", True):
         return lambda weight: None
     return init_method
+
+
+def parallel_init_method(config, init_method: Optional[Callable], *, partition_dim: Optional[int],
+                         tp_group: Optional[torch.distributed.ProcessGroup], stride: int = 1,
+                         is_expert: bool = False, duplicated: bool = False) -> Callable[[torch.Tensor], None]:
+    """The weight initialisation Megatron's parallel linears perform, for a weight that holds this rank's
+    shard (`partition_dim` 0 column, 1 row, None not split; `duplicated`: replicated across TP):
+    - with --use-cpu-initialization, the full weight is drawn on the default generator and split across
+      `tp_group` in `stride` chunks (so the weights do not depend on the TP size);
+    - otherwise the shard is drawn inside Megatron's RNG tracker fork (the model-parallel stream, which
+      differs per TP rank; the expert stream for experts; the data-parallel stream for replicated weights),
+      or on the default generator when the tracker is not set up.
+    A no-op when `perform_initialization` is off."""
+    init_method = condition_init_method(config, init_method)
+    if getattr(config, "use_cpu_initialization", False) and partition_dim is not None:
+        return functools.partial(_init_from_master_weight, init_method=init_method, partition_dim=partition_dim,
+                                 tp_group=tp_group, stride=stride)
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        get_data_parallel_rng_tracker_name,
+        get_expert_parallel_rng_tracker_name,
+    )
+
+    tracker = get_cuda_rng_tracker()
+    if not tracker.is_initialized():
+        return init_method
+    if is_expert:
+        fork = functools.partial(tracker.fork, get_expert_parallel_rng_tracker_name())
+    elif duplicated:
+        fork = functools.partial(tracker.fork, get_data_parallel_rng_tracker_name())
+    else:
+        fork = tracker.fork
+
+    def init_in_fork(weight: torch.Tensor) -> None:
+        with fork():
+            init_method(weight)
+
+    return init_in_fork
+
+
+def _init_from_master_weight(weight: torch.Tensor, *, init_method: Callable, partition_dim: int,
+                             tp_group: Optional[torch.distributed.ProcessGroup], stride: int) -> None:
+    world, rank = (group_size(tp_group), group_rank(tp_group)) if tp_group is not None else (1, 0)
+    shape = list(weight.shape)
+    shape[partition_dim] *= world
+    master = torch.empty(shape, dtype=torch.float32)
+    init_method(master)
+    chunks = torch.split(master.to(weight.dtype), weight.shape[partition_dim] // stride, dim=partition_dim)
+    with torch.no_grad():
+        weight.copy_(torch.cat(chunks[rank::world], dim=partition_dim))
 
 
 def recipe_from_config(config) -> Recipe:

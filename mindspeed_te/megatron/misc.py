@@ -135,22 +135,17 @@ def _phase(phase: str, stash: list, autocast_state: Optional[tuple] = None, trac
     """Enter a checkpoint phase. The first pass fills `stash` with each FP8 module's forward state; a
     recompute (which may stop early, and may run more than once) consumes a fresh copy of it, and also
     restores the first pass's autocast state and RNG tracker streams so the activations come out equal."""
-    saved_phase = FP8GlobalStateManager.CHECKPOINT_PHASE
-    saved_stash = FP8GlobalStateManager._checkpoint_stash
     saved_autocast = FP8GlobalStateManager.get_autocast_state()
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
     saved_tracker = tracker.get_states() if tracker is not None and tracker_states is not None else None
-    FP8GlobalStateManager.CHECKPOINT_PHASE = phase
-    FP8GlobalStateManager._checkpoint_stash = stash if phase == "forward" else list(stash)
     if autocast_state is not None:
         FP8GlobalStateManager.set_autocast_state(autocast_state)
     if saved_tracker is not None:
         tracker.set_states(tracker_states)
     try:
-        yield
+        with FP8GlobalStateManager.checkpoint_phase(phase, stash):
+            yield
     finally:
-        FP8GlobalStateManager.CHECKPOINT_PHASE = saved_phase
-        FP8GlobalStateManager._checkpoint_stash = saved_stash
         FP8GlobalStateManager.set_autocast_state(saved_autocast)
         if saved_tracker is not None:
             tracker.set_states(saved_tracker)

@@ -33,6 +33,9 @@ class FP8ModuleBase(torch.nn.Module):
             )
             self._fp8_recipe_key = recipe.key()
             self._apply_loaded_fp8_meta()
+            name = getattr(self, "name", None) or f"{type(self).__name__}@{id(self):x}"
+            for state in self.fp8_states:
+                FP8GlobalStateManager.watch_nonfinite(name, state)
         return self.fp8_states
 
     def prepare_forward(self, device: torch.device) -> Optional[tuple[list[Quantizer], list[Quantizer], bool]]:
@@ -41,19 +44,19 @@ class FP8ModuleBase(torch.nn.Module):
         if not (FP8GlobalStateManager.is_fp8_enabled() or FP8GlobalStateManager.is_fp8_calibration()):
             return None
         fwd, bwd = self._states_for_current_recipe(device)
-        phase = FP8GlobalStateManager.CHECKPOINT_PHASE
+        phase = FP8GlobalStateManager.get_checkpoint_phase()
         if phase == "recompute":
             # Recompute with the forward scales of the first pass; its amaxes go to a throw-away copy.
             # The first pass's autograd graph runs backward (non-reentrant checkpointing), so the recompute
             # never reduces backward amaxes.
-            frozen = FP8GlobalStateManager._checkpoint_stash.pop(0)
+            frozen = FP8GlobalStateManager.pop_forward_state_for_recompute()
             return frozen.make_quantizers(), bwd.make_quantizers(), False
         group = FP8GlobalStateManager.get_fp8_group()
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(fwd, group)
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(bwd, group)
         first = FP8GlobalStateManager.is_first_fp8_module()
         if phase == "forward":
-            FP8GlobalStateManager._checkpoint_stash.append(fwd.frozen_copy())
+            FP8GlobalStateManager.stash_forward_state_for_recompute(fwd)
         return fwd.make_quantizers(), bwd.make_quantizers(), first
 
     @staticmethod
