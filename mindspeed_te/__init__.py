@@ -2,7 +2,7 @@
 
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
-from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,
     GroupedLinear,
@@ -23,6 +23,7 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
     MMParams,
     MXFP8BlockScaling,
     QParams,
