@@ -187,6 +187,8 @@ def _cast(x: torch.Tensor, fp8_dtype: FP8Dtype, divisor: Optional[torch.Tensor] 
         fused = fused_cast.decode(x, table)
         out_dtype = torch.float32
     else:
+        if x.dtype == torch.float64:  # quantized from its float32 rounding, like every other input
+            x = x.float()
         if divisor.numel() == 1 and divisor.dim() != min(x.dim(), 1):
             # per tensor: 1-D, since a 0-d divisor acts as a scalar (the division would run in x's dtype);
             # 0-d only against a 0-d x, which keeps the result 0-d

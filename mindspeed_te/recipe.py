@@ -10,7 +10,7 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal, Optional, Union
+from typing import Callable, ClassVar, Literal, NamedTuple, Optional, Union
 
 from mindspeed_te.formats import FP8Dtype
 
@@ -20,6 +20,7 @@ __all__ = [
     "MMParams",
     "Recipe",
     "DelayedScaling",
+    "HIF8DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",
     "MXFP8BlockScaling",
@@ -28,31 +29,40 @@ __all__ = [
 ]
 
 
+class _FormatHelper(NamedTuple):
+    """A Format's value, as in TransformerEngine (`Format.E4M3.value.max_fwd`), plus the element dtypes."""
+
+    fwd: str
+    bwd: str
+    max_fwd: float
+    max_bwd: float
+
+
 class Format(enum.Enum):
     """TransformerEngine's recipe.Format, plus HIF8: element dtypes and default target maxima of forward
     tensors (activations, weights) and backward tensors (gradients). HiF8's targets 15 and 224 are the tops
     of its 3- and 2-mantissa-bit ranges (MindSpeed's choice); recipes can override them."""
 
-    E4M3 = ("E4M3", "E4M3", 448.0, 448.0)
-    E5M2 = ("E5M2", "E5M2", 57344.0, 57344.0)
-    HYBRID = ("E4M3", "E5M2", 448.0, 57344.0)
-    HIF8 = ("HIF8", "HIF8", 15.0, 224.0)
+    E4M3 = _FormatHelper("E4M3", "E4M3", 448.0, 448.0)
+    E5M2 = _FormatHelper("E5M2", "E5M2", 57344.0, 57344.0)
+    HYBRID = _FormatHelper("E4M3", "E5M2", 448.0, 57344.0)
+    HIF8 = _FormatHelper("HIF8", "HIF8", 15.0, 224.0)
 
     @property
     def fwd_dtype(self) -> FP8Dtype:
-        return FP8Dtype[self.value[0]]
+        return FP8Dtype[self.value.fwd]
 
     @property
     def bwd_dtype(self) -> FP8Dtype:
-        return FP8Dtype[self.value[1]]
+        return FP8Dtype[self.value.bwd]
 
     @property
     def max_fwd(self) -> float:
-        return self.value[2]
+        return self.value.max_fwd
 
     @property
     def max_bwd(self) -> float:
-        return self.value[3]
+        return self.value.max_bwd
 
     @classmethod
     def from_name(cls, name: str) -> "Format":
@@ -204,6 +214,55 @@ class DelayedScaling(Recipe):
             raise ValueError("DelayedScaling.scaling_factor_compute_algo must be None or a callable")
 
 
+@dataclass
+class HIF8DelayedScaling(DelayedScaling):
+    """MindSpeed's `hif8_delayed` recipe (HiF8 delayed tensor scaling, as in Huawei's DeepSeek-V3 HiF8
+    pre-training): the first `amax_collect_interval` steps quantize with current scaling while the amax
+    history fills; afterwards the delayed scales are used, and the history and scales are updated only
+    every `scale_update_interval` steps (the amax of the steps in between is max-accumulated). Per-tensor
+    margins are guard bits below HiF8's largest value 2^15: an input/activation amax maps to
+    2^(15 - hif8_input_margin), a weight's to 2^(15 - hif8_weight_margin), a gradient's to
+    2^(15 - hif8_grad_margin) (16, 8 and 16 with the defaults)."""
+
+    fp8_format: Format = Format.HIF8
+    amax_history_len: int = 128
+    hif8_input_margin: int = 11
+    hif8_weight_margin: int = 12
+    hif8_grad_margin: int = 11
+    amax_collect_interval: int = 5
+    scale_update_interval: int = 10
+
+    _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.HIF8,)
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        for field_name in ("hif8_input_margin", "hif8_weight_margin", "hif8_grad_margin"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or not 0 <= value <= 30:
+                raise ValueError(f"{name}.{field_name} must be an integer in [0, 30] (guard bits below 2^15), "
+                                 f"got {value!r}")
+        if not isinstance(self.amax_collect_interval, int) or self.amax_collect_interval < 0:
+            raise ValueError(f"{name}.amax_collect_interval must be an integer >= 0, got {self.amax_collect_interval!r}")
+        if not isinstance(self.scale_update_interval, int) or self.scale_update_interval < 1:
+            raise ValueError(f"{name}.scale_update_interval must be an integer >= 1, got {self.scale_update_interval!r}")
+        for field_name in ("margin", "fwd_target_max", "bwd_target_max", "scaling_factor_compute_algo"):
+            if getattr(self, field_name) not in (0, None):
+                raise ValueError(f"{name}.{field_name} is not used: the per-tensor hif8_*_margin fields set the "
+                                 "targets")
+
+    def role_target(self, role: str) -> float:
+        """The value the amax of a tensor in `role` (input, weight, output, grad_output, grad_input) maps to."""
+        margin = {"input": self.hif8_input_margin, "output": self.hif8_input_margin,
+                  "weight": self.hif8_weight_margin}.get(role, self.hif8_grad_margin)
+        return 2.0 ** (15 - margin)
+
+    def updates_at(self, step: int) -> bool:
+        """Whether the history and scales are updated at the end of step `step` (1-based): every step of the
+        warm-up, then every `scale_update_interval` steps."""
+        return step <= self.amax_collect_interval or (step - self.amax_collect_interval) % self.scale_update_interval == 0
+
+
 def _power_2_default(env_name: str, default: bool) -> bool:
     return os.getenv(env_name, "1" if default else "0") == "1"
 
@@ -302,6 +361,7 @@ class MXFP8BlockScaling(Recipe):
 
 _RECIPE_NAMES = {
     "delayed": DelayedScaling,
+    "hif8_delayed": HIF8DelayedScaling,
     "tensorwise": Float8CurrentScaling,
     "blockwise": Float8BlockScaling,
     "mxfp8": MXFP8BlockScaling,

@@ -14,6 +14,7 @@ from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    Float8WarmupQuantizer,
     MXFP8Quantizer,
     Quantizer,
 )
@@ -21,15 +22,17 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    HIF8DelayedScaling,
     MXFP8BlockScaling,
     QParams,
     Recipe,
 )
-from mindspeed_te.scaling import delayed_scaling_update
+from mindspeed_te.scaling import FLT_MAX, delayed_scaling_update
 
 __all__ = [
     "RecipeState",
     "DelayedScalingRecipeState",
+    "HIF8DelayedScalingRecipeState",
     "Float8CurrentScalingRecipeState",
     "Float8BlockScalingRecipeState",
     "MXFP8BlockScalingRecipeState",
@@ -194,7 +197,55 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale.copy_(scale)
 
 
+
+class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
+    """HIF8DelayedScaling: per-slot targets from the per-tensor margins, current scaling while the warm-up
+    fills the history, then delayed scales updated every `scale_update_interval` steps."""
+
+    def __init__(self, recipe: HIF8DelayedScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(recipe, mode=mode, num_quantizers=num_quantizers, device=device)
+        self.targets = torch.tensor([recipe.role_target(role) for role in self.roles], device=device)
+        self.steps = 0  # updates seen, i.e. completed steps
+
+    def warming_up(self) -> bool:
+        return self.steps < self.recipe.amax_collect_interval
+
+    def make_quantizers(self) -> list[Quantizer]:
+        if not self.warming_up():
+            return super().make_quantizers()
+        return self._watched([
+            Float8WarmupQuantizer(self.amax_history[0, i : i + 1], self.fp8_dtype, self.recipe.role_target(role))
+            for i, role in enumerate(self.roles)
+        ])
+
+    def frozen_copy(self) -> "HIF8DelayedScalingRecipeState":
+        copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
+                                             device=self.scale.device)
+        copy.scale.copy_(self.scale)
+        copy.steps = self.steps
+        return copy
+
+    def update(self) -> None:
+        """At an update step: roll the history and set scale = target / amax per slot (targets are powers of
+        two, so dividing and multiplying by them is exact). Otherwise slot 0 keeps accumulating."""
+        self.steps += 1
+        if not self.recipe.updates_at(self.steps):
+            return
+        history, unit_scale = delayed_scaling_update(self.amax_history, self.scale / self.targets, 1.0, 0.0,
+                                                     self.recipe.amax_compute_algo)
+        self.amax_history.copy_(history)
+        self.scale.copy_((unit_scale * self.targets).clamp_(max=FLT_MAX))
+
+    def reset_amax_history(self) -> None:
+        """Forget the history and scales and start the warm-up again (after a failed step)."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+        self.steps = 0
+
+
 _STATE_TYPES: dict[type, type[RecipeState]] = {
+    HIF8DelayedScaling: HIF8DelayedScalingRecipeState,
     DelayedScaling: DelayedScalingRecipeState,
     Float8CurrentScaling: Float8CurrentScalingRecipeState,
     Float8BlockScaling: Float8BlockScalingRecipeState,

@@ -251,3 +251,46 @@ def test_float64_runs_like_its_float32_rounding(recipe):
         results.append((y.detach(), x.grad, layer.weight.grad))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_format_values_carry_te_maxima():
+    assert Format.E4M3.value.max_fwd == 448 and Format.E4M3.value.max_bwd == 448
+    assert Format.E5M2.value.max_fwd == 57344
+    assert Format.HYBRID.value.max_fwd == 448 and Format.HYBRID.value.max_bwd == 57344
+    assert Format.HIF8.value.max_fwd == 15 and Format.HIF8.value.max_bwd == 224
+
+
+def test_quantizer_calibrate_updates_state_as_quantize_would_without_quantizing():
+    recipe = DelayedScaling(amax_history_len=2)
+    calibrated = RecipeState.create(recipe, mode="forward", num_quantizers=1)
+    quantized = RecipeState.create(recipe, mode="forward", num_quantizers=1)
+    for x in (torch.tensor([1.0, -6.0]), torch.tensor([3.0])):
+        calibrated.make_quantizers()[0].calibrate(x)
+        quantized.make_quantizers()[0].quantize(x)
+    assert calibrated.amax_history[0].item() == 6.0
+    assert torch.equal(calibrated.amax_history, quantized.amax_history)
+    for recipe in (Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()):  # stateless: no-ops
+        RecipeState.create(recipe, mode="forward", num_quantizers=1).make_quantizers()[0].calibrate(torch.ones(4))
+
+
+def test_top_level_te_names():
+    import mindspeed_te as te
+    from mindspeed_te.megatron.misc import Fp8Padding, Fp8Unpadding
+
+    assert te.Fp8Padding is Fp8Padding and te.Fp8Unpadding is Fp8Unpadding
+    import copy
+
+    layer = Linear(16, 16)
+    plain = copy.deepcopy(layer)
+    x = torch.randn(8, 16, requires_grad=True)
+    recipe = DelayedScaling(amax_history_len=2)
+    with fp8_autocast(fp8_recipe=recipe):  # TE's call form: tensors positional, the rest by keyword
+        y = te.checkpoint(layer, x, use_reentrant=False, distribute_saved_activations=False)
+    y.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    with fp8_autocast(fp8_recipe=recipe):
+        y_plain = plain(x)
+    y_plain.sum().backward()
+    assert torch.equal(y, y_plain) and torch.equal(x.grad, grad)
+    assert torch.equal(layer.weight.grad, plain.weight.grad)

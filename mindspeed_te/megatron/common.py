@@ -78,6 +78,11 @@ def _init_from_master_weight(weight: torch.Tensor, *, init_method: Callable, par
         weight.copy_(torch.cat(chunks[rank::world], dim=partition_dim))
 
 
+# HIF8DelayedScaling field -> default; each comes from the config attribute (and flag) hif8_<field without hif8_>
+_HIF8_DELAYED = {"hif8_input_margin": 11, "hif8_weight_margin": 12, "hif8_grad_margin": 11,
+                 "amax_collect_interval": 5, "scale_update_interval": 10, "amax_history_len": 128}
+
+
 def recipe_from_config(config) -> Recipe:
     """The recipe Megatron's --fp8-format / --fp8-recipe / --fp8-* flags describe."""
     fp8_format = Format.from_name(config.fp8)
@@ -90,7 +95,11 @@ def recipe_from_config(config) -> Recipe:
                       amax_compute_algo=config.fp8_amax_compute_algo,
                       fp8_dpa=getattr(config, "fp8_dot_product_attention", False),
                       fp8_mha=getattr(config, "fp8_multi_head_attention", False))
-    if fp8_format is Format.HIF8 and name != "mxfp8":
+    if name == "hif8_delayed":
+        kwargs.update(amax_compute_algo=config.fp8_amax_compute_algo,
+                      **{field: getattr(config, f"hif8_{field.removeprefix('hif8_')}", default)
+                         for field, default in _HIF8_DELAYED.items()})
+    elif fp8_format is Format.HIF8 and name != "mxfp8":
         for field, attr in (("fwd_target_max", "hif8_fwd_max"), ("bwd_target_max", "hif8_bwd_max")):
             if getattr(config, attr, None) is not None:
                 kwargs[field] = getattr(config, attr)
