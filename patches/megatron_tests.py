@@ -1,6 +1,6 @@
 """A pytest plugin that runs Megatron-LM's own unit tests on mindspeed_te and the CPU:
 
-    cd $MEGATRON_LM_PATH && python -m pytest -p patches.megatron_tests -o addopts="" -p no:cacheprovider \\
+    cd $MEGATRON_LM_PATH && python -m pytest -p mindspeed_te.patches.megatron_tests -o addopts="" -p no:cacheprovider \\
         tests/unit_tests/transformer ...
 
 Loaded before Megatron's conftest files, it applies every patch (TE modules, and without an accelerator the
@@ -36,7 +36,7 @@ except ImportError:  # not run from a Megatron-LM checkout: nothing would be dow
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector) -> Iterator[None]:
     """Collect (import) each test module with torch.cuda.is_available() true, when the adaptor is on."""
-    from patches.device_cpu import accelerator_present
+    from mindspeed_te.patches.device_cpu import accelerator_present
 
     if accelerator_present():
         yield

@@ -15,11 +15,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-import patches
-
 MEGATRON = os.environ.get("MEGATRON_LM_PATH")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGIN = f"{patches.__name__}.megatron_tests"  # named, not imported: importing it applies the patches
+PLUGIN = "mindspeed_te.patches.megatron_tests"  # named, not imported: importing it applies the patches
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
               pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
 
