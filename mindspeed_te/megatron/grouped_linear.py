@@ -146,16 +146,8 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
     """Experts' first linear (FC1): split along the output dimension under expert TP.
 
     Args:
-        num_gemms: number of experts
-        input_size, output_size: sizes of one whole (unsplit) expert
-        config: Megatron's config: gradient-accumulation fusion, params dtype, device, use_gmm_fp8
-        init_method: Megatron's init method, applied to each expert's master weight before it is split
-        bias: whether the experts have biases
-        skip_bias_add: forward returns the bias instead of adding it
-        is_expert: always an expert layer here (Megatron passes it through)
-        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
-        pg_collection: Megatron's process-group collection: expt_tp for the expert TP split, ep for the expert-parallel
-            rank (None: Megatron's parallel_state)
+        num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
+        tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
     """
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
@@ -174,16 +166,8 @@ class TERowParallelGroupedLinear(TEGroupedLinear):
     """Experts' second linear (FC2): split along the input dimension under expert TP.
 
     Args:
-        num_gemms: number of experts
-        input_size, output_size: sizes of one whole (unsplit) expert
-        config: Megatron's config: gradient-accumulation fusion, params dtype, device, use_gmm_fp8
-        init_method: Megatron's init method, applied to each expert's master weight before it is split
-        bias: whether the experts have biases
-        skip_bias_add: forward returns the bias instead of adding it
-        is_expert: always an expert layer here (Megatron passes it through)
-        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
-        pg_collection: Megatron's process-group collection: expt_tp for the expert TP split, ep for the expert-parallel
-            rank (None: Megatron's parallel_state)
+        num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
+        tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
     """
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,

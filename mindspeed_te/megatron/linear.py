@@ -136,21 +136,10 @@ class TEColumnParallelLinear(TELinear):
     """Megatron's `TEColumnParallelLinear`: weight split along the output dimension.
 
     Args:
-        input_size, output_size: sizes of the whole (unsplit) layer
-        config: Megatron's config: sequence parallelism, gradient-accumulation fusion, params dtype, device, CPU
-            initialization
-        init_method: Megatron's init method, applied to the master weight before it is split (weights do not depend on
-            the TP size)
-        gather_output: all-gather the output over the TP group
-        bias: whether the layer has a bias
-        skip_bias_add: forward returns the bias instead of adding it
-        is_expert: an MoE expert layer: uses the expert TP group; communication is left to the token dispatcher
-        skip_weight_param_allocation: only False is supported (a clear error otherwise)
-        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
-        tp_group: tensor-parallel group (None: from pg_collection, else Megatron's parallel_state)
+        gather_output: only False is supported, as in Megatron's TE path (a clear error otherwise)
         stride: chunks per partition when splitting the master weight (e.g. interleaved fused projections)
-        pg_collection: Megatron's process-group collection; its tp (expt_tp for experts) group is used when `tp_group`
-            is None
+        input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, skip_weight_param_allocation,
+        tp_comm_buffer_name, tp_group, pg_collection: as in TELinear
     """
 
     def __init__(
@@ -191,19 +180,9 @@ class TERowParallelLinear(TELinear):
     """Megatron's `TERowParallelLinear`: weight split along the input dimension, output reduced.
 
     Args:
-        input_size, output_size: sizes of the whole (unsplit) layer
-        config: Megatron's config: sequence parallelism, gradient-accumulation fusion, params dtype, device, CPU
-            initialization
-        init_method: Megatron's init method, applied to the master weight before it is split (weights do not depend on
-            the TP size)
-        bias: whether the layer has a bias
-        input_is_parallel: the input is already split along the last dimension (Megatron always passes True)
-        skip_bias_add: forward returns the bias instead of adding it
-        is_expert: an MoE expert layer: uses the expert TP group; communication is left to the token dispatcher
-        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
-        tp_group: tensor-parallel group (None: from pg_collection, else Megatron's parallel_state)
-        pg_collection: Megatron's process-group collection; its tp (expt_tp for experts) group is used when `tp_group`
-            is None
+        input_is_parallel: the input is already split along its last dimension (Megatron always passes True)
+        input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, tp_comm_buffer_name,
+        tp_group, pg_collection: as in TELinear
     """
 
     def __init__(

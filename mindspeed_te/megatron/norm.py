@@ -35,21 +35,11 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
     with TE's parameter names (`layer_norm_weight`, `layer_norm_bias`, `weight`, `bias`).
 
     Args:
-        input_size, output_size: sizes of the whole (unsplit) layer
         config: Megatron's config: the norm kind, eps and zero-centered gamma, sequence parallelism,
             gradient-accumulation fusion, params dtype, device
-        init_method: Megatron's init method, applied to the master weight before it is split (weights do not depend on
-            the TP size)
-        gather_output: all-gather the output over the TP group
-        bias: whether the layer has a bias
-        skip_bias_add: forward returns the bias instead of adding it
-        is_expert: an MoE expert layer: uses the expert TP group; communication is left to the token dispatcher
-        skip_weight_param_allocation: only False is supported (a clear error otherwise)
-        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
-        tp_group: tensor-parallel group (None: from pg_collection, else Megatron's parallel_state)
-        stride: chunks per partition when splitting the master weight (e.g. interleaved fused projections)
-        pg_collection: Megatron's process-group collection; its tp (expt_tp for experts) group is used when `tp_group`
-            is None
+        gather_output, stride: as in TEColumnParallelLinear
+        input_size, output_size, init_method, bias, skip_bias_add, is_expert, skip_weight_param_allocation,
+        tp_comm_buffer_name, tp_group, pg_collection: as in TELinear
     """
 
     def __init__(

@@ -122,12 +122,8 @@ class RMSNorm(_Norm):
     """TransformerEngine's RMSNorm: y = x / sqrt(mean(x²) + eps) · gamma, gamma as in `LayerNorm`; no bias.
 
     Args:
-        normalized_shape: size(s) of the trailing dimension(s) normalized
-        eps: added to the variance (mean square for RMSNorm) before the square root
-        sequence_parallel: marks the parameters for Megatron's sequence-parallel gradient all-reduce
-        params_dtype: parameter dtype (None: torch's default dtype)
-        zero_centered_gamma: gamma = 1 + weight (see LayerNorm)
-        device: where the parameters are created (None: torch's default device)
+        normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device: as in LayerNorm
+            (eps is added to the mean square)
     """
 
     def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, sequence_parallel: bool = False,
