@@ -180,7 +180,7 @@ class TERowParallelLinear(TELinear):
     """Megatron's `TERowParallelLinear`: weight split along the input dimension, output reduced.
 
     Args:
-        input_is_parallel: the input is already split along its last dimension (Megatron always passes True)
+        input_is_parallel: only True (the input already split along its last dimension), as in Megatron's TE path
         input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, tp_comm_buffer_name,
         tp_group, pg_collection: as in TELinear
     """
