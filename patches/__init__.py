@@ -32,6 +32,9 @@ def build_registry() -> PatchRegistry:
         from mindspeed_te.patches.arguments import register_arguments
 
         register_arguments(registry)
+        from mindspeed_te.patches.numerics import register_numerics
+
+        register_numerics(registry)
     return registry
 
 

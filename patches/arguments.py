@@ -95,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--fp8-step-recovery", action="store_true",
                        help="on a non-finite loss or gradient, skip the step on every rank, reset the amax history "
                             "and retry the batch once")
+    group.add_argument("--fp8-numerics-report", metavar="DIR", default=None,
+                       help="write per-layer FP8 numerics (amax, scale, % saturated / flushed, SQNR, and the same "
+                            "in HiF8 / E4M3 / MXFP8) as CSV, JSON and PNG heatmaps to DIR")
+    group.add_argument("--fp8-numerics-interval", type=_at_least("--fp8-numerics-interval", 1), default=100,
+                       help="--fp8-numerics-report: record every N iterations (default 100)")
     group.add_argument("--no-use-gmm-fp8", dest="use_gmm_fp8", action="store_false",
                        help="run MoE grouped GEMMs in high precision inside FP8 training")
     group.add_argument("--use-ascend-mc2", action="store_true",

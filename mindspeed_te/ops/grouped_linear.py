@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from mindspeed_te.debug import numerics
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad, quantized_weight
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
@@ -74,6 +75,9 @@ class _GroupedLinear(torch.autograd.Function):
                 a_ops.append(backend.quantize(q[i].input, xs[i]))
                 cache = args.weight_caches[i] if args.weight_caches is not None else None
                 b_ops.append(quantized_weight(weights[i], q[i].weight, cache, args.is_first_microbatch, backend))
+                if numerics.ACTIVE is not None:  # the numerics report (mindspeed_te.debug); off: this check only
+                    numerics.ACTIVE.record(weights[i], "input", xs[i], a_ops[-1])
+                    numerics.ACTIVE.record(weights[i], "weight", dequantize_if_quantized(weights[i]), b_ops[-1])
         outs = backend.grouped_gemm(a_ops, b_ops, out_dtype=torch.float32)
         if biases:
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
@@ -107,6 +111,8 @@ class _GroupedLinear(torch.autograd.Function):
             for i in active:
                 q[i].grad_output.set_usage(rowwise=need_dx, columnwise=ctx.fp8_wgrad)
                 grads.append(backend.quantize(q[i].grad_output, dys[i]))
+                if numerics.ACTIVE is not None:  # the numerics report (mindspeed_te.debug)
+                    numerics.ACTIVE.record(weights[i], "grad_output", dys[i], grads[-1])
 
         dx = None
         if need_dx:
