@@ -141,7 +141,7 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
 def bench_npu_launches() -> list[tuple[str, float, str]]:
     """torch_npu kernels one FP8 linear launches, counted through the simulator (torch ops not included)."""
     from mindspeed_te.kernels.npu import NpuBackend
-    from mindspeed_te.kernels.npu_sim import make_simulator
+    from mindspeed_te.testing.npu_sim import make_simulator
     from mindspeed_te.ops.linear import WeightCache
     import mindspeed_te.kernels.npu as npu_kernels
 

@@ -16,7 +16,7 @@ def _worker(rank: int, world: int) -> dict:
     import mindspeed_te.kernels.npu as npu_kernels
     from mindspeed_te import Float8CurrentScaling, FP8GlobalStateManager, fp8_autocast
     from mindspeed_te.kernels.npu import NpuBackend
-    from mindspeed_te.kernels.npu_sim import make_simulator
+    from mindspeed_te.testing.npu_sim import make_simulator
     from mindspeed_te.modules import Linear
 
     os.environ["MINDSPEED_TE_BACKEND"] = "npu"
@@ -101,7 +101,7 @@ def _mx_worker(rank: int, world: int) -> dict:
     import mindspeed_te.kernels.npu as npu_kernels
     from mindspeed_te import FP8GlobalStateManager, MXFP8BlockScaling, fp8_autocast
     from mindspeed_te.kernels.npu import NpuBackend
-    from mindspeed_te.kernels.npu_sim import make_simulator
+    from mindspeed_te.testing.npu_sim import make_simulator
     from mindspeed_te.modules import Linear
 
     os.environ["MINDSPEED_TE_BACKEND"] = "npu"

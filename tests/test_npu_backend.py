@@ -16,7 +16,7 @@ from mindspeed_te import (
 from mindspeed_te.diagnostics import HostSyncCounter
 from mindspeed_te.kernels import get_backend, requested_backend
 from mindspeed_te.kernels.npu import NpuBackend
-from mindspeed_te.kernels.npu_sim import make_simulator
+from mindspeed_te.testing.npu_sim import make_simulator
 from mindspeed_te.ops import LinearQuantizers, fp8_linear
 
 NO_POW2 = QParams(power_2_scale=False)

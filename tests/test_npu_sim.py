@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_te.kernels.npu_sim import (
+from mindspeed_te.testing.npu_sim import (
     NpuContractError,
     NpuSimNotImplemented,
     NpuSocError,

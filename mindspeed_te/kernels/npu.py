@@ -1,7 +1,7 @@
 """NPU backend: the torch_npu 2.14 quantization and GEMM kernels, called as their schemas define them.
 
 torch_npu is imported here and only here, lazily: importing it needs the CANN libraries. Without an NPU,
-`MINDSPEED_TE_NPU_SIMULATOR=1` puts the simulator (kernels/npu_sim.py) in its place, which enforces the
+`MINDSPEED_TE_NPU_SIMULATOR=1` puts the simulator (mindspeed_te.testing.npu_sim) in its place, which enforces the
 kernels' contract on CPU tensors and computes their reference results.
 
 What goes to a kernel and what stays on torch ops (which run on the NPU too):
@@ -48,7 +48,7 @@ _HALF = (torch.float16, torch.bfloat16)
 def load_torch_npu() -> Any:
     """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR=1."""
     if os.environ.get(SIMULATOR_ENV, "0") == "1":
-        from mindspeed_te.kernels.npu_sim import make_simulator
+        from mindspeed_te.testing.npu_sim import make_simulator
 
         return make_simulator()
     try:
