@@ -2,6 +2,7 @@
 
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
+from mindspeed_te.distributed import checkpoint
 from mindspeed_te.formats import Format, FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,
@@ -23,30 +24,65 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    HIF8DelayedScaling,
     MMParams,
     MXFP8BlockScaling,
     QParams,
     Recipe,
+    get_default_recipe,
 )
-from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
+from mindspeed_te.recipe_state import (
+    DelayedScalingRecipeState,
+    Float8BlockScalingRecipeState,
+    HIF8DelayedScalingRecipeState,
+    Float8CurrentScalingRecipeState,
+    MXFP8BlockScalingRecipeState,
+    RecipeState,
+)
 from mindspeed_te.state import (
     FP8GlobalStateManager,
     autocast,
     fp8_autocast,
     fp8_model_init,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
     quantized_model_init,
 )
-from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
+from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorStorage
+from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Format", "FP8Dtype",
-    "Recipe", "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+    "Recipe", "DelayedScaling", "HIF8DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
     "QParams", "MMParams",
     "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
-    "RecipeState", "DelayedScalingRecipeState",
-    "QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
+    "get_default_recipe",
+    "RecipeState", "DelayedScalingRecipeState", "Float8CurrentScalingRecipeState", "Float8BlockScalingRecipeState",
+    "MXFP8BlockScalingRecipeState", "HIF8DelayedScalingRecipeState",
+    "QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
+    "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
+    "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
+    "checkpoint", "Fp8Padding", "Fp8Unpadding",
     "Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention", "convert_linears",
 ]
+
+
+_LAZY = ("Fp8Padding", "Fp8Unpadding")
+
+
+def __getattr__(name: str):
+    """`Fp8Padding` / `Fp8Unpadding` live with the Megatron-facing modules, whose package imports
+    megatron.core: resolved on first use so that `import mindspeed_te` stays free of Megatron."""
+    if name in _LAZY:
+        from mindspeed_te.megatron import misc
+
+        return getattr(misc, name)
+    raise AttributeError(f"module 'mindspeed_te' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -5,7 +5,8 @@ tensor-parallel activations are split along the last dim.
 """
 from __future__ import annotations
 
-from typing import Optional
+import zlib
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -157,3 +158,47 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGr
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _GatherFromTP.apply(x, group) if group_size(group) > 1 else x
+
+
+_IDENTITY_BYTES = 1024  # room for a recipe's configuration string; longer ones are compared by prefix + hash
+
+
+def check_same_on_all_ranks(what: str, identity: str, group: ProcessGroup) -> None:
+    """Compare `identity` (e.g. a recipe's configuration) across the ranks of `group` with one all-gather of
+    a fixed-size byte buffer, and raise on every rank, naming both values, if any rank differs. Every rank
+    must call it at the same point; they then fail together instead of deadlocking in a later collective
+    whose shapes or counts differ."""
+    world = group_size(group)
+    if world == 1:
+        return
+    encoded = identity.encode()
+    if len(encoded) > _IDENTITY_BYTES:
+        encoded = encoded[: _IDENTITY_BYTES - 9] + f"#{zlib.crc32(encoded):08x}".encode()
+    local = torch.zeros(_IDENTITY_BYTES, dtype=torch.uint8)
+    local[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    # gloo works on host tensors; NCCL/HCCL want tensors on the current accelerator
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.accelerator.current_accelerator()
+    gathered = torch.empty(world * _IDENTITY_BYTES, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, local.to(device), group=group)
+    rows = gathered.cpu().reshape(world, _IDENTITY_BYTES)
+    values = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
+    me = group_rank(group)
+    for rank, value in enumerate(values):
+        if value != values[me]:
+            raise RuntimeError(f"{what} differs across ranks: rank {me} of the group has {values[me]}, rank {rank} has "
+                               f"{value}; every rank must use the same one")
+
+
+def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """TransformerEngine's `checkpoint(function, *args, distribute_saved_activations=False,
+    get_rng_state_tracker=None, tp_group=None, use_reentrant=True, **kwargs)`: activation checkpointing
+    of a region with FP8 modules (the recompute uses the first pass's scales, autocast state and RNG
+    streams). The recompute is always non-reentrant; `use_reentrant` and `distribute_saved_activations`
+    are accepted for compatibility and change nothing."""
+    from mindspeed_te.megatron.misc import te_checkpoint
+
+    kwargs.pop("use_reentrant", None)
+    distribute_saved_activations = kwargs.pop("distribute_saved_activations", False)
+    get_rng_state_tracker = kwargs.pop("get_rng_state_tracker", None)
+    tp_group = kwargs.pop("tp_group", None)
+    return te_checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args, **kwargs)

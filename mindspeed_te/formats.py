@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -71,31 +71,40 @@ _DTYPE_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "hif8": HIF8_MAX}
 _STORAGE_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "hif8": torch.uint8}
 
 
+class _FormatHelper(NamedTuple):
+    """A Format's value, as in TransformerEngine (`Format.E4M3.value.max_fwd`), plus the element dtypes."""
+
+    fwd: str
+    bwd: str
+    max_fwd: float
+    max_bwd: float
+
+
 class Format(enum.Enum):
     """TransformerEngine's recipe.Format, plus HIF8: element dtypes and default target maxima of forward
     tensors (activations, weights) and backward tensors (gradients). HiF8's targets 15 and 224 are the tops
     of its 3- and 2-mantissa-bit ranges (MindSpeed's choice); recipes can override them."""
 
-    E4M3 = ("E4M3", "E4M3", 448.0, 448.0)
-    E5M2 = ("E5M2", "E5M2", 57344.0, 57344.0)
-    HYBRID = ("E4M3", "E5M2", 448.0, 57344.0)
-    HIF8 = ("HIF8", "HIF8", 15.0, 224.0)
+    E4M3 = _FormatHelper("E4M3", "E4M3", 448.0, 448.0)
+    E5M2 = _FormatHelper("E5M2", "E5M2", 57344.0, 57344.0)
+    HYBRID = _FormatHelper("E4M3", "E5M2", 448.0, 57344.0)
+    HIF8 = _FormatHelper("HIF8", "HIF8", 15.0, 224.0)
 
     @property
     def fwd_dtype(self) -> FP8Dtype:
-        return FP8Dtype[self.value[0]]
+        return FP8Dtype[self.value.fwd]
 
     @property
     def bwd_dtype(self) -> FP8Dtype:
-        return FP8Dtype[self.value[1]]
+        return FP8Dtype[self.value.bwd]
 
     @property
     def max_fwd(self) -> float:
-        return self.value[2]
+        return self.value.max_fwd
 
     @property
     def max_bwd(self) -> float:
-        return self.value[3]
+        return self.value.max_bwd
 
     @classmethod
     def from_name(cls, name: str) -> "Format":
@@ -430,6 +439,8 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype) -
     elif scale_inv.dim() > x.dim():
         raise ValueError(f"scale_inv of shape {tuple(scale_inv.shape)} does not broadcast to {tuple(x.shape)}")
     x = x.detach()
+    if x.dtype == torch.float64:  # quantized from its float32 rounding, like every other input
+        x = x.float()
     table = quantize_table(fp8_dtype, x.device)
     fused = fused_cast.scaled_cast(x, scale_inv, fp8_dtype.value, table)
     if fused is not None:

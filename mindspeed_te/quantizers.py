@@ -14,18 +14,22 @@ from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
 from mindspeed_te.scaling import (
     current_scale_inv,
+    e8m0_decode,
     e8m0_encode,
+    mark_nonfinite,
     mx_scale_exponent,
     pad_to_multiple,
     tensor_amax,
     tile_view,
 )
-from mindspeed_te.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensorStorage
+from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorStorage
 
 __all__ = [
+    "record_nonfinite",
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
+    "Float8WarmupQuantizer",
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
 ]
@@ -55,6 +59,9 @@ class Quantizer:
         self.fp8_dtype = fp8_dtype
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
+        # A one-element float32 flag (set by the module's recipe state) that becomes NaN once a tensor
+        # holding NaN/Inf is quantized here; FP8GlobalStateManager.check_nonfinite reports and clears it.
+        self.nonfinite: Optional[torch.Tensor] = None
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is not None:
@@ -65,12 +72,16 @@ class Quantizer:
     def quantize(self, x: torch.Tensor) -> QuantizedTensorStorage:
         raise NotImplementedError
 
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Update the quantizer's state as quantizing `x` would, without quantizing (TransformerEngine's
+        calibration). Only delayed scaling has state; the others do nothing."""
+
     def __call__(self, x: torch.Tensor) -> QuantizedTensorStorage:
         return self.quantize(x)
 
-    def _tensor(self, x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> Float8Tensor:
+    def _tensor(self, x: torch.Tensor, codes: torch.Tensor, scale_inv: torch.Tensor) -> Float8TensorStorage:
         """A per-tensor quantized tensor from the codes of x and their scale_inv."""
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=codes, scale_inv=scale_inv)
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=codes, scale_inv=scale_inv)
 
 
 class Float8Quantizer(Quantizer):
@@ -82,16 +93,22 @@ class Float8Quantizer(Quantizer):
         self.scale = scale
         self.amax = amax
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def calibrate(self, x: torch.Tensor) -> None:
+        """Max-accumulate x's amax into the history slot, as `quantize` does (NaN kept, see scaling)."""
+        _check_input(x)
+        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
+
+    def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
         _check_input(x)
         fused = fused_cast.quantize_delayed(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
                                             self.amax, self.scale)
         if fused is not None:
             return self._tensor(x, *fused)
-        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
+        amax = tensor_amax(x.detach()).reshape(self.amax.shape)
+        torch.maximum(self.amax, amax, out=self.amax)
         scale_inv = self.scale.reciprocal()
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale_inv)
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -114,7 +131,7 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.power_2_scale = power_2_scale
         self.amax_reduction_group = amax_reduction_group
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
         _check_input(x)
         if self.amax_reduction_group is None:
             fused = fused_cast.quantize_current(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
@@ -126,7 +143,29 @@ class Float8CurrentScalingQuantizer(Quantizer):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
         scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8Tensor(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=scale_inv)
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
+
+
+class Float8WarmupQuantizer(Quantizer):
+    """Current scaling that also max-accumulates each tensor's amax into a delayed-scaling history slot:
+    the warm-up of HIF8DelayedScaling, which fills the history before its delayed scales are trusted."""
+
+    def __init__(self, amax: torch.Tensor, fp8_dtype: FP8Dtype, target_max: float, **usage: bool) -> None:
+        super().__init__(fp8_dtype, **usage)
+        self.amax = amax
+        self.target_max = float(target_max)
+
+    def calibrate(self, x: torch.Tensor) -> None:
+        _check_input(x)
+        torch.maximum(self.amax, tensor_amax(x.detach()).reshape(self.amax.shape), out=self.amax)
+
+    def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
+        _check_input(x)
+        amax = tensor_amax(x.detach()).reshape(self.amax.shape)
+        torch.maximum(self.amax, amax, out=self.amax)
+        scale_inv = current_scale_inv(amax, self.target_max)
+        data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 def _quantize_tiles(
@@ -172,13 +211,13 @@ class Float8BlockQuantizer(Quantizer):
 
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
-        return scale_inv, scale_inv
+        return scale_inv, mark_nonfinite(scale_inv, amax)  # a tile holding NaN/Inf dequantizes to NaN
 
-    def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
+    def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensorStorage:
         _check_input(x)
         x2d = _flatten_2d(x.detach())
         rows = 1 if self.block_scaling_dim == 1 else self.block_len
-        out = Float8BlockwiseQTensor(
+        out = Float8BlockwiseQTensorStorage(
             self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len
         )
         if self.rowwise_usage or self.block_scaling_dim == 2:  # 128x128: one copy serves both layouts
@@ -206,9 +245,11 @@ class MXFP8Quantizer(Quantizer):
 
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         exponent = mx_scale_exponent(amax, self.fp8_dtype.max, _EMAX[self.fp8_dtype], self.rounding)
-        return torch.ldexp(torch.ones_like(amax), exponent), e8m0_encode(exponent)
+        # A block holding NaN/Inf gets E8M0's NaN code 0xFF, so it dequantizes to NaN.
+        code = torch.where(torch.isfinite(amax), e8m0_encode(exponent), 0xFF)
+        return torch.ldexp(torch.ones_like(amax), exponent), code
 
-    def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
+    def quantize(self, x: torch.Tensor) -> MXFP8TensorStorage:
         _check_input(x)
         x2d = _flatten_2d(x.detach())
         if x2d.shape[0] % self.block_len or x2d.shape[1] % self.block_len:
@@ -216,7 +257,7 @@ class MXFP8Quantizer(Quantizer):
                 f"MXFP8 needs both dims of the 2-D flattened tensor divisible by {self.block_len}, got shape "
                 f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the token dimension (Fp8Padding) or the hidden size"
             )
-        out = MXFP8Tensor(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
+        out = MXFP8TensorStorage(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
         if self.rowwise_usage:
             data, out.rowwise_scale_inv = _quantize_tiles(x2d, 1, self.block_len, self.fp8_dtype, self._scales)
             out.rowwise_data = data.reshape(x.shape)
@@ -225,3 +266,21 @@ class MXFP8Quantizer(Quantizer):
                 x2d.t(), 1, self.block_len, self.fp8_dtype, self._scales
             )
         return out
+
+
+def record_nonfinite(quantizer: Quantizer, out: QuantizedTensorStorage) -> QuantizedTensorStorage:
+    """Fold `out`'s decode scales into the quantizer's non-finite flag (if it has one) and return `out`.
+    NaN/Inf data gives NaN decode scales (`scaling.mark_nonfinite`, E8M0's NaN code for MX), and MAX keeps a
+    NaN: one small device op per quantize, no host sync."""
+    flag = quantizer.nonfinite
+    if flag is None:
+        return out
+    if isinstance(out, Float8TensorStorage):
+        scales = out.scale_inv
+    else:
+        scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
+        if scales.numel() == 0:  # an empty tensor (an expert without tokens)
+            return out
+        scales = (e8m0_decode(scales) if isinstance(out, MXFP8TensorStorage) else scales).amax()
+    torch.maximum(flag, scales.reshape(flag.shape), out=flag)
+    return out

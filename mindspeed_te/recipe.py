@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Literal, Optional, Union
 
@@ -18,10 +19,12 @@ __all__ = [
     "MMParams",
     "Recipe",
     "DelayedScaling",
+    "HIF8DelayedScaling",
     "Float8CurrentScaling",
     "Float8BlockScaling",
     "MXFP8BlockScaling",
     "recipe_from_name",
+    "get_default_recipe",
 ]
 
 
@@ -75,6 +78,11 @@ class Recipe:
     bwd_target_max: Optional[float]
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field; raises ValueError/TypeError naming the field. Run at construction and again
+        whenever an autocast region or model-init region takes the recipe (fields may change after)."""
         _check_format(self, self._ALLOWED_FORMATS)
         olp = tuple(self.override_linear_precision)
         if len(olp) != 3 or olp[0] or olp[1]:
@@ -121,6 +129,11 @@ class Recipe:
         parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init]
         return f"{type(self).__name__}({', '.join(parts)})"
 
+    def portable_key(self) -> str:
+        """`key()` with callables named by module and qualified name instead of their address, so equal
+        configurations give equal strings in different processes."""
+        return re.sub(r"<function (\S+) at 0x[0-9a-f]+>", r"<function \1>", self.key())
+
 
 @dataclass
 class DelayedScaling(Recipe):
@@ -138,8 +151,8 @@ class DelayedScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if not isinstance(self.margin, (int, float)) or self.margin < 0:
             raise ValueError(f"DelayedScaling.margin must be a number >= 0, got {self.margin!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
@@ -153,6 +166,55 @@ class DelayedScaling(Recipe):
             )
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
             raise ValueError("DelayedScaling.scaling_factor_compute_algo must be None or a callable")
+
+
+@dataclass
+class HIF8DelayedScaling(DelayedScaling):
+    """MindSpeed's `hif8_delayed` recipe (HiF8 delayed tensor scaling, as in Huawei's DeepSeek-V3 HiF8
+    pre-training): the first `amax_collect_interval` steps quantize with current scaling while the amax
+    history fills; afterwards the delayed scales are used, and the history and scales are updated only
+    every `scale_update_interval` steps (the amax of the steps in between is max-accumulated). Per-tensor
+    margins are guard bits below HiF8's largest value 2^15: an input/activation amax maps to
+    2^(15 - hif8_input_margin), a weight's to 2^(15 - hif8_weight_margin), a gradient's to
+    2^(15 - hif8_grad_margin) (16, 8 and 16 with the defaults)."""
+
+    fp8_format: Format = Format.HIF8
+    amax_history_len: int = 128
+    hif8_input_margin: int = 11
+    hif8_weight_margin: int = 12
+    hif8_grad_margin: int = 11
+    amax_collect_interval: int = 5
+    scale_update_interval: int = 10
+
+    _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.HIF8,)
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        for field_name in ("hif8_input_margin", "hif8_weight_margin", "hif8_grad_margin"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or not 0 <= value <= 30:
+                raise ValueError(f"{name}.{field_name} must be an integer in [0, 30] (guard bits below 2^15), "
+                                 f"got {value!r}")
+        if not isinstance(self.amax_collect_interval, int) or self.amax_collect_interval < 0:
+            raise ValueError(f"{name}.amax_collect_interval must be an integer >= 0, got {self.amax_collect_interval!r}")
+        if not isinstance(self.scale_update_interval, int) or self.scale_update_interval < 1:
+            raise ValueError(f"{name}.scale_update_interval must be an integer >= 1, got {self.scale_update_interval!r}")
+        for field_name in ("margin", "fwd_target_max", "bwd_target_max", "scaling_factor_compute_algo"):
+            if getattr(self, field_name) not in (0, None):
+                raise ValueError(f"{name}.{field_name} is not used: the per-tensor hif8_*_margin fields set the "
+                                 "targets")
+
+    def role_target(self, role: str) -> float:
+        """The value the amax of a tensor in `role` (input, weight, output, grad_output, grad_input) maps to."""
+        margin = {"input": self.hif8_input_margin, "output": self.hif8_input_margin,
+                  "weight": self.hif8_weight_margin}.get(role, self.hif8_grad_margin)
+        return 2.0 ** (15 - margin)
+
+    def updates_at(self, step: int) -> bool:
+        """Whether the history and scales are updated at the end of step `step` (1-based): every step of the
+        warm-up, then every `scale_update_interval` steps."""
+        return step <= self.amax_collect_interval or (step - self.amax_collect_interval) % self.scale_update_interval == 0
 
 
 def _power_2_default(env_name: str, default: bool) -> bool:
@@ -182,9 +244,6 @@ class Float8CurrentScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-
 
 @dataclass
 class Float8BlockScaling(Recipe):
@@ -212,17 +271,17 @@ class Float8BlockScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128 tiles)")
         if self.x_block_scaling_dim == 2 and self.w_block_scaling_dim == 2:
             raise ValueError("Float8BlockScaling: x_block_scaling_dim=2 with w_block_scaling_dim=2 is not supported")
-        if self.x_block_scaling_dim == 2 and self.grad_block_scaling_dim == 2:
-            raise ValueError(
-                "Float8BlockScaling: x_block_scaling_dim=2 with grad_block_scaling_dim=2 is not supported"
-            )
+        for first, second in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if getattr(self, f"{first}_block_scaling_dim") == 2 and getattr(self, f"{second}_block_scaling_dim") == 2:
+                raise ValueError(f"Float8BlockScaling: {first}_block_scaling_dim=2 with {second}_block_scaling_dim=2 "
+                                 "is not supported (one operand of every GEMM must use 1x128 tiles)")
 
 
 @dataclass
@@ -244,8 +303,8 @@ class MXFP8BlockScaling(Recipe):
 
     _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3, Format.HYBRID)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if self.fwd_target_max is not None or self.bwd_target_max is not None:
             raise ValueError("MXFP8BlockScaling takes no fwd_target_max/bwd_target_max: E8M0 scales use the format max")
         if self.scale_rounding not in ("ceil", "floor"):
@@ -256,10 +315,16 @@ class MXFP8BlockScaling(Recipe):
 
 _RECIPE_NAMES = {
     "delayed": DelayedScaling,
+    "hif8_delayed": HIF8DelayedScaling,
     "tensorwise": Float8CurrentScaling,
     "blockwise": Float8BlockScaling,
     "mxfp8": MXFP8BlockScaling,
 }
+
+
+def get_default_recipe() -> Recipe:
+    """The recipe used when none is given: TransformerEngine's default on devices without MXFP8 GEMMs."""
+    return DelayedScaling()
 
 
 def recipe_from_name(name: str, fp8_format: Union[Format, str], **kwargs) -> Recipe:

@@ -6,7 +6,7 @@ ordering TransformerEngine uses. `make_quantizers()` returns the quantizers in t
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -14,6 +14,7 @@ from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    Float8WarmupQuantizer,
     MXFP8Quantizer,
     Quantizer,
 )
@@ -21,13 +22,23 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    HIF8DelayedScaling,
     MXFP8BlockScaling,
     QParams,
     Recipe,
 )
-from mindspeed_te.scaling import delayed_scaling_update
+from mindspeed_te.scaling import FLT_MAX, delayed_scaling_update
 
-__all__ = ["RecipeState", "DelayedScalingRecipeState", "FORWARD_ROLES", "BACKWARD_ROLES"]
+__all__ = [
+    "RecipeState",
+    "DelayedScalingRecipeState",
+    "HIF8DelayedScalingRecipeState",
+    "Float8CurrentScalingRecipeState",
+    "Float8BlockScalingRecipeState",
+    "MXFP8BlockScalingRecipeState",
+    "FORWARD_ROLES",
+    "BACKWARD_ROLES",
+]
 
 FORWARD_ROLES = ("input", "weight", "output")
 BACKWARD_ROLES = ("grad_output", "grad_input")
@@ -38,41 +49,48 @@ def _roles(forward: bool, num_quantizers: int) -> list[str]:
     return [base[i % len(base)] for i in range(num_quantizers)]
 
 
-class RecipeState:
-    """State and quantizer factory for one module, one direction."""
+Mode = Literal["forward", "backward"]
 
-    def __init__(self, recipe: Recipe, forward: bool, num_quantizers: int) -> None:
-        if num_quantizers < 1:
-            raise ValueError(f"num_quantizers must be >= 1, got {num_quantizers}")
+
+class RecipeState:
+    """State and quantizer factory for one module, one direction. Build it with `RecipeState.create`."""
+
+    def __init__(self, recipe: Recipe, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
+        if not isinstance(num_quantizers, int) or num_quantizers < 1:
+            raise ValueError(f"num_quantizers must be an integer >= 1, got {num_quantizers!r}")
         self.recipe = recipe
-        self.forward = forward
+        self.mode = mode
+        self.forward = mode == "forward"
         self.num_quantizers = num_quantizers
-        self.roles = _roles(forward, num_quantizers)
-        self.fp8_dtype = recipe.fp8_dtype(forward)
+        self.roles = _roles(self.forward, num_quantizers)
+        self.fp8_dtype = recipe.fp8_dtype(self.forward)
+        # Per slot: NaN once a tensor holding NaN/Inf was quantized there since the last check (see
+        # quantizers.record_nonfinite and FP8GlobalStateManager.check_nonfinite).
+        self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
 
     @staticmethod
     def create(
-        recipe: Recipe, *, forward: bool, num_quantizers: int, device: Optional[torch.device] = None
+        recipe: Recipe,
+        *,
+        mode: Optional[Mode] = None,
+        num_quantizers: int = 1,
+        device: Optional[torch.device] = None,
+        forward: Optional[bool] = None,
     ) -> "RecipeState":
-        """The state class that matches the recipe."""
-        if isinstance(recipe, DelayedScaling):
-            return DelayedScalingRecipeState(recipe, forward, num_quantizers, device=device)
-        if isinstance(recipe, (Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)):
-            return RecipeState(recipe, forward, num_quantizers)
+        """The state class that matches the recipe, TransformerEngine's factory: `mode` is "forward" (3
+        quantizers per GEMM: input, weight, output) or "backward" (grad_output, grad_input). `forward=True/
+        False` is accepted in place of `mode`."""
+        if (mode is None) == (forward is None):
+            raise ValueError("RecipeState.create takes exactly one of mode='forward'|'backward' and forward=bool")
+        if mode is None:
+            mode = "forward" if forward else "backward"
+        for recipe_type, state_type in _STATE_TYPES.items():
+            if isinstance(recipe, recipe_type):
+                return state_type(recipe, mode=mode, num_quantizers=num_quantizers, device=device)
         raise TypeError(f"unsupported recipe type {type(recipe).__name__}")
-
-    def _qparams(self, role: str) -> QParams:
-        recipe = self.recipe
-        return {
-            "input": recipe.fp8_quant_fwd_inp,
-            "output": recipe.fp8_quant_fwd_inp,
-            "weight": recipe.fp8_quant_fwd_weight,
-        }.get(role, recipe.fp8_quant_bwd_grad)
-
-    def _block_dim(self, role: str) -> int:
-        recipe = self.recipe
-        return {"input": recipe.x_block_scaling_dim, "output": recipe.x_block_scaling_dim,
-                "weight": recipe.w_block_scaling_dim}.get(role, recipe.grad_block_scaling_dim)
 
     def frozen_copy(self) -> "RecipeState":
         """A copy whose quantizers use today's scales and record amaxes nowhere that matters (for the
@@ -80,43 +98,91 @@ class RecipeState:
         return self
 
     def make_quantizers(self) -> list[Quantizer]:
+        """One quantizer per slot, in the slot order above."""
+        raise NotImplementedError
+
+    def _watched(self, quantizers: list[Quantizer]) -> list[Quantizer]:
+        """Give each quantizer its slot of the non-finite flags."""
+        for i, quantizer in enumerate(quantizers):
+            quantizer.nonfinite = self.nonfinite[i : i + 1]
+        return quantizers
+
+
+def _qparams(recipe: Recipe, role: str) -> QParams:
+    return {"input": recipe.fp8_quant_fwd_inp, "output": recipe.fp8_quant_fwd_inp,
+            "weight": recipe.fp8_quant_fwd_weight}.get(role, recipe.fp8_quant_bwd_grad)
+
+
+class Float8CurrentScalingRecipeState(RecipeState):
+    """Current ("tensorwise") scaling keeps no state: one quantizer per slot with the role's QParams."""
+
+    def __init__(self, recipe: Float8CurrentScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        target = self.recipe.target_max(self.forward)
+        return self._watched([Float8CurrentScalingQuantizer(self.fp8_dtype, target, amax_epsilon=q.amax_epsilon,
+                                                            power_2_scale=q.power_2_scale)
+                              for q in (_qparams(self.recipe, role) for role in self.roles)])
+
+
+class Float8BlockScalingRecipeState(RecipeState):
+    """Blockwise scaling keeps no state; weights use `w_block_scaling_dim`, activations
+    `x_block_scaling_dim`, gradients `grad_block_scaling_dim`."""
+
+    def __init__(self, recipe: Float8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device)
+
+    def _block_dim(self, role: str) -> int:
         recipe = self.recipe
-        target = recipe.target_max(self.forward)
+        return {"input": recipe.x_block_scaling_dim, "output": recipe.x_block_scaling_dim,
+                "weight": recipe.w_block_scaling_dim}.get(role, recipe.grad_block_scaling_dim)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        target = self.recipe.target_max(self.forward)
         quantizers: list[Quantizer] = []
         for role in self.roles:
-            if isinstance(recipe, Float8CurrentScaling):
-                q = self._qparams(role)
-                quantizers.append(Float8CurrentScalingQuantizer(
-                    self.fp8_dtype, target, amax_epsilon=q.amax_epsilon, power_2_scale=q.power_2_scale))
-            elif isinstance(recipe, Float8BlockScaling):
-                q = self._qparams(role)
-                quantizers.append(Float8BlockQuantizer(
-                    self.fp8_dtype, target, block_scaling_dim=self._block_dim(role),
-                    amax_epsilon=q.amax_epsilon, power_2_scale=q.power_2_scale))
-            else:
-                quantizers.append(MXFP8Quantizer(self.fp8_dtype, rounding=recipe.scale_rounding))
-        return quantizers
+            q = _qparams(self.recipe, role)
+            quantizers.append(Float8BlockQuantizer(
+                self.fp8_dtype, target, block_scaling_dim=self._block_dim(role),
+                amax_epsilon=q.amax_epsilon, power_2_scale=q.power_2_scale))
+        return self._watched(quantizers)
+
+
+class MXFP8BlockScalingRecipeState(RecipeState):
+    """MXFP8 keeps no state: one MXFP8 quantizer per slot."""
+
+    def __init__(self, recipe: MXFP8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        return self._watched([MXFP8Quantizer(self.fp8_dtype, rounding=self.recipe.scale_rounding)
+                              for _ in range(self.num_quantizers)])
 
 
 class DelayedScalingRecipeState(RecipeState):
     """amax_history [L, n] and scale [n] for the module's n tensors. Quantizers hold views into them, so
     updates are done in place."""
 
-    def __init__(self, recipe: DelayedScaling, forward: bool, num_quantizers: int,
+    def __init__(self, recipe: DelayedScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, forward, num_quantizers)
-        self.fp8_max = recipe.target_max(forward)
+        super().__init__(recipe, mode, num_quantizers, device)
+        self.fp8_max = recipe.target_max(self.forward)
         self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
 
     def make_quantizers(self) -> list[Quantizer]:
-        return [
+        return self._watched([
             Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype)
             for i in range(self.num_quantizers)
-        ]
+        ])
 
     def frozen_copy(self) -> "DelayedScalingRecipeState":
-        copy = DelayedScalingRecipeState(self.recipe, self.forward, self.num_quantizers, device=self.scale.device)
+        copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
+                                         device=self.scale.device)
         copy.scale.copy_(self.scale)
         return copy
 
@@ -129,3 +195,59 @@ class DelayedScalingRecipeState(RecipeState):
         )
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
+
+
+
+class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
+    """HIF8DelayedScaling: per-slot targets from the per-tensor margins, current scaling while the warm-up
+    fills the history, then delayed scales updated every `scale_update_interval` steps."""
+
+    def __init__(self, recipe: HIF8DelayedScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(recipe, mode=mode, num_quantizers=num_quantizers, device=device)
+        self.targets = torch.tensor([recipe.role_target(role) for role in self.roles], device=device)
+        self.steps = 0  # updates seen, i.e. completed steps
+
+    def warming_up(self) -> bool:
+        return self.steps < self.recipe.amax_collect_interval
+
+    def make_quantizers(self) -> list[Quantizer]:
+        if not self.warming_up():
+            return super().make_quantizers()
+        return self._watched([
+            Float8WarmupQuantizer(self.amax_history[0, i : i + 1], self.fp8_dtype, self.recipe.role_target(role))
+            for i, role in enumerate(self.roles)
+        ])
+
+    def frozen_copy(self) -> "HIF8DelayedScalingRecipeState":
+        copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
+                                             device=self.scale.device)
+        copy.scale.copy_(self.scale)
+        copy.steps = self.steps
+        return copy
+
+    def update(self) -> None:
+        """At an update step: roll the history and set scale = target / amax per slot (targets are powers of
+        two, so dividing and multiplying by them is exact). Otherwise slot 0 keeps accumulating."""
+        self.steps += 1
+        if not self.recipe.updates_at(self.steps):
+            return
+        history, unit_scale = delayed_scaling_update(self.amax_history, self.scale / self.targets, 1.0, 0.0,
+                                                     self.recipe.amax_compute_algo)
+        self.amax_history.copy_(history)
+        self.scale.copy_((unit_scale * self.targets).clamp_(max=FLT_MAX))
+
+    def reset_amax_history(self) -> None:
+        """Forget the history and scales and start the warm-up again (after a failed step)."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+        self.steps = 0
+
+
+_STATE_TYPES: dict[type, type[RecipeState]] = {
+    HIF8DelayedScaling: HIF8DelayedScalingRecipeState,
+    DelayedScaling: DelayedScalingRecipeState,
+    Float8CurrentScaling: Float8CurrentScalingRecipeState,
+    Float8BlockScaling: Float8BlockScalingRecipeState,
+    MXFP8BlockScaling: MXFP8BlockScalingRecipeState,
+}

@@ -80,7 +80,9 @@ def delayed_scaling_update(
     """One delayed-scaling step for n tensors: returns (new amax_history [L, n], new scale [n]).
 
     The amax is computed over the window before it is rolled (the newest amax in slot 0 included), as
-    TransformerEngine does. Non-finite new amaxes are ignored (see `roll_amax_history`).
+    TransformerEngine does. A column whose newest amax is 0 (the tensor was not seen, e.g. an MoE expert
+    without tokens) or not finite keeps its scale and its window, as TransformerEngine's fused update does
+    for 0; a non-finite amax never enters the history (see `roll_amax_history`).
     """
     newest = amax_history[0]
     finite_history = torch.where(torch.isfinite(newest), newest, torch.zeros_like(newest))
@@ -91,7 +93,8 @@ def delayed_scaling_update(
         new_scale = scaling_factor_compute_algo(amax, scale, fp8_max_t, recipe)
     else:
         new_scale = compute_scale(amax, scale, fp8_max, margin)
-    return roll_amax_history(amax_history), new_scale
+    seen = torch.isfinite(newest) & (newest > 0)
+    return roll_amax_history(amax_history), torch.where(seen, new_scale, scale)
 
 
 _SMALL = 1 << 16  # elements below which per-op overhead, not memory traffic, dominates
@@ -140,6 +143,14 @@ def current_scale_inv(
     amax = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
     scale_inv = (amax / fp8_max).clamp_(min=1.0 / FLT_MAX)  # tensor / scalar is one IEEE division
     return torch.where(amax > 0, scale_inv, 1.0)
+
+
+def mark_nonfinite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """scale_inv where the matching amax is finite, NaN where it is NaN or Inf (one elementwise op, no host
+    sync). Quantization casts with a finite scale, so the codes and any stored scale stay finite; the NaN
+    decode scale makes the tensor dequantize to NaN, and the GEMM it enters gives a non-finite output, as it
+    would in high precision (a saturated Inf would otherwise look like a large finite value)."""
+    return scale_inv + amax * 0.0
 
 
 def pad_to_multiple(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

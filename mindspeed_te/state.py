@@ -1,42 +1,65 @@
-"""The one global FP8 state: autocast regions, model-init mode, and the once-per-step amax reduction.
+"""The one global FP8 state: autocast regions, model-init mode, activation-checkpoint phases, and the
+once-per-step amax reduction.
 
 Delayed scaling keeps per-tensor amax histories. Every module that quantizes inside an autocast region
 registers its `DelayedScalingRecipeState` here under the key (recipe, reduction group). Once per step and
 direction, all amaxes registered under one key are concatenated, MAX-reduced across ranks with a single
 all-reduce, written back and turned into new scales: forward states when the outermost autocast region
 exits, backward states when the backward of the first FP8 module (the last backward to run) finishes.
+
+All mutable state lives in one `FP8GlobalState` instance (TransformerEngine's shape), so `reset()` is one
+assignment and nothing can be forgotten.
 """
 from __future__ import annotations
 
+import warnings
+import weakref
+from collections import Counter
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
-from mindspeed_te.recipe import DelayedScaling, Recipe
-from mindspeed_te.recipe_state import DelayedScalingRecipeState
+from mindspeed_te.distributed import check_same_on_all_ranks
+from mindspeed_te.recipe import (
+    Float8BlockScaling,
+    MXFP8BlockScaling,
+    Recipe,
+    get_default_recipe,
+)
+from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
 
 __all__ = [
+    "FP8GlobalState",
     "FP8GlobalStateManager",
     "fp8_autocast",
     "autocast",
     "fp8_model_init",
     "quantized_model_init",
     "preserve_high_precision_init_val",
+    "is_fp8_available",
+    "is_mxfp8_available",
+    "is_fp8_block_scaling_available",
 ]
 
-_Key = tuple[str, int]
+CheckpointPhase = Literal["forward", "recompute"]
+# (autocast key, forward) -> {id(state): state}, in registration order
+_Registry = dict[tuple[str, bool], dict[int, DelayedScalingRecipeState]]
 
 
 def _check_recipe(recipe: Optional[Recipe], arg: str) -> Recipe:
     if recipe is None:
-        return DelayedScaling()
+        return get_default_recipe()
     if not isinstance(recipe, Recipe):
         raise TypeError(
             f"{arg} must be a mindspeed_te recipe (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, "
             f"MXFP8BlockScaling) or None, got {type(recipe).__name__}"
         )
+    # Recipes are mutable dataclasses: a field changed after construction is caught here, before any state
+    # is built from it, not in the middle of a step.
+    recipe.validate()
     return recipe
 
 
@@ -45,169 +68,373 @@ def _check_group(group: object, arg: str) -> None:
         raise TypeError(f"{arg} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
 
 
-class FP8GlobalStateManager:
-    """Class-level state, as in TransformerEngine: modules query it, autocast regions set it."""
+@dataclass
+class FP8GlobalState:
+    """Everything the state manager tracks. Field names follow TransformerEngine's `FP8GlobalState`."""
 
-    FP8_ENABLED: bool = False
-    FP8_CALIBRATION: bool = False
-    FP8_RECIPE: Optional[Recipe] = None
-    FP8_DISTRIBUTED_GROUP: Optional[dist.ProcessGroup] = None
-    FP8_GRAPH_CAPTURING: bool = False
-    IS_FIRST_FP8_MODULE: bool = False
-    FP8_AUTOCAST_DEPTH: int = 0
-    FP8_PARAMETERS: bool = False
-    FP8_MODEL_INIT_RECIPE: Optional[Recipe] = None
-    HIGH_PRECISION_INIT_VAL: bool = False
-    # Activation checkpointing: None, "forward" (first pass of a checkpointed region) or "recompute".
-    CHECKPOINT_PHASE: Optional[str] = None
-    # The running checkpointed region's stash: each FP8 module's forward state from the first pass, in call
-    # order, for the recompute (set by te_checkpoint).
-    _checkpoint_stash: list = []
-    # (key, forward) -> {id(state): state}, in registration order; key -> (recipe, group).
-    _registered: dict[tuple[_Key, bool], dict[int, DelayedScalingRecipeState]] = {}
-    _key_info: dict[_Key, tuple[Recipe, Optional[dist.ProcessGroup]]] = {}
+    fp8_enabled: bool = False
+    fp8_calibration: bool = False
+    fp8_recipe: Optional[Recipe] = None
+    fp8_distributed_group: Optional[dist.ProcessGroup] = None
+    fp8_graph_capturing: bool = False
+    is_first_fp8_module: bool = False
+    autocast_depth: int = 0
+    # fp8_model_init / quantized_model_init
+    fp8_parameters: bool = False
+    fp8_model_init_recipe: Optional[Recipe] = None
+    high_precision_init_val: bool = False
+    # autocast key -> (recipe, group), for every region entered since the last reset
+    autocast_arguments: dict[str, tuple[Recipe, Optional[dist.ProcessGroup]]] = field(default_factory=dict)
+    # delayed-scaling states waiting for this step's reduction
+    registered: _Registry = field(default_factory=dict)
+    # registrations made inside the running outermost region (dropped again if the region fails)
+    registered_in_region: list[tuple[tuple[str, bool], int]] = field(default_factory=list)
+    # Activation checkpointing: the phase of the running checkpointed region and its stash of each FP8
+    # module's forward state from the first pass, in call order, for the recompute.
+    checkpoint_phase: Optional[CheckpointPhase] = None
+    checkpoint_stash: list[RecipeState] = field(default_factory=list)
+    skip_fp8_weight_update_tensor: Optional[torch.Tensor] = None
+    # Non-finite inputs: the recipe states whose flags are checked (module name, weak reference), whether
+    # the check runs at every outermost autocast entry, and what it found so far.
+    nonfinite_watch: list[tuple[str, weakref.ref]] = field(default_factory=list)
+    nonfinite_check: bool = True
+    nonfinite_steps: int = 0
+    nonfinite_counts: Counter = field(default_factory=Counter)
+    # reduction groups (by id) whose ranks were checked to run the same recipe
+    recipe_agreed_groups: set[int] = field(default_factory=set)
+
+
+def _fp8_support() -> tuple[bool, str]:
+    """FP8 needs torch's float8 dtypes; the reference backend then runs it on any device, the NPU backend
+    needs a chip with FP8 matmuls."""
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
+        return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
+    from mindspeed_te.kernels import requested_backend
+
+    if requested_backend() == "npu":
+        from mindspeed_te.kernels.npu import get_npu_backend
+
+        return get_npu_backend().available()
+    return True, ""
+
+
+def _mxfp8_support() -> tuple[bool, str]:
+    if not hasattr(torch, "float8_e8m0fnu"):
+        return False, f"torch {torch.__version__} has no float8_e8m0fnu dtype for MX scales (need torch >= 2.7)"
+    return _fp8_support()
+
+
+class FP8GlobalStateManager:
+    """Process-global FP8 state, as in TransformerEngine: modules query it, autocast regions set it.
+    The state itself is the `quantization_state` instance."""
+
+    quantization_state: FP8GlobalState = FP8GlobalState()
 
     @classmethod
     def reset(cls) -> None:
         """Back to the state at import (for tests and for starting a new run in one process)."""
-        cls.FP8_ENABLED = False
-        cls.FP8_CALIBRATION = False
-        cls.FP8_RECIPE = None
-        cls.FP8_DISTRIBUTED_GROUP = None
-        cls.FP8_GRAPH_CAPTURING = False
-        cls.IS_FIRST_FP8_MODULE = False
-        cls.FP8_AUTOCAST_DEPTH = 0
-        cls.FP8_PARAMETERS = False
-        cls.FP8_MODEL_INIT_RECIPE = None
-        cls.HIGH_PRECISION_INIT_VAL = False
-        cls.CHECKPOINT_PHASE = None
-        cls._checkpoint_stash = []
-        cls._registered = {}
-        cls._key_info = {}
+        cls.quantization_state = FP8GlobalState()
+
+    # Availability ------------------------------------------------------------------------------------
+    @classmethod
+    def is_fp8_available(cls) -> tuple[bool, str]:
+        """(available, reason) for delayed and current per-tensor scaling."""
+        return _fp8_support()
+
+    @classmethod
+    def is_mxfp8_available(cls) -> tuple[bool, str]:
+        """(available, reason) for MXFP8BlockScaling."""
+        return _mxfp8_support()
+
+    @classmethod
+    def is_fp8_block_scaling_available(cls) -> tuple[bool, str]:
+        """(available, reason) for Float8BlockScaling."""
+        return _fp8_support()
 
     # Queries -----------------------------------------------------------------------------------------
     @classmethod
-    def is_fp8_available(cls) -> tuple[bool, str]:
-        """FP8 needs torch's float8 dtypes; the reference backend then runs it on any device."""
-        if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
-            return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
-        from mindspeed_te.kernels import requested_backend
-
-        if requested_backend() == "npu":
-            from mindspeed_te.kernels.npu import get_npu_backend
-
-            return get_npu_backend().available()
-        return True, ""
-
-    @classmethod
     def is_fp8_enabled(cls) -> bool:
-        return cls.FP8_ENABLED
+        return cls.quantization_state.fp8_enabled
 
     @classmethod
     def is_fp8_calibration(cls) -> bool:
-        return cls.FP8_CALIBRATION
+        return cls.quantization_state.fp8_calibration
+
+    @classmethod
+    def fp8_graph_capturing(cls) -> bool:
+        return cls.quantization_state.fp8_graph_capturing
 
     @classmethod
     def get_fp8_recipe(cls) -> Recipe:
-        """The active recipe, or TransformerEngine's default outside an autocast region."""
-        return cls.FP8_RECIPE if cls.FP8_RECIPE is not None else DelayedScaling()
+        """The active recipe, or the default recipe outside an autocast region."""
+        recipe = cls.quantization_state.fp8_recipe
+        return recipe if recipe is not None else get_default_recipe()
 
     @classmethod
     def get_fp8_group(cls) -> Optional[dist.ProcessGroup]:
-        return cls.FP8_DISTRIBUTED_GROUP
+        return cls.quantization_state.fp8_distributed_group
 
     @classmethod
     def with_fp8_parameters(cls) -> bool:
-        return cls.FP8_PARAMETERS
+        return cls.quantization_state.fp8_parameters
 
     @classmethod
     def with_high_precision_init_val(cls) -> bool:
-        return cls.HIGH_PRECISION_INIT_VAL
+        return cls.quantization_state.high_precision_init_val
 
     @classmethod
     def get_fp8_model_init_recipe(cls) -> Optional[Recipe]:
-        return cls.FP8_MODEL_INIT_RECIPE
+        return cls.quantization_state.fp8_model_init_recipe
 
     @classmethod
     def is_first_fp8_module(cls) -> bool:
         """True for the first FP8 module to run in the outermost autocast region (and clears the flag): that
         module's backward runs last and performs the backward amax reduction."""
-        first = cls.IS_FIRST_FP8_MODULE
-        cls.IS_FIRST_FP8_MODULE = False
+        qstate = cls.quantization_state
+        first, qstate.is_first_fp8_module = qstate.is_first_fp8_module, False
         return first
+
+    @classmethod
+    def set_skip_fp8_weight_update_tensor(cls, skip: bool) -> None:
+        """Set the one-element flag Megatron's CUDA-graph code uses to tell modules whether to re-quantize
+        their weights this micro-batch (1.0 = skip)."""
+        qstate = cls.quantization_state
+        if qstate.skip_fp8_weight_update_tensor is None:
+            qstate.skip_fp8_weight_update_tensor = torch.empty(1, dtype=torch.float32)
+        qstate.skip_fp8_weight_update_tensor.fill_(float(bool(skip)))
+
+    @classmethod
+    def get_skip_fp8_weight_update_tensor(cls) -> Optional[torch.Tensor]:
+        return cls.quantization_state.skip_fp8_weight_update_tensor
+
+    # Activation checkpointing ------------------------------------------------------------------------
+    @classmethod
+    def get_checkpoint_phase(cls) -> Optional[CheckpointPhase]:
+        """"forward" in the first pass of a checkpointed region, "recompute" in its recompute, else None."""
+        return cls.quantization_state.checkpoint_phase
+
+    @classmethod
+    @contextmanager
+    def checkpoint_phase(cls, phase: CheckpointPhase, stash: list[RecipeState]) -> Iterator[None]:
+        """Run a pass of an activation-checkpointed region. In "forward" each FP8 module appends a frozen
+        copy of its forward state to `stash`; in "recompute" each takes its copy back, in the same order, so
+        the recompute quantizes with the first pass's scales and records amaxes nowhere that matters. A
+        recompute consumes its own copy of the list (it may stop early, or run more than once)."""
+        if phase not in ("forward", "recompute"):
+            raise ValueError(f"checkpoint phase must be 'forward' or 'recompute', got {phase!r}")
+        qstate = cls.quantization_state
+        saved = qstate.checkpoint_phase, qstate.checkpoint_stash
+        qstate.checkpoint_phase = phase
+        qstate.checkpoint_stash = stash if phase == "forward" else list(stash)
+        try:
+            yield
+        finally:
+            qstate.checkpoint_phase, qstate.checkpoint_stash = saved
+
+    @classmethod
+    def stash_forward_state_for_recompute(cls, state: RecipeState) -> None:
+        """First pass of a checkpointed region: keep a frozen copy of `state` for the recompute."""
+        cls.quantization_state.checkpoint_stash.append(state.frozen_copy())
+
+    @classmethod
+    def pop_forward_state_for_recompute(cls) -> RecipeState:
+        """Recompute of a checkpointed region: the next module's frozen forward state from the first pass."""
+        stash = cls.quantization_state.checkpoint_stash
+        if not stash:
+            raise RuntimeError("activation recompute ran more FP8 modules than the first pass of the checkpointed "
+                               "region; the region must run the same modules both times")
+        return stash.pop(0)
+
+    # Non-finite inputs -----------------------------------------------------------------------------------
+    @classmethod
+    def watch_nonfinite(cls, module_name: str, state: RecipeState) -> None:
+        """Have `check_nonfinite` report NaN/Inf that `state`'s quantizers see, naming `module_name`."""
+        cls.quantization_state.nonfinite_watch.append((module_name, weakref.ref(state)))
+
+    @classmethod
+    def check_nonfinite(cls) -> list[str]:
+        """Report the tensors that held NaN/Inf when quantized since the last check ("<module> <tensor>"),
+        warn once per check naming them, count them, and clear the flags. One host read of all flags; it
+        runs at every outermost autocast entry (for the step before) unless `nonfinite_check` is off."""
+        qstate = cls.quantization_state
+        watched = [(name, ref()) for name, ref in qstate.nonfinite_watch]
+        watched = [(name, state) for name, state in watched if state is not None]
+        qstate.nonfinite_watch = [(name, weakref.ref(state)) for name, state in watched]
+        if not watched:
+            return []
+        flags = [state.nonfinite for _, state in watched]
+        bad = torch.cat(flags).isnan().tolist()
+        torch._foreach_zero_(flags)
+        found, offset = [], 0
+        for name, state in watched:
+            per_gemm = 3 if state.forward else 2
+            for i, role in enumerate(state.roles):
+                if bad[offset + i]:
+                    gemm = f"[{i // per_gemm}]" if state.num_quantizers > per_gemm else ""
+                    found.append(f"{name} {role}{gemm}")
+            offset += state.num_quantizers
+        if found:
+            qstate.nonfinite_steps += 1
+            qstate.nonfinite_counts.update(found)
+            warnings.warn(f"mindspeed_te: NaN/Inf entered quantized GEMMs at {', '.join(found)}: their outputs are "
+                          "non-finite, as in high precision; scales and amax histories were left unchanged "
+                          f"({qstate.nonfinite_steps} such checks so far)", RuntimeWarning, stacklevel=2)
+        return found
+
+    @classmethod
+    def get_nonfinite_counts(cls) -> dict[str, int]:
+        """How many checks found NaN/Inf per "<module> <tensor>", and under "steps" in how many checks."""
+        qstate = cls.quantization_state
+        return {"steps": qstate.nonfinite_steps, **qstate.nonfinite_counts}
 
     # Registration and reduction ----------------------------------------------------------------------
     @staticmethod
-    def get_autocast_key(recipe: Recipe, group: Optional[dist.ProcessGroup]) -> _Key:
-        return recipe.key(), id(group)
+    def get_unique_autocast_key(recipe: Optional[Recipe] = None, group: Optional[dist.ProcessGroup] = None) -> str:
+        """The key that identifies an autocast region for amax reduction: the recipe's configuration and the
+        reduction group's identity."""
+        recipe_key = recipe.key() if recipe is not None else None
+        return f"recipe={recipe_key},group={id(group) if group is not None else None}"
 
     @classmethod
-    def add_fp8_tensors_to_global_buffer(cls, state: DelayedScalingRecipeState,
+    def get_autocast_key(cls, recipe: Recipe, group: Optional[dist.ProcessGroup]) -> str:
+        return cls.get_unique_autocast_key(recipe, group)
+
+    @classmethod
+    def add_fp8_tensors_to_global_buffer(cls, state: RecipeState,
                                          group: Optional[dist.ProcessGroup] = None) -> None:
         """Register a delayed-scaling state for this step's reduction under its (recipe, group) key.
-        Registering the same state again in a step is a no-op."""
+        Registering the same state again in a step is a no-op; other recipes have nothing to reduce."""
         if not isinstance(state, DelayedScalingRecipeState):
             return
-        key = cls.get_autocast_key(state.recipe, group)
-        cls._key_info[key] = (state.recipe, group)
-        cls._registered.setdefault((key, state.forward), {}).setdefault(id(state), state)
+        qstate = cls.quantization_state
+        key = cls.get_unique_autocast_key(state.recipe, group)
+        qstate.autocast_arguments.setdefault(key, (state.recipe, group))
+        entry = (key, state.forward)
+        states = qstate.registered.setdefault(entry, {})
+        if id(state) not in states:
+            states[id(state)] = state
+            if qstate.autocast_depth > 0:
+                qstate.registered_in_region.append((entry, id(state)))
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
-        """For every key: one MAX all-reduce of all registered amaxes, then every scale update."""
-        for (key, fwd), states in list(cls._registered.items()):
-            if fwd != forward or not states:
+        """For every key: one MAX all-reduce of all registered amaxes, then every scale update. The
+        registrations are taken first, so a failure here cannot leave them behind for later steps."""
+        qstate = cls.quantization_state
+        for (key, fwd) in [entry for entry in qstate.registered if entry[1] == forward]:
+            states = qstate.registered.pop((key, fwd))
+            if not states:
                 continue
-            recipe, group = cls._key_info[key]
+            recipe, group = qstate.autocast_arguments[key]
             state_list = list(states.values())
             if recipe.reduce_amax and dist.is_available() and dist.is_initialized() \
                     and dist.get_world_size(group) > 1:
                 _all_reduce_amaxes(state_list, group)
             for state in state_list:
                 state.update()
-            del cls._registered[(key, fwd)]
 
     # Autocast ----------------------------------------------------------------------------------------
     @classmethod
     def get_autocast_state(cls) -> tuple:
-        return (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
-                cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING)
+        """The autocast fields, to restore when a region exits."""
+        q = cls.quantization_state
+        return (q.fp8_enabled, q.fp8_calibration, q.fp8_recipe, q.fp8_distributed_group,
+                q.is_first_fp8_module, q.fp8_graph_capturing)
 
     @classmethod
     def set_autocast_state(cls, state: tuple) -> None:
-        (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
-         cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING) = state
+        q = cls.quantization_state
+        (q.fp8_enabled, q.fp8_calibration, q.fp8_recipe, q.fp8_distributed_group,
+         q.is_first_fp8_module, q.fp8_graph_capturing) = state
+
+    # TransformerEngine <= 2.8 names.
+    get_fp8_autocast_state = get_autocast_state
+    set_fp8_autocast_state = set_autocast_state
 
     @classmethod
-    def fp8_autocast_enter(cls, enabled: bool, calibrating: bool, fp8_recipe: Optional[Recipe],
-                           fp8_group: Optional[dist.ProcessGroup], _graph: bool) -> None:
+    def autocast_enter(cls, enabled: bool = False, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                       fp8_group: Optional[dist.ProcessGroup] = None, _graph: bool = False) -> None:
+        """Enter an autocast region: check the arguments and the device, then set the state."""
         recipe = _check_recipe(fp8_recipe, "fp8_recipe")
         _check_group(fp8_group, "fp8_group")
         if enabled:
-            available, reason = cls.is_fp8_available()
-            if not available:
-                raise RuntimeError(f"FP8 is not available: {reason}")
-        cls.FP8_ENABLED = bool(enabled)
-        cls.FP8_CALIBRATION = bool(calibrating)
-        cls.FP8_RECIPE = recipe
-        cls.FP8_DISTRIBUTED_GROUP = fp8_group
-        cls.FP8_GRAPH_CAPTURING = bool(_graph)
-        if cls.FP8_AUTOCAST_DEPTH == 0:
-            cls.IS_FIRST_FP8_MODULE = bool(enabled)
-        cls.FP8_AUTOCAST_DEPTH += 1
+            _check_available(recipe)
+        qstate = cls.quantization_state
+        if enabled and id(fp8_group) not in qstate.recipe_agreed_groups and dist.is_available() \
+                and dist.is_initialized():
+            # Once per group, at its first FP8 step: ranks running different recipes fail here, all of them
+            # with both recipes named, instead of deadlocking or mismatching in the amax reduction.
+            check_same_on_all_ranks("the FP8 recipe", recipe.portable_key(), fp8_group)
+            qstate.recipe_agreed_groups.add(id(fp8_group))
+        qstate.autocast_arguments[cls.get_unique_autocast_key(recipe, fp8_group)] = (recipe, fp8_group)
+        qstate.fp8_enabled = bool(enabled)
+        qstate.fp8_calibration = bool(calibrating)
+        qstate.fp8_recipe = recipe
+        qstate.fp8_distributed_group = fp8_group
+        qstate.fp8_graph_capturing = bool(_graph)
+        if qstate.autocast_depth == 0 and qstate.nonfinite_check:
+            cls.check_nonfinite()  # the step before
+        if qstate.autocast_depth == 0:
+            # Set even when this outer region is disabled: an enabled region nested inside still has a
+            # first module, whose backward reduces the backward amaxes.
+            qstate.is_first_fp8_module = True
+            qstate.registered_in_region = []
+        qstate.autocast_depth += 1
 
     @classmethod
-    def fp8_autocast_exit(cls, enabled: bool, calibrating: bool, _graph: bool, failed: bool) -> None:
-        cls.FP8_AUTOCAST_DEPTH -= 1
-        if cls.FP8_AUTOCAST_DEPTH > 0 or _graph:
+    def autocast_exit(cls, enabled: bool, _graph: bool, calibrating: bool = False, failed: bool = False) -> None:
+        """Leave an autocast region. The outermost exit reduces and updates the forward amaxes registered
+        inside it (whether or not that outer region itself is enabled), unless gradients are off and it is
+        not calibrating (an evaluation pass keeps the training scales, as in TransformerEngine; its amaxes
+        are folded into the next training step) or the region failed."""
+        qstate = cls.quantization_state
+        qstate.autocast_depth -= 1
+        if qstate.autocast_depth > 0 or _graph:
             return
         if failed:
-            # An exception left the region: other ranks may never reach the collective, so do not reduce;
-            # the partial amaxes stay in slot 0 and are folded into the next step.
-            for entry in [k for k in cls._registered if k[1]]:
-                del cls._registered[entry]
-        elif enabled or calibrating:
+            # An exception left the region: other ranks may never reach the collective, so nothing is
+            # reduced, and everything this region registered (forward and backward) is dropped: its
+            # backward never runs. The partial amaxes stay in slot 0 and are folded into the next step.
+            for entry, state_id in qstate.registered_in_region:
+                states = qstate.registered.get(entry, {})
+                states.pop(state_id, None)
+                if not states:
+                    qstate.registered.pop(entry, None)
+        elif torch.is_grad_enabled() or calibrating:
             cls.reduce_and_update_fp8_tensors(forward=True)
+        qstate.registered_in_region = []
+
+    # TransformerEngine <= 2.8 names.
+    @classmethod
+    def fp8_autocast_enter(cls, enabled: bool = False, calibrating: bool = False,
+                           fp8_recipe: Optional[Recipe] = None, fp8_group: Optional[dist.ProcessGroup] = None,
+                           _graph: bool = False) -> None:
+        cls.autocast_enter(enabled, calibrating, fp8_recipe, fp8_group, _graph)
+
+    @classmethod
+    def fp8_autocast_exit(cls, enabled: bool, _graph: bool) -> None:
+        cls.autocast_exit(enabled, _graph)
+
+    @classmethod
+    def autocast_region_exit_state(cls, saved: tuple) -> None:
+        """Restore the autocast fields saved at a region's entry, except that a first-module flag consumed
+        inside a nested region stays consumed: in outer{inner{A}; B} only A is the first module, so the
+        backward amaxes are reduced after A's backward, which runs last."""
+        first_unused = cls.quantization_state.is_first_fp8_module
+        cls.set_autocast_state(saved)
+        cls.quantization_state.is_first_fp8_module &= first_unused
+
+
+def _check_available(recipe: Recipe) -> None:
+    """Refuse an enabled region the device cannot run, with the reason."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        available, reason = FP8GlobalStateManager.is_mxfp8_available()
+    elif isinstance(recipe, Float8BlockScaling):
+        available, reason = FP8GlobalStateManager.is_fp8_block_scaling_available()
+    else:
+        available, reason = FP8GlobalStateManager.is_fp8_available()
+    if not available:
+        raise RuntimeError(f"FP8 is not available: {reason} (recipe {type(recipe).__name__})")
 
 
 def _all_reduce_amaxes(states: list[DelayedScalingRecipeState], group: Optional[dist.ProcessGroup]) -> None:
@@ -223,6 +450,24 @@ def _all_reduce_amaxes(states: list[DelayedScalingRecipeState], group: Optional[
         offset += n
 
 
+def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether delayed and current per-tensor scaling can run; with `return_reason`, (available, reason)."""
+    result = FP8GlobalStateManager.is_fp8_available()
+    return result if return_reason else result[0]
+
+
+def is_mxfp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether MXFP8BlockScaling can run; with `return_reason`, (available, reason)."""
+    result = FP8GlobalStateManager.is_mxfp8_available()
+    return result if return_reason else result[0]
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False) -> bool | tuple[bool, str]:
+    """Whether Float8BlockScaling can run; with `return_reason`, (available, reason)."""
+    result = FP8GlobalStateManager.is_fp8_block_scaling_available()
+    return result if return_reason else result[0]
+
+
 @contextmanager
 def fp8_autocast(
     enabled: bool = True,
@@ -231,13 +476,13 @@ def fp8_autocast(
     fp8_group: Optional[dist.ProcessGroup] = None,
     _graph: bool = False,
 ) -> Iterator[None]:
-    """Run the enclosed modules' GEMMs in FP8 with `fp8_recipe` (default DelayedScaling()).
+    """Run the enclosed modules' GEMMs in FP8 with `fp8_recipe` (default `get_default_recipe()`).
 
     `calibrating=True` with `enabled=False` computes in high precision but records amaxes, so delayed
     scales are ready when FP8 is switched on. `fp8_group` is the group amaxes are reduced over.
     """
     saved = FP8GlobalStateManager.get_autocast_state()
-    FP8GlobalStateManager.fp8_autocast_enter(enabled, calibrating, fp8_recipe, fp8_group, _graph)
+    FP8GlobalStateManager.autocast_enter(enabled, calibrating, fp8_recipe, fp8_group, _graph)
     failed = False
     try:
         yield
@@ -245,8 +490,8 @@ def fp8_autocast(
         failed = True
         raise
     finally:
-        FP8GlobalStateManager.set_autocast_state(saved)
-        FP8GlobalStateManager.fp8_autocast_exit(enabled, calibrating, _graph, failed)
+        FP8GlobalStateManager.autocast_region_exit_state(saved)
+        FP8GlobalStateManager.autocast_exit(enabled, _graph, calibrating=calibrating, failed=failed)
 
 
 @contextmanager
@@ -270,16 +515,15 @@ def fp8_model_init(
     wants). With `preserve_high_precision_init_val`, each parameter keeps its initial high-precision value
     on the CPU, reachable through `param.get_high_precision_init_val()` (e.g. to seed fp32 master weights)."""
     checked = _check_recipe(recipe, "recipe")
-    saved = (FP8GlobalStateManager.FP8_PARAMETERS, FP8GlobalStateManager.FP8_MODEL_INIT_RECIPE,
-             FP8GlobalStateManager.HIGH_PRECISION_INIT_VAL)
-    FP8GlobalStateManager.FP8_PARAMETERS = bool(enabled)
-    FP8GlobalStateManager.FP8_MODEL_INIT_RECIPE = checked
-    FP8GlobalStateManager.HIGH_PRECISION_INIT_VAL = bool(preserve_high_precision_init_val)
+    qstate = FP8GlobalStateManager.quantization_state
+    saved = (qstate.fp8_parameters, qstate.fp8_model_init_recipe, qstate.high_precision_init_val)
+    qstate.fp8_parameters = bool(enabled)
+    qstate.fp8_model_init_recipe = checked
+    qstate.high_precision_init_val = bool(preserve_high_precision_init_val)
     try:
         yield
     finally:
-        (FP8GlobalStateManager.FP8_PARAMETERS, FP8GlobalStateManager.FP8_MODEL_INIT_RECIPE,
-         FP8GlobalStateManager.HIGH_PRECISION_INIT_VAL) = saved
+        qstate.fp8_parameters, qstate.fp8_model_init_recipe, qstate.high_precision_init_val = saved
 
 
 @contextmanager

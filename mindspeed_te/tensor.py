@@ -19,7 +19,7 @@ import torch
 from mindspeed_te.formats import FP8Dtype, cast_from_fp8
 from mindspeed_te.scaling import e8m0_decode
 
-__all__ = ["QuantizedTensorStorage", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor"]
+__all__ = ["QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage"]
 
 
 def _as_2d(shape: torch.Size) -> tuple[int, int]:
@@ -76,7 +76,7 @@ class QuantizedTensorStorage:
 
 
 @dataclass
-class Float8Tensor(QuantizedTensorStorage):
+class Float8TensorStorage(QuantizedTensorStorage):
     """Per-tensor scaling (delayed and current): one scale_inv for the whole tensor. The columnwise form is a
     transposed view of the same data, so it is never stored twice."""
 
@@ -97,7 +97,7 @@ class Float8Tensor(QuantizedTensorStorage):
         values = cast_from_fp8(self.data, self.fp8_dtype) * self.scale_inv
         return _to(values, dtype or self.dtype)
 
-    def columnwise_only(self) -> "Float8Tensor":
+    def columnwise_only(self) -> "Float8TensorStorage":
         return self  # one copy of the data serves both layouts
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -158,7 +158,7 @@ class _TiledTensor(QuantizedTensorStorage):
 
 
 @dataclass
-class Float8BlockwiseQTensor(_TiledTensor):
+class Float8BlockwiseQTensorStorage(_TiledTensor):
     """Blockwise scaling: float32 scale_inv per 1x128 tile (block_scaling_dim=1) or 128x128 tile (=2).
 
     Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
@@ -183,7 +183,7 @@ class Float8BlockwiseQTensor(_TiledTensor):
             return self.rowwise_data.reshape(_as_2d(self.shape)).t(), self.rowwise_scale_inv.t()
         return super().columnwise_pair()
 
-    def columnwise_only(self) -> "Float8BlockwiseQTensor":
+    def columnwise_only(self) -> "Float8BlockwiseQTensorStorage":
         return self if self.block_scaling_dim == 2 else super().columnwise_only()
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -195,7 +195,7 @@ class Float8BlockwiseQTensor(_TiledTensor):
 
 
 @dataclass
-class MXFP8Tensor(_TiledTensor):
+class MXFP8TensorStorage(_TiledTensor):
     """MXFP8: one E8M0 scale_inv (uint8, value 2^(b - 127)) per 32 consecutive elements of the last stored dim.
 
     Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32).

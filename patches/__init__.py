@@ -5,9 +5,11 @@
 """
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import warnings
 
-from patches.registry import PatchError, PatchRegistry
+from patches.registry import SUPPORTED_MEGATRON_CORE, PatchError, PatchRegistry, megatron_versions
 
 __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 
@@ -21,6 +23,7 @@ def build_registry() -> PatchRegistry:
     from patches.device_cpu import accelerator_present, register_device_cpu
     from patches.megatron_te import register_megatron_te
 
+    _warn_on_other_megatron_version()
     registry = PatchRegistry()
     register_megatron_te(registry)
     if not accelerator_present():
@@ -30,3 +33,15 @@ def build_registry() -> PatchRegistry:
 
         register_arguments(registry)
     return registry
+
+
+def _warn_on_other_megatron_version() -> None:
+    """The patch table is written against one megatron-core release; say so when another one is installed
+    (a Megatron-LM checkout on sys.path without package metadata is taken as it is)."""
+    try:
+        installed = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if installed != SUPPORTED_MEGATRON_CORE:
+        warnings.warn(f"mindspeed_te's Megatron patches are written for another release ({megatron_versions()}); "
+                      "a patch that no longer fits fails with the target it could not apply", stacklevel=2)

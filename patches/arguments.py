@@ -15,8 +15,46 @@ from typing import Callable, Optional
 from mindspeed_te.recipe import Format
 
 # args attribute -> default; copied onto the TransformerConfig
-CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None}
-FORMAT_CHOICES = tuple(name.lower() for name in Format.__members__)
+CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None,
+                 "hif8_input_margin": 11, "hif8_weight_margin": 12, "hif8_grad_margin": 11,
+                 "hif8_amax_collect_interval": 5, "hif8_scale_update_interval": 10, "hif8_amax_history_len": 128,
+                 "fp8_step_recovery": False}
+# --fp8-recipe values added to Megatron's own
+RECIPE_CHOICES = ("hif8_delayed",)
+# E5M2 alone is not a training format (TransformerEngine refuses it too): gradients only, through hybrid.
+FORMAT_CHOICES = tuple(f.name.lower() for f in Format if f is not Format.E5M2)
+
+
+def _hif8_target(flag: str) -> Callable[[str], float]:
+    """argparse type of a HiF8 target max: a number in (0, HiF8's largest finite value]."""
+    limit = Format.HIF8.fwd_dtype.max
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not 0 < value <= limit:
+            raise argparse.ArgumentTypeError(f"{flag} must be in (0, {limit:g}] (HiF8's largest finite value), "
+                                             f"got {text}")
+        return value
+
+    return parse
+
+
+def _at_least(flag: str, low: int) -> Callable[[str], int]:
+    """argparse type of an integer flag with a lower bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def _option(parser: argparse.ArgumentParser, flag: str) -> Optional[argparse.Action]:
@@ -30,11 +68,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument("--fp8-format", dest="fp8", default=None, choices=FORMAT_CHOICES,
                             help="FP8 element format: e4m3, hybrid or hif8")
     elif fp8_format.choices is not None:
-        fp8_format.choices = list(dict.fromkeys([*fp8_format.choices, *FORMAT_CHOICES]))
+        fp8_format.choices = [c for c in dict.fromkeys([*fp8_format.choices, *FORMAT_CHOICES]) if c != "e5m2"]
+    fp8_recipe = _option(parser, "--fp8-recipe")
+    if fp8_recipe is not None and fp8_recipe.choices is not None:
+        fp8_recipe.choices = list(dict.fromkeys([*fp8_recipe.choices, *RECIPE_CHOICES]))
+    if _option(parser, "--hif8-fwd-max") is not None:
+        return parser  # added by an earlier hook: adding them twice would be an argparse conflict
     group = parser.add_argument_group("mindspeed_te")
-    group.add_argument("--hif8-fwd-max", type=float, default=None,
+    group.add_argument("--hif8-fwd-max", type=_hif8_target("--hif8-fwd-max"), default=None,
                        help="HiF8 target max of activations and weights (default 15)")
-    group.add_argument("--hif8-bwd-max", type=float, default=None, help="HiF8 target max of gradients (default 224)")
+    group.add_argument("--hif8-bwd-max", type=_hif8_target("--hif8-bwd-max"), default=None,
+                       help="HiF8 target max of gradients (default 224)")
+    for kind, default in (("input", 11), ("weight", 12), ("grad", 11)):
+        flag = f"--hif8-{kind}-margin"
+        group.add_argument(flag, type=_at_least(flag, 0), default=default,
+                           help=f"--fp8-recipe hif8_delayed: guard bits of {kind} tensors below 2^15 (default {default})")
+    group.add_argument("--hif8-amax-collect-interval", type=_at_least("--hif8-amax-collect-interval", 0), default=5,
+                       help="--fp8-recipe hif8_delayed: warm-up steps quantized with current scaling while the amax "
+                            "history fills (default 5)")
+    group.add_argument("--hif8-scale-update-interval", type=_at_least("--hif8-scale-update-interval", 1), default=10,
+                       help="--fp8-recipe hif8_delayed: steps between history and scale updates after the warm-up "
+                            "(default 10)")
+    group.add_argument("--hif8-amax-history-len", type=_at_least("--hif8-amax-history-len", 1), default=128,
+                       help="--fp8-recipe hif8_delayed: amax history length (default 128)")
+    group.add_argument("--fp8-step-recovery", action="store_true",
+                       help="on a non-finite loss or gradient, skip the step on every rank, reset the amax history "
+                            "and retry the batch once")
     group.add_argument("--no-use-gmm-fp8", dest="use_gmm_fp8", action="store_false",
                        help="run MoE grouped GEMMs in high precision inside FP8 training")
     group.add_argument("--use-ascend-mc2", action="store_true",
@@ -49,6 +108,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--fp8-format {fp8} needs --transformer-impl transformer_engine "
                          f"(got --transformer-impl {args.transformer_impl})")
     recipe = getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
+    if recipe == "hif8_delayed" and fp8 != "hif8":
+        raise ValueError(f"--fp8-recipe hif8_delayed needs --fp8-format hif8 (got --fp8-format {fp8})")
     if fp8 == "hif8" and recipe == "mxfp8":
         raise ValueError("--fp8-format hif8 does not work with --fp8-recipe mxfp8 (MX blocks hold E4M3/E5M2 "
                          "elements); use delayed, tensorwise or blockwise")
@@ -59,8 +120,6 @@ def validate_args(args: argparse.Namespace) -> None:
         name = "--" + flag.replace("_", "-")
         if fp8 != "hif8":
             raise ValueError(f"{name} only applies with --fp8-format hif8 (got --fp8-format {fp8})")
-        if not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value}")
 
 
 def wrap_parse_args(parse_args: Callable) -> Callable:

@@ -13,8 +13,11 @@ statistics are zero.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -116,6 +119,22 @@ def get_device_capability(device: Any = None) -> tuple[int, int]:
     return _CAPABILITY
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    """What Megatron reads from `torch.cuda.get_device_properties` (generation, name, memory, SMs)."""
+
+    name: str = "cpu"
+    major: int = _CAPABILITY[0]
+    minor: int = _CAPABILITY[1]
+    total_memory: int = 0
+    multi_processor_count: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    gcnArchName: str = "cpu"  # torch.compile's cache key reads this when torch.version.cuda is None
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    return DeviceProperties()
+
+
 # torch.cuda.<name> -> CPU replacement
 TORCH_CUDA = {
     "current_device": current_device,
@@ -137,6 +156,7 @@ TORCH_CUDA = {
     "max_memory_reserved": memory_stat,
     "memory_stats": memory_stats,
     "get_device_capability": get_device_capability,
+    "get_device_properties": get_device_properties,
 }
 
 
@@ -218,6 +238,55 @@ def _device_arch_version() -> int:
     return _CAPABILITY[0]
 
 
+def _gloo_backend(backend: Any) -> Any:
+    """NCCL needs CUDA: "nccl" (alone or in a "cpu:gloo,cuda:nccl" spec) becomes gloo, which runs every
+    collective Megatron uses on CPU tensors."""
+    return str(backend).replace("nccl", "gloo") if backend is not None and "nccl" in str(backend) else backend
+
+
+def _with_gloo(create: Callable) -> Callable:
+    """init_process_group / new_group with an NCCL backend request served by gloo."""
+
+    @functools.wraps(create)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if "backend" in kwargs:
+            kwargs["backend"] = _gloo_backend(kwargs["backend"])
+            if kwargs.get("pg_options") is not None and "nccl" in type(kwargs["pg_options"]).__name__.lower():
+                kwargs["pg_options"] = None
+        elif args and create.__name__ == "init_process_group":
+            args = (_gloo_backend(args[0]), *args[1:])
+        return create(*args, **kwargs)
+
+    return wrapped
+
+
+def _wgrad_gemm_accum(inp: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """main_grad += grad_outputᵀ · input, computed in fp32 and rounded once into main_grad's dtype: what
+    apex's fused_weight_gradient_mlp_cuda kernels do (a GEMM with beta=1 into the gradient buffer)."""
+    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+    inp = inp.reshape(-1, inp.shape[-1])
+    if main_grad.dtype == torch.float32:
+        main_grad.addmm_(grad_output.t().float(), inp.float())
+    else:
+        main_grad.copy_(torch.addmm(main_grad.float(), grad_output.t().float(), inp.float()))
+
+
+# Stands in for apex's CUDA extension, which Megatron imports for --gradient-accumulation-fusion (its
+# default): wgrad_gemm_accum_fp32 for fp32 main grads, wgrad_gemm_accum_fp16 for fp16/bf16 ones.
+fused_weight_gradient_mlp_cuda = types.ModuleType("fused_weight_gradient_mlp_cuda", _wgrad_gemm_accum.__doc__)
+fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = _wgrad_gemm_accum
+fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16 = _wgrad_gemm_accum
+
+
+def _maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron's MoE dispatcher moves its split sizes to the host, as numpy arrays for the all-to-all, but
+    converts only CUDA tensors; here they are already on the CPU and still need the conversion (a copy, as
+    the device-to-host transfer makes one)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().clone().numpy()
+    return tensor
+
+
 def _no_fused_kernels(args: Any = None) -> None:
     """Megatron's legacy fused CUDA kernels: nothing to build on the CPU (its code falls back to torch)."""
 
@@ -243,6 +312,12 @@ def register_device_cpu(registry) -> None:
     registry.register("torch.Tensor.type", _tensor_type(torch.Tensor.type))
     registry.register("megatron.core.tensor_parallel.random._get_cuda_rng_state", _get_megatron_rng_state)
     registry.register("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_megatron_rng_state)
+    registry.register("torch.distributed.init_process_group", _with_gloo(torch.distributed.init_process_group))
+    registry.register("torch.distributed.new_group", _with_gloo(torch.distributed.new_group))
+    layers = "megatron.core.tensor_parallel.layers"
+    registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
+    registry.register(f"{layers}._grad_accum_fusion_available", True)
+    registry.register("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     if importlib.util.find_spec("megatron.training") is not None:
         from megatron.training import initialize
 

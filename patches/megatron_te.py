@@ -27,6 +27,8 @@ from mindspeed_te.megatron import (
     TENorm,
     TERowParallelGroupedLinear,
     TERowParallelLinear,
+    fused_apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
     te_checkpoint,
 )
@@ -56,6 +58,12 @@ TE_CLASSES = {
     "get_cpu_offload_context": get_cpu_offload_context,
 }
 
+# Functions the extension defines only when TE imports (absent otherwise, so they are added).
+TE_FUNCTIONS = {
+    "fused_apply_rotary_pos_emb": fused_apply_rotary_pos_emb,
+    "fused_apply_rotary_pos_emb_thd": fused_apply_rotary_pos_emb_thd,
+}
+
 # module -> names its failed TE import block should have bound (taken from the extension after patching),
 # and whether its HAVE_TE may be raised.
 # Names that are None in the extension (not classes) are not rebound by identity, so their importers are
@@ -64,6 +72,13 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "megatron.core.extensions.transformer_engine_spec_provider": (
         ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear"), False),
     "megatron.core.fp8_utils": (("Fp8Padding", "Fp8Unpadding"), False),
+    "megatron.core.models.bert.bert_layer_specs": (
+        ("TEDotProductAttention", "TELayerNormColumnParallelLinear", "TERowParallelLinear"), True),
+    "megatron.core.models.T5.t5_spec": (("TEColumnParallelLinear", "TEDotProductAttention",
+                                         "TELayerNormColumnParallelLinear", "TENorm", "TERowParallelLinear"), True),
+    # --apply-rope-fusion (Megatron's default with RoPE) calls these; without TE they are None there.
+    "megatron.core.models.common.embeddings.rope_utils": (
+        ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"), False),
     "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider"), True),
     # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
     "megatron.core.transformer.transformer_block": (
@@ -86,9 +101,11 @@ def register_megatron_te(registry: PatchRegistry) -> None:
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
     extension = importlib.import_module(EXTENSION)
-    replacements = dict(TE_CLASSES, TESpecProvider=TESpecProvider, LayerNormImpl=TENorm)
+    replacements = dict(TE_CLASSES, **TE_FUNCTIONS, TESpecProvider=TESpecProvider, LayerNormImpl=TENorm)
     for name, replacement in TE_CLASSES.items():
         registry.register(f"{EXTENSION}.{name}", replacement)
+    for name, replacement in TE_FUNCTIONS.items():
+        registry.register(f"{EXTENSION}.{name}", replacement, create=True)
     for module, (names, raise_flag) in IMPORTERS.items():
         for name in names:
             value = replacements[name] if name in replacements else getattr(extension, name)

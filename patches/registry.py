@@ -10,18 +10,34 @@ are registered, since an identity match on `False` or `None` would hit unrelated
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Patch", "PatchRegistry", "PatchError"]
+__all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "megatron_versions"]
 
 _MISSING = object()
+SUPPORTED_MEGATRON_CORE = "0.16.1"
+# target -> the registry whose applied patch holds it (one owner per target in the process)
+_APPLIED: dict[str, "PatchRegistry"] = {}
+
+
+def megatron_versions() -> str:
+    """"installed megatron-core X, supported Y": every patch error carries it, since a missing target
+    usually means another Megatron version."""
+    try:
+        installed = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        module = sys.modules.get("megatron.core.package_info")
+        installed = getattr(module, "__version__", "not installed as a package")
+    return f"installed megatron-core {installed}, supported {SUPPORTED_MEGATRON_CORE}"
 
 
 class PatchError(RuntimeError):
-    """A patch target that cannot be resolved or is registered twice."""
+    """A patch target that cannot be resolved, is registered twice, or is already patched by another
+    registry. The message names the target and the installed and supported megatron-core versions."""
 
 
 @dataclass
@@ -77,11 +93,12 @@ class PatchRegistry:
         `replacement` at apply(). A second
         registration of the same target is an error unless `force` (the later one wins)."""
         if self.applied:
-            raise PatchError(f"cannot register {target!r}: the patches are already applied")
+            raise PatchError(f"cannot register {target!r}: the patches are already applied ({megatron_versions()})")
         if target.count(".") < 1:
-            raise PatchError(f"patch target {target!r} must be 'module.attribute'")
+            raise PatchError(f"patch target {target!r} must be 'module.attribute' ({megatron_versions()})")
         if target in self._patches and not force:
-            raise PatchError(f"{target!r} is already patched; pass force=True to replace that patch")
+            raise PatchError(f"{target!r} is already patched; pass force=True to replace that patch "
+                             f"({megatron_versions()})")
         self._patches[target] = Patch(target, replacement, create)
 
     @property
@@ -99,11 +116,17 @@ class PatchRegistry:
                 module = _owner(patch.module_name)
             except ImportError as error:
                 raise PatchError(f"cannot patch {patch.target!r}: module {patch.module_name!r} does not import "
-                                 f"({error})") from error
+                                 f"({error}; {megatron_versions()})") from error
             original = getattr(module, patch.attribute, _MISSING)
             if original is _MISSING and not patch.create:
                 raise PatchError(f"cannot patch {patch.target!r}: {patch.module_name!r} has no attribute "
-                                 f"{patch.attribute!r}")
+                                 f"{patch.attribute!r} ({megatron_versions()})")
+            owner = _APPLIED.get(patch.target)
+            if owner is not None and owner is not self and owner.applied \
+                    and original is owner._patches[patch.target].replacement:
+                raise PatchError(f"cannot patch {patch.target!r}: another patch registry has already patched it (e.g. "
+                                 "`import mindspeed_te.megatron_adaptor` did); revert that one first or use it "
+                                 f"({megatron_versions()})")
             resolved.append((patch, module, original))
         for patch, module, original in resolved:
             patch.original = original
@@ -111,6 +134,7 @@ class PatchRegistry:
             patch.rebound = [(module, patch.attribute)]
             if original is not _MISSING and _rebindable(original):
                 patch.rebound += self._rebind(original, patch.replacement, skip=module)
+            _APPLIED[patch.target] = self
         self.applied = True
 
     def _rebind(self, original: Any, replacement: Any, skip: Any) -> list[tuple[types.ModuleType, str]]:
@@ -135,4 +159,5 @@ class PatchRegistry:
                 else:
                     setattr(module, attribute, patch.original)
             patch.rebound = []
+            _APPLIED.pop(patch.target, None)
         self.applied = False

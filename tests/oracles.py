@@ -74,10 +74,14 @@ class DelayedReference:
             self.history[0] = max(self.history[0], amax)
 
     def update(self) -> None:
+        """TransformerEngine's fused update: a step without a positive finite amax (tensor not seen, or
+        NaN/Inf data) changes neither the window nor the scale."""
         newest = self.history[0]
-        finite_newest = newest if math.isfinite(newest) else 0.0
-        window = [finite_newest] + self.history[1:]
-        amax = max(window) if self.algo == "max" else finite_newest
+        self.history[0] = 0.0
+        if not (newest > 0 and math.isfinite(newest)):
+            return
+        window = [newest] + self.history[1:]
+        amax = max(window) if self.algo == "max" else newest
         if amax > 0 and math.isfinite(amax):
             with np.errstate(over="ignore"):
                 scale = float(np.float32(np.float32(self.target) / np.float32(amax)) / np.float32(2.0**self.margin))

@@ -132,5 +132,130 @@ def test_megatron_te_dot_product_attention():
     assert torch.allclose(out.double(), reference(q, k, v, 1 / math.sqrt(D), causal), atol=1e-5)
     out = attn(q, k, v, _padding_mask(), AttnMaskType.padding)
     assert torch.allclose(out.double(), reference(q, k, v, 1 / math.sqrt(D), ~_padding_mask()), atol=1e-5)
-    with pytest.raises(ValueError, match="packed"):
-        attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=object())
+
+
+
+def reference_sink(q, k, v, scale, allowed, offset):
+    """float64 attention whose softmax denominator also holds exp(offset[h]) (an attention sink)."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    logits = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    weights = logits.exp() / (logits.exp().sum(-1, keepdim=True) + offset.double().exp().reshape(1, -1, 1, 1))
+    return (weights @ v).permute(2, 0, 1, 3).reshape(q.shape[2], q.shape[0], -1)
+
+
+@pytest.mark.parametrize("window", [(3, 0), (2, 1), (-1, 0)])
+def test_sliding_window_keeps_keys_within_the_window(window):
+    q, k, v = _qkv(2)
+    attn = DotProductAttention(H, D, num_gqa_groups=2, attn_mask_type="no_mask", window_size=window)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    band = (j <= i + window[1]) & ((j >= i - window[0]) if window[0] >= 0 else True)
+    assert torch.allclose(attn(q, k, v).double(), reference(q, k, v, 1 / math.sqrt(D), band), atol=1e-5)
+    causal = DotProductAttention(H, D, num_gqa_groups=2, attn_mask_type="causal", window_size=window)
+    assert torch.allclose(causal(q, k, v).double(), reference(q, k, v, 1 / math.sqrt(D), band & (j <= i)),
+                          atol=1e-5)
+
+
+def test_off_by_one_and_learnable_softmax_add_the_offset_to_the_denominator():
+    q, k, v = (t.requires_grad_() for t in _qkv(2))
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    one = DotProductAttention(H, D, num_gqa_groups=2, softmax_type="off-by-one")
+    assert torch.allclose(one(q, k, v).double(), reference_sink(q, k, v, 1 / math.sqrt(D), causal, torch.zeros(H)),
+                          atol=1e-5)
+    learnable = DotProductAttention(H, D, num_gqa_groups=2, softmax_type="learnable")
+    assert torch.equal(learnable.softmax_offset.detach(), torch.zeros(H))
+    with torch.no_grad():
+        learnable.softmax_offset.copy_(torch.tensor([-1.0, 0.5, 2.0, 0.0]))
+    out = learnable(q, k, v)
+    offset = learnable.softmax_offset.detach().double().requires_grad_()
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference_sink(qd, kd, vd, 1 / math.sqrt(D), causal, offset)
+    assert torch.allclose(out.double(), want, atol=1e-5)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    assert torch.allclose(learnable.softmax_offset.grad.double(), offset.grad, atol=1e-4)
+    assert torch.allclose(q.grad.double(), qd.grad, atol=1e-4)
+    with pytest.raises(ValueError, match="softmax_type"):
+        DotProductAttention(H, D, softmax_type="sparsemax")
+
+
+def test_packed_sequences_attend_within_their_own_sequence():
+    """thd: three sequences (lengths 5, 3, 4) stored at padded offsets; each equals attention on its own,
+    the padding slots give zeros."""
+    lengths, padded = [5, 3, 4], [6, 4, 4]
+    cu = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 6, 10, 14], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(padded), H, D, generator=g) for _ in range(3))
+    attn = DotProductAttention(H, D, attn_mask_type="padding_causal", qkv_format="thd")
+    out = attn(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+               cu_seqlens_kv_padded=cu_padded)
+    assert out.shape == (sum(padded), H * D)
+    start = 0
+    for length, slot in zip(lengths, padded):
+        piece = slice(start, start + length)
+        alone = reference(q[piece, None], k[piece, None], v[piece, None], 1 / math.sqrt(D),
+                          torch.ones(length, length, dtype=torch.bool).tril())
+        assert torch.allclose(out[piece].double(), alone[:, 0], atol=1e-5)
+        assert not out[start + length:start + slot].any()
+        start += slot
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        attn(q, k, v)
+
+
+def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: str, full: dict) -> dict:
+    """Megatron's TEDotProductAttention (ours) with context parallelism `world` over gloo: this rank's
+    chunks (r and 2·cp-1-r of each sequence) of the full q, k, v; returns its output and gradients."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mindspeed_te.megatron import TEDotProductAttention
+    from mindspeed_te.modules.rope import thd_positions
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    cfg = TransformerConfig(num_layers=1, hidden_size=H * D, num_attention_heads=H, num_query_groups=2,
+                            attention_dropout=0.0, context_parallel_size=world, window_size=window,
+                            softmax_type=softmax_type)
+    attn = TEDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            attn.softmax_offset.copy_(full["offset"][: attn.num_heads])
+    cu = full["cu"]
+    index = thd_positions(cu, world, rank) if fmt == "thd" else thd_positions(torch.tensor([0, S]), world, rank)
+    if fmt == "thd":  # tokens of this rank, sequence by sequence, at their offsets
+        starts = torch.repeat_interleave(cu[:-1], (cu[1:] - cu[:-1]) // world)
+        index = starts + index
+    q, k, v = (full[n][index].clone().requires_grad_() for n in ("q", "k", "v"))
+    packed = (PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=16,
+                              max_seqlen_kv=16) if fmt == "thd" else None)
+    out = attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=packed)
+    (out * full["dout"][index]).sum().backward()
+    parallel_state.destroy_model_parallel()
+    return {"index": index, "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt,window,softmax_type", [("sbhd", None, "vanilla"), ("sbhd", (3, 0), "off-by-one"),
+                                                     ("thd", None, "learnable"), ("thd", (2, 0), "vanilla")])
+def test_context_parallel_attention_matches_one_process(fmt, window, softmax_type):
+    """CP=2 over gloo (keys and values gathered, their gradients reduce-scattered back): every rank's
+    output and q/k/v gradients equal full attention on one process."""
+    from tests.dist_utils import run_distributed
+
+    g = torch.Generator().manual_seed(11)
+    cu = torch.tensor([0, 8, 20, 24], dtype=torch.int32)
+    tokens = S if fmt == "sbhd" else int(cu[-1])
+    shape = (tokens, B, H, D) if fmt == "sbhd" else (tokens, H, D)
+    kv_shape = shape[:-2] + (2, D)
+    full = {"q": torch.randn(shape, generator=g), "k": torch.randn(kv_shape, generator=g),
+            "v": torch.randn(kv_shape, generator=g), "dout": torch.randn(shape[:-2] + (H * D,), generator=g),
+            "offset": torch.tensor([0.3, -0.7, 1.1, 0.0]), "cu": cu}
+    single = run_distributed(_te_attention_worker, 1, fmt, window, softmax_type, full)[0]
+    for part in run_distributed(_te_attention_worker, 2, fmt, window, softmax_type, full):
+        index = part["index"]
+        for name in ("out", "dq", "dk", "dv"):
+            assert torch.allclose(part[name], single[name][index], atol=1e-5), name

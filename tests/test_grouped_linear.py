@@ -19,7 +19,7 @@ from mindspeed_te.modules import GroupedLinear, Linear
 from mindspeed_te.ops import LinearQuantizers, WeightCache, fp8_linear
 from mindspeed_te.ops.grouped_linear import grouped_linear
 from mindspeed_te.recipe_state import RecipeState
-from mindspeed_te.tensor import MXFP8Tensor
+from mindspeed_te.tensor import MXFP8TensorStorage
 from tests.dist_utils import run_distributed
 
 RECIPES = {
@@ -123,7 +123,7 @@ def test_op_matches_fp8_linear_per_slice_and_saves_only_columnwise_operands():
     saved_x, saved_w = y.grad_fn.saved
     assert len(saved_x) == len(saved_w) == 3  # the expert without rows saves nothing
     for t in saved_x + saved_w:
-        assert isinstance(t, MXFP8Tensor) and t.rowwise_data is None and t.columnwise_data is not None
+        assert isinstance(t, MXFP8TensorStorage) and t.rowwise_data is None and t.columnwise_data is not None
     assert all(caches[i].quantized.rowwise_data is not None for i in (0, 2, 3))  # the cached weights stay whole
     y.backward(dy)
 

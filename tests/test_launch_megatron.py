@@ -14,12 +14,15 @@ MEGATRON = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
 
+# A launch as users write it: Megatron's defaults (NCCL backend, gradient-accumulation fusion, the bias-gelu /
+# bias-dropout / masked-softmax fusions), which the CPU device adaptor serves; no CPU-only flags.
 TINY_GPT = ("--transformer-impl transformer_engine --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
             "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 "
             "--train-iters 3 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
-            "--distributed-backend gloo --use-cpu-initialization --no-gradient-accumulation-fusion "
-            "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
             "--log-interval 1 --eval-iters 1 --eval-interval 100 --seed 7").split()
+# Llama-style choices, whose defaults turn on RoPE fusion and SwiGLU fusion.
+LLAMA = ("--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,6 +75,24 @@ def test_pretrain_gpt_tensor_and_sequence_parallel_moe():
                   "--fp8-format", "hif8", "--fp8-recipe", "tensorwise", nproc=2, port=29581)
     losses = _losses(run)
     assert len(losses) == 3 and all(5.0 < x < 6.0 for x in losses)
+
+
+def test_standard_launch_with_only_the_fp8_flags_added_under_torchrun_tp2_sequence_parallel():
+    """torchrun, TP=2 + sequence parallel, Llama-style model, Megatron's default fusions and backend: adding
+    the three TE/FP8 flags is all it takes, and it trains like the same model on one process in fp32."""
+    fp8 = ("--fp8-format", "hif8", "--fp8-recipe", "delayed")
+    single = _losses(_launch(*LLAMA, port=29601))
+    parallel = _losses(_launch(*LLAMA, "--tensor-model-parallel-size", "2", "--sequence-parallel", *fp8,
+                               nproc=2, port=29603))
+    assert len(parallel) == 3 == len(single)
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(parallel, single))
+
+
+def test_gradient_accumulation_fusion_on_cpu_matches_the_unfused_path(fp32_losses):
+    """Megatron's default --gradient-accumulation-fusion (weight gradients accumulated straight into
+    main_grad by the adaptor's CPU kernel) trains as --no-gradient-accumulation-fusion does."""
+    unfused = _losses(_launch("--no-gradient-accumulation-fusion", port=29605))
+    assert len(unfused) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(unfused, fp32_losses))
 
 
 @pytest.mark.parametrize("layout", [("--pipeline-model-parallel-size", "2"), ("--use-distributed-optimizer",)],

@@ -249,3 +249,71 @@ def test_grouped_sharded_state_dict_stacks_experts_across_ep_ranks():
                                                   (2 * rank + i, 0, 0))
             assert res[f"experts.fc1.bias{i}"][2:] == ((4, 32), (2 * rank + i, 0))
         assert res["experts.fc1._extra_state"][0] == "ShardedObject"
+
+
+def _init_parity_worker(rank: int, world: int) -> dict:
+    """Our TE* linears and Megatron's own ColumnParallelLinear / RowParallelLinear, built with the same
+    seed and init_method under the default TP group (no tp_group passed), in both of Megatron's
+    initialisation modes."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from patches.device_cpu import register_device_cpu
+    from patches.registry import PatchRegistry
+
+    device = PatchRegistry()
+    register_device_cpu(device)  # Megatron's RNG tracker keeps CUDA generator states
+    device.apply()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    out = {}
+    try:
+        for cpu_init in (False, True):
+            cfg = _config(use_cpu_initialization=cpu_init)
+            built = {}
+            for name, make in (
+                ("ours_col", lambda: TEColumnParallelLinear(64, 128, config=cfg, init_method=_init, gather_output=False,
+                                                            bias=True, skip_bias_add=False, is_expert=False)),
+                ("ours_strided", lambda: TEColumnParallelLinear(64, 128, config=cfg, init_method=_init, stride=2,
+                                                                gather_output=False, bias=False, skip_bias_add=False,
+                                                                is_expert=False)),
+                ("ours_lncol", lambda: TELayerNormColumnParallelLinear(64, 128, config=cfg, init_method=_init,
+                                                                       gather_output=False, bias=False,
+                                                                       skip_bias_add=False, is_expert=False)),
+                ("ours_row", lambda: TERowParallelLinear(128, 64, config=cfg, init_method=_init, bias=True,
+                                                         input_is_parallel=True, skip_bias_add=False,
+                                                         is_expert=False)),
+                ("meg_col", lambda: ColumnParallelLinear(64, 128, config=cfg, init_method=_init, bias=True,
+                                                         gather_output=False)),
+                ("meg_strided", lambda: ColumnParallelLinear(64, 128, config=cfg, init_method=_init, stride=2,
+                                                             bias=False, gather_output=False)),
+                ("meg_row", lambda: RowParallelLinear(128, 64, config=cfg, init_method=_init, bias=True,
+                                                      input_is_parallel=True, skip_bias_add=False)),
+            ):
+                torch.manual_seed(99)
+                model_parallel_cuda_manual_seed(1234)
+                built[name] = make().weight.detach().clone()
+            out[cpu_init] = built
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_default_tp_group_and_initialisation_match_megatrons_parallel_linears():
+    from tests.dist_utils import run_distributed
+
+    results = run_distributed(_init_parity_worker, 2)
+    for cpu_init in (False, True):
+        ranks = [r[cpu_init] for r in results]
+        for w in ranks:
+            assert w["ours_col"].shape == (64, 64) and w["ours_row"].shape == (64, 64)  # TP=2 from the default group
+            assert torch.equal(w["ours_col"], w["meg_col"])
+            assert torch.equal(w["ours_lncol"], w["meg_col"])
+            assert torch.equal(w["ours_strided"], w["meg_strided"])
+            assert torch.equal(w["ours_row"], w["meg_row"])
+        assert not torch.equal(ranks[0]["ours_col"], ranks[1]["ours_col"])  # every rank draws its own shard
+    # --use-cpu-initialization splits one master weight: stride 2 interleaves the rank's halves.
+    full = torch.cat([r[True]["ours_col"] for r in results])
+    strided = torch.cat([r[True]["ours_strided"] for r in results])
+    assert torch.equal(strided, torch.cat([full[0:32], full[64:96], full[32:64], full[96:128]]))

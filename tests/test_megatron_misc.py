@@ -62,7 +62,7 @@ def test_checkpointed_fp8_region_matches_plain_run(recipe):
             assert torch.equal(ta, tb)
     for a, b in zip(plain_states, ckpt_states):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert FP8GlobalStateManager._checkpoint_stash == []
+    assert FP8GlobalStateManager.quantization_state.checkpoint_stash == []
 
 
 def test_rng_tracker_streams_are_reproducible_and_isolated():

@@ -53,11 +53,27 @@ def test_the_callers_extra_arguments_still_run():
     (["--fp8-format", "hif8", "--transformer-impl", "local"], "needs --transformer-impl transformer_engine"),
     (["--fp8-format", "hif8", "--fp8-recipe", "mxfp8"], "hif8 does not work with --fp8-recipe mxfp8"),
     (["--fp8-format", "e4m3", "--hif8-bwd-max", "224"], "--hif8-bwd-max only applies with --fp8-format hif8"),
-    (["--fp8-format", "hif8", "--hif8-fwd-max", "-1"], "--hif8-fwd-max must be a positive number"),
 ])
 def test_bad_combinations_name_the_flags(argv, message):
     with pytest.raises(ValueError, match=message):
         _parse(argv)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--fp8-format", "hif8", "--hif8-fwd-max", "1e6"], "argument --hif8-fwd-max: --hif8-fwd-max must be in (0, 32768]"),
+    (["--fp8-format", "hif8", "--hif8-bwd-max", "-1"], "argument --hif8-bwd-max: --hif8-bwd-max must be in (0, 32768]"),
+    (["--fp8-format", "hif8", "--hif8-fwd-max", "big"], "--hif8-fwd-max must be a number, got 'big'"),
+    (["--fp8-format", "e5m2"], "argument --fp8-format"),
+])
+def test_bad_values_fail_at_parse_time_naming_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        _parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_adding_the_flags_twice_is_harmless():
+    parser = add_arguments(add_arguments(argparse.ArgumentParser()))
+    assert parser.parse_args(["--fp8-format", "hif8", "--hif8-fwd-max", "8"]).hif8_fwd_max == 8.0
 
 
 def test_unknown_format_is_rejected_by_argparse(capsys):

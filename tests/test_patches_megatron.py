@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ast
-import inspect
 import importlib
 import warnings
 from contextlib import nullcontext
@@ -34,7 +33,8 @@ def patched():
 def _te_names_imported(module_name: str) -> set[str]:
     """Names `module_name` imports from Megatron's TE extension, read from its source."""
     module = importlib.import_module(module_name)
-    tree = ast.parse(inspect.getsource(module))
+    with open(module.__file__) as source:  # (inspect.getsource trips over bert_layer_specs' attributes)
+        tree = ast.parse(source.read())
     return {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
             and node.module == EXTENSION for alias in node.names}
 
@@ -71,6 +71,26 @@ def test_gpt_layer_specs_use_our_modules(patched):
                                                         ours.TERowParallelGroupedLinear)
     shared = moe.submodules.shared_experts.submodules
     assert (shared.linear_fc1, shared.linear_fc2) == (ours.TEColumnParallelLinear, ours.TERowParallelLinear)
+
+
+def test_bert_and_t5_specs_see_te_and_use_our_modules(patched):
+    from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
+    from megatron.core.models.T5.t5_spec import (
+        get_t5_decoder_with_transformer_engine_block_spec,
+        get_t5_encoder_with_transformer_engine_block_spec,
+    )
+
+    from mindspeed_te import megatron as ours
+
+    bert = get_bert_layer_with_transformer_engine_spec().submodules.self_attention.submodules
+    assert (bert.linear_qkv, bert.core_attention, bert.linear_proj) == (
+        ours.TELayerNormColumnParallelLinear, ours.TEDotProductAttention, ours.TERowParallelLinear)
+    encoder = get_t5_encoder_with_transformer_engine_block_spec(2)
+    decoder = get_t5_decoder_with_transformer_engine_block_spec(2)
+    assert encoder.layer_norm is ours.TENorm and decoder.layer_norm is ours.TENorm
+    cross = decoder.layer_specs[0].submodules.cross_attention.submodules
+    assert (cross.linear_q, cross.linear_kv, cross.core_attention) == (
+        ours.TEColumnParallelLinear, ours.TEColumnParallelLinear, ours.TEDotProductAttention)
 
 
 def test_revert_gives_megatron_back_its_own_objects():
@@ -247,8 +267,6 @@ def test_moe_gpt_trains_in_fp8_on_cpu(fp8, recipe):
 
 # Modules that import Megatron's TE extension behind a TE check but are deliberately left alone, and why.
 NOT_PATCHED = {
-    "megatron.core.models.T5.t5_spec": "T5 layer specs (the GPT family is what is supported)",
-    "megatron.core.models.bert.bert_layer_specs": "BERT layer specs (the GPT family is what is supported)",
     "megatron.core.models.multimodal.llava_model": "multimodal models",
     "megatron.core.models.gpt.experimental_attention_variant_module_specs": "experimental attention variants",
     "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs": "heterogeneous (NAS) layer specs",
@@ -257,7 +275,6 @@ NOT_PATCHED = {
     "megatron.core.transformer.moe.shared_experts": "its TE branch only tunes activation saving of TELinear",
     "megatron.core.transformer.multi_latent_attention": "its import block succeeds; the names are rebound",
     "megatron.core.transformer.multi_token_prediction": "multi-token prediction heads",
-    "megatron.core.models.common.embeddings.rope_utils": "optional fused RoPE kernels; None selects torch's",
     "megatron.core.models.common.language_module.language_module": "optional fused cross entropy; None is fine",
     "megatron.core.models.vision.clip_vit_model": "its import block succeeds; TENorm is rebound",
     "megatron.core.tensor_parallel.random": "imports inside functions, after the patches: gets ours",
@@ -303,3 +320,16 @@ def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, 
     launches = npu["npu_launches"]
     assert launches.get("npu_quant_matmul", 0) > 0 and launches.get(quantize_kernel, 0) > 0, launches
     assert npu["losses"] == reference["losses"]
+
+
+def test_a_second_full_registry_is_refused_by_name():
+    from patches import build_registry
+    from patches.registry import PatchError
+
+    first = build_registry()
+    first.apply()
+    try:
+        with pytest.raises(PatchError, match="another patch registry has already patched it"):
+            build_registry().apply()
+    finally:
+        first.revert()

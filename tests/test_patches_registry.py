@@ -99,3 +99,26 @@ def test_registration_errors():
         registry.register("a.b", 2)
     registry.register("a.b", 2, force=True)
     assert [p.replacement for p in registry.patches] == [2]
+
+
+def test_a_second_registry_on_the_same_targets_is_refused_until_the_first_is_reverted(fake_modules):
+    defs, user, _ = fake_modules
+    first, second = PatchRegistry(rebind_prefixes=("fakepkg",)), PatchRegistry(rebind_prefixes=("fakepkg",))
+    first.register("fakepkg.defs.Thing", Replacement)
+    second.register("fakepkg.defs.Thing", Replacement)
+    first.apply()
+    with pytest.raises(PatchError, match=r"'fakepkg.defs.Thing': another patch registry has already patched it"):
+        second.apply()
+    assert not second.applied and user.Thing is Replacement
+    first.revert()
+    second.apply()  # once the first is gone, the second applies and reverts normally
+    assert user.Thing is Replacement
+    second.revert()
+    assert user.Thing is Original
+
+
+def test_patch_errors_name_target_and_megatron_versions(fake_modules):
+    registry = PatchRegistry(rebind_prefixes=("fakepkg",))
+    registry.register("fakepkg.defs.missing", Replacement)
+    with pytest.raises(PatchError, match=r"'fakepkg.defs.missing'.*installed megatron-core \S+, supported 0\.16\.1"):
+        registry.apply()

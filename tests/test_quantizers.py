@@ -151,17 +151,20 @@ def test_usage_controls_and_dropping_copies():
     assert q.nbytes() == full // 2 and q.rowwise_data is None
 
 
-def test_nan_and_inf_inputs_do_not_poison_block_or_current_scales():
+def test_nan_and_inf_inputs_dequantize_to_nan_only_where_they_were():
+    """Issue 12: a tile holding NaN/Inf is not given scale 1 silently: its decode scale is NaN, so it
+    dequantizes to NaN; the other tiles are quantized exactly as if the bad values were absent."""
     x = _sample((2, 256))
     x[0, 3] = float("nan")
     x[1, 5] = float("inf")
     q = Float8BlockQuantizer(FP8Dtype.E4M3, 448.0)(x)
-    assert torch.isfinite(q.rowwise_scale_inv).all()
-    # Tiles without the bad value are quantized exactly as if it were absent.
+    assert torch.isnan(q.rowwise_scale_inv[:, 0]).all() and torch.isfinite(q.rowwise_scale_inv[:, 1]).all()
     clean = Float8BlockQuantizer(FP8Dtype.E4M3, 448.0)(x[:, 128:])
     assert torch.equal(q.rowwise_scale_inv[:, 1], clean.rowwise_scale_inv[:, 0])
+    values = q.dequantize()
+    assert torch.isnan(values[:, :128]).all() and torch.equal(values[:, 128:], clean.dequantize())
     cq = Float8CurrentScalingQuantizer(FP8Dtype.HIF8, 15.0)(x)
-    assert cq.scale_inv.item() == 1.0
+    assert torch.isnan(cq.scale_inv).all() and torch.isnan(cq.dequantize()).all()
 
 
 def test_bad_input_is_rejected():

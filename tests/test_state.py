@@ -38,7 +38,7 @@ def test_nesting_restores_outer_state():
             assert FP8GlobalStateManager.get_fp8_recipe() is inner
         assert FP8GlobalStateManager.is_fp8_enabled() and not FP8GlobalStateManager.is_fp8_calibration()
         assert FP8GlobalStateManager.get_fp8_recipe() is outer
-    assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.FP8_AUTOCAST_DEPTH == 0
+    assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.quantization_state.autocast_depth == 0
 
 
 def test_default_recipe_is_delayed_scaling():
@@ -69,7 +69,7 @@ def test_bad_arguments_raise_and_leave_state_untouched():
         with fp8_model_init(recipe=object()):
             pass
     assert FP8GlobalStateManager.get_autocast_state() == before
-    assert FP8GlobalStateManager.FP8_AUTOCAST_DEPTH == 0 and not FP8GlobalStateManager.with_fp8_parameters()
+    assert FP8GlobalStateManager.quantization_state.autocast_depth == 0 and not FP8GlobalStateManager.with_fp8_parameters()
 
 
 def _delayed_state(recipe, forward=True, n=3):
@@ -113,7 +113,8 @@ def test_calibration_updates_scales_without_enabling_fp8():
     recipe = DelayedScaling(amax_history_len=1)
     state, qs = _delayed_state(recipe)
     with fp8_autocast(enabled=False, calibrating=True, fp8_recipe=recipe):
-        assert not FP8GlobalStateManager.is_first_fp8_module()
+        # TE sets the first-module flag at every outermost entry, enabled or not
+        assert FP8GlobalStateManager.is_first_fp8_module()
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(state)
         qs[2](torch.tensor([0.5, -4.0]))
     assert state.scale[2].item() == 112.0
@@ -127,7 +128,7 @@ def test_exception_in_region_restores_state_and_skips_reduction():
             FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(state)
             qs[0](torch.full((2,), 4.0))
             raise RuntimeError("boom")
-    assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.FP8_AUTOCAST_DEPTH == 0
+    assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.quantization_state.autocast_depth == 0
     assert state.scale[0].item() == 1.0
     # The recorded amax is folded into the next completed step.
     with fp8_autocast(fp8_recipe=recipe):

@@ -305,7 +305,8 @@ static PyObject *py_current_scale_inv(PyObject *self, PyObject *args) {
 
 /* A whole per-tensor quantize in one call: the amax pass, the scale, the cast pass. Delayed scaling
  * (scale given): max-accumulate the amax into *amax (NaN wins, as torch.maximum) and cast with 1 / *scale.
- * Current scaling (no scale): cast with current_scale_inv(amax). *scale_inv_out receives the scale used. */
+ * Current scaling (no scale): cast with current_scale_inv(amax). *scale_inv_out receives the scale used,
+ * or NaN when the input holds NaN/Inf. */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
     unsigned long long in, out, table, amax, scale, scale_inv_out;
     long long n;
@@ -315,9 +316,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
                           &scale, &scale_inv_out, &fp8_max, &eps, &pow2))
         return NULL;
     if (!check_formats(in_dtype, out_format, table, n)) return NULL;
-    float scale_inv;
+    float scale_inv, m;
     Py_BEGIN_ALLOW_THREADS
-    float m = amax_of((const void *)in, in_dtype, n, threads);
+    m = amax_of((const void *)in, in_dtype, n, threads);
     if (scale) {
         float old = *(float *)amax;
         *(float *)amax = (isnan(old) || isnan(m)) ? NAN : (m > old ? m : old);
@@ -327,7 +328,9 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     }
     cast_all((const void *)in, in_dtype, n, scale_inv, (void *)out, out_format, (const void *)table, threads);
     Py_END_ALLOW_THREADS
-    *(float *)scale_inv_out = scale_inv;
+    /* NaN/Inf data: the codes come from a finite cast, the scale_inv that travels with them is NaN, so the
+     * tensor dequantizes to NaN (mindspeed_te.scaling.mark_nonfinite). */
+    *(float *)scale_inv_out = isfinite(m) ? scale_inv : NAN;
     Py_RETURN_NONE;
 }
 

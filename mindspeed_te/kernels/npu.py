@@ -30,12 +30,13 @@ from mindspeed_te.quantizers import (
     Float8Quantizer,
     MXFP8Quantizer,
     Quantizer,
+    record_nonfinite,
 )
-from mindspeed_te.scaling import tensor_amax
+from mindspeed_te.scaling import mark_nonfinite, tensor_amax
 from mindspeed_te.tensor import (
-    Float8BlockwiseQTensor,
-    Float8Tensor,
-    MXFP8Tensor,
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
     QuantizedTensorStorage,
     _TiledTensor,
 )
@@ -111,6 +112,9 @@ class NpuBackend(ReferenceBackend):
         return 0.0 if target == fp8_dtype.max else None
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
+        return record_nonfinite(quantizer, self._quantize(quantizer, x))
+
+    def _quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         x2d = x.detach().reshape(-1, x.shape[-1])
         if isinstance(quantizer, Float8Quantizer):
             return self._quantize_delayed(quantizer, x, x2d)
@@ -120,7 +124,7 @@ class NpuBackend(ReferenceBackend):
                     and quantizer.amax_epsilon == 0 and quantizer.amax_reduction_group is None):
                 y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(quantizer.fp8_dtype),
                                                       quant_mode="pertensor", dst_type_max=dst_max)
-                return Float8Tensor(quantizer.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale)
+                return Float8TensorStorage(quantizer.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale)
         elif isinstance(quantizer, Float8BlockQuantizer):
             dst_max = self._dst_type_max(quantizer.fp8_dtype, quantizer.target_max)
             if x.dtype in _HALF and dst_max is not None and not quantizer.power_2_scale \
@@ -130,23 +134,25 @@ class NpuBackend(ReferenceBackend):
             return self._quantize_mx(quantizer, x, x2d)
         return quantizer.quantize(x)
 
-    def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8Tensor:
-        torch.maximum(q.amax, tensor_amax(x2d).reshape(q.amax.shape), out=q.amax)
+    def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8TensorStorage:
+        amax = tensor_amax(x2d).reshape(q.amax.shape)
+        torch.maximum(q.amax, amax, out=q.amax)
         scale_inv = q.scale.reciprocal()
         # A non-float32 input would need scales in its own dtype; keep them exact by quantizing from float32.
         src = x2d if x2d.dtype == torch.float32 else x2d.float()
         y = self.npu.npu_quantize(src, scale_inv, None, self._npu_dtype(q.fp8_dtype), -1, True)
         if q.fp8_dtype is FP8Dtype.HIF8:
             y = y.view(torch.uint8)
-        return Float8Tensor(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale_inv)
+        return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
+                            scale_inv=mark_nonfinite(scale_inv, amax))
 
     def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor,
-                         dst_max: float) -> Float8BlockwiseQTensor:
+                         dst_max: float) -> Float8BlockwiseQTensorStorage:
         rows = 1 if q.block_scaling_dim == 1 else 128
         kwargs = dict(round_mode="round" if q.fp8_dtype is FP8Dtype.HIF8 else "rint",
                       dst_type=self._npu_dtype(q.fp8_dtype), row_block_size=rows, col_block_size=128,
                       dst_type_max=dst_max)
-        out = Float8BlockwiseQTensor(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim)
+        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim)
         if q.rowwise_usage or q.block_scaling_dim == 2:
             y, scale = self.npu.npu_dynamic_block_quant(x2d, **kwargs)
             out.rowwise_data, out.rowwise_scale_inv = y.reshape(x.shape), scale
@@ -154,10 +160,10 @@ class NpuBackend(ReferenceBackend):
             out.columnwise_data, out.columnwise_scale_inv = self.npu.npu_dynamic_block_quant(x2d.t(), **kwargs)
         return out
 
-    def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> MXFP8Tensor:
+    def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> MXFP8TensorStorage:
         if x2d.shape[0] % 32 or x2d.shape[1] % 32:
             return q.quantize(x)  # raises the quantizer's own error about the shape
-        out = MXFP8Tensor(q.fp8_dtype, x.shape, x.dtype)
+        out = MXFP8TensorStorage(q.fp8_dtype, x.shape, x.dtype)
         kwargs = dict(dst_type=self._npu_dtype(q.fp8_dtype), scale_alg=1 if q.rounding == "ceil" else 0)
 
         def run(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +261,7 @@ class NpuBackend(ReferenceBackend):
     def _groupable(a, b) -> bool:
         """Per-tensor scaled groups of one 8-bit format (the only grouped FP8 form the kernel has)."""
         tensors = list(a) + list(b)
-        if not tensors or not all(isinstance(t, Float8Tensor) and t.data is not None for t in tensors):
+        if not tensors or not all(isinstance(t, Float8TensorStorage) and t.data is not None for t in tensors):
             return False
         hif8 = [t.fp8_dtype is FP8Dtype.HIF8 for t in tensors]
         return all(hif8) or not any(hif8)
@@ -263,17 +269,17 @@ class NpuBackend(ReferenceBackend):
     def _quant_matmul_args(self, a: Operand, b: Operand, a_col: bool, b_col: bool
                            ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
         """(x1, x2, keyword arguments) of npu_quant_matmul for a · bᵀ, or None when no mode fits."""
-        if type(a) is not type(b) or not isinstance(a, (Float8Tensor, Float8BlockwiseQTensor, MXFP8Tensor)):
+        if type(a) is not type(b) or not isinstance(a, (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage)):
             return None
         if (a.fp8_dtype is FP8Dtype.HIF8) != (b.fp8_dtype is FP8Dtype.HIF8):
             return None
         hif8 = self._hif8_kwargs(a.fp8_dtype, ("x1_dtype", "x2_dtype"))
-        if isinstance(a, Float8Tensor):
+        if isinstance(a, Float8TensorStorage):
             x1 = a.columnwise_data if a_col else a.data.reshape(-1, a.shape[-1])
             b2d = b.columnwise_data if b_col else b.data.reshape(-1, b.shape[-1])
             return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
         (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
-        if isinstance(a, Float8BlockwiseQTensor):
+        if isinstance(a, Float8BlockwiseQTensorStorage):
             if s1.shape[0] != x1.shape[0] or s2.shape[0] == b2d.shape[0]:
                 return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
             return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)

@@ -6,8 +6,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.formats import as_float32, cast_from_fp8
-from mindspeed_te.quantizers import Quantizer
-from mindspeed_te.tensor import Float8Tensor, QuantizedTensorStorage
+from mindspeed_te.quantizers import Quantizer, record_nonfinite
+from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage
 
 Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
@@ -24,7 +24,7 @@ def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
     return values.t() if columnwise else values
 
 
-def _decoded_2d(t: Float8Tensor, columnwise: bool) -> torch.Tensor:
+def _decoded_2d(t: Float8TensorStorage, columnwise: bool) -> torch.Tensor:
     """The float32 codes (unscaled) of a per-tensor operand's data flattened to 2-D, (M, K); its
     columnwise form is the transpose of this (checked here, taken by the caller)."""
     t._require(columnwise)
@@ -43,7 +43,7 @@ class ReferenceBackend:
     name = "reference"
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
-        return quantizer.quantize(x)
+        return record_nonfinite(quantizer, quantizer.quantize(x))
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[torch.Tensor], scale: float, dropout: float) -> torch.Tensor:
@@ -77,7 +77,7 @@ class ReferenceBackend:
         """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
         float32 (Megatron's main_grad; no bias then) and `out` is returned."""
         check_accumulate(out, bias)
-        if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+        if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
             a_values, b_values = _decoded_2d(a, a_columnwise), _decoded_2d(b, b_columnwise)

@@ -7,14 +7,14 @@ import torch
 
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels.reference import Operand, ReferenceBackend, check_accumulate
-from mindspeed_te.tensor import Float8Tensor
+from mindspeed_te.tensor import Float8TensorStorage
 
 _SCALED_MM_DTYPES = (FP8Dtype.E4M3, FP8Dtype.E5M2)
 
 
 def _scaled_mm_operand(t: Operand, columnwise: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(data as a row-major (rows, k) matrix, scale_inv) when `_scaled_mm` can take this operand."""
-    if not isinstance(t, Float8Tensor) or t.fp8_dtype not in _SCALED_MM_DTYPES or t.data is None:
+    if not isinstance(t, Float8TensorStorage) or t.fp8_dtype not in _SCALED_MM_DTYPES or t.data is None:
         return None
     data = t.columnwise_data.contiguous() if columnwise else t.data.reshape(-1, t.shape[-1])
     return data, t.scale_inv.reshape(()).float()

@@ -11,6 +11,8 @@ from mindspeed_te.megatron.misc import (
     Fp8Padding,
     Fp8Unpadding,
     TECudaRNGStatesTracker,
+    fused_apply_rotary_pos_emb,
+    fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
     te_checkpoint,
 )
@@ -20,4 +22,5 @@ __all__ = [
     "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear", "TENorm",
     "TEDelayedScaling", "Fp8Padding", "Fp8Unpadding", "TECudaRNGStatesTracker", "get_cpu_offload_context",
     "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
+    "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
 ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
-from mindspeed_te.distributed import group_size
+from mindspeed_te.megatron.common import megatron_device
 from mindspeed_te.modules.attention import DotProductAttention
 
 __all__ = ["TEDotProductAttention"]
@@ -22,7 +24,9 @@ def _rng_tracker():
 
 
 class TEDotProductAttention(DotProductAttention):
-    """Core attention for Megatron's SelfAttention/CrossAttention: sbhd in, [s, b, h * d] out."""
+    """Core attention for Megatron's SelfAttention/CrossAttention: sbhd in, [s, b, h * d] out (thd with
+    `packed_seq_params`: [t, h, d] in, [t, h * d] out). Honours the config's sliding window (per layer, as
+    `window_attn_skip_freq` says), `softmax_type` and context parallelism over the CP group."""
 
     def __init__(
         self,
@@ -38,12 +42,18 @@ class TEDotProductAttention(DotProductAttention):
         cp_comm_type: Optional[str] = "p2p",
         pg_collection: Optional[object] = None,
     ) -> None:
-        if getattr(config, "context_parallel_size", 1) > 1:
-            raise ValueError("TEDotProductAttention: context parallelism (--context-parallel-size > 1) is not "
-                             "supported by mindspeed_te yet")
         self.config = config
-        tp_group = getattr(pg_collection, "tp", None) if pg_collection is not None else None
-        tp_size = group_size(tp_group) if tp_group is not None else config.tensor_model_parallel_size
+        if pg_collection is not None:
+            tp_group, cp_group = pg_collection.tp, getattr(pg_collection, "cp", None)
+        else:
+            tp_group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+            cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        if config.context_parallel_size > 1 and cp_group is None:
+            raise ValueError("TEDotProductAttention: --context-parallel-size > 1 needs Megatron's context-parallel "
+                             "group (parallel_state.initialize_model_parallel(context_parallel_size=...) or "
+                             "pg_collection.cp)")
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self._tp_group = tp_group
         super().__init__(
             num_attention_heads=config.num_attention_heads,
             kv_channels=k_channels or config.kv_channels,
@@ -52,17 +62,41 @@ class TEDotProductAttention(DotProductAttention):
             attn_mask_type=attn_mask_type.name,
             softmax_scale=softmax_scale,
             get_rng_state_tracker=_rng_tracker(),
-            tp_size=tp_size,
+            tp_size=config.tensor_model_parallel_size if tp_group is None else 1,
             tp_group=tp_group,
             layer_number=layer_number,
             attention_type=attention_type,
+            window_size=config.window_size if windowed else None,
+            softmax_type=config.softmax_type,
+            cp_group=cp_group if config.context_parallel_size > 1 else None,
+            cp_comm_type=cp_comm_type or "p2p",
+            params_dtype=config.params_dtype,
+            device=megatron_device(config),
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: AttnMaskType,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Optional[object] = None,
                 num_splits: Optional[int] = None) -> torch.Tensor:
+        packed: dict = {}
         if packed_seq_params is not None:
-            raise ValueError("TEDotProductAttention: packed sequences (thd format) are not supported yet")
+            if getattr(packed_seq_params, "cp_group", None) is not None:
+                self.cp_group = packed_seq_params.cp_group
+            elif getattr(packed_seq_params, "local_cp_size", None) is not None:
+                if packed_seq_params.local_cp_size != 1:
+                    raise ValueError("packed_seq_params.local_cp_size must be 1 when no cp_group is given")
+                self.cp_group = None
+            packed = {name: getattr(packed_seq_params, name) for name in (
+                "qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")}
         mask = attn_mask_type.name if attn_mask_type is not None else None
-        return super().forward(query, key, value, attention_mask, mask, attention_bias)
+        fmt = packed.get("qkv_format") or self.qkv_format
+        if mask == "no_mask" and self.window_size is not None and fmt == "sbhd" and query.shape[0] == 1:
+            mask = "causal_bottom_right"  # one new token against a cache, as Megatron asks of TE
+        return super().forward(query, key, value, attention_mask, mask, attention_bias, **packed)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The learnable softmax offset, sharded over TP by head (nothing else to save)."""
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self._tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))

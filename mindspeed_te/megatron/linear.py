@@ -10,7 +10,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from mindspeed_te.distributed import group_size
-from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.megatron.common import megatron_device, parallel_init_method
 from mindspeed_te.modules.linear import Linear, divide
 from mindspeed_te.recipe import DelayedScaling, Format
 
@@ -70,6 +70,8 @@ class TELinear(TEModuleMixin, Linear):
         self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
         if tp_group is None and pg_collection is not None:
             tp_group = getattr(pg_collection, "expt_tp" if is_expert else "tp", None)
+        elif tp_group is None and parallel_mode != "duplicated":
+            tp_group = get_tensor_model_parallel_group_if_none(None, is_expert=is_expert)
         expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
         local_mode, local_group = parallel_mode, tp_group
         if parallel_mode == "duplicated":
@@ -87,7 +89,10 @@ class TELinear(TEModuleMixin, Linear):
             sequence_parallel=config.sequence_parallel,
             fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
             tp_group=local_group,
-            init_method=condition_init_method(config, init_method),
+            init_method=parallel_init_method(
+                config, init_method, partition_dim={"column": 0, "row": 1}.get(parallel_mode),
+                tp_group=tp_group, stride=getattr(self, "stride", 1), is_expert=is_expert,
+                duplicated=parallel_mode == "duplicated"),
             bias=bias,
             return_bias=self.te_return_bias,
             params_dtype=config.params_dtype,
@@ -131,13 +136,13 @@ class TEColumnParallelLinear(TELinear):
     ) -> None:
         if gather_output:
             raise ValueError("TEColumnParallelLinear does not support gather_output=True (as in Megatron's TE path)")
+        self.stride = stride  # read by TELinear's initialisation (the master weight is split in stride chunks)
         super().__init__(
             input_size, output_size, parallel_mode="column", config=config, init_method=init_method, bias=bias,
             skip_bias_add=skip_bias_add, skip_weight_param_allocation=skip_weight_param_allocation,
             tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, tp_group=tp_group,
             pg_collection=pg_collection,
         )
-        self.stride = stride
         for param in self.parameters():
             param.partition_stride = stride
 

@@ -1,5 +1,5 @@
 """The rest of megatron-core's TE surface: padding for quantized grouped GEMMs, activation checkpointing,
-the RNG states tracker and the CPU-offload context."""
+the RNG states tracker, the CPU-offload context and the fused RoPE entry points."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.checkpoint
 
+from mindspeed_te.modules.rope import apply_rotary_pos_emb
 from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
 
@@ -135,22 +136,17 @@ def _phase(phase: str, stash: list, autocast_state: Optional[tuple] = None, trac
     """Enter a checkpoint phase. The first pass fills `stash` with each FP8 module's forward state; a
     recompute (which may stop early, and may run more than once) consumes a fresh copy of it, and also
     restores the first pass's autocast state and RNG tracker streams so the activations come out equal."""
-    saved_phase = FP8GlobalStateManager.CHECKPOINT_PHASE
-    saved_stash = FP8GlobalStateManager._checkpoint_stash
     saved_autocast = FP8GlobalStateManager.get_autocast_state()
     tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
     saved_tracker = tracker.get_states() if tracker is not None and tracker_states is not None else None
-    FP8GlobalStateManager.CHECKPOINT_PHASE = phase
-    FP8GlobalStateManager._checkpoint_stash = stash if phase == "forward" else list(stash)
     if autocast_state is not None:
         FP8GlobalStateManager.set_autocast_state(autocast_state)
     if saved_tracker is not None:
         tracker.set_states(tracker_states)
     try:
-        yield
+        with FP8GlobalStateManager.checkpoint_phase(phase, stash):
+            yield
     finally:
-        FP8GlobalStateManager.CHECKPOINT_PHASE = saved_phase
-        FP8GlobalStateManager._checkpoint_stash = saved_stash
         FP8GlobalStateManager.set_autocast_state(saved_autocast)
         if saved_tracker is not None:
             tracker.set_states(saved_tracker)
@@ -181,3 +177,16 @@ def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, a
     if enabled:
         raise NotImplementedError("mindspeed_te does not implement CPU offloading (--cpu-offloading); turn it off")
     return contextlib.nullcontext(), (lambda x: x)
+
+
+def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
+                               interleaved: bool = False) -> torch.Tensor:
+    """RoPE on an sbhd tensor (Megatron's --apply-rope-fusion entry point; the output layout is always t's)."""
+    return apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", interleaved=interleaved, fused=True)
+
+
+def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                                   cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """RoPE on packed sequences (thd) holding this context-parallel rank's share of each sequence."""
+    return apply_rotary_pos_emb(t, freqs, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens,
+                                cp_size=cp_size, cp_rank=cp_rank)

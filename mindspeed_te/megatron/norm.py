@@ -7,7 +7,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
-from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.megatron.common import megatron_device, parallel_init_method
 from mindspeed_te.megatron.linear import TEModuleMixin
 from mindspeed_te.modules.layernorm_linear import LayerNormLinear
 from mindspeed_te.modules.norm import LayerNorm, RMSNorm
@@ -59,6 +59,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             raise ValueError("TELayerNormColumnParallelLinear does not support skip_weight_param_allocation=True")
         if tp_group is None and pg_collection is not None:
             tp_group = getattr(pg_collection, "tp", None)
+        tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
         self.config = config
         self.te_return_bias = skip_bias_add and bias
         self.is_first_microbatch = True
@@ -70,7 +71,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             sequence_parallel=config.sequence_parallel,
             fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
             tp_group=tp_group,
-            init_method=condition_init_method(config, init_method),
+            init_method=parallel_init_method(config, init_method, partition_dim=0, tp_group=tp_group, stride=stride),
             bias=bias,
             normalization=config.normalization,
             return_bias=self.te_return_bias,
@@ -83,7 +84,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             param = getattr(self, name)
             if param is not None:
                 param.partition_stride = stride
-        self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
+        self._tp_group = tp_group
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Linear weight and bias sharded along dim 0; the norm's parameters replicated."""

@@ -1,25 +1,79 @@
-"""`DotProductAttention`: softmax(Q Kᵀ · scale + mask) V on [s, b, h, d] (sbhd) tensors, with GQA and dropout
-drawn from an RNG tracker. Attention is not quantized by these recipes; it runs in the input precision
-through torch's scaled_dot_product_attention."""
+"""`DotProductAttention`: softmax(Q Kᵀ · scale + mask) V on [s, b, h, d] (sbhd) or packed [t, h, d] (thd)
+tensors, with GQA, sliding windows, softmax with an offset in the denominator (off-by-one or learnable),
+context parallelism and dropout drawn from an RNG tracker. Attention is not quantized by these recipes; it
+runs in the input precision through the kernel backend (torch's scaled_dot_product_attention on CPU).
+
+Every case reduces to one boolean "may attend" matrix built from where each query and key sits: which
+packed sequence (segment), its position inside that sequence, and whether it is padding. Under context
+parallelism each rank holds chunks r and 2·cp-1-r of every sequence (Megatron's load-balanced split): the
+keys and values of all ranks are gathered (their gradients reduce-scattered back) and the matrix is built
+from the gathered tokens' global positions, so every cp_comm_type computes exactly full attention."""
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from mindspeed_te.distributed import ProcessGroup
+from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel_region, group_rank, group_size
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.modules.linear import divide, resolve_tp_size
+from mindspeed_te.modules.rope import thd_positions
 
-MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal")
+MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal", "causal_bottom_right",
+              "padding_causal_bottom_right")
+QKV_FORMATS = ("sbhd", "thd")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+@dataclass
+class _Layout:
+    """Where tokens sit along the attended dim: packed-sequence id, position in it, and not padding."""
+
+    segment: torch.Tensor
+    position: torch.Tensor
+    valid: torch.Tensor
+
+
+def _layout(local: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_padded: Optional[torch.Tensor],
+            cp_size: int, cp_rank: int, device: torch.device) -> _Layout:
+    """The layout of one rank's `local` tokens: one sequence (sbhd) or the packed ones `cu_seqlens` describe
+    (stored at the `cu_seqlens_padded` offsets when given)."""
+    if cu_seqlens is None:
+        bounds = torch.tensor([0, local * cp_size], device=device)
+        lengths = bounds[1:]
+    else:
+        bounds = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens).to(device)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)
+    position = thd_positions(bounds, cp_size, cp_rank)
+    if position.numel() != local:
+        raise ValueError(f"cu_seqlens describe {position.numel()} tokens on this rank, the input has {local}")
+    per_rank = (bounds[1:] - bounds[:-1]) // cp_size
+    segment = torch.repeat_interleave(torch.arange(per_rank.numel(), device=device), per_rank)
+    return _Layout(segment, position, position < lengths[segment])
+
+
+def _window_band(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """Keys within (left, right) of the query's position; -1 leaves that side unbounded."""
+    left, right = window
+    band = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
+    if left >= 0:
+        band &= k_pos[None, :] >= q_pos[:, None] - left
+    if right >= 0:
+        band &= k_pos[None, :] <= q_pos[:, None] + right
+    return band
 
 
 class DotProductAttention(torch.nn.Module):
     """TransformerEngine's core attention. Masks follow Megatron: a boolean `attention_mask` is True where
     attention is NOT allowed, shaped [b, 1, 1, s_k] or [b, 1, s_q, s_k]; "causal" masks keys after the query
-    position (top-left aligned)."""
+    position (top-left aligned), "causal_bottom_right" aligns the last query with the last key.
+    `window_size=(left, right)` keeps keys in [i - left, i + right] of query i (bottom-right aligned, -1 =
+    unbounded). `softmax_type` "off-by-one" adds 1 to the softmax denominator, "learnable" adds
+    exp(softmax_offset[h]) with a per-head parameter (zeros at start)."""
 
     def __init__(
         self,
@@ -35,12 +89,25 @@ class DotProductAttention(torch.nn.Module):
         tp_group: ProcessGroup = None,
         layer_number: Optional[int] = None,
         attention_type: str = "self",
+        window_size: Optional[tuple[int, int]] = None,
+        softmax_type: str = "vanilla",
+        cp_group: ProcessGroup = None,
+        cp_comm_type: str = "p2p",
+        params_dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device | str] = None,
     ) -> None:
         super().__init__()
         if attn_mask_type not in MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {attn_mask_type!r}")
-        if qkv_format != "sbhd":
-            raise ValueError(f"qkv_format must be 'sbhd' (Megatron's layout), got {qkv_format!r}")
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format must be one of {', '.join(QKV_FORMATS)}, got {qkv_format!r}")
+        if softmax_type not in SOFTMAX_TYPES:
+            raise ValueError(f"softmax_type must be one of {', '.join(SOFTMAX_TYPES)}, got {softmax_type!r}")
+        if cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got {cp_comm_type!r}")
+        if window_size is not None and (len(window_size) != 2 or min(window_size) < -1):
+            raise ValueError(f"window_size must be (left, right) with each >= -1 (-1 = unbounded), "
+                             f"got {window_size!r}")
         groups = num_gqa_groups or num_attention_heads
         if num_attention_heads % groups:
             raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
@@ -51,39 +118,112 @@ class DotProductAttention(torch.nn.Module):
         self.kv_channels = kv_channels
         self.attention_dropout = attention_dropout
         self.attn_mask_type = attn_mask_type
+        self.qkv_format = qkv_format
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels)
         self.get_rng_state_tracker = get_rng_state_tracker
         self.layer_number = layer_number
         self.attention_type = attention_type
+        self.window_size = tuple(window_size) if window_size is not None else None
+        self.softmax_type = softmax_type
+        self.cp_group = cp_group
+        self.cp_comm_type = cp_comm_type
+        if softmax_type == "learnable":
+            self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=params_dtype, device=device))
+        else:
+            self.softmax_offset = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None, attn_mask_type: Optional[str] = None,
-                attention_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_bias: Optional[torch.Tensor] = None, *, qkv_format: Optional[str] = None,
+                cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+                cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+                cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None) -> torch.Tensor:
+        """sbhd in, [s, b, h·d] out; thd ([t, h, d], with cu_seqlens_q/kv) in, [t, h·d] out. Under context
+        parallelism the inputs are this rank's share and so is the output."""
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {mask_type!r}")
-        s_q, b, h, d = query.shape
-        if h % key.shape[2]:
-            raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({key.shape[2]})")
-        allowed = self._allowed(mask_type, attention_mask, s_q, key.shape[0], query.device)
-        if attention_bias is not None:
-            bias = attention_bias.to(query.dtype)
-            allowed = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+        fmt = qkv_format or self.qkv_format
+        if fmt not in QKV_FORMATS:
+            raise ValueError(f"qkv_format must be one of {', '.join(QKV_FORMATS)}, got {fmt!r}")
+        if fmt == "thd":
+            if cu_seqlens_q is None or cu_seqlens_kv is None:
+                raise ValueError("qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        if query.shape[2] % key.shape[2]:
+            raise ValueError(f"query heads ({query.shape[2]}) must be a multiple of key/value heads ({key.shape[2]})")
+        cp_size = group_size(self.cp_group) if self.cp_group is not None else 1
+        if cp_size > 1:
+            if attention_mask is not None and fmt == "sbhd":
+                raise ValueError("context parallelism (--context-parallel-size > 1) with an explicit padding "
+                                 "attention_mask is not supported: pack the sequences (thd) instead")
+            key = gather_from_sequence_parallel_region(key, self.cp_group)
+            value = gather_from_sequence_parallel_region(value, self.cp_group)
+        allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size,
+                                (cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
+                                if fmt == "thd" else None)
+        mask = allowed
+        if self.softmax_type != "vanilla" or attention_bias is not None:
+            mask, key, value = self._additive_mask(allowed, attention_bias, query, key, value)
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
         with rng or contextlib.nullcontext():
-            return get_backend(query.device).attention(query, key, value, allowed, self.softmax_scale, dropout)
+            out = get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout)
+        return out.squeeze(1) if fmt == "thd" else out
 
-    @staticmethod
-    def _allowed(mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
-                 device: torch.device) -> Optional[torch.Tensor]:
+    def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
+                 device: torch.device, cp_size: int, packed: Optional[tuple]) -> Optional[torch.Tensor]:
         """Boolean "may attend" mask for SDPA (True = attend), or None for no mask."""
         allowed = None
-        if "padding" in mask_type:
+        if "padding" in mask_type and packed is None:
             if attention_mask is None:
                 raise ValueError(f"attn_mask_type {mask_type!r} needs an attention_mask")
             allowed = ~attention_mask.bool()
+        if packed is None and cp_size == 1:
+            if "causal" not in mask_type and self.window_size is None:
+                return allowed
+            q_pos = torch.arange(s_q, device=device)
+            k_pos = torch.arange(s_k, device=device)
+            shift = s_k - s_q
+            causal_q = q_pos + shift if mask_type.endswith("bottom_right") else q_pos
+            structure = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+            if "causal" in mask_type:
+                structure &= k_pos[None, :] <= causal_q[:, None]
+            if self.window_size is not None:
+                structure &= _window_band(q_pos + shift, k_pos, self.window_size)
+            return structure if allowed is None else allowed & structure
+        cu_q = cu_q_padded = cu_k = cu_k_padded = None
+        if packed is not None:
+            cu_q, cu_q_padded, cu_k, cu_k_padded = packed
+        rank = group_rank(self.cp_group) if cp_size > 1 else 0
+        q = _layout(s_q, cu_q, cu_q_padded, cp_size, rank, device)
+        keys = [_layout(s_k // cp_size, cu_k, cu_k_padded, cp_size, r, device) for r in range(cp_size)]
+        k = _Layout(*(torch.cat([getattr(part, f) for part in keys]) for f in ("segment", "position", "valid")))
+        structure = (q.segment[:, None] == k.segment[None, :]) & k.valid[None, :] & q.valid[:, None]
         if "causal" in mask_type:
-            causal = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril()
-            allowed = causal if allowed is None else allowed & causal
-        return allowed
+            structure &= k.position[None, :] <= q.position[:, None]
+        if self.window_size is not None:
+            structure &= _window_band(q.position, k.position, self.window_size)
+        return structure if allowed is None else allowed & structure
+
+    def _additive_mask(self, allowed: Optional[torch.Tensor], bias: Optional[torch.Tensor], query: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor) -> tuple:
+        """A float mask (0 / -inf, plus `bias`) and, with a softmax offset, one extra key whose logit is the
+        offset and whose value is zero: exp(offset) then joins the denominator and nothing the output."""
+        s_q, b, h, _ = query.shape
+        dtype = query.dtype
+        mask = torch.zeros(1, 1, s_q, key.shape[0], dtype=dtype, device=query.device)
+        if allowed is not None:
+            mask = mask.masked_fill(~allowed, float("-inf"))
+        if bias is not None:
+            mask = mask + bias.to(dtype)
+        if self.softmax_type == "vanilla":
+            return mask, key, value
+        offset = (self.softmax_offset if self.softmax_type == "learnable"
+                  else torch.zeros(h, dtype=dtype, device=query.device))
+        mask = mask.expand(max(mask.shape[0], 1), h, s_q, key.shape[0])
+        sink = offset.to(dtype).reshape(1, h, 1, 1).expand(mask.shape[0], h, s_q, 1)
+        mask = torch.cat((mask, sink), dim=-1)
+        return mask, torch.cat((key, key.new_zeros(1, *key.shape[1:]))), torch.cat(
+            (value, value.new_zeros(1, *value.shape[1:])))

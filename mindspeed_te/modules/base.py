@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
+from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.recipe import Recipe
 from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
-from mindspeed_te.state import FP8GlobalStateManager
+from mindspeed_te.scaling import current_scale, tensor_amax
+from mindspeed_te.state import FP8GlobalStateManager, preserve_high_precision_init_val
+
+InitMethod = Optional[Callable[[torch.Tensor], object]]
 
 
 class FP8ModuleBase(torch.nn.Module):
@@ -24,8 +29,9 @@ class FP8ModuleBase(torch.nn.Module):
         self._fp8_recipe_key: Optional[str] = None
         self._loaded_fp8_meta: Optional[dict[str, Any]] = None  # from a checkpoint, applied to matching states
 
-    def _states_for_current_recipe(self, device: torch.device) -> tuple[RecipeState, RecipeState]:
-        recipe = FP8GlobalStateManager.get_fp8_recipe()
+    def _states_for_current_recipe(self, device: torch.device,
+                                   recipe: Optional[Recipe] = None) -> tuple[RecipeState, RecipeState]:
+        recipe = recipe or FP8GlobalStateManager.get_fp8_recipe()
         if self.fp8_states is None or self._fp8_recipe_key != recipe.key():
             self.fp8_states = (
                 RecipeState.create(recipe, forward=True, num_quantizers=3 * self.num_gemms, device=device),
@@ -33,7 +39,38 @@ class FP8ModuleBase(torch.nn.Module):
             )
             self._fp8_recipe_key = recipe.key()
             self._apply_loaded_fp8_meta()
+            name = getattr(self, "name", None) or f"{type(self).__name__}@{id(self):x}"
+            for state in self.fp8_states:
+                FP8GlobalStateManager.watch_nonfinite(name, state)
         return self.fp8_states
+
+    # Weights: created in high precision, or under fp8_model_init only in quantized form --------------------
+    def create_weight(self, shape: tuple[int, ...], dtype: torch.dtype, device: Union[torch.device, str, None],
+                      init_method: InitMethod, gemm: int = 0) -> torch.nn.Parameter:
+        """The weight of GEMM `gemm`, initialized by `init_method` (Kaiming-uniform when None). Under
+        `fp8_model_init` it is a QuantizedTensor made by this module's weight quantizer for the init recipe,
+        and with `preserve_high_precision_init_val` the exact initial value stays on the CPU."""
+        weight = torch.empty(shape, dtype=dtype, device=device)
+        initialize_(weight, init_method)
+        if not FP8GlobalStateManager.with_fp8_parameters():
+            return torch.nn.Parameter(weight)
+        param = torch.nn.Parameter(self._quantize_weight(weight, gemm))
+        if FP8GlobalStateManager.with_high_precision_init_val():
+            preserve_high_precision_init_val(param, weight)
+        return param
+
+    def _quantize_weight(self, weight: torch.Tensor, gemm: int) -> QuantizedTensor:
+        recipe = FP8GlobalStateManager.get_fp8_model_init_recipe()
+        fwd, _ = self._states_for_current_recipe(weight.device, recipe)
+        index = 3 * gemm + 1  # TE's forward layout: input, weight, output per GEMM
+        if isinstance(fwd, DelayedScalingRecipeState):
+            # Seed the weight's scale from its initial amax: the first forward then runs on well-scaled codes
+            # (TransformerEngine starts from scale 1 and corrects it after the first step).
+            margin = 2.0 ** recipe.margin
+            fwd.scale[index] = current_scale(tensor_amax(weight).reshape(1), fwd.fp8_max)[0] / margin
+        quantizer = fwd.make_quantizers()[index]
+        quantizer.set_usage(rowwise=True, columnwise=True)  # fprop reads rowwise, dgrad columnwise
+        return QuantizedTensor.from_storage(quantizer.quantize(weight), quantizer)
 
     def prepare_forward(self, device: torch.device) -> Optional[tuple[list[Quantizer], list[Quantizer], bool]]:
         """Quantizers for this call, or None outside FP8/calibration. Returns (forward quantizers, backward
@@ -41,19 +78,19 @@ class FP8ModuleBase(torch.nn.Module):
         if not (FP8GlobalStateManager.is_fp8_enabled() or FP8GlobalStateManager.is_fp8_calibration()):
             return None
         fwd, bwd = self._states_for_current_recipe(device)
-        phase = FP8GlobalStateManager.CHECKPOINT_PHASE
+        phase = FP8GlobalStateManager.get_checkpoint_phase()
         if phase == "recompute":
             # Recompute with the forward scales of the first pass; its amaxes go to a throw-away copy.
             # The first pass's autograd graph runs backward (non-reentrant checkpointing), so the recompute
             # never reduces backward amaxes.
-            frozen = FP8GlobalStateManager._checkpoint_stash.pop(0)
+            frozen = FP8GlobalStateManager.pop_forward_state_for_recompute()
             return frozen.make_quantizers(), bwd.make_quantizers(), False
         group = FP8GlobalStateManager.get_fp8_group()
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(fwd, group)
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(bwd, group)
         first = FP8GlobalStateManager.is_first_fp8_module()
         if phase == "forward":
-            FP8GlobalStateManager._checkpoint_stash.append(fwd.frozen_copy())
+            FP8GlobalStateManager.stash_forward_state_for_recompute(fwd)
         return fwd.make_quantizers(), bwd.make_quantizers(), first
 
     @staticmethod
@@ -61,8 +98,7 @@ class FP8ModuleBase(torch.nn.Module):
         """Calibration (autocast enabled=False, calibrating=True): record delayed-scaling amaxes of the
         high-precision tensors so scales are ready when FP8 is turned on."""
         for quantizer, tensor in zip(quantizers, tensors):
-            if hasattr(quantizer, "amax"):
-                quantizer.quantize(tensor.detach())
+            quantizer.calibrate(dequantize_if_quantized(tensor).detach())
 
     def has_delayed_state(self) -> bool:
         return self.fp8_states is not None and isinstance(self.fp8_states[0], DelayedScalingRecipeState)
@@ -117,3 +153,15 @@ class FP8ModuleBase(torch.nn.Module):
                                    f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
             state.amax_history.copy_(history)
             state.scale.copy_(scale)
+
+
+@torch.no_grad()
+def initialize_(weight: torch.Tensor, init_method: InitMethod) -> None:
+    """Initialize a weight in place (through `quantize_` for a quantized one)."""
+    target = weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+    if init_method is not None:
+        init_method(target)
+    else:
+        torch.nn.init.kaiming_uniform_(target, a=5**0.5)
+    if target is not weight:
+        weight.quantize_(target)

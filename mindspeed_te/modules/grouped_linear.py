@@ -55,14 +55,9 @@ class GroupedLinear(FP8ModuleBase):
         dtype = params_dtype or torch.get_default_dtype()
         self.use_bias = bias
         for i in range(num_gemms):
-            weight = torch.nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=device))
+            weight = self.create_weight((local_out, local_in), dtype, device, init_method, gemm=i)
             set_tensor_parallel_attributes(weight, parallel_mode is not None, 0 if parallel_mode == "column" else 1)
             weight.allreduce = False  # Megatron reduces expert gradients over the expert-data-parallel group
-            with torch.no_grad():
-                if init_method is not None:
-                    init_method(weight)
-                else:
-                    torch.nn.init.kaiming_uniform_(weight, a=5**0.5)
             self.register_parameter(f"weight{i}", weight)
             if bias:
                 b = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))

@@ -17,7 +17,8 @@ from mindspeed_te.distributed import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.modules.base import FP8ModuleBase
+from mindspeed_te.modules.base import FP8ModuleBase, initialize_
+from mindspeed_te.quantized_tensor import QuantizedTensor
 from mindspeed_te.ops.mc2 import mc2_linear, mc2_mx_linear
 from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
@@ -93,7 +94,7 @@ class Linear(FP8ModuleBase):
         local_out = divide(out_features, self.tp_size, "out_features") if parallel_mode == "column" else out_features
         local_in = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = torch.nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=device))
+        self.weight = self.create_weight((local_out, local_in), dtype, device, init_method)
         set_tensor_parallel_attributes(self.weight, parallel_mode is not None, 0 if parallel_mode == "column" else 1)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
@@ -102,22 +103,20 @@ class Linear(FP8ModuleBase):
                 self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
-        self.reset_parameters(init_method)
         self._weight_cache = WeightCache()
 
     def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], object]] = None) -> None:
-        with torch.no_grad():
-            if init_method is not None:
-                init_method(self.weight)
-            else:
-                torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
-            if self.bias is not None:
+        """Re-initialize: the weight by `init_method` (Kaiming-uniform when None), the bias to zero."""
+        initialize_(self.weight, init_method)
+        if self.bias is not None:
+            with torch.no_grad():
                 self.bias.zero_()
 
     def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
         """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
         sequence parallelism) MXFP8; otherwise separate collectives (warned once, with the reason)."""
-        if not self.use_ascend_mc2 or self.tp_size == 1 or get_backend(device).name != "npu":
+        if not self.use_ascend_mc2 or self.tp_size == 1 or get_backend(device).name != "npu" \
+                or isinstance(self.weight, QuantizedTensor):
             return False
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False

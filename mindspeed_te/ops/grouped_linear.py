@@ -14,7 +14,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad
+from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad, quantized_weight
+from mindspeed_te.quantized_tensor import dequantize_if_quantized
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
 
@@ -64,7 +65,7 @@ class _GroupedLinear(torch.autograd.Function):
         fp8_wgrad = q is not None and args.fp8_wgrad and needs_wgrad
         if q is None:
             a_ops: list[Operand] = [xs[i] for i in active]
-            b_ops: list[Operand] = [weights[i] for i in active]
+            b_ops: list[Operand] = [dequantize_if_quantized(weights[i]) for i in active]
         else:
             a_ops, b_ops = [], []
             for i in active:
@@ -72,8 +73,7 @@ class _GroupedLinear(torch.autograd.Function):
                 q[i].weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
                 a_ops.append(backend.quantize(q[i].input, xs[i]))
                 cache = args.weight_caches[i] if args.weight_caches is not None else None
-                b_ops.append(cache.get(weights[i], q[i].weight, args.is_first_microbatch, backend)
-                             if cache is not None else backend.quantize(q[i].weight, weights[i]))
+                b_ops.append(quantized_weight(weights[i], q[i].weight, cache, args.is_first_microbatch, backend))
         outs = backend.grouped_gemm(a_ops, b_ops, out_dtype=torch.float32)
         if biases:
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear

@@ -15,11 +15,12 @@ from typing import Optional
 import torch
 
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
 
-__all__ = ["LinearQuantizers", "WeightCache", "fp8_linear"]
+__all__ = ["LinearQuantizers", "WeightCache", "quantized_weight", "fp8_linear"]
 
 
 @dataclass
@@ -47,6 +48,17 @@ class WeightCache:
         return quantized
 
 
+def quantized_weight(weight: torch.Tensor, quantizer: Quantizer, cache: Optional[WeightCache],
+                     is_first_microbatch: Optional[bool], backend) -> QuantizedTensorStorage:
+    """The weight's quantized form for the GEMMs: a weight kept quantized (fp8_model_init) is used as
+    stored, never quantized again; otherwise it is quantized now or taken from the step's cache."""
+    if isinstance(weight, QuantizedTensor):
+        return weight._storage
+    if cache is not None:
+        return cache.get(weight, quantizer, is_first_microbatch, backend)
+    return backend.quantize(quantizer, weight)
+
+
 @dataclass
 class _LinearArgs:
     quantizers: Optional[LinearQuantizers]
@@ -65,17 +77,15 @@ class _Linear(torch.autograd.Function):
         needs_wgrad = weight.requires_grad
         q = args.quantizers
         if q is None:
-            out = torch.nn.functional.linear(x2d, weight, bias)
-            saved_x, saved_w = x2d, weight
+            weight_hp = dequantize_if_quantized(weight)
+            out = torch.nn.functional.linear(x2d, weight_hp, bias)
+            saved_x, saved_w = x2d, weight_hp
         else:
             fp8_wgrad = args.fp8_wgrad and needs_wgrad
             q.input.set_usage(rowwise=True, columnwise=fp8_wgrad)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             qx = backend.quantize(q.input, x2d)
-            if args.weight_cache is not None:
-                qw = args.weight_cache.get(weight, q.weight, args.is_first_microbatch, backend)
-            else:
-                qw = backend.quantize(q.weight, weight)
+            qw = quantized_weight(weight, q.weight, args.weight_cache, args.is_first_microbatch, backend)
             out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
             # Keep only what backward reads: the columnwise input (or the real input for a bf16 wgrad).
             if fp8_wgrad:

@@ -13,7 +13,7 @@ import torch
 
 from mindspeed_te.distributed import group_size
 from mindspeed_te.ops.linear import LinearQuantizers, _finish_fused_wgrad, _main_grad, wgrad_high_precision
-from mindspeed_te.tensor import MXFP8Tensor
+from mindspeed_te.tensor import MXFP8TensorStorage
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -85,7 +85,7 @@ def _mx_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
     return scale_inv.reshape(scale_inv.shape[0], -1, 2)
 
 
-def _x2(t: MXFP8Tensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _x2(t: MXFP8TensorStorage, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A GEMM's x2 (k, n) and its scale (k/64, n, 2) from the operand form (n, k) of an MXFP8 tensor."""
     if columnwise:
         data, scale = t.columnwise_data, t.columnwise_scale_inv
@@ -94,7 +94,7 @@ def _x2(t: MXFP8Tensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return data.t(), _mx_pairs(scale).transpose(0, 1)
 
 
-def _gather_columnwise(t: MXFP8Tensor, group: Any, world: int) -> MXFP8Tensor:
+def _gather_columnwise(t: MXFP8TensorStorage, group: Any, world: int) -> MXFP8TensorStorage:
     """All-gather the columnwise (k, tokens) form along the token dim: blocks of 32 tokens never straddle
     ranks when each rank holds a multiple of 32 tokens, so this equals quantizing the gathered tensor."""
     def gather(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _gather_columnwise(t: MXFP8Tensor, group: Any, world: int) -> MXFP8Tensor:
         return torch.cat(parts, dim=1).view(x.dtype)
 
     shape = torch.Size((t.shape[0] * world, *t.shape[1:]))
-    return MXFP8Tensor(t.fp8_dtype, shape, t.dtype, columnwise_data=gather(t.columnwise_data),
+    return MXFP8TensorStorage(t.fp8_dtype, shape, t.dtype, columnwise_data=gather(t.columnwise_data),
                        columnwise_scale_inv=gather(t.columnwise_scale_inv))
 
 

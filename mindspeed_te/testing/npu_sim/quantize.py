@@ -21,11 +21,12 @@ BLOCK_COLS = (64, 128, 192, 256)
 
 
 def decode_scale(amax: torch.Tensor, target: float) -> torch.Tensor:
-    """amax / target in one IEEE division, at least 1/FLT_MAX; 1 for an all-zero (or non-finite) group. The
-    wheel does not say what an all-zero group gets; this is the library's convention (scaling.py)."""
+    """amax / target in one IEEE division, at least 1/FLT_MAX; 1 for an all-zero group, NaN for a group
+    holding NaN/Inf (so it decodes to NaN). The wheel does not say what such groups get; this is the
+    library's convention (scaling.py: current_scale_inv, mark_nonfinite)."""
     finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
     scale = torch.div(finite, torch.full_like(finite, target)).clamp(min=1.0 / torch.finfo(torch.float32).max)
-    return torch.where(finite > 0, scale, torch.ones_like(scale))
+    return torch.where(finite > 0, scale, torch.ones_like(scale)) + amax * 0.0
 
 
 class QuantizeKernels:

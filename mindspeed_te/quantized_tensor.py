@@ -1,0 +1,231 @@
+"""Quantized parameters: torch.Tensor subclasses whose values live only in quantized form.
+
+`fp8_model_init` makes modules store their weights as these tensors. Each one wraps a
+`QuantizedTensorStorage` (the codes and their `scale_inv`, see tensor.py) and the quantizer that made it.
+The forward GEMMs read the storage directly. Everywhere else the tensor behaves like a tensor of its
+nominal dtype: any op sees the dequantized values, an in-place op (an optimizer step, `copy_`,
+`load_state_dict`) writes back by quantizing again with the tensor's own quantizer.
+
+The attributes Megatron's `fp8_utils` and distributed optimizer read from TransformerEngine's tensors are
+here under TE's names: `_data` (the rowwise codes as 1-byte storage, what the parameter all-gather moves),
+`_scale_inv`, `_fp8_dtype`, `_quantizer`, `dequantize()` and `quantize_(src)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    QuantizedTensorStorage,
+)
+
+__all__ = ["QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "dequantize_if_quantized"]
+
+_aten = torch.ops.aten
+# Ops that return the same tensor under another name: the result shares the storage (and so sees updates).
+_ALIASES = (_aten.detach.default, _aten.alias.default)
+_VIEWS = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default)
+
+
+def _tensor_fields(storage: QuantizedTensorStorage) -> list[str]:
+    return [f.name for f in dataclasses.fields(storage) if isinstance(getattr(storage, f.name), torch.Tensor)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-byte view of an 8-bit tensor (gloo and Megatron's buffers do not take float8 dtypes)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+class QuantizedTensor(torch.Tensor):
+    """A tensor of nominal shape and dtype whose values are `storage.dequantize()`."""
+
+    _storage: QuantizedTensorStorage
+    _quantizer: Quantizer
+
+    @staticmethod
+    def __new__(cls, storage: QuantizedTensorStorage, quantizer: Quantizer, requires_grad: bool = False):
+        device = getattr(storage, _tensor_fields(storage)[0]).device
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, storage.shape, dtype=storage.dtype, device=device, requires_grad=requires_grad)
+        tensor._storage = storage
+        tensor._quantizer = quantizer
+        return tensor
+
+    @staticmethod
+    def from_storage(storage: QuantizedTensorStorage, quantizer: Quantizer,
+                     requires_grad: bool = False) -> "QuantizedTensor":
+        """The subclass that matches the storage's scaling layout."""
+        return _CLASS_OF[type(storage)](storage, quantizer, requires_grad)
+
+    # TE's attributes -------------------------------------------------------------------------------
+    @property
+    def _fp8_dtype(self) -> FP8Dtype:
+        return self._storage.fp8_dtype
+
+    @property
+    def _data(self) -> torch.Tensor:
+        """The rowwise codes as uint8, in the parameter's shape."""
+        return _bytes(self._rowwise_codes())
+
+    @_data.setter
+    def _data(self, new: torch.Tensor) -> None:
+        """Point the codes at `new` (uint8, same shape), e.g. a slice of Megatron's parameter buffer."""
+        old = self._rowwise_codes()
+        if new.dtype != torch.uint8 or new.numel() != old.numel():
+            raise ValueError(f"_data must be a uint8 tensor of {old.numel()} elements, got {new.dtype} "
+                             f"with {new.numel()}")
+        self._set_rowwise_codes(new.view(old.shape).view(old.dtype))
+
+    @property
+    def _scale_inv(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _rowwise_codes(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _set_rowwise_codes(self, codes: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The real values as a plain tensor (nominal dtype unless `dtype`)."""
+        return self._storage.dequantize(dtype or self.dtype)
+
+    @torch.no_grad()
+    def quantize_(self, src: torch.Tensor) -> "QuantizedTensor":
+        """Store `src` in place: quantized with this tensor's quantizer into the existing buffers (which may be
+        views into Megatron's parameter buffer). A delayed-scaling quantizer also records src's amax."""
+        if tuple(src.shape) != tuple(self.shape):
+            raise ValueError(f"quantize_: source shape {tuple(src.shape)} != tensor shape {tuple(self.shape)}")
+        src = dequantize_if_quantized(src).to(device=self.device, dtype=self.dtype)
+        self._copy_storage(self._quantizer.quantize(src))
+        return self
+
+    def _copy_storage(self, new: QuantizedTensorStorage) -> None:
+        """Copy another storage of the same layout into this one's tensors, in place."""
+        for name in _tensor_fields(new):
+            mine, theirs = getattr(self._storage, name), getattr(new, name)
+            if mine is not None and mine.shape == theirs.shape and mine.dtype == theirs.dtype:
+                mine.copy_(theirs)
+            else:
+                setattr(self._storage, name, theirs)
+
+    def _same_layout(self, other: "QuantizedTensor") -> bool:
+        return type(other) is type(self) and other._storage.fp8_dtype == self._storage.fp8_dtype and \
+            _tensor_fields(other._storage) == _tensor_fields(self._storage)
+
+    # Tensor behaviour ------------------------------------------------------------------------------
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"{type(self).__name__}(fp8_dtype={self._fp8_dtype.name}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, values={self.dequantize()})")
+
+    def __reduce_ex__(self, protocol: int):
+        return _rebuild, (self._storage, self._quantizer, self.requires_grad)
+
+    def clone_storage(self) -> QuantizedTensorStorage:
+        copy = dataclasses.replace(self._storage)
+        for name in _tensor_fields(copy):
+            setattr(copy, name, getattr(copy, name).clone())
+        return copy
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIASES or (func in _VIEWS and list(args[1]) == list(args[0].shape)):
+            t = args[0]
+            return type(t)(t._storage, t._quantizer)
+        if func is _aten.clone.default:
+            t = args[0]
+            return type(t)(t.clone_storage(), t._quantizer)
+        if func is _aten.copy_.default and isinstance(args[0], QuantizedTensor):
+            dst, src = args[0], args[1]
+            if isinstance(src, QuantizedTensor) and dst._same_layout(src):
+                dst._copy_storage(src._storage)  # exact: codes and scales, no re-quantization
+            else:
+                dst.quantize_(src)
+            return dst
+        if func.namespace == "c10d":
+            return _collective(func, args, kwargs)
+        unwrapped = tree_map(dequantize_if_quantized, (args, kwargs))
+        out = func(*unwrapped[0], **unwrapped[1])
+        if func._schema.is_mutable and args and isinstance(args[0], QuantizedTensor):
+            # an in-place op ran on the dequantized copy: store its result back in quantized form
+            args[0].quantize_(unwrapped[0][0])
+            return args[0]
+        return out
+
+
+class Float8Tensor(QuantizedTensor):
+    """Per-tensor scaling (delayed and current; E4M3, E5M2, HiF8): one scale_inv for the whole tensor."""
+
+    @property
+    def _scale_inv(self) -> torch.Tensor:
+        return self._storage.scale_inv
+
+    def _rowwise_codes(self) -> torch.Tensor:
+        return self._storage.data
+
+    def _set_rowwise_codes(self, codes: torch.Tensor) -> None:
+        self._storage.data = codes
+
+
+class _TiledQuantizedTensor(QuantizedTensor):
+    @property
+    def _scale_inv(self) -> torch.Tensor:
+        return self._storage.rowwise_scale_inv
+
+    def _rowwise_codes(self) -> torch.Tensor:
+        return self._storage.rowwise_data
+
+    def _set_rowwise_codes(self, codes: torch.Tensor) -> None:
+        self._storage.rowwise_data = codes
+
+
+class Float8BlockwiseQTensor(_TiledQuantizedTensor):
+    """Blockwise scaling: a scale_inv per 128x128 tile (weights) or 1x128 tile."""
+
+
+class MXFP8Tensor(_TiledQuantizedTensor):
+    """MXFP8: an E8M0 scale_inv per 32 elements, rowwise and columnwise copies."""
+
+
+_CLASS_OF = {
+    Float8TensorStorage: Float8Tensor,
+    Float8BlockwiseQTensorStorage: Float8BlockwiseQTensor,
+    MXFP8TensorStorage: MXFP8Tensor,
+}
+
+
+def _rebuild(storage: QuantizedTensorStorage, quantizer: Quantizer, requires_grad: bool) -> QuantizedTensor:
+    return QuantizedTensor.from_storage(storage, quantizer, requires_grad)
+
+
+def dequantize_if_quantized(t: Any) -> Any:
+    """`t.dequantize()` for a QuantizedTensor, `t` itself for anything else."""
+    return t.dequantize() if isinstance(t, QuantizedTensor) else t
+
+
+def _collective(func, args: tuple, kwargs: dict):
+    """A c10d collective on quantized tensors (e.g. a parameter broadcast) moves each of their buffers as
+    bytes: codes and scales travel exactly, with no dequantize."""
+    tensors, rest = args[0], args[1:]
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, QuantizedTensor) for t in tensors):
+        raise NotImplementedError(f"{func}: quantized tensors must be passed alone to a collective "
+                                  "(in-place collectives such as broadcast are supported)")
+    result = None
+    for t in tensors:
+        for name in _tensor_fields(t._storage):
+            result = func([_bytes(getattr(t._storage, name))], *rest, **kwargs)
+            work = result[-1] if isinstance(result, tuple) else None
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+    if isinstance(result, tuple) and len(result) == 2:
+        return list(tensors), result[1]
+    return result

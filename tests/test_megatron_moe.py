@@ -1,0 +1,81 @@
+"""Megatron's MoE layer (TE spec, all-to-all token dispatcher) with expert parallelism over gloo on CPU,
+against the same experts on one process."""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests.dist_utils import run_distributed  # noqa: E402
+
+NUM_EXPERTS, HIDDEN = 4, 32
+
+
+def _tokens(rank: int) -> torch.Tensor:
+    return torch.randn(8, 2, HIDDEN, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _moe_worker(rank: int, world: int, ep: int, full: dict | None, token_rank: int | None, fp8: str | None) -> dict:
+    """Forward + backward of one MoE layer with expert parallelism `ep`; `full` (a one-process layer's
+    parameters) sets the weights, each EP rank taking its experts' share."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mindspeed_te.megatron.fp8 import get_fp8_context
+    from patches.device_cpu import register_device_cpu
+    from patches.megatron_te import register_megatron_te
+    from patches.registry import PatchRegistry
+
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    register_device_cpu(registry)
+    registry.apply()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(5)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=NUM_EXPERTS, moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, expert_model_parallel_size=ep,
+        moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True, fp8=fp8,
+        fp8_recipe="tensorwise" if fp8 else "delayed")
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=True)
+    layer = build_module(spec.submodules.mlp, config=config)
+    local = NUM_EXPERTS // ep
+    if full is not None:
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                match = re.fullmatch(r"(experts\..*weight)(\d+)", name)
+                source = f"{match[1]}{rank * local + int(match[2])}" if match else name
+                param.copy_(full[source])
+    x = _tokens(rank if token_rank is None else token_rank).requires_grad_()
+    with get_fp8_context(config):
+        out, _ = layer(x)
+    out.backward(torch.ones_like(out))
+    result = {"out": out.detach(), "dx": x.grad, "params": {n: p.detach().clone() for n, p in layer.named_parameters()},
+              "types": {type(m).__name__ for m in layer.modules()}}
+    parallel_state.destroy_model_parallel()
+    registry.revert()
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", [None, "hif8"])
+def test_moe_alltoall_with_expert_parallelism_matches_one_process(fp8):
+    """EP=2: each rank's tokens travel to the rank holding their experts and back. Per-token results equal
+    the same experts on one process (fp32 exactly up to summation order; HiF8 tensorwise quantizes each
+    expert's tokens together, so to format precision)."""
+    reference = run_distributed(_moe_worker, 1, 1, None, 0, fp8)[0]
+    singles = [run_distributed(_moe_worker, 1, 1, reference["params"], r, fp8)[0] for r in range(2)]
+    ranks = run_distributed(_moe_worker, 2, 2, reference["params"], None, fp8)
+    assert "TEColumnParallelGroupedLinear" in ranks[0]["types"]
+    tol = dict(rtol=1e-5, atol=1e-6) if fp8 is None else dict(rtol=0.1, atol=0.05)
+    for single, ep in zip(singles, ranks):
+        assert torch.allclose(ep["out"], single["out"], **tol)
+        assert torch.allclose(ep["dx"], single["dx"], **tol)
