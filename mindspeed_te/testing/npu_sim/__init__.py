@@ -23,10 +23,14 @@ activations fused into grouped GEMMs, ...) raise `NpuSimNotImplemented` instead 
 Layout: dtypes.py (dtype numbers), errors.py, checks.py (argument checks, the `kernel` wrapper), codecs.py
 (encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, simulator.py.
 """
-from mindspeed_te.testing.npu_sim.dtypes import (FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU,
-                                                 HIFLOAT8)
-from mindspeed_te.testing.npu_sim.errors import (NpuContractError, NpuSimNotImplemented, NpuSocError,
-                                                 NpuTypeError, NpuValueError)
+from mindspeed_te.testing.npu_sim.dtypes import FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, HIFLOAT8
+from mindspeed_te.testing.npu_sim.errors import (
+                                                 NpuContractError,
+                                                 NpuSimNotImplemented,
+                                                 NpuSocError,
+                                                 NpuTypeError,
+                                                 NpuValueError,
+)
 from mindspeed_te.testing.npu_sim.simulator import NpuSimulator, make_simulator
 
 __all__ = [

@@ -9,8 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mindspeed_te.testing.npu_sim.dtypes import NPU_ONLY_NAMES, NUMBER_TO_NATIVE, Dtype, DtypeArg
-from mindspeed_te.testing.npu_sim.errors import (NpuContractError, NpuSimNotImplemented, NpuTypeError,
-                                                  NpuValueError)
+from mindspeed_te.testing.npu_sim.errors import NpuContractError, NpuSimNotImplemented, NpuTypeError, NpuValueError
 
 
 def dtype_name(d: Any) -> str:

@@ -96,7 +96,7 @@ def _table(name: str, value_of, overflow_code: int, overflow_value: float, nan_c
     return CodeTable(name, values, ladder, codes, finite[-1], overflow_value, nan_code, ties_away, negative_zero)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_table(dtype: Dtype) -> CodeTable:
     """The table of torch.float8_e4m3fn, torch.float8_e5m2 or torch_npu.hifloat8 (HIFLOAT8)."""
     if dtype == torch.float8_e4m3fn:

@@ -8,12 +8,33 @@ from typing import Optional
 import torch
 
 from mindspeed_te.testing.npu_sim.blocks import expand_blocks
-from mindspeed_te.testing.npu_sim.checks import (ceil_div, check_dims, check_dtype, check_int, check_layout,
-                                                 check_none, check_same_device, check_scale_layout, check_shape,
-                                                 check_tensor, dtype_arg, dtype_name, kernel)
+from mindspeed_te.testing.npu_sim.checks import (
+    ceil_div,
+    check_dims,
+    check_dtype,
+    check_int,
+    check_layout,
+    check_none,
+    check_same_device,
+    check_scale_layout,
+    check_shape,
+    check_tensor,
+    dtype_arg,
+    dtype_name,
+    kernel,
+)
 from mindspeed_te.testing.npu_sim.codecs import decode, e8m0_values
-from mindspeed_te.testing.npu_sim.dtypes import (E8M0_CARRIERS, FLOAT8_E8M0FNU, FP4, FP8_NATIVE, GEMM_OUT,
-                                                 HIF8_CARRIERS, HIFLOAT8, Dtype, DtypeArg)
+from mindspeed_te.testing.npu_sim.dtypes import (
+    E8M0_CARRIERS,
+    FLOAT8_E8M0FNU,
+    FP4,
+    FP8_NATIVE,
+    GEMM_OUT,
+    HIF8_CARRIERS,
+    HIFLOAT8,
+    Dtype,
+    DtypeArg,
+)
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
 
 

@@ -6,12 +6,32 @@ from typing import Any, Optional, Union
 
 import torch
 
-from mindspeed_te.testing.npu_sim.checks import (check_choice, check_dims, check_dtype, check_int, check_layout,
-                                                 check_list, check_none, check_same_device, check_shape,
-                                                 check_tensor, dtype_arg, dtype_name, kernel)
+from mindspeed_te.testing.npu_sim.checks import (
+    check_choice,
+    check_dims,
+    check_dtype,
+    check_int,
+    check_layout,
+    check_list,
+    check_none,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    dtype_arg,
+    dtype_name,
+    kernel,
+)
 from mindspeed_te.testing.npu_sim.codecs import decode
-from mindspeed_te.testing.npu_sim.dtypes import (FLOAT8_E8M0FNU, FLOATS, FP4, FP8_NATIVE, GEMM_OUT, HIF8_CARRIERS,
-                                                 HIFLOAT8, DtypeArg)
+from mindspeed_te.testing.npu_sim.dtypes import (
+    FLOAT8_E8M0FNU,
+    FLOATS,
+    FP4,
+    FP8_NATIVE,
+    GEMM_OUT,
+    HIF8_CARRIERS,
+    HIFLOAT8,
+    DtypeArg,
+)
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
 
 MAX_GROUPS = 128

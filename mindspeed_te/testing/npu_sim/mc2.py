@@ -5,8 +5,17 @@ from typing import Any, Optional
 
 import torch
 
-from mindspeed_te.testing.npu_sim.checks import (check_choice, check_dims, check_dtype, check_int, check_layout,
-                                                 check_none, check_tensor, dtype_arg, kernel)
+from mindspeed_te.testing.npu_sim.checks import (
+    check_choice,
+    check_dims,
+    check_dtype,
+    check_int,
+    check_layout,
+    check_none,
+    check_tensor,
+    dtype_arg,
+    kernel,
+)
 from mindspeed_te.testing.npu_sim.dtypes import FP8_NATIVE, GEMM_OUT, HALF_FLOATS, DtypeArg
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuValueError
 

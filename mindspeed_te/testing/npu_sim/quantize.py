@@ -7,12 +7,32 @@ from typing import Any, Optional
 import torch
 
 from mindspeed_te.testing.npu_sim.blocks import block_amax, expand_blocks
-from mindspeed_te.testing.npu_sim.checks import (ceil_div, check_axis, check_choice, check_dims, check_dtype,
-                                                 check_float, check_int, check_same_device, check_shape,
-                                                 check_tensor, dtype_arg, dtype_name, kernel)
+from mindspeed_te.testing.npu_sim.checks import (
+    ceil_div,
+    check_axis,
+    check_choice,
+    check_dims,
+    check_dtype,
+    check_float,
+    check_int,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    dtype_arg,
+    dtype_name,
+    kernel,
+)
 from mindspeed_te.testing.npu_sim.codecs import encode, format_max
-from mindspeed_te.testing.npu_sim.dtypes import (FLOAT4_E2M1FN_X2, FLOATS, FP4, FP8_NATIVE, HALF_FLOATS, HIFLOAT8,
-                                                 Dtype, DtypeArg)
+from mindspeed_te.testing.npu_sim.dtypes import (
+    FLOAT4_E2M1FN_X2,
+    FLOATS,
+    FP4,
+    FP8_NATIVE,
+    HALF_FLOATS,
+    HIFLOAT8,
+    Dtype,
+    DtypeArg,
+)
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuValueError
 
 HIF8_DST_MAX = (0.0, 15.0, 56.0, 224.0, 32768.0)  # targets the HiF8 quantizers accept (CANN, Ascend 950)

@@ -8,12 +8,30 @@ from typing import Any
 import torch
 
 from mindspeed_te.testing.npu_sim.attention import AttentionKernels
-from mindspeed_te.testing.npu_sim.checks import (check_dims, check_dtype, check_float, check_tensor, dtype_arg,
-                                                 dtype_name, kernel)
+from mindspeed_te.testing.npu_sim.checks import (
+    check_dims,
+    check_dtype,
+    check_float,
+    check_tensor,
+    dtype_arg,
+    dtype_name,
+    kernel,
+)
 from mindspeed_te.testing.npu_sim.codecs import decode, encode
-from mindspeed_te.testing.npu_sim.dtypes import (FLOAT4_E1M2FN_X2, FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2,
-                                                 FLOAT8_E8M0FNU, FLOATS, FP8_NATIVE, HIF8_CARRIERS, HIFLOAT8, INT4,
-                                                 NPU_ONLY_NAMES, DtypeArg)
+from mindspeed_te.testing.npu_sim.dtypes import (
+    FLOAT4_E1M2FN_X2,
+    FLOAT4_E2M1FN_X2,
+    FLOAT8_E4M3FN,
+    FLOAT8_E5M2,
+    FLOAT8_E8M0FNU,
+    FLOATS,
+    FP8_NATIVE,
+    HIF8_CARRIERS,
+    HIFLOAT8,
+    INT4,
+    NPU_ONLY_NAMES,
+    DtypeArg,
+)
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuTypeError, NpuValueError
 from mindspeed_te.testing.npu_sim.gemm import QuantMatmulKernels
 from mindspeed_te.testing.npu_sim.grouped_gemm import GroupedMatmulKernels
