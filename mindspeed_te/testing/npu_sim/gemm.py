@@ -115,6 +115,10 @@ class QuantMatmulKernels:
             batch = torch.Size()
             if pertoken_scale is None:
                 raise NpuValueError(f"pertoken_scale is required with group_sizes {list(groups)}")
+            # aclnnQuantMatmulV5, Ascend 950PR/950DT, "G-B && B-B && mx量化模式": "仅mx量化模式下包含bias。"
+            if bias is not None and groups != (1, 1, 32):
+                raise NpuValueError(f"bias must be None with group_sizes {list(groups)} (blockwise G-B/B-B modes "
+                                    "take no bias; of the grouped modes only mx, [1, 1, 32], has one)")
             if groups == (1, 1, 32):
                 a, b = self._mx_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2)
             else:
@@ -155,6 +159,8 @@ class QuantMatmulKernels:
         if not isinstance(group_sizes, (list, tuple)) or len(group_sizes) != 3:
             raise NpuValueError(f"group_sizes must be a list of 3 ints, got {group_sizes!r}")
         groups = tuple(check_int("group_sizes", g) for g in group_sizes)
+        # aclnnQuantMatmulV5: "对于G-B，B-B和mx量化模式，[groupSizeM，groupSizeN，groupSizeK]取值组合仅分别支持
+        # [1，128，128]，[128，128，128]和[1，1，32]。"
         allowed = [(0, 0, 0), (1, 128, 128), (128, 128, 128), (1, 1, 32)]
         if groups not in allowed:
             raise NpuValueError(f"group_sizes must be one of {[list(a) for a in allowed]}, got {list(groups)}")

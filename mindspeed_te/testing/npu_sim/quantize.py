@@ -33,7 +33,7 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     Dtype,
     DtypeArg,
 )
-from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuValueError
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuValueError
 
 HIF8_DST_MAX = (0.0, 15.0, 56.0, 224.0, 32768.0)  # targets the HiF8 quantizers accept (CANN, Ascend 950)
 BLOCK_ROWS = (1, 128, 256, 512)
@@ -123,6 +123,8 @@ class QuantizeKernels:
     def _dst_type_max(out: Dtype, dst_type_max: Any) -> float:
         """The target max: dst_type_max, or the format's max when 0. Only HiF8 takes other values than 0."""
         value = check_float("dst_type_max", dst_type_max)
+        # aclnnDynamicBlockQuantV2: "dstTypeMax: 当前只支持目标数据类型为HIFLOAT8，且可选取值为0.0，15.0，56.0，
+        # 224.0，32768.0; 0.0表示使用数据类型原始的最大值。"
         if out == HIFLOAT8:
             check_choice("dst_type_max", value, HIF8_DST_MAX, "for HiF8 output")
         elif value != 0.0:
@@ -155,22 +157,28 @@ class QuantizeKernels:
                                 dst_type: DtypeArg = 1, row_block_size: int = 1, col_block_size: int = 128,
                                 dst_type_max: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-tile quantization over the last two dims (x 2-D or 3-D, tiles row_block_size x col_block_size,
-        edge tiles partial): scale = max(amax / dst_max, min_scale), y = cast(x / scale), like
-        npu_dynamic_quant's formula (float32 scale of shape (..., ceil(rows / row_block_size),
-        ceil(cols / col_block_size)), x = y * scale). All-zero tiles as in `decode_scale`."""
-        check_tensor("x", x, HALF_FLOATS)
+        edge tiles partial), the Ascend 950 form (aclnnDynamicBlockQuantV2): scale = amax / dst_max, capped at
+        1 / min_scale when min_scale > 0, y = cast(x / scale) (float32 scale of shape (..., ceil(rows /
+        row_block_size), ceil(cols / col_block_size)), x = y * scale). All-zero tiles as in `decode_scale`. No
+        option yields power-of-2 scales."""
+        # "x: FLOAT16、BFLOAT16、FLOAT32 ... 2-3" (aclnnDynamicBlockQuantV2, parameter table)
+        check_tensor("x", x, FLOATS)
         check_dims("x", x, 2, 3)
         out = dtype_arg("dst_type", dst_type, required=True)
-        if self.supports_fp8:
-            check_dtype("dst_type", out, (*FP8_NATIVE, HIFLOAT8))
-        else:
+        if not self.supports_fp8:
             raise NpuSimNotImplemented(f"only the Ascend 950 form (float8/HiF8 output) is simulated, "
                                        f"the chip is {self.soc_name}")
+        # "dstType ... 支持取值2、34、35、36，分别代表INT8、HIFLOAT8、FLOAT8_E5M2、FLOAT8_E4M3FN" (INT8 not simulated)
+        check_dtype("dst_type", out, (*FP8_NATIVE, HIFLOAT8))
+        # "当输出yOut的数据类型是HIFLOAT8时，参数roundModeOptional支持设置为round。当输出yOut的数据类型是INT8、
+        # FLOAT8_E4M3FN、FLOAT8_E5M2时，参数roundModeOptional支持设置为rint。"
         need = "round" if out == HIFLOAT8 else "rint"
         if round_mode != need:
             raise NpuValueError(f"round_mode must be {need!r} for {dtype_name(out)} output, got {round_mode!r}")
+        # "rowBlockSize ... 支持取值1，128，256，512。" / "colBlockSize ... 支持取值64，128，192，256。"
         check_choice("row_block_size", check_int("row_block_size", row_block_size), BLOCK_ROWS)
         check_choice("col_block_size", check_int("col_block_size", col_block_size), BLOCK_COLS)
+        # "minScale ... 取值不小于0。"
         floor = check_float("min_scale", min_scale)
         if floor < 0:
             raise NpuValueError(f"min_scale must be >= 0, got {floor}")
@@ -178,7 +186,8 @@ class QuantizeKernels:
         xf = x.float()
         scale = decode_scale(block_amax(xf, row_block_size, col_block_size), target)
         if floor > 0:
-            scale = torch.clamp(scale, min=floor)
+            # "scaleOut = min(input_max / (FP8_MAX/HiF8_MAX/DST_TYPE_MAX / INT8_MAX), 1/minScale)"
+            scale = torch.clamp(scale, max=1.0 / floor)
         scale_full = expand_blocks(scale, row_block_size, col_block_size, x.shape[-2], x.shape[-1])
         return encode(xf / scale_full, out), scale
 
@@ -213,6 +222,41 @@ class QuantizeKernels:
             raise NpuValueError(f"max_low_bound must be >= 0, and 0 unless scale_alg is 1; got {bound}")
         if input.dtype == torch.float32 and (block_size != 32 or input.shape[dim] < 32):
             raise NpuValueError("float32 input needs block_size 32 and at least 32 elements along axis")
+        return self._mx_quantize(input, dim, out, block_size, scale_alg, bound)
+
+    @kernel
+    def npu_dynamic_mx_quant_with_dual_axis(self, input: torch.Tensor, /, *, round_mode: str = "rint",
+                                            dst_type: DtypeArg = FLOAT4_E2M1FN_X2, scale_alg: int = 0,
+                                            dst_type_max: Optional[float] = 0.0
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MX quantization along the last and the second-to-last axis at once (blocks of 32, rules as
+        npu_dynamic_mx_quant): (y1, mxscale1, y2, mxscale2) with y1/mxscale1 as axis=-1 and y2/mxscale2 as
+        axis=-2 would give; mxscale2 is (..., ceil(M/64), N, 2), block pairs (2i, 2i + 1) interleaved."""
+        # "该接口仅在Ascend 950DT上支持." (torch_npu 2.14 _op_plugin_docs.py, npu_dynamic_mx_quant_with_dual_axis)
+        if not self.soc_name.startswith("Ascend950DT"):
+            raise NpuSocError(f"npu_dynamic_mx_quant_with_dual_axis runs on the Ascend 950DT only; the simulated "
+                              f"chip is {self.soc_name}")
+        # "input: ... 维度支持2-7维, ... 数据类型支持float16、bfloat16."
+        check_tensor("input", input, HALF_FLOATS)
+        check_dims("input", input, 2, 7)
+        # "dst_type: ... 支持取值23(torch.float8_e5m2)、24(torch.float8_e4m3fn)、296(...)、297(...)."
+        out = dtype_arg("dst_type", dst_type, required=True)
+        check_dtype("dst_type", out, (*FP8_NATIVE, *FP4))
+        if out in FP4:
+            raise NpuSimNotImplemented(f"dst_type={dtype_name(out)}: only FP8 outputs are simulated")
+        # "float8_e5m2/float8_e4m3fn支持scale_alg为0、1, round_mode仅支持"rint", 不支持设置dst_type_max"
+        if round_mode != "rint":
+            raise NpuValueError(f"round_mode must be 'rint' for FP8 output, got {round_mode!r}")
+        check_choice("scale_alg", check_int("scale_alg", scale_alg), (0, 1), "for FP8 output")
+        if dst_type_max is not None and check_float("dst_type_max", dst_type_max) != 0.0:
+            raise NpuValueError(f"dst_type_max cannot be set for FP8 output (must be 0.0), got {dst_type_max}")
+        y1, s1 = self._mx_quantize(input, input.dim() - 1, out, 32, scale_alg, 0.0)
+        y2, s2 = self._mx_quantize(input, input.dim() - 2, out, 32, scale_alg, 0.0)
+        return y1, s1, y2, s2
+
+    def _mx_quantize(self, input: torch.Tensor, dim: int, out: Dtype, block_size: int, scale_alg: int,
+                     bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, E8M0 scale pairs) of MX quantization along `dim` (arguments already checked)."""
         x = input.float().movedim(dim, -1)
         n = x.shape[-1]
         blocks = ceil_div(n, block_size)
@@ -220,7 +264,7 @@ class QuantizeKernels:
         amax = padded.abs().reshape(*x.shape[:-1], blocks, block_size).amax(dim=-1)
         code = self._mx_scale_bytes(amax.clamp(min=bound) if scale_alg == 1 else amax, out, scale_alg)
         inv = torch.exp2(127.0 - code.double()).repeat_interleave(block_size, dim=-1)[..., :n]
-        y = encode((x.double() * inv).float(), out).movedim(-1, dim)
+        y = encode(x.double() * inv, out).movedim(-1, dim)  # x * 2^-e is exact in float64: one rounding
         code = torch.nn.functional.pad(code, (0, blocks % 2))  # pairs of blocks; the odd one out pads with 0
         pairs = code.to(torch.uint8).reshape(*code.shape[:-1], -1, 2).movedim(-2, dim)
         return y.contiguous(), pairs.contiguous()
