@@ -3,7 +3,7 @@
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
 from mindspeed_te.distributed import checkpoint
-from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,
     GroupedLinear,
@@ -24,6 +24,7 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
     HIF8DelayedScaling,
     MMParams,
     MXFP8BlockScaling,

@@ -10,16 +10,28 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
-from mindspeed_te.diagnostics import HostSyncCounter
+from mindspeed_te import fused_cast
+from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
 from mindspeed_te.formats import hif8_encode
-from mindspeed_te.kernels import get_backend
+from mindspeed_te.kernels import BACKEND_ENV, get_backend
+from mindspeed_te.kernels.npu import SIMULATOR_ENV
+from mindspeed_te.modules.linear import Linear
 from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
-from mindspeed_te.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
+from mindspeed_te.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    Recipe,
+)
 from mindspeed_te.recipe_state import RecipeState
+from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
 # name -> (target, True when the ratio must be at least the target / False when at most)
 TARGETS = {
@@ -29,8 +41,15 @@ TARGETS = {
     "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
     "bytes saved for backward / bf16 linear": (0.55, False),
     "host syncs per fp8 linear fwd+bwd": (0, False),
-    "NPU kernel launches, forward (weight cached)": (3, False),
-    "NPU kernel launches, backward": (4, False),
+    "NPU launches, linear forward, delayed": (6, False),
+    "NPU launches, linear backward, delayed": (8, False),
+    "NPU launches, linear forward, tensorwise": (4, False),
+    "NPU launches, linear backward, tensorwise": (6, False),
+    "NPU launches, linear forward, blockwise": (4, False),
+    "NPU launches, linear backward, blockwise": (6, False),
+    "NPU launches, linear forward, mxfp8": (4, False),
+    "NPU launches, linear backward, mxfp8": (6, False),
+    "NPU launches, delayed update per step": (16, False),
 }
 
 
@@ -138,41 +157,88 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
     return rows
 
 
-def bench_npu_launches() -> list[tuple[str, float, str]]:
-    """torch_npu kernels one FP8 linear launches, counted through the simulator (torch ops not included)."""
-    from mindspeed_te.kernels.npu import NpuBackend
-    from mindspeed_te.kernels.npu_sim import make_simulator
-    from mindspeed_te.ops.linear import WeightCache
-    import mindspeed_te.kernels.npu as npu_kernels
-
-    sim = make_simulator()
-    saved = os.environ.get("MINDSPEED_TE_BACKEND"), npu_kernels.get_npu_backend
-    os.environ["MINDSPEED_TE_BACKEND"] = "npu"
-    npu_kernels.get_npu_backend = lambda: NpuBackend(sim)
-    rows = []
+@contextmanager
+def npu_simulated() -> Iterator[Any]:
+    """The NPU backend on the torch_npu simulator for CPU tensors; yields the simulated torch_npu module.
+    The CPU-only fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
+    saved = {name: os.environ.get(name) for name in (BACKEND_ENV, SIMULATOR_ENV)}
+    os.environ[BACKEND_ENV], os.environ[SIMULATOR_ENV] = "npu", "1"
+    fused, fused_cast.enabled = fused_cast.enabled, False
     try:
-        for recipe in (DelayedScaling(fp8_format=Format.HIF8), Float8CurrentScaling(fp8_format=Format.HIF8),
-                       MXFP8BlockScaling()):
-            fwd = RecipeState.create(recipe, forward=True, num_quantizers=3).make_quantizers()
-            bwd = RecipeState.create(recipe, forward=False, num_quantizers=2).make_quantizers()
-            q, cache = LinearQuantizers(fwd[0], fwd[1], bwd[0]), WeightCache()
-            x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
-            w = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
-            fp8_linear(x, w, quantizers=q, weight_cache=cache, is_first_microbatch=True)
-            sim.reset_counts()
-            y = fp8_linear(x, w, quantizers=q, weight_cache=cache, is_first_microbatch=False)
-            forward = sim.total_launches()
-            sim.reset_counts()
-            y.backward(torch.ones_like(y))
-            name = f"{type(recipe).__name__} {recipe.fp8_format.name}"
-            rows.append(("NPU kernel launches, forward (weight cached)", float(forward), name))
-            rows.append(("NPU kernel launches, backward", float(sim.total_launches()), name))
+        yield get_backend().npu
     finally:
-        npu_kernels.get_npu_backend = saved[1]
-        if saved[0] is None:
-            os.environ.pop("MINDSPEED_TE_BACKEND", None)
-        else:
-            os.environ["MINDSPEED_TE_BACKEND"] = saved[0]
+        fused_cast.enabled = fused
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def launch_recipes() -> dict[str, Recipe]:
+    """Every recipe x format the launch counts cover (TE defaults otherwise; MXFP8 has no HiF8 form)."""
+    recipes: dict[str, Recipe] = {}
+    for fmt in (Format.E4M3, Format.HYBRID, Format.HIF8):
+        recipes[f"delayed {fmt.name}"] = DelayedScaling(fp8_format=fmt)
+        recipes[f"tensorwise {fmt.name}"] = Float8CurrentScaling(fp8_format=fmt)
+        recipes[f"blockwise {fmt.name}"] = Float8BlockScaling(fp8_format=fmt)
+        if fmt is not Format.HIF8:
+            recipes[f"mxfp8 {fmt.name}"] = MXFP8BlockScaling(fp8_format=fmt)
+    return recipes
+
+
+def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of one `Linear(256, 256, bias=True)` forward (weight quantization included) and backward in a
+    training step, on 128 tokens. The measured layer is the second of two, so its backward does not carry
+    the step's backward amax update (counted by `update_launches`); the second step is measured, so
+    delayed scaling runs with real scales."""
+    first, layer = (Linear(256, 256, bias=True, params_dtype=dtype) for _ in range(2))
+    x = torch.randn(128, 256, dtype=dtype)
+    for _ in range(2):
+        forward, backward = LaunchCounter(npu), LaunchCounter(npu)
+        with fp8_autocast(fp8_recipe=recipe):
+            h = first(x).detach().requires_grad_()
+            with forward:
+                y = layer(h)
+        dy = torch.ones_like(y)
+        layer.zero_grad(set_to_none=True)  # gradient accumulation into .grad is not the layer's work
+        with backward:
+            y.backward(dy)
+    return forward, backward
+
+
+def update_launches(recipe: DelayedScaling, layers: int, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of the per-step delayed-scaling update (forward, backward) of `layers` Linear(256, 256)."""
+    model = torch.nn.Sequential(*(Linear(256, 256, bias=True) for _ in range(layers)))
+    FP8GlobalStateManager.reset()
+    autocast = fp8_autocast(fp8_recipe=recipe)
+    autocast.__enter__()
+    model(torch.randn(32, 256))
+    forward, backward = LaunchCounter(npu), LaunchCounter(npu)
+    with forward:
+        autocast.__exit__(None, None, None)
+    with backward:
+        FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+    return forward, backward
+
+
+def bench_npu_launches() -> list[tuple[str, float, str]]:
+    """Device launches (non-view aten ops + torch_npu kernels) of the NPU path on the simulator."""
+    rows = []
+    with npu_simulated() as npu:
+        for name, recipe in launch_recipes().items():
+            kind = name.split()[0]
+            for dtype in (torch.bfloat16, torch.float32):
+                forward, backward = linear_launches(recipe, dtype, npu)
+                detail = f"{name} {str(dtype).replace('torch.', '')} ({forward.npu_kernels} / " \
+                         f"{backward.npu_kernels} torch_npu)"
+                rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
+                rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
+        for layers in (2, 32):
+            forward, backward = update_launches(DelayedScaling(), layers, npu)
+            rows.append(("NPU launches, delayed update per step", float(forward.total), f"{layers} layers, forward"))
+            rows.append(("NPU launches, delayed update per step", float(backward.total), f"{layers} layers, backward"))
+    FP8GlobalStateManager.reset()
     return rows
 
 

@@ -1,11 +1,13 @@
-"""Counters that make hidden costs visible: host-device synchronizations in a region of code."""
+"""Counters that make hidden costs visible: host-device synchronizations and device kernel launches in a
+region of code."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Tensor methods that need the tensor's value on the host: each one blocks until the device is done.
 _SYNCING = {
@@ -55,3 +57,65 @@ def _host_copy(func, args, kwargs) -> str | None:
     if dst.device.type == "cpu" and isinstance(src, torch.Tensor) and src.device.type != "cpu":
         return "copy_to_cpu"
     return None
+
+
+# Allocations reserve memory; they launch no kernel on the device.
+_NOT_LAUNCHES = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts device kernel launches in a region: every aten op that is not a view or an allocation (on an
+    NPU each is a kernel launch) plus every torch_npu kernel call. Pass the torch_npu module (or the
+    simulator) as `npu`: its `npu_*` kernels are counted once each, and the torch ops the simulator runs to
+    compute them are not counted. `counts` says what ran; `total` is the number of launches."""
+
+    def __init__(self, npu: Optional[Any] = None) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self._npu = npu
+        self._inside_kernel = 0
+        self._patched: dict[str, Any] = {}  # name -> what the module's own __dict__ held (None: nothing)
+
+    def __enter__(self) -> "LaunchCounter":
+        if self._npu is not None:
+            # A module's dir() lists only its own attributes; the simulator's kernels are methods of its class.
+            for name in sorted(set(vars(self._npu)) | set(dir(type(self._npu)))):
+                if name.startswith("npu_") and callable(getattr(self._npu, name)):
+                    self._patched[name] = vars(self._npu).get(name)
+                    setattr(self._npu, name, self._counted(name, getattr(self._npu, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, own in self._patched.items():
+            if own is None:
+                delattr(self._npu, name)  # the class attribute shows through again
+            else:
+                setattr(self._npu, name, own)
+        self._patched.clear()
+        return super().__exit__(*exc)
+
+    def _counted(self, name: str, kernel: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._inside_kernel == 0:
+                self.counts[f"torch_npu.{name}"] += 1
+            self._inside_kernel += 1
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                self._inside_kernel -= 1
+
+        return call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
+        if self._inside_kernel == 0 and not func.is_view and func.overloadpacket.__name__ not in _NOT_LAUNCHES:
+            self.counts[f"aten.{func.overloadpacket.__name__}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def npu_kernels(self) -> int:
+        """How many of the launches are torch_npu kernels."""
+        return sum(n for name, n in self.counts.items() if name.startswith("torch_npu."))

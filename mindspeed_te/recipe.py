@@ -6,12 +6,13 @@ GEMMs use. It holds no tensors; quantizers and the state manager turn it into st
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal, Optional, Union
+from typing import Callable, ClassVar, Literal, NamedTuple, Optional, Union
 
-from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.formats import FP8Dtype
 
 __all__ = [
     "Format",
@@ -26,6 +27,51 @@ __all__ = [
     "recipe_from_name",
     "get_default_recipe",
 ]
+
+
+class _FormatHelper(NamedTuple):
+    """A Format's value, as in TransformerEngine (`Format.E4M3.value.max_fwd`), plus the element dtypes."""
+
+    fwd: str
+    bwd: str
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """TransformerEngine's recipe.Format, plus HIF8: element dtypes and default target maxima of forward
+    tensors (activations, weights) and backward tensors (gradients). HiF8's targets 15 and 224 are the tops
+    of its 3- and 2-mantissa-bit ranges (MindSpeed's choice); recipes can override them."""
+
+    E4M3 = _FormatHelper("E4M3", "E4M3", 448.0, 448.0)
+    E5M2 = _FormatHelper("E5M2", "E5M2", 57344.0, 57344.0)
+    HYBRID = _FormatHelper("E4M3", "E5M2", 448.0, 57344.0)
+    HIF8 = _FormatHelper("HIF8", "HIF8", 15.0, 224.0)
+
+    @property
+    def fwd_dtype(self) -> FP8Dtype:
+        return FP8Dtype[self.value.fwd]
+
+    @property
+    def bwd_dtype(self) -> FP8Dtype:
+        return FP8Dtype[self.value.bwd]
+
+    @property
+    def max_fwd(self) -> float:
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        return self.value.max_bwd
+
+    @classmethod
+    def from_name(cls, name: str) -> "Format":
+        """Format from Megatron's --fp8-format value (case-insensitive)."""
+        key = str(name).strip().upper()
+        if key not in cls.__members__:
+            allowed = ", ".join(m.lower() for m in cls.__members__)
+            raise ValueError(f"fp8 format {name!r} is not supported; allowed: {allowed}")
+        return cls[key]
 
 
 @dataclass(frozen=True)

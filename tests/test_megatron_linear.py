@@ -259,8 +259,8 @@ def _init_parity_worker(rank: int, world: int) -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from patches.device_cpu import register_device_cpu
-    from patches.registry import PatchRegistry
+    from mindspeed_te.patches.device_cpu import register_device_cpu
+    from mindspeed_te.patches.registry import PatchRegistry
 
     device = PatchRegistry()
     register_device_cpu(device)  # Megatron's RNG tracker keeps CUDA generator states

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from patches.arguments import CONFIG_FIELDS, add_arguments, validate_args, wrap_config_from_args, wrap_parse_args
+from mindspeed_te.patches.arguments import CONFIG_FIELDS, add_arguments, validate_args, wrap_config_from_args, wrap_parse_args
 
 
 def _megatron_like_parse_args(argv: list[str]):

@@ -15,9 +15,9 @@ pytest.importorskip("megatron.core")
 
 from mindspeed_te import FP8GlobalStateManager  # noqa: E402
 from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
-from patches.device_cpu import register_device_cpu  # noqa: E402
-from patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
-from patches.registry import PatchRegistry  # noqa: E402
+from mindspeed_te.patches.device_cpu import register_device_cpu  # noqa: E402
+from mindspeed_te.patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
+from mindspeed_te.patches.registry import PatchRegistry  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 
@@ -323,8 +323,8 @@ def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, 
 
 
 def test_a_second_full_registry_is_refused_by_name():
-    from patches import build_registry
-    from patches.registry import PatchError
+    from mindspeed_te.patches import build_registry
+    from mindspeed_te.patches.registry import PatchError
 
     first = build_registry()
     first.apply()
