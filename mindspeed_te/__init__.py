@@ -13,6 +13,7 @@ from mindspeed_te.modules import (
     RMSNorm,
     convert_linears,
 )
+from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -35,8 +36,8 @@ from mindspeed_te.recipe import (
 from mindspeed_te.recipe_state import (
     DelayedScalingRecipeState,
     Float8BlockScalingRecipeState,
-    HIF8DelayedScalingRecipeState,
     Float8CurrentScalingRecipeState,
+    HIF8DelayedScalingRecipeState,
     MXFP8BlockScalingRecipeState,
     RecipeState,
 )
@@ -50,8 +51,12 @@ from mindspeed_te.state import (
     is_mxfp8_available,
     quantized_model_init,
 )
-from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorStorage
-from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    QuantizedTensorStorage,
+)
 
 __version__ = "0.1.0"
 

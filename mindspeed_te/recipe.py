@@ -65,7 +65,7 @@ class Format(enum.Enum):
         return self.value.max_bwd
 
     @classmethod
-    def from_name(cls, name: str) -> "Format":
+    def from_name(cls, name: str) -> Format:
         """Format from Megatron's --fp8-format value (case-insensitive)."""
         key = str(name).strip().upper()
         if key not in cls.__members__:
@@ -93,7 +93,7 @@ class MMParams:
     use_split_accumulator: bool = True
 
 
-def _check_format(recipe: "Recipe", allowed: tuple[Format, ...]) -> None:
+def _check_format(recipe: Recipe, allowed: tuple[Format, ...]) -> None:
     if not isinstance(recipe.fp8_format, Format):
         raise TypeError(f"{type(recipe).__name__}.fp8_format must be a Format, got {recipe.fp8_format!r}")
     if recipe.fp8_format not in allowed:
@@ -103,7 +103,7 @@ def _check_format(recipe: "Recipe", allowed: tuple[Format, ...]) -> None:
         )
 
 
-def _check_target(recipe: "Recipe", name: str, value: Optional[float], dtype: FP8Dtype) -> None:
+def _check_target(recipe: Recipe, name: str, value: Optional[float], dtype: FP8Dtype) -> None:
     if value is None:
         return
     if not isinstance(value, (int, float)) or not 0 < value <= dtype.max:
@@ -243,9 +243,11 @@ class HIF8DelayedScaling(DelayedScaling):
                 raise ValueError(f"{name}.{field_name} must be an integer in [0, 30] (guard bits below 2^15), "
                                  f"got {value!r}")
         if not isinstance(self.amax_collect_interval, int) or self.amax_collect_interval < 0:
-            raise ValueError(f"{name}.amax_collect_interval must be an integer >= 0, got {self.amax_collect_interval!r}")
+            raise ValueError(f"{name}.amax_collect_interval must be an integer >= 0, "
+                             f"got {self.amax_collect_interval!r}")
         if not isinstance(self.scale_update_interval, int) or self.scale_update_interval < 1:
-            raise ValueError(f"{name}.scale_update_interval must be an integer >= 1, got {self.scale_update_interval!r}")
+            raise ValueError(f"{name}.scale_update_interval must be an integer >= 1, "
+                             f"got {self.scale_update_interval!r}")
         for field_name in ("margin", "fwd_target_max", "bwd_target_max", "scaling_factor_compute_algo"):
             if getattr(self, field_name) not in (0, None):
                 raise ValueError(f"{name}.{field_name} is not used: the per-tensor hif8_*_margin fields set the "
@@ -260,7 +262,8 @@ class HIF8DelayedScaling(DelayedScaling):
     def updates_at(self, step: int) -> bool:
         """Whether the history and scales are updated at the end of step `step` (1-based): every step of the
         warm-up, then every `scale_update_interval` steps."""
-        return step <= self.amax_collect_interval or (step - self.amax_collect_interval) % self.scale_update_interval == 0
+        collect = self.amax_collect_interval
+        return step <= collect or (step - collect) % self.scale_update_interval == 0
 
 
 def _power_2_default(env_name: str, default: bool) -> bool:

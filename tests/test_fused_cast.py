@@ -13,7 +13,6 @@ from tests.oracles import FLT_MAX, NP_DTYPES, np_cast
 from tests.oracles import current_scale_inv as oracle_scale_inv
 
 
-
 @pytest.fixture(autouse=True)
 def _switched_on(monkeypatch):
     monkeypatch.setattr(fused_cast, "enabled", True)

@@ -14,18 +14,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast  # noqa: E402
 from mindspeed_te.megatron import (  # noqa: E402
     TEColumnParallelGroupedLinear,
-    TEDotProductAttention,
     TEColumnParallelLinear,
-    TEGroupedLinear,
-    TERowParallelGroupedLinear,
     TEDelayedScaling,
+    TEDotProductAttention,
+    TEGroupedLinear,
     TELayerNormColumnParallelLinear,
     TELinear,
     TENorm,
+    TERowParallelGroupedLinear,
     TERowParallelLinear,
 )
-from mindspeed_te.modules import LayerNorm, RMSNorm  # noqa: E402
 from mindspeed_te.megatron.common import recipe_from_config  # noqa: E402
+from mindspeed_te.modules import LayerNorm, RMSNorm  # noqa: E402
 
 
 def _params(cls):

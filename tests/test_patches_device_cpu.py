@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from mindspeed_te.patches.device_cpu import Event, Stream, TORCH_CUDA, accelerator_present, register_device_cpu
+from mindspeed_te.patches.device_cpu import TORCH_CUDA, Event, Stream, accelerator_present, register_device_cpu
 from mindspeed_te.patches.registry import PatchRegistry
 
 

@@ -3,7 +3,6 @@ closed-form rotations and megatron-core's own unfused implementation."""
 from __future__ import annotations
 
 import math
-import types
 import warnings
 
 import pytest

@@ -15,13 +15,6 @@ from mindspeed_te import (
 from mindspeed_te.state import preserve_high_precision_init_val
 
 
-@pytest.fixture(autouse=True)
-def _clean_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def test_available_on_cpu():
     ok, reason = FP8GlobalStateManager.is_fp8_available()
     assert ok is True and reason == ""
@@ -69,7 +62,8 @@ def test_bad_arguments_raise_and_leave_state_untouched():
         with fp8_model_init(recipe=object()):
             pass
     assert FP8GlobalStateManager.get_autocast_state() == before
-    assert FP8GlobalStateManager.quantization_state.autocast_depth == 0 and not FP8GlobalStateManager.with_fp8_parameters()
+    assert FP8GlobalStateManager.quantization_state.autocast_depth == 0
+    assert not FP8GlobalStateManager.with_fp8_parameters()
 
 
 def _delayed_state(recipe, forward=True, n=3):
