@@ -153,6 +153,10 @@ class Linear(FP8ModuleBase):
             self._mc2_warned = True
         return False
 
+    def will_execute_quantized(self, is_context_quantized: bool) -> bool:
+        """Whether the GEMMs run quantized in a context that is (or is not) an FP8 autocast region."""
+        return is_context_quantized
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)
         quantized = fp8 is not None and FP8GlobalStateManager.is_fp8_enabled()
