@@ -32,7 +32,7 @@ from mindspeed_te.quantizers import (
     Quantizer,
     record_nonfinite,
 )
-from mindspeed_te.scaling import mark_nonfinite, tensor_amax
+from mindspeed_te.scaling import mark_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -65,6 +65,13 @@ def load_torch_npu() -> Any:
 @functools.lru_cache(maxsize=1)
 def get_npu_backend() -> "NpuBackend":
     return NpuBackend(load_torch_npu())
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in float32 in one reduction (NaN kept); 0 for an empty tensor (an expert without tokens)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
 def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,16 +142,18 @@ class NpuBackend(ReferenceBackend):
         return quantizer.quantize(x)
 
     def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8TensorStorage:
-        amax = tensor_amax(x2d).reshape(q.amax.shape)
+        # One reduction for the amax (max |x|, NaN kept), max-accumulated into the history slot; 1/scale was
+        # prepared at the last per-step update.
+        amax = _amax(x2d).reshape(q.amax.shape)
         torch.maximum(q.amax, amax, out=q.amax)
-        scale_inv = q.scale.reciprocal()
+        scale_inv = q.scale_inverse()
         # A non-float32 input would need scales in its own dtype; keep them exact by quantizing from float32.
         src = x2d if x2d.dtype == torch.float32 else x2d.float()
         y = self.npu.npu_quantize(src, scale_inv, None, self._npu_dtype(q.fp8_dtype), -1, True)
         if q.fp8_dtype is FP8Dtype.HIF8:
             y = y.view(torch.uint8)
         return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
-                            scale_inv=mark_nonfinite(scale_inv, amax))
+                                   scale_inv=mark_nonfinite(scale_inv, amax))
 
     def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor,
                          dst_max: float) -> Float8BlockwiseQTensorStorage:
