@@ -19,7 +19,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["mindspeed_te", "mindspeed_te.*", "patches", "patches.*"]),
+    # The Megatron integration lives in the top-level folder patches/ and installs as mindspeed_te.patches
+    # (never as a top-level `patches`, a name other distributions may also claim).
+    packages=find_packages(include=["mindspeed_te", "mindspeed_te.*"]) + ["mindspeed_te.patches"],
+    package_dir={"mindspeed_te.patches": "patches"},
     ext_modules=[fused_cast],
     install_requires=["torch>=2.4", "numpy"],
     extras_require={

@@ -3,7 +3,7 @@
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
 from mindspeed_te.distributed import checkpoint
-from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,
     GroupedLinear,
@@ -13,6 +13,7 @@ from mindspeed_te.modules import (
     RMSNorm,
     convert_linears,
 )
+from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -24,6 +25,7 @@ from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
+    Format,
     HIF8DelayedScaling,
     MMParams,
     MXFP8BlockScaling,
@@ -34,8 +36,8 @@ from mindspeed_te.recipe import (
 from mindspeed_te.recipe_state import (
     DelayedScalingRecipeState,
     Float8BlockScalingRecipeState,
-    HIF8DelayedScalingRecipeState,
     Float8CurrentScalingRecipeState,
+    HIF8DelayedScalingRecipeState,
     MXFP8BlockScalingRecipeState,
     RecipeState,
 )
@@ -49,8 +51,12 @@ from mindspeed_te.state import (
     is_mxfp8_available,
     quantized_model_init,
 )
-from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorStorage
-from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    QuantizedTensorStorage,
+)
 
 __version__ = "0.1.0"
 

@@ -91,7 +91,7 @@ def bench_quantize(size_mib: int, repeats: int) -> list[tuple[str, float, str]]:
     copy_t = best_time(lambda: dst.copy_(x), repeats)
     rows = [("copy_ baseline", 1.0, f"{copy_t * 1e3:.2f} ms")]
     for name, quantizer in quantize_cases().items():
-        t = best_time(lambda: quantizer(x), repeats)
+        t = best_time(lambda q=quantizer: q(x), repeats)
         rows.append((name, copy_t / t, f"{t * 1e3:.2f} ms"))
     return rows
 

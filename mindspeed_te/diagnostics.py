@@ -76,7 +76,7 @@ class LaunchCounter(TorchDispatchMode):
         self._inside_kernel = 0
         self._patched: dict[str, Any] = {}  # name -> what the module's own __dict__ held (None: nothing)
 
-    def __enter__(self) -> "LaunchCounter":
+    def __enter__(self) -> LaunchCounter:
         if self._npu is not None:
             # A module's dir() lists only its own attributes; the simulator's kernels are methods of its class.
             for name in sorted(set(vars(self._npu)) | set(dir(type(self._npu)))):

@@ -61,7 +61,7 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def from_storage(storage: QuantizedTensorStorage, quantizer: Quantizer,
-                     requires_grad: bool = False) -> "QuantizedTensor":
+                     requires_grad: bool = False) -> QuantizedTensor:
         """The subclass that matches the storage's scaling layout."""
         return _CLASS_OF[type(storage)](storage, quantizer, requires_grad)
 
@@ -99,7 +99,7 @@ class QuantizedTensor(torch.Tensor):
         return self._storage.dequantize(dtype or self.dtype)
 
     @torch.no_grad()
-    def quantize_(self, src: torch.Tensor) -> "QuantizedTensor":
+    def quantize_(self, src: torch.Tensor) -> QuantizedTensor:
         """Store `src` in place: quantized with this tensor's quantizer into the existing buffers (which may be
         views into Megatron's parameter buffer). A delayed-scaling quantizer also records src's amax."""
         if tuple(src.shape) != tuple(self.shape):
@@ -117,7 +117,7 @@ class QuantizedTensor(torch.Tensor):
             else:
                 setattr(self._storage, name, theirs)
 
-    def _same_layout(self, other: "QuantizedTensor") -> bool:
+    def _same_layout(self, other: QuantizedTensor) -> bool:
         return type(other) is type(self) and other._storage.fp8_dtype == self._storage.fp8_dtype and \
             _tensor_fields(other._storage) == _tensor_fields(self._storage)
 

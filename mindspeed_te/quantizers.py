@@ -22,7 +22,12 @@ from mindspeed_te.scaling import (
     tensor_amax,
     tile_view,
 )
-from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, QuantizedTensorStorage
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    QuantizedTensorStorage,
+)
 
 __all__ = [
     "record_nonfinite",
@@ -119,7 +124,8 @@ class Float8Quantizer(Quantizer):
         torch.maximum(self.amax, amax, out=self.amax)
         scale_inv = self.scale_inverse()
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
+                                   scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
@@ -154,7 +160,8 @@ class Float8CurrentScalingQuantizer(Quantizer):
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
         scale_inv = current_scale_inv(amax, self.target_max, self.amax_epsilon, self.power_2_scale)
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
+                                   scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 class Float8WarmupQuantizer(Quantizer):
@@ -176,7 +183,8 @@ class Float8WarmupQuantizer(Quantizer):
         torch.maximum(self.amax, amax, out=self.amax)
         scale_inv = current_scale_inv(amax, self.target_max)
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
-        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data, scale_inv=mark_nonfinite(scale_inv, amax))
+        return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
+                                   scale_inv=mark_nonfinite(scale_inv, amax))
 
 
 def _quantize_tiles(

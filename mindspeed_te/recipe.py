@@ -6,12 +6,13 @@ GEMMs use. It holds no tensors; quantizers and the state manager turn it into st
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal, Optional, Union
+from typing import Callable, ClassVar, Literal, NamedTuple, Optional, Union
 
-from mindspeed_te.formats import Format, FP8Dtype
+from mindspeed_te.formats import FP8Dtype
 
 __all__ = [
     "Format",
@@ -26,6 +27,51 @@ __all__ = [
     "recipe_from_name",
     "get_default_recipe",
 ]
+
+
+class _FormatHelper(NamedTuple):
+    """A Format's value, as in TransformerEngine (`Format.E4M3.value.max_fwd`), plus the element dtypes."""
+
+    fwd: str
+    bwd: str
+    max_fwd: float
+    max_bwd: float
+
+
+class Format(enum.Enum):
+    """TransformerEngine's recipe.Format, plus HIF8: element dtypes and default target maxima of forward
+    tensors (activations, weights) and backward tensors (gradients). HiF8's targets 15 and 224 are the tops
+    of its 3- and 2-mantissa-bit ranges (MindSpeed's choice); recipes can override them."""
+
+    E4M3 = _FormatHelper("E4M3", "E4M3", 448.0, 448.0)
+    E5M2 = _FormatHelper("E5M2", "E5M2", 57344.0, 57344.0)
+    HYBRID = _FormatHelper("E4M3", "E5M2", 448.0, 57344.0)
+    HIF8 = _FormatHelper("HIF8", "HIF8", 15.0, 224.0)
+
+    @property
+    def fwd_dtype(self) -> FP8Dtype:
+        return FP8Dtype[self.value.fwd]
+
+    @property
+    def bwd_dtype(self) -> FP8Dtype:
+        return FP8Dtype[self.value.bwd]
+
+    @property
+    def max_fwd(self) -> float:
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        return self.value.max_bwd
+
+    @classmethod
+    def from_name(cls, name: str) -> Format:
+        """Format from Megatron's --fp8-format value (case-insensitive)."""
+        key = str(name).strip().upper()
+        if key not in cls.__members__:
+            allowed = ", ".join(m.lower() for m in cls.__members__)
+            raise ValueError(f"fp8 format {name!r} is not supported; allowed: {allowed}")
+        return cls[key]
 
 
 @dataclass(frozen=True)
@@ -47,7 +93,7 @@ class MMParams:
     use_split_accumulator: bool = True
 
 
-def _check_format(recipe: "Recipe", allowed: tuple[Format, ...]) -> None:
+def _check_format(recipe: Recipe, allowed: tuple[Format, ...]) -> None:
     if not isinstance(recipe.fp8_format, Format):
         raise TypeError(f"{type(recipe).__name__}.fp8_format must be a Format, got {recipe.fp8_format!r}")
     if recipe.fp8_format not in allowed:
@@ -57,7 +103,7 @@ def _check_format(recipe: "Recipe", allowed: tuple[Format, ...]) -> None:
         )
 
 
-def _check_target(recipe: "Recipe", name: str, value: Optional[float], dtype: FP8Dtype) -> None:
+def _check_target(recipe: Recipe, name: str, value: Optional[float], dtype: FP8Dtype) -> None:
     if value is None:
         return
     if not isinstance(value, (int, float)) or not 0 < value <= dtype.max:
@@ -197,9 +243,11 @@ class HIF8DelayedScaling(DelayedScaling):
                 raise ValueError(f"{name}.{field_name} must be an integer in [0, 30] (guard bits below 2^15), "
                                  f"got {value!r}")
         if not isinstance(self.amax_collect_interval, int) or self.amax_collect_interval < 0:
-            raise ValueError(f"{name}.amax_collect_interval must be an integer >= 0, got {self.amax_collect_interval!r}")
+            raise ValueError(f"{name}.amax_collect_interval must be an integer >= 0, "
+                             f"got {self.amax_collect_interval!r}")
         if not isinstance(self.scale_update_interval, int) or self.scale_update_interval < 1:
-            raise ValueError(f"{name}.scale_update_interval must be an integer >= 1, got {self.scale_update_interval!r}")
+            raise ValueError(f"{name}.scale_update_interval must be an integer >= 1, "
+                             f"got {self.scale_update_interval!r}")
         for field_name in ("margin", "fwd_target_max", "bwd_target_max", "scaling_factor_compute_algo"):
             if getattr(self, field_name) not in (0, None):
                 raise ValueError(f"{name}.{field_name} is not used: the per-tensor hif8_*_margin fields set the "
@@ -214,7 +262,8 @@ class HIF8DelayedScaling(DelayedScaling):
     def updates_at(self, step: int) -> bool:
         """Whether the history and scales are updated at the end of step `step` (1-based): every step of the
         warm-up, then every `scale_update_interval` steps."""
-        return step <= self.amax_collect_interval or (step - self.amax_collect_interval) % self.scale_update_interval == 0
+        collect = self.amax_collect_interval
+        return step <= collect or (step - collect) % self.scale_update_interval == 0
 
 
 def _power_2_default(env_name: str, default: bool) -> bool:

@@ -79,7 +79,7 @@ class RecipeState:
         num_quantizers: int = 1,
         device: Optional[torch.device] = None,
         forward: Optional[bool] = None,
-    ) -> "RecipeState":
+    ) -> RecipeState:
         """The state class that matches the recipe, TransformerEngine's factory: `mode` is "forward" (3
         quantizers per GEMM: input, weight, output) or "backward" (grad_output, grad_input). `forward=True/
         False` is accepted in place of `mode`."""
@@ -92,7 +92,7 @@ class RecipeState:
                 return state_type(recipe, mode=mode, num_quantizers=num_quantizers, device=device)
         raise TypeError(f"unsupported recipe type {type(recipe).__name__}")
 
-    def frozen_copy(self) -> "RecipeState":
+    def frozen_copy(self) -> RecipeState:
         """A copy whose quantizers use today's scales and record amaxes nowhere that matters (for the
         recompute of an activation-checkpointed region). Stateless recipes need no copy."""
         return self
@@ -232,7 +232,7 @@ class DelayedScalingRecipeState(RecipeState):
             for i in range(self.num_quantizers)
         ])
 
-    def frozen_copy(self) -> "DelayedScalingRecipeState":
+    def frozen_copy(self) -> DelayedScalingRecipeState:
         copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
                                          device=self.scale.device)
         copy.scale.copy_(self.scale)
@@ -282,7 +282,7 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
             for i, role in enumerate(self.roles)
         ])
 
-    def frozen_copy(self) -> "HIF8DelayedScalingRecipeState":
+    def frozen_copy(self) -> HIF8DelayedScalingRecipeState:
         copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
                                              device=self.scale.device)
         copy.scale.copy_(self.scale)

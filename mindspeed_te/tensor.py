@@ -55,7 +55,7 @@ class QuantizedTensorStorage:
     def has_data(self, columnwise: bool = False) -> bool:
         raise NotImplementedError
 
-    def columnwise_only(self) -> "QuantizedTensorStorage":
+    def columnwise_only(self) -> QuantizedTensorStorage:
         """This tensor without the rowwise form that backward never reads: a shallow copy, so that the
         original (e.g. a weight cached across micro-batches) stays whole; `self` when nothing would go."""
         copy = dataclasses.replace(self)
@@ -97,7 +97,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         values = cast_from_fp8(self.data, self.fp8_dtype) * self.scale_inv
         return _to(values, dtype or self.dtype)
 
-    def columnwise_only(self) -> "Float8TensorStorage":
+    def columnwise_only(self) -> Float8TensorStorage:
         return self  # one copy of the data serves both layouts
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -183,7 +183,7 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
             return self.rowwise_data.reshape(_as_2d(self.shape)).t(), self.rowwise_scale_inv.t()
         return super().columnwise_pair()
 
-    def columnwise_only(self) -> "Float8BlockwiseQTensorStorage":
+    def columnwise_only(self) -> Float8BlockwiseQTensorStorage:
         return self if self.block_scaling_dim == 2 else super().columnwise_only()
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:

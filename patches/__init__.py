@@ -9,7 +9,7 @@ import importlib.metadata
 import importlib.util
 import warnings
 
-from patches.registry import SUPPORTED_MEGATRON_CORE, PatchError, PatchRegistry, megatron_versions
+from mindspeed_te.patches.registry import SUPPORTED_MEGATRON_CORE, PatchError, PatchRegistry, megatron_versions
 
 __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 
@@ -20,8 +20,8 @@ def build_registry() -> PatchRegistry:
     if importlib.util.find_spec("megatron.core") is None:
         raise ImportError("mindspeed_te's Megatron patches need megatron-core: pip install megatron-core==0.16.1 "
                           "(or put a Megatron-LM checkout on sys.path)")
-    from patches.device_cpu import accelerator_present, register_device_cpu
-    from patches.megatron_te import register_megatron_te
+    from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
+    from mindspeed_te.patches.megatron_te import register_megatron_te
 
     _warn_on_other_megatron_version()
     registry = PatchRegistry()
@@ -29,7 +29,7 @@ def build_registry() -> PatchRegistry:
     if not accelerator_present():
         register_device_cpu(registry)
     if importlib.util.find_spec("megatron.training") is not None:
-        from patches.arguments import register_arguments
+        from mindspeed_te.patches.arguments import register_arguments
 
         register_arguments(registry)
     return registry

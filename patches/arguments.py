@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for kind, default in (("input", 11), ("weight", 12), ("grad", 11)):
         flag = f"--hif8-{kind}-margin"
         group.add_argument(flag, type=_at_least(flag, 0), default=default,
-                           help=f"--fp8-recipe hif8_delayed: guard bits of {kind} tensors below 2^15 (default {default})")
+                           help=f"--fp8-recipe hif8_delayed: guard bits of {kind} tensors below 2^15 "
+                                f"(default {default})")
     group.add_argument("--hif8-amax-collect-interval", type=_at_least("--hif8-amax-collect-interval", 0), default=5,
                        help="--fp8-recipe hif8_delayed: warm-up steps quantized with current scaling while the amax "
                             "history fills (default 5)")

@@ -26,7 +26,7 @@ import torch
 class Stream(torch.cpu.Stream):
     """A CUDA-stream-shaped no-op: CPU work is already ordered."""
 
-    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> "Stream":
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
         return super().__new__(cls)
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
@@ -38,7 +38,7 @@ class Stream(torch.cpu.Stream):
     def query(self) -> bool:
         return True
 
-    def record_event(self, event: Optional["Event"] = None) -> "Event":
+    def record_event(self, event: Optional[Event] = None) -> Event:
         event = event if event is not None else Event()
         event.record(self)
         return event
@@ -54,7 +54,7 @@ class Event(torch.cpu.Event):
     def record(self, stream: Any = None) -> None:
         self.recorded_at = time.perf_counter()
 
-    def elapsed_time(self, end: "Event") -> float:
+    def elapsed_time(self, end: Event) -> float:
         return (end.recorded_at - self.recorded_at) * 1e3
 
 

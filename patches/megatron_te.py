@@ -33,7 +33,7 @@ from mindspeed_te.megatron import (
     te_checkpoint,
 )
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
-from patches.registry import PatchRegistry
+from mindspeed_te.patches.registry import PatchRegistry
 
 # The TransformerEngine release whose API the modules mirror, as Megatron's version checks see it.
 TE_API_VERSION = "2.8.0"

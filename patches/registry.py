@@ -21,7 +21,7 @@ __all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "m
 _MISSING = object()
 SUPPORTED_MEGATRON_CORE = "0.16.1"
 # target -> the registry whose applied patch holds it (one owner per target in the process)
-_APPLIED: dict[str, "PatchRegistry"] = {}
+_APPLIED: dict[str, PatchRegistry] = {}
 
 
 def megatron_versions() -> str:

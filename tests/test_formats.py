@@ -12,7 +12,6 @@ import torch
 from mindspeed_te import formats
 from mindspeed_te.formats import (
     HIF8_MAX,
-    Format,
     FP8Dtype,
     cast_from_fp8,
     cast_to_fp8,
@@ -20,6 +19,7 @@ from mindspeed_te.formats import (
     hif8_encode,
     scaled_cast,
 )
+from mindspeed_te.recipe import Format
 
 NP_DTYPE = {FP8Dtype.E4M3: ml_dtypes.float8_e4m3fn, FP8Dtype.E5M2: ml_dtypes.float8_e5m2,
             FP8Dtype.HIF8: en_dtypes.hifloat8}

@@ -13,7 +13,6 @@ from tests.oracles import FLT_MAX, NP_DTYPES, np_cast
 from tests.oracles import current_scale_inv as oracle_scale_inv
 
 
-
 @pytest.fixture(autouse=True)
 def _switched_on(monkeypatch):
     monkeypatch.setattr(fused_cast, "enabled", True)
@@ -54,7 +53,7 @@ def _nan_agnostic(codes: np.ndarray, fmt: str) -> np.ndarray:
 @pytest.mark.parametrize("scale_inv", [1.0, 0.0078125, 3.7, 1e-30, 6.5e33])
 def test_scaled_cast_matches_oracle_on_edges(fmt, scale_inv):
     x = _edge_values()
-    table = formats._table("encode_sat", torch.device("cpu")) if fmt == "hif8" else None
+    table = formats.quantize_table(FP8Dtype(fmt), torch.device("cpu"))
     got = fused_cast.scaled_cast(torch.from_numpy(x), torch.tensor([scale_inv]), fmt, table).view(torch.uint8).numpy()
     want = _oracle(x, scale_inv, fmt)
     np.testing.assert_array_equal(_nan_agnostic(got, fmt), _nan_agnostic(want, fmt))
@@ -66,7 +65,7 @@ def test_scaled_cast_bfloat16_and_sizes(fmt, numel):
     g = torch.Generator().manual_seed(numel)
     x = (torch.randn(numel, generator=g) * torch.exp2(torch.randint(-20, 12, (numel,), generator=g))).bfloat16()
     scale_inv = torch.tensor([0.37])
-    table = formats._table("encode_sat", torch.device("cpu")) if fmt == "hif8" else None
+    table = formats.quantize_table(FP8Dtype(fmt), torch.device("cpu"))
     got = fused_cast.scaled_cast(x, scale_inv, fmt, table)
     assert got.dtype == {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "hif8": torch.uint8}[fmt]
     want = _oracle(x.float().numpy(), 0.37, fmt)
@@ -124,7 +123,7 @@ def test_outside_the_hot_path_the_torch_ops_take_over():
 @pytest.mark.parametrize("numel", [256, 3 * 65536 + 5])
 def test_decode_matches_oracle(fmt, numel):
     codes = torch.arange(numel, dtype=torch.int64).remainder(256).to(torch.uint8)
-    got = fused_cast.decode(codes, formats._table("decode_" + fmt, torch.device("cpu"))).numpy()
+    got = fused_cast.decode(codes, formats.decode_table(FP8Dtype(fmt), torch.device("cpu"))).numpy()
     want = codes.numpy().view(NP_DTYPES[FORMATS[fmt]]).astype(np.float32)
     np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)], want.view(np.uint32)[~np.isnan(want)])
     assert np.array_equal(np.isnan(got), np.isnan(want))
@@ -132,7 +131,7 @@ def test_decode_matches_oracle(fmt, numel):
 
 def test_decode_takes_float8_data_and_keeps_the_shape():
     x = torch.randn(3, 5, 7).to(torch.float8_e4m3fn)
-    got = fused_cast.decode(x, formats._table("decode_e4m3", torch.device("cpu")))
+    got = fused_cast.decode(x, formats.decode_table(FP8Dtype.E4M3, torch.device("cpu")))
     assert got.shape == x.shape and torch.equal(got, x.float())
 
 

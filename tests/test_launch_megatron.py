@@ -35,7 +35,8 @@ def dataset_helpers():
                    check=True, capture_output=True)
 
 
-def _launch(*extra: str, nproc: int = 1, port: int = 29571, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _launch(*extra: str, nproc: int = 1, port: int = 29571,
+            env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
     script = os.path.join(MEGATRON, "pretrain_gpt.py")
     if nproc == 1:
@@ -71,7 +72,8 @@ def test_pretrain_gpt_trains_in_fp8(fp32_losses, extra):
 
 def test_pretrain_gpt_tensor_and_sequence_parallel_moe():
     run = _launch("--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-experts", "4",
-                  "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "2", "--disable-bias-linear",
+                  "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "2",
+                  "--disable-bias-linear",
                   "--fp8-format", "hif8", "--fp8-recipe", "tensorwise", nproc=2, port=29581)
     losses = _losses(run)
     assert len(losses) == 3 and all(5.0 < x < 6.0 for x in losses)

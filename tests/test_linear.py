@@ -156,7 +156,7 @@ def test_saves_only_quantized_operands():
         q, _ = _quantizers(recipe)
         packed = []
 
-        def pack(t):
+        def pack(t, packed=packed):
             packed.append(t)
             return t
 

@@ -14,18 +14,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast  # noqa: E402
 from mindspeed_te.megatron import (  # noqa: E402
     TEColumnParallelGroupedLinear,
-    TEDotProductAttention,
     TEColumnParallelLinear,
-    TEGroupedLinear,
-    TERowParallelGroupedLinear,
     TEDelayedScaling,
+    TEDotProductAttention,
+    TEGroupedLinear,
     TELayerNormColumnParallelLinear,
     TELinear,
     TENorm,
+    TERowParallelGroupedLinear,
     TERowParallelLinear,
 )
-from mindspeed_te.modules import LayerNorm, RMSNorm  # noqa: E402
 from mindspeed_te.megatron.common import recipe_from_config  # noqa: E402
+from mindspeed_te.modules import LayerNorm, RMSNorm  # noqa: E402
 
 
 def _params(cls):
@@ -259,8 +259,8 @@ def _init_parity_worker(rank: int, world: int) -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from patches.device_cpu import register_device_cpu
-    from patches.registry import PatchRegistry
+    from mindspeed_te.patches.device_cpu import register_device_cpu
+    from mindspeed_te.patches.registry import PatchRegistry
 
     device = PatchRegistry()
     register_device_cpu(device)  # Megatron's RNG tracker keeps CUDA generator states

@@ -2,7 +2,14 @@
 import pytest
 import torch
 
-from mindspeed_te import DelayedScaling, Float8CurrentScaling, Format, FP8GlobalStateManager, MXFP8BlockScaling, fp8_autocast
+from mindspeed_te import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    FP8GlobalStateManager,
+    MXFP8BlockScaling,
+    fp8_autocast,
+)
 from mindspeed_te.megatron.misc import (
     Fp8Padding,
     Fp8Unpadding,
@@ -51,8 +58,8 @@ def test_checkpointed_fp8_region_matches_plain_run(recipe):
             grads.append((y.detach(), layers[0].weight.grad.clone(), layers[1].weight.grad.clone()))
             for layer in layers:
                 layer.weight.grad = None
-        states = [tuple(t.clone() for t in (l.fp8_states[0].scale, l.fp8_states[1].scale)) for l in layers
-                  if hasattr(l.fp8_states[0], "scale")]
+        states = [tuple(t.clone() for t in (m.fp8_states[0].scale, m.fp8_states[1].scale)) for m in layers
+                  if hasattr(m.fp8_states[0], "scale")]
         return grads, states
 
     plain, plain_states = run(False)

@@ -30,9 +30,9 @@ def _moe_worker(rank: int, world: int, ep: int, full: dict | None, token_rank: i
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from mindspeed_te.megatron.fp8 import get_fp8_context
-    from patches.device_cpu import register_device_cpu
-    from patches.megatron_te import register_megatron_te
-    from patches.registry import PatchRegistry
+    from mindspeed_te.patches.device_cpu import register_device_cpu
+    from mindspeed_te.patches.megatron_te import register_megatron_te
+    from mindspeed_te.patches.registry import PatchRegistry
 
     registry = PatchRegistry()
     register_megatron_te(registry)

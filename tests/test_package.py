@@ -17,6 +17,15 @@ def test_top_level_names():
 
 def test_import_has_no_side_effects():
     code = ("import sys, mindspeed_te; "
-            "print(any(m.startswith(('megatron', 'torch_npu', 'patches')) for m in sys.modules))")
+            "print(any(m.startswith(('megatron', 'torch_npu', 'mindspeed_te.patches')) for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_megatron_integration_installs_as_mindspeed_te_patches(tmp_path):
+    """The integration folder patches/ imports as mindspeed_te.patches from anywhere, never as a top-level
+    `patches` (which other distributions may also install)."""
+    code = ("import importlib.util, mindspeed_te.patches.registry as r; "
+            "print(r.__name__, importlib.util.find_spec('patches') is None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.split() == ["mindspeed_te.patches.registry", "True"]

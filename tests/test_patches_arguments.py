@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from patches.arguments import CONFIG_FIELDS, add_arguments, validate_args, wrap_config_from_args, wrap_parse_args
+from mindspeed_te.patches.arguments import (
+    CONFIG_FIELDS,
+    add_arguments,
+    validate_args,
+    wrap_config_from_args,
+    wrap_parse_args,
+)
 
 
 def _megatron_like_parse_args(argv: list[str]):
@@ -60,7 +66,8 @@ def test_bad_combinations_name_the_flags(argv, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--fp8-format", "hif8", "--hif8-fwd-max", "1e6"], "argument --hif8-fwd-max: --hif8-fwd-max must be in (0, 32768]"),
+    (["--fp8-format", "hif8", "--hif8-fwd-max", "1e6"],
+     "argument --hif8-fwd-max: --hif8-fwd-max must be in (0, 32768]"),
     (["--fp8-format", "hif8", "--hif8-bwd-max", "-1"], "argument --hif8-bwd-max: --hif8-bwd-max must be in (0, 32768]"),
     (["--fp8-format", "hif8", "--hif8-fwd-max", "big"], "--hif8-fwd-max must be a number, got 'big'"),
     (["--fp8-format", "e5m2"], "argument --fp8-format"),

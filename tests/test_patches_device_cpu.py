@@ -5,8 +5,8 @@ import time
 
 import torch
 
-from patches.device_cpu import Event, Stream, TORCH_CUDA, accelerator_present, register_device_cpu
-from patches.registry import PatchRegistry
+from mindspeed_te.patches.device_cpu import TORCH_CUDA, Event, Stream, accelerator_present, register_device_cpu
+from mindspeed_te.patches.registry import PatchRegistry
 
 
 def test_streams_and_events_behave_like_synchronous_cuda_ones():
@@ -67,7 +67,7 @@ def test_literal_cuda_devices_land_on_the_cpu_and_type_names_read_as_cuda():
 
 def test_gradient_accumulation_fusion_accumulates_the_weight_gradient_into_main_grad():
     """apex's wgrad_gemm_accum_fp32 / _fp16: main_grad += dYᵀ·X, one fp32 GEMM rounded once into main_grad."""
-    from patches.device_cpu import fused_weight_gradient_mlp_cuda as fused
+    from mindspeed_te.patches.device_cpu import fused_weight_gradient_mlp_cuda as fused
 
     torch.manual_seed(0)
     x, dy = torch.randn(2, 8, 16, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16)

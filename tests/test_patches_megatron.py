@@ -14,10 +14,10 @@ warnings.filterwarnings("ignore", message="Apex is not installed")
 pytest.importorskip("megatron.core")
 
 from mindspeed_te import FP8GlobalStateManager  # noqa: E402
+from mindspeed_te.patches.device_cpu import register_device_cpu  # noqa: E402
+from mindspeed_te.patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
+from mindspeed_te.patches.registry import PatchRegistry  # noqa: E402
 from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
-from patches.device_cpu import register_device_cpu  # noqa: E402
-from patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
-from patches.registry import PatchRegistry  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 
@@ -231,7 +231,8 @@ def test_importing_the_adaptor_applies_the_patches():
     import sys
 
     code = ("import warnings; warnings.filterwarnings('ignore'); import mindspeed_te.megatron_adaptor; "
-            "import megatron.core.extensions.transformer_engine as te_ext, megatron.core.models.gpt.gpt_layer_specs as s; "
+            "import megatron.core.extensions.transformer_engine as te_ext, "
+            "megatron.core.models.gpt.gpt_layer_specs as s; "
             "from mindspeed_te.megatron import TELinear; print(te_ext.TELinear is TELinear, s.HAVE_TE)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
@@ -323,8 +324,8 @@ def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, 
 
 
 def test_a_second_full_registry_is_refused_by_name():
-    from patches import build_registry
-    from patches.registry import PatchError
+    from mindspeed_te.patches import build_registry
+    from mindspeed_te.patches.registry import PatchError
 
     first = build_registry()
     first.apply()

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from patches.registry import PatchError, PatchRegistry
+from mindspeed_te.patches.registry import PatchError, PatchRegistry
 
 
 class Original:

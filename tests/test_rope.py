@@ -3,7 +3,6 @@ closed-form rotations and megatron-core's own unfused implementation."""
 from __future__ import annotations
 
 import math
-import types
 import warnings
 
 import pytest
@@ -102,8 +101,8 @@ def test_megatrons_apply_rope_fusion_runs_on_ours():
     gets what its unfused branch computes."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from patches.megatron_te import register_megatron_te
-    from patches.registry import PatchRegistry
+    from mindspeed_te.patches.megatron_te import register_megatron_te
+    from mindspeed_te.patches.registry import PatchRegistry
 
     registry = PatchRegistry()
     register_megatron_te(registry)

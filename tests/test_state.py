@@ -69,7 +69,8 @@ def test_bad_arguments_raise_and_leave_state_untouched():
         with fp8_model_init(recipe=object()):
             pass
     assert FP8GlobalStateManager.get_autocast_state() == before
-    assert FP8GlobalStateManager.quantization_state.autocast_depth == 0 and not FP8GlobalStateManager.with_fp8_parameters()
+    assert FP8GlobalStateManager.quantization_state.autocast_depth == 0
+    assert not FP8GlobalStateManager.with_fp8_parameters()
 
 
 def _delayed_state(recipe, forward=True, n=3):

@@ -230,8 +230,9 @@ def test_block_scaling_refuses_2d_weight_and_gradient_blocks():
         Float8BlockScaling(w_block_scaling_dim=2, grad_block_scaling_dim=2)
 
 
-@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HIF8), Float8CurrentScaling(fp8_format=Format.HIF8),
-                                    Float8CurrentScaling(), Float8BlockScaling(), MXFP8BlockScaling()],
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_format=Format.HIF8),
+                                    Float8CurrentScaling(fp8_format=Format.HIF8), Float8CurrentScaling(),
+                                    Float8BlockScaling(), MXFP8BlockScaling()],
                          ids=lambda r: f"{type(r).__name__}-{r.fp8_format.name}")
 def test_float64_runs_like_its_float32_rounding(recipe):
     """float64 works: inputs are quantized from their float32 rounding, so a float64 layer gives the float32

@@ -63,7 +63,7 @@ def load_torch_npu() -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def get_npu_backend() -> "NpuBackend":
+def get_npu_backend() -> NpuBackend:
     return NpuBackend(load_torch_npu())
 
 
@@ -131,7 +131,8 @@ class NpuBackend(ReferenceBackend):
                     and quantizer.amax_epsilon == 0 and quantizer.amax_reduction_group is None):
                 y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(quantizer.fp8_dtype),
                                                       quant_mode="pertensor", dst_type_max=dst_max)
-                return Float8TensorStorage(quantizer.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale)
+                return Float8TensorStorage(quantizer.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
+                                           scale_inv=scale)
         elif isinstance(quantizer, Float8BlockQuantizer):
             dst_max = self._dst_type_max(quantizer.fp8_dtype, quantizer.target_max)
             if x.dtype in _HALF and dst_max is not None and not quantizer.power_2_scale \
@@ -278,7 +279,8 @@ class NpuBackend(ReferenceBackend):
     def _quant_matmul_args(self, a: Operand, b: Operand, a_col: bool, b_col: bool
                            ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
         """(x1, x2, keyword arguments) of npu_quant_matmul for a · bᵀ, or None when no mode fits."""
-        if type(a) is not type(b) or not isinstance(a, (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage)):
+        storages = (Float8TensorStorage, Float8BlockwiseQTensorStorage, MXFP8TensorStorage)
+        if type(a) is not type(b) or not isinstance(a, storages):
             return None
         if (a.fp8_dtype is FP8Dtype.HIF8) != (b.fp8_dtype is FP8Dtype.HIF8):
             return None

@@ -307,7 +307,7 @@ def _kernel(fn: Optional[Callable] = None, *, differentiable: bool = False) -> C
     name = fn.__name__
 
     @functools.wraps(fn)
-    def wrapper(self: "NpuSimulator", *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: NpuSimulator, *args: Any, **kwargs: Any) -> Any:
         try:
             if differentiable:
                 result = fn(self, *args, **kwargs)

@@ -21,6 +21,7 @@ from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear, TENorm
 __all__ = [
     "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear", "TENorm",
     "TEDelayedScaling", "Fp8Padding", "Fp8Unpadding", "TECudaRNGStatesTracker", "get_cpu_offload_context",
-    "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear",
+    "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
+    "TERowParallelGroupedLinear",
     "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
 ]

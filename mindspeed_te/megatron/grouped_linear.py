@@ -4,9 +4,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from megatron.core.model_parallel_config import ModelParallelConfig
-
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from mindspeed_te.distributed import group_rank, group_size

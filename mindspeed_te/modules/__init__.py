@@ -6,4 +6,6 @@ from mindspeed_te.modules.layernorm_linear import LayerNormLinear
 from mindspeed_te.modules.linear import Linear
 from mindspeed_te.modules.norm import LayerNorm, RMSNorm
 
-__all__ = ["DotProductAttention", "GroupedLinear", "LayerNorm", "LayerNormLinear", "Linear", "RMSNorm", "convert_linears"]
+__all__ = [
+    "DotProductAttention", "GroupedLinear", "LayerNorm", "LayerNormLinear", "Linear", "RMSNorm", "convert_linears",
+]

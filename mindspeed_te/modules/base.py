@@ -119,7 +119,8 @@ class FP8ModuleBase(torch.nn.Module):
     def set_extra_state(self, state: Any) -> None:
         name = type(self).__name__
         if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
-            warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8?); scales start fresh")
+            warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8?); scales start fresh",
+                          stacklevel=2)
             return
         try:
             raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
@@ -129,7 +130,8 @@ class FP8ModuleBase(torch.nn.Module):
         except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
             raise RuntimeError(f"{name}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
         if meta["recipe_key"] is None:
-            warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh")
+            warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh",
+                          stacklevel=2)
             return
         self._loaded_fp8_meta = meta
         if self.fp8_states is not None:
@@ -141,7 +143,7 @@ class FP8ModuleBase(torch.nn.Module):
             return
         if meta["recipe_key"] != self._fp8_recipe_key:
             warnings.warn(f"{type(self).__name__}: checkpoint FP8 metadata was made with {meta['recipe_key']}, "
-                          f"the active recipe is {self._fp8_recipe_key}; scales start fresh")
+                          f"the active recipe is {self._fp8_recipe_key}; scales start fresh", stacklevel=2)
             return
         if not self.has_delayed_state():
             return

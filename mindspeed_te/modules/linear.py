@@ -18,10 +18,10 @@ from mindspeed_te.distributed import (
 )
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.modules.base import FP8ModuleBase, initialize_
-from mindspeed_te.quantized_tensor import QuantizedTensor
-from mindspeed_te.ops.mc2 import mc2_linear, mc2_mx_linear
-from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
+from mindspeed_te.ops.mc2 import mc2_linear, mc2_mx_linear
+from mindspeed_te.quantized_tensor import QuantizedTensor
+from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
 
 PARALLEL_MODES = (None, "column", "row")
@@ -132,7 +132,7 @@ class Linear(FP8ModuleBase):
             return True
         if not self._mc2_warned:
             warnings.warn(f"--use-ascend-mc2: fused communication {reason} in {type(self).__name__} use "
-                          "separate collectives")
+                          "separate collectives", stacklevel=2)
             self._mc2_warned = True
         return False
 
