@@ -217,9 +217,15 @@ class NpuBackend(ReferenceBackend):
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
                                 bias=bias, out=out)
         x1, x2, kwargs = args
-        mm_dtype = torch.float32 if out is not None else out_dtype
+        # aclnnQuantMatmulV5 (Ascend 950, "G-B && B-B && mx 量化模式"): "仅mx量化模式下包含bias" -- of the block
+        # modes only mx takes a bias, so blockwise adds it after a float32 product (one rounding, as the
+        # reference does).
+        late_bias = bias is not None and kwargs.get("group_sizes") == [1, 128, 128]
+        mm_dtype = torch.float32 if out is not None or late_bias else out_dtype
         result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
-                                           bias=None if bias is None else bias.float(), **kwargs)
+                                           bias=None if bias is None or late_bias else bias.float(), **kwargs)
+        if late_bias:
+            return result.add_(bias).to(out_dtype)
         return out.add_(result) if out is not None else result
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
