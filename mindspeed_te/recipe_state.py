@@ -180,7 +180,7 @@ class ScaleInv:
         return self.value
 
 
-def update_delayed_states(states: list["DelayedScalingRecipeState"],
+def update_delayed_states(states: list[DelayedScalingRecipeState],
                           reduce_amax: Optional[Callable[[torch.Tensor], None]] = None) -> None:
     """The per-step update of all delayed-scaling states of one (recipe, group) key: one contiguous [L, N]
     amax buffer, `reduce_amax` (an in-place all-reduce of its slot 0) called once, and a fixed handful of
