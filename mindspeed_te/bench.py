@@ -18,8 +18,7 @@ import torch
 from mindspeed_te import fused_cast
 from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
 from mindspeed_te.formats import hif8_encode
-from mindspeed_te.kernels import BACKEND_ENV, get_backend
-from mindspeed_te.kernels.npu import SIMULATOR_ENV
+from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend
 from mindspeed_te.modules.linear import Linear
 from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
 from mindspeed_te.recipe import (

@@ -110,13 +110,9 @@ def _fp8_support() -> tuple[bool, str]:
     needs a chip with FP8 matmuls."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
         return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
-    from mindspeed_te.kernels import requested_backend
+    from mindspeed_te.kernels import get_backend, requested_backend
 
-    if requested_backend() == "npu":
-        from mindspeed_te.kernels.npu import get_npu_backend
-
-        return get_npu_backend().available()
-    return True, ""
+    return get_backend().available() if requested_backend() == "npu" else (True, "")
 
 
 def _mxfp8_support() -> tuple[bool, str]:

@@ -63,3 +63,20 @@ def test_delayed_linear_launches(dtype):
             # backward: 5 per quantize + dgrad + wgrad + bias grad, + the upcast for bf16
             assert backward.total == 8 + upcast, dict(backward.counts)
             assert forward.counts["torch_npu.npu_quantize"] == 2 and backward.counts["torch_npu.npu_quant_matmul"] == 2
+
+
+def test_only_kernels_know_the_backends():
+    """Issue 8: above kernels/, code talks to the backend contract (kernels/base.py) and asks capabilities;
+    it never imports a concrete backend, calls torch_npu through `backend.npu` or tests a backend's name."""
+    import pathlib
+    import re
+
+    import mindspeed_te
+
+    root = pathlib.Path(mindspeed_te.__file__).parent
+    forbidden = re.compile(r"kernels\.(npu|reference|torch_native|npu_sim)\b|backend\.npu\b|\.hcom\(|"
+                           r"\.name\s*[!=]=\s*[\"'](npu|reference|torch)[\"']")
+    offenders = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py")
+                 if "kernels" not in path.parts and "testing" not in path.parts
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
+    assert offenders == []
