@@ -39,6 +39,8 @@ TARGETS = {
     "fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear": (1.25, False),
     "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
     "bytes saved for backward / bf16 linear": (0.55, False),
+    "param all-gather bytes, fp8 / bf16 weights": (0.55, False),
+    "param bytes, GPT layers, fp8_model_init / bf16": (0.55, False),
     "host syncs per fp8 linear fwd+bwd": (0, False),
     "NPU launches, linear forward, delayed": (6, False),
     "NPU launches, linear backward, delayed": (8, False),
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu"], help="run one group of cases")
+    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params"], help="run one group of cases")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be >= 1")
@@ -283,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_linear(args.repeats)
     if args.only in (None, "npu"):
         rows += bench_npu_launches()
+    if args.only in (None, "params"):
+        from mindspeed_te.bench_params import bench_params
+
+        rows += bench_params()
     print(report(rows))
 
 

@@ -16,11 +16,14 @@ FMT_MAX = {"E4M3": 448.0, "E5M2": 57344.0, "HIF8": 32768.0}
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def np_cast(x: np.ndarray, fmt: str) -> np.ndarray:
-    """Saturating cast of float32 values to the format, returned as raw uint8 codes."""
+def np_cast(x: np.ndarray, fmt: str, saturate: bool = True) -> np.ndarray:
+    """Cast of float32 values to the format, returned as raw uint8 codes; saturating = clipped to +-max first
+    (NaN stays NaN), else overflow follows the library's rule (E4M3 NaN, E5M2/HiF8 Inf)."""
     x = np.asarray(x, dtype=np.float32)
-    clipped = np.where(np.isnan(x), x, np.clip(x, -FMT_MAX[fmt], FMT_MAX[fmt])).astype(np.float32)
-    return clipped.astype(NP_DTYPES[fmt]).view(np.uint8)
+    if saturate:
+        x = np.where(np.isnan(x), x, np.clip(x, -FMT_MAX[fmt], FMT_MAX[fmt])).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return x.astype(NP_DTYPES[fmt]).view(np.uint8)
 
 
 def np_decode(codes: np.ndarray, fmt: str) -> np.ndarray:

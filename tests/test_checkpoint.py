@@ -39,7 +39,6 @@ def _roundtrip(obj):
                                     DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=2),
                                     Float8CurrentScaling(fp8_format=Format.E4M3)])
 def test_resume_is_bit_identical(recipe):
-    FP8GlobalStateManager.reset()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     _steps(model, opt, recipe, 0, 3)
@@ -61,7 +60,6 @@ def test_resume_is_bit_identical(recipe):
 
 
 def test_checkpoint_from_another_recipe_loads_with_warning():
-    FP8GlobalStateManager.reset()
     recipe = DelayedScaling(fp8_format=Format.HIF8, amax_history_len=4)
     model = _model()
     _steps(model, torch.optim.SGD(model.parameters(), lr=0.01), recipe, 0, 2)
@@ -73,7 +71,6 @@ def test_checkpoint_from_another_recipe_loads_with_warning():
 
 
 def test_checkpoint_without_fp8_loads_with_warning():
-    FP8GlobalStateManager.reset()
     model = _model()
     state = model.state_dict()  # never ran in FP8
     fresh = _model()

@@ -20,20 +20,15 @@ from mindspeed_te.formats import (
     scaled_cast,
 )
 from mindspeed_te.recipe import Format
+from tests.oracles import NP_DTYPES, np_cast
 
-NP_DTYPE = {FP8Dtype.E4M3: ml_dtypes.float8_e4m3fn, FP8Dtype.E5M2: ml_dtypes.float8_e5m2,
-            FP8Dtype.HIF8: en_dtypes.hifloat8}
-MAX = {FP8Dtype.E4M3: 448.0, FP8Dtype.E5M2: 57344.0, FP8Dtype.HIF8: 32768.0}
+NP_DTYPE = {f: NP_DTYPES[f.name] for f in FP8Dtype}
 BIG = formats._CHUNK * 3 + 12345  # more than one chunk, not a multiple of it
 
 
 def oracle_codes(values: np.ndarray, fp8_dtype: FP8Dtype = FP8Dtype.HIF8, saturate: bool = False) -> np.ndarray:
-    """Codes of float32 values by the oracle library; saturating = clip to +-max first (NaN stays NaN)."""
-    values = np.asarray(values, dtype=np.float32)
-    if saturate:
-        values = np.where(np.isnan(values), values, np.clip(values, -MAX[fp8_dtype], MAX[fp8_dtype]))
-    with np.errstate(invalid="ignore", over="ignore"):
-        return values.astype(np.float32).astype(NP_DTYPE[fp8_dtype]).view(np.uint8)
+    """Codes of float32 values by the oracle library."""
+    return np_cast(values, fp8_dtype.name, saturate)
 
 
 def codes(t: torch.Tensor) -> np.ndarray:

@@ -86,7 +86,6 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_outputs_and_gradients_within_format_bounds_of_float64(name):
-    FP8GlobalStateManager.reset()
     grouped, _ = _experts(seed=1)
     x = torch.randn(sum(SPLITS), 128, requires_grad=True)
     dy = torch.randn(sum(SPLITS), 64)
@@ -161,7 +160,6 @@ def test_main_grad_fusion_accumulates_in_float32(name):
 
 
 def test_calibration_records_each_experts_amax():
-    FP8GlobalStateManager.reset()
     grouped, _ = _experts()
     x = torch.randn(sum(SPLITS), 128)
     with fp8_autocast(enabled=False, calibrating=True, fp8_recipe=DelayedScaling(amax_history_len=1)):
@@ -179,7 +177,6 @@ def test_calibration_records_each_experts_amax():
 def test_high_precision_experts_leave_the_amax_reduction_to_fp8_modules():
     """With FP8 grouped GEMMs off, the experts running first must not take the first-module flag: the FP8
     linear after them still reduces the backward amaxes."""
-    FP8GlobalStateManager.reset()
     experts = GroupedLinear(2, 32, 16, use_fp8_gemm=False)
     linear = Linear(16, 8)
     x = torch.randn(6, 32)
@@ -201,7 +198,6 @@ def test_bad_m_splits_and_empty_experts():
 
 
 def test_backward_amax_reduction_after_every_expert():
-    FP8GlobalStateManager.reset()
     grouped, _ = _experts()
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=2)
     x = torch.randn(sum(SPLITS), 128, requires_grad=True)

@@ -14,13 +14,6 @@ from mindspeed_te.recipe import Format, HIF8DelayedScaling
 from tests.test_patches_arguments import _parse
 
 
-@pytest.fixture(autouse=True)
-def _clean_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def test_mindspeed_defaults_and_validation():
     r = HIF8DelayedScaling()
     assert (r.fp8_format, r.amax_history_len, r.scale_update_interval, r.amax_collect_interval) == (

@@ -15,7 +15,6 @@ from mindspeed_te import (
     MXFP8BlockScaling,
     fp8_autocast,
 )
-from mindspeed_te.kernels.npu import get_npu_backend
 from mindspeed_te.modules import Linear
 
 RECIPES = {
@@ -32,15 +31,9 @@ BACKENDS = ["reference", "torch", "npu"]
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", request.param)
-    if request.param == "npu":
-        monkeypatch.setenv("MINDSPEED_TE_NPU_SIMULATOR", "1")
-        get_npu_backend.cache_clear()
-    FP8GlobalStateManager.reset()
-    yield request.param
-    get_npu_backend.cache_clear()
-    FP8GlobalStateManager.reset()
+def backend(request, use_backend):
+    use_backend(request.param)
+    return request.param
 
 
 def _run(recipe, steps, dtype=torch.bfloat16):
@@ -107,7 +100,6 @@ def test_nonfinite_value_stays_visible_and_state_recovers(backend, name, where, 
 
 @pytest.mark.parametrize("name", ["delayed/hif8", "tensorwise/hybrid", "blockwise/e4m3", "mxfp8/hybrid"])
 def test_each_faulty_step_is_warned_naming_module_and_tensor_and_counted(name):
-    FP8GlobalStateManager.reset()
     recipe = RECIPES[name]()
     layer = Linear(64, 64, name="fc1")
     for step in range(4):
@@ -127,4 +119,3 @@ def test_each_faulty_step_is_warned_naming_module_and_tensor_and_counted(name):
         y.backward(dy)
     assert FP8GlobalStateManager.check_nonfinite() == []  # step 3 was clean
     assert FP8GlobalStateManager.get_nonfinite_counts() == {"steps": 2, "fc1 input": 1, "fc1 grad_output": 1}
-    FP8GlobalStateManager.reset()

@@ -1,5 +1,6 @@
 """The public API: TransformerEngine's names at top level, and importing the package has no side effects
 (no Megatron, no torch_npu, no patches)."""
+import importlib.util
 import subprocess
 import sys
 
@@ -29,3 +30,28 @@ def test_megatron_integration_installs_as_mindspeed_te_patches(tmp_path):
             "print(r.__name__, importlib.util.find_spec('patches') is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert out.stdout.split() == ["mindspeed_te.patches.registry", "True"]
+
+
+def test_every_public_module_class_documents_its_arguments():
+    """As in TransformerEngine, each constructor argument of a public module class is described in the class
+    docstring (an argument added without a description fails here)."""
+    import inspect
+
+    import mindspeed_te.modules as modules
+
+    packages = [modules]
+    if importlib.util.find_spec("megatron.core") is not None:
+        import mindspeed_te.megatron as megatron
+
+        packages.append(megatron)
+    missing = {}
+    for package in packages:
+        for name in package.__all__:
+            cls = getattr(package, name)
+            if not inspect.isclass(cls) or "__init__" not in vars(cls):
+                continue
+            args = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+            undocumented = [a for a in args if f"{a}:" not in cls.__doc__ and f"{a}," not in cls.__doc__]
+            if undocumented:
+                missing[f"{package.__name__}.{name}"] = undocumented
+    assert not missing, missing

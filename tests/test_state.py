@@ -15,13 +15,6 @@ from mindspeed_te import (
 from mindspeed_te.state import preserve_high_precision_init_val
 
 
-@pytest.fixture(autouse=True)
-def _clean_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def test_available_on_cpu():
     ok, reason = FP8GlobalStateManager.is_fp8_available()
     assert ok is True and reason == ""

@@ -23,13 +23,6 @@ from mindspeed_te.recipe_state import (
 from mindspeed_te.state import FP8GlobalState
 
 
-@pytest.fixture(autouse=True)
-def _clean_state():
-    FP8GlobalStateManager.reset()
-    yield
-    FP8GlobalStateManager.reset()
-
-
 def _step(layer, x, recipe, scale=1.0):
     with fp8_autocast(fp8_recipe=recipe):
         y = layer(x * scale)

@@ -26,7 +26,22 @@ def _rng_tracker():
 class TEDotProductAttention(DotProductAttention):
     """Core attention for Megatron's SelfAttention/CrossAttention: sbhd in, [s, b, h * d] out (thd with
     `packed_seq_params`: [t, h, d] in, [t, h * d] out). Honours the config's sliding window (per layer, as
-    `window_attn_skip_freq` says), `softmax_type` and context parallelism over the CP group."""
+    `window_attn_skip_freq` says), `softmax_type` and context parallelism over the CP group.
+
+    Args:
+        config: Megatron's config: heads, query groups, kv channels, dropout, window, softmax type, context-parallel
+            size, params dtype, device
+        layer_number: the layer's 1-based index (decides whether its sliding window applies)
+        attn_mask_type: Megatron's AttnMaskType
+        attention_type: "self" or "cross"
+        attention_dropout: overrides config.attention_dropout when given
+        softmax_scale: scale of q·k (None: 1/sqrt(head dim))
+        k_channels: head dimension of queries and keys (None: config.kv_channels)
+        v_channels: head dimension of values (None: as k_channels)
+        num_splits: TE's flash-attention split count; accepted and unused
+        cp_comm_type: Megatron's context-parallel communication type (see DotProductAttention)
+        pg_collection: Megatron's process-group collection: tp and cp groups (None: Megatron's parallel_state)
+    """
 
     def __init__(
         self,

@@ -42,7 +42,21 @@ class TEGroupedLinear(GroupedLinear):
     """Megatron's `TEGroupedLinear`: forward(x, m_splits) -> (output, biases or None). The MoE token
     dispatcher does the expert communication, so under expert TP or EP each rank holds its local shard and
     the layer itself communicates nothing. `config.use_gmm_fp8` (MindSpeed's --no-use-gmm-fp8 turns it off)
-    keeps the expert GEMMs in BF16 inside FP8 regions."""
+    keeps the expert GEMMs in BF16 inside FP8 regions.
+
+    Args:
+        num_gemms: number of experts
+        input_size, output_size: sizes of one whole (unsplit) expert
+        parallel_mode: "column" or "row" under expert TP, or None
+        config: Megatron's config: gradient-accumulation fusion, params dtype, device, use_gmm_fp8
+        init_method: Megatron's init method, applied to each expert's master weight before it is split
+        bias: whether the experts have biases
+        skip_bias_add: forward returns the bias instead of adding it
+        is_expert: always an expert layer here (Megatron passes it through)
+        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
+        pg_collection: Megatron's process-group collection: expt_tp for the expert TP split, ep for the expert-parallel
+            rank (None: Megatron's parallel_state)
+    """
 
     def __init__(
         self,
@@ -129,7 +143,12 @@ class TEGroupedLinear(GroupedLinear):
 
 
 class TEColumnParallelGroupedLinear(TEGroupedLinear):
-    """Experts' first linear (FC1): split along the output dimension under expert TP."""
+    """Experts' first linear (FC1): split along the output dimension under expert TP.
+
+    Args:
+        num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
+        tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
+    """
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
                  init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
@@ -144,7 +163,12 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
 
 
 class TERowParallelGroupedLinear(TEGroupedLinear):
-    """Experts' second linear (FC2): split along the input dimension under expert TP."""
+    """Experts' second linear (FC2): split along the input dimension under expert TP.
+
+    Args:
+        num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
+        tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
+    """
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
                  init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,

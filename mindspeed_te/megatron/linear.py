@@ -41,7 +41,25 @@ class TEModuleMixin:
 class TELinear(TEModuleMixin, Linear):
     """Megatron's `TELinear`. parallel_mode "column" / "row" / "duplicated" (no TP, weight replicated).
     Expert layers under TP or expert parallelism do their own communication (the token dispatcher does it),
-    so the layer runs on its local shard without collectives. forward(x) returns (output, bias or None)."""
+    so the layer runs on its local shard without collectives. forward(x) returns (output, bias or None).
+
+    Args:
+        input_size, output_size: sizes of the whole (unsplit) layer
+        parallel_mode: "column", "row", "duplicated" (see above) or None
+        config: Megatron's config: sequence parallelism, gradient-accumulation fusion, params dtype, device, CPU
+            initialization
+        init_method: Megatron's init method, applied to the master weight before it is split (weights do not depend on
+            the TP size)
+        bias: whether the layer has a bias
+        skip_bias_add: forward returns the bias instead of adding it
+        skip_weight_param_allocation: only False is supported (a clear error otherwise)
+        tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
+        is_expert: an MoE expert layer: uses the expert TP group; communication is left to the token dispatcher
+        symmetric_ar_type: TE's symmetric all-reduce kind; accepted and unused
+        tp_group: tensor-parallel group (None: from pg_collection, else Megatron's parallel_state)
+        pg_collection: Megatron's process-group collection; its tp (expt_tp for experts) group is used when `tp_group`
+            is None
+    """
 
     def __init__(
         self,
@@ -115,7 +133,14 @@ class TELinear(TEModuleMixin, Linear):
 
 
 class TEColumnParallelLinear(TELinear):
-    """Megatron's `TEColumnParallelLinear`: weight split along the output dimension."""
+    """Megatron's `TEColumnParallelLinear`: weight split along the output dimension.
+
+    Args:
+        gather_output: only False is supported, as in Megatron's TE path (a clear error otherwise)
+        stride: chunks per partition when splitting the master weight (e.g. interleaved fused projections)
+        input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, skip_weight_param_allocation,
+        tp_comm_buffer_name, tp_group, pg_collection: as in TELinear
+    """
 
     def __init__(
         self,
@@ -152,7 +177,13 @@ class TEColumnParallelLinear(TELinear):
 
 
 class TERowParallelLinear(TELinear):
-    """Megatron's `TERowParallelLinear`: weight split along the input dimension, output reduced."""
+    """Megatron's `TERowParallelLinear`: weight split along the input dimension, output reduced.
+
+    Args:
+        input_is_parallel: only True (the input already split along its last dimension), as in Megatron's TE path
+        input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, tp_comm_buffer_name,
+        tp_group, pg_collection: as in TELinear
+    """
 
     def __init__(
         self,
@@ -184,7 +215,14 @@ class TERowParallelLinear(TELinear):
 
 
 class TEDelayedScaling(DelayedScaling):
-    """Megatron's `TEDelayedScaling`: a DelayedScaling recipe from the config's --fp8-* values."""
+    """Megatron's `TEDelayedScaling`: a DelayedScaling recipe from the config's --fp8-* values.
+
+    Args:
+        config: Megatron's config: --fp8-margin, --fp8-amax-history-len, --fp8-amax-compute-algo, and whether attention
+            runs in FP8
+        fp8_format: a Format or its --fp8-format name
+        override_linear_precision: (fprop, dgrad, wgrad): which GEMMs run in high precision instead
+    """
 
     def __init__(self, config: ModelParallelConfig, fp8_format: Format | str,
                  override_linear_precision: tuple = (False, False, False)) -> None:

@@ -24,7 +24,12 @@ def _padded(m_splits: list[int], align: int) -> list[int]:
 
 
 class Fp8Padding(torch.nn.Module):
-    """Pads every expert's rows to the quantized GEMM's alignment: forward(inp, m_splits) -> (padded, splits)."""
+    """Pads every expert's rows to the quantized GEMM's alignment: forward(inp, m_splits) -> (padded, splits).
+
+    Args:
+        num_gemms: number of experts (length of m_splits)
+        align_size: row alignment (None: the active recipe's, 32 for MXFP8 and 16 otherwise)
+    """
 
     def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
         super().__init__()
@@ -43,7 +48,12 @@ class Fp8Padding(torch.nn.Module):
 
 
 class Fp8Unpadding(torch.nn.Module):
-    """Drops the padding rows again: forward(inp, m_splits) with the original (unpadded) splits."""
+    """Drops the padding rows again: forward(inp, m_splits) with the original (unpadded) splits.
+
+    Args:
+        num_gemms: number of experts (length of m_splits)
+        align_size: row alignment (None: the active recipe's, 32 for MXFP8 and 16 otherwise)
+    """
 
     def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
         super().__init__()
@@ -66,7 +76,11 @@ def _check_splits(inp: torch.Tensor, m_splits: list[int], num_gemms: int) -> Non
 
 class TECudaRNGStatesTracker:
     """Named RNG streams (Megatron's model-parallel RNG) on whatever device torch's default generator
-    lives: the accelerator's when there is one, the CPU's otherwise."""
+    lives: the accelerator's when there is one, the CPU's otherwise.
+
+    Args:
+        is_inference_rng_tracker: Megatron's flag for the inference tracker; recorded
+    """
 
     def __init__(self, is_inference_rng_tracker: bool = False) -> None:
         self.is_inference_rng_tracker = is_inference_rng_tracker

@@ -32,7 +32,15 @@ class TENorm:
 
 class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
     """Megatron's `TELayerNormColumnParallelLinear`: the norm fused in front of a column-parallel linear,
-    with TE's parameter names (`layer_norm_weight`, `layer_norm_bias`, `weight`, `bias`)."""
+    with TE's parameter names (`layer_norm_weight`, `layer_norm_bias`, `weight`, `bias`).
+
+    Args:
+        config: Megatron's config: the norm kind, eps and zero-centered gamma, sequence parallelism,
+            gradient-accumulation fusion, params dtype, device
+        gather_output, stride: as in TEColumnParallelLinear
+        input_size, output_size, init_method, bias, skip_bias_add, is_expert, skip_weight_param_allocation,
+        tp_comm_buffer_name, tp_group, pg_collection: as in TELinear
+    """
 
     def __init__(
         self,

@@ -73,7 +73,27 @@ class DotProductAttention(torch.nn.Module):
     position (top-left aligned), "causal_bottom_right" aligns the last query with the last key.
     `window_size=(left, right)` keeps keys in [i - left, i + right] of query i (bottom-right aligned, -1 =
     unbounded). `softmax_type` "off-by-one" adds 1 to the softmax denominator, "learnable" adds
-    exp(softmax_offset[h]) with a per-head parameter (zeros at start)."""
+    exp(softmax_offset[h]) with a per-head parameter (zeros at start).
+
+    Args:
+        num_attention_heads: query heads of the whole layer (split over the TP group)
+        kv_channels: head dimension
+        num_gqa_groups: key/value heads for grouped-query attention (None: as many as query heads)
+        attention_dropout: dropout probability on the attention weights (training only)
+        attn_mask_type: one of MASK_TYPES ("causal", "padding", "no_mask", "padding_causal",
+            "causal_bottom_right", "padding_causal_bottom_right")
+        qkv_format: "sbhd" or "thd" (packed sequences with cu_seqlens)
+        softmax_scale: scale of q·k (None: 1/sqrt(kv_channels))
+        get_rng_state_tracker: returns Megatron's RNG tracker; dropout then runs in its model-parallel stream
+        tp_size, tp_group: tensor-parallel size or group: each rank holds num_attention_heads / TP heads
+        layer_number: the layer's index (for Megatron; recorded)
+        attention_type: "self" or "cross"
+        window_size: sliding window (see above; None: no window)
+        softmax_type: "vanilla", "off-by-one" or "learnable" (see above)
+        cp_group, cp_comm_type: context-parallel group (None: no CP) and Megatron's CP communication type (every type
+            computes the same: keys/values are gathered)
+        params_dtype, device: dtype and device of the `softmax_offset` parameter (learnable softmax)
+    """
 
     def __init__(
         self,

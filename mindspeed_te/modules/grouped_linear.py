@@ -19,7 +19,22 @@ class GroupedLinear(FP8ModuleBase):
 
     `use_fp8_gemm=False` (MindSpeed's --no-use-gmm-fp8) keeps the expert GEMMs in high precision inside FP8
     regions. `sequence_parallel` is recorded for Megatron: the MoE token dispatcher, not this layer, moves
-    expert tokens between sequence-parallel ranks."""
+    expert tokens between sequence-parallel ranks.
+
+    Args:
+        num_gemms: number of experts, each with its own weight{i} (and bias{i})
+        in_features, out_features: sizes of one whole (unsplit) expert
+        sequence_parallel: recorded for Megatron (see above)
+        fuse_wgrad_accumulation: add weight gradients into `weight{i}.main_grad` (float32) instead of `.grad`
+        tp_group, tp_size: expert tensor-parallel group (None: no TP), or its size when no group is given
+        init_method: fills each expert weight in place (None: Kaiming-uniform); biases start at 0
+        bias: whether the experts have biases
+        return_bias: forward returns the biases instead of adding them
+        params_dtype: parameter dtype (None: torch's default dtype)
+        parallel_mode: None, "column" or "row" (see above)
+        device: where the parameters are created (None: torch's default device)
+        use_fp8_gemm: quantized expert GEMMs inside FP8 regions (see above)
+    """
 
     def __init__(
         self,
@@ -73,6 +88,10 @@ class GroupedLinear(FP8ModuleBase):
     @property
     def biases(self) -> Optional[list[torch.nn.Parameter]]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def will_execute_quantized(self, is_context_quantized: bool) -> bool:
+        """Whether the expert GEMMs run quantized: in an FP8 region, unless FP8 grouped GEMMs are off."""
+        return is_context_quantized and self.use_fp8_gemm
 
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
         shape = inp.shape

@@ -24,7 +24,24 @@ class LayerNormLinear(Linear):
     `weight`, `bias` (Megatron's checkpoints and its TELayerNormColumnParallelLinear rely on them).
     parallel_mode None or "column"; a row-parallel input holds only part of the hidden dimension, which the
     norm needs whole. forward returns out, (out, bias) with `return_bias`, and the norm output last with
-    `return_layernorm_output` (this rank's sequence slice under sequence parallelism, as in TE)."""
+    `return_layernorm_output` (this rank's sequence slice under sequence parallelism, as in TE).
+
+    Args:
+        in_features, out_features: sizes of the whole (unsplit) layer
+        eps: added to the variance (or mean square) in the norm
+        sequence_parallel: the input is this rank's slice along dim 0; gathered after the norm
+        fuse_wgrad_accumulation: add weight gradients into `weight.main_grad` (float32) instead of `.grad`
+        tp_group, tp_size: tensor-parallel process group (None: no TP), or its size when no group is given
+        init_method: fills the linear weight in place (None: Kaiming-uniform); the norm starts at gamma 1, beta 0
+        bias: whether the linear part has a bias
+        normalization: "LayerNorm" or "RMSNorm"
+        return_bias: forward returns the bias instead of adding it
+        params_dtype: parameter dtype (None: torch's default dtype)
+        parallel_mode: None or "column"
+        return_layernorm_output: forward also returns the norm output
+        zero_centered_gamma: the norm scales by 1 + weight (weight starts at 0)
+        device: where the parameters are created (None: torch's default device)
+    """
 
     def __init__(
         self,

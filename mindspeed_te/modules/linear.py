@@ -56,7 +56,24 @@ def set_tensor_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: 
 class Linear(FP8ModuleBase):
     """y = x Wᵀ + b. `parallel_mode="column"` splits W's rows over `tp_group` (output stays split unless
     `gather_output`), `"row"` splits W's columns (input already split, output reduced). With
-    `sequence_parallel` the un-split activations are split along dim 0 and gathered/reduce-scattered."""
+    `sequence_parallel` the un-split activations are split along dim 0 and gathered/reduce-scattered.
+
+    Args:
+        in_features, out_features: sizes of the whole (unsplit) layer
+        sequence_parallel: activations split along dim 0 over the TP group (with `parallel_mode` set)
+        fuse_wgrad_accumulation: add weight gradients into `weight.main_grad` (float32) instead of `.grad`
+        tp_group, tp_size: tensor-parallel process group (None: no TP), or its size when no group is given
+        init_method: fills the weight in place (None: Kaiming-uniform); bias starts at 0
+        bias: whether the layer has a bias
+        return_bias: forward returns (output, bias) without adding it, for a later fused add
+        params_dtype: parameter dtype (None: torch's default dtype)
+        parallel_mode: None, "column" or "row" (see above)
+        device: where the parameters are created (None: torch's default device)
+        gather_output: all-gather the column-parallel output (parallel_mode="column" only)
+        name: label used in NaN/Inf reports (None: the class name and id)
+        use_ascend_mc2: fused matmul + communication kernels on the NPU under TP (--use-ascend-mc2); elsewhere, or
+            where they do not apply, separate collectives with one warning
+    """
 
     def __init__(
         self,
@@ -135,6 +152,10 @@ class Linear(FP8ModuleBase):
                           "separate collectives", stacklevel=2)
             self._mc2_warned = True
         return False
+
+    def will_execute_quantized(self, is_context_quantized: bool) -> bool:
+        """Whether the GEMMs run quantized in a context that is (or is not) an FP8 autocast region."""
+        return is_context_quantized
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)

@@ -97,7 +97,16 @@ class _Norm(torch.nn.Module):
 class LayerNorm(_Norm):
     """TransformerEngine's LayerNorm: y = (x - mean) / sqrt(var + eps) · gamma + bias, where gamma is `weight`,
     or 1 + `weight` with `zero_centered_gamma` (weight then starts at 0, which keeps weight decay from
-    pulling gamma towards 0)."""
+    pulling gamma towards 0).
+
+    Args:
+        normalized_shape: size(s) of the trailing dimension(s) normalized
+        eps: added to the variance (mean square for RMSNorm) before the square root
+        sequence_parallel: marks the parameters for Megatron's sequence-parallel gradient all-reduce
+        params_dtype: parameter dtype (None: torch's default dtype)
+        zero_centered_gamma: gamma = 1 + weight (see LayerNorm)
+        device: where the parameters are created (None: torch's default device)
+    """
 
     def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
@@ -110,7 +119,12 @@ class LayerNorm(_Norm):
 
 
 class RMSNorm(_Norm):
-    """TransformerEngine's RMSNorm: y = x / sqrt(mean(x²) + eps) · gamma, gamma as in `LayerNorm`; no bias."""
+    """TransformerEngine's RMSNorm: y = x / sqrt(mean(x²) + eps) · gamma, gamma as in `LayerNorm`; no bias.
+
+    Args:
+        normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma, device: as in LayerNorm
+            (eps is added to the mean square)
+    """
 
     def __init__(self, normalized_shape: ShapeLike, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
