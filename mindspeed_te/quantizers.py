@@ -239,6 +239,15 @@ class Float8BlockQuantizer(Quantizer):
         out = Float8BlockwiseQTensorStorage(
             self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len
         )
+        fused = fused_cast.quantize_tiles(
+            x2d, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device), mode="block", tile_rows=rows,
+            block=self.block_len, rowwise=self.rowwise_usage or self.block_scaling_dim == 2,
+            columnwise=self.columnwise_usage and self.block_scaling_dim == 1, fp8_max=self.target_max,
+            amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale)
+        if fused is not None:
+            data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv = fused
+            out.rowwise_data = None if data is None else data.reshape(x.shape)
+            return out
         if self.rowwise_usage or self.block_scaling_dim == 2:  # 128x128: one copy serves both layouts
             data, scale_inv = _quantize_tiles(x2d, rows, self.block_len, self.fp8_dtype, self._scales)
             out.rowwise_data, out.rowwise_scale_inv = data.reshape(x.shape), scale_inv
@@ -277,6 +286,14 @@ class MXFP8Quantizer(Quantizer):
                 f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the token dimension (Fp8Padding) or the hidden size"
             )
         out = MXFP8TensorStorage(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
+        fused = fused_cast.quantize_tiles(
+            x2d, self.fp8_dtype.value, None, mode=self.rounding, tile_rows=1, block=self.block_len,
+            rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, fp8_max=self.fp8_dtype.max,
+            emax=_EMAX[self.fp8_dtype])
+        if fused is not None:
+            data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv = fused
+            out.rowwise_data = None if data is None else data.reshape(x.shape)
+            return out
         if self.rowwise_usage:
             data, out.rowwise_scale_inv = _quantize_tiles(x2d, 1, self.block_len, self.fp8_dtype, self._scales)
             out.rowwise_data = data.reshape(x.shape)
