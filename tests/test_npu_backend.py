@@ -59,13 +59,7 @@ def _step(backend_name, monkeypatch, recipe, sim=None):
     return y.detach(), x.grad, w.main_grad, b.grad
 
 
-_BLOCKWISE_BIAS = pytest.mark.xfail(
-    strict=True, reason="the blockwise GEMM passes bias= to npu_quant_matmul with group_sizes [1, 128, 128], which "
-    "aclnnQuantMatmulV5 refuses ('仅mx量化模式下包含bias'); the NPU backend's fix (bias added outside) is pending")
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_BLOCKWISE_BIAS) if n.startswith("blockwise") else n
-                                  for n in RECIPES])
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch):
     recipe = RECIPES[name]
     sim = make_simulator()
