@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params"], help="run one group of cases")
+    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params"],
+                        help="run one group of cases")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be >= 1")

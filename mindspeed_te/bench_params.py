@@ -47,7 +47,7 @@ class _CollectiveBytes:
         self.bytes = 0
         self._originals = {}
 
-    def __enter__(self) -> "_CollectiveBytes":
+    def __enter__(self) -> _CollectiveBytes:
         for name in ("all_gather_into_tensor", "all_reduce"):
             original = getattr(dist, name)
             self._originals[name] = original

@@ -27,12 +27,12 @@ from mindspeed_te.megatron import (
     TENorm,
     TERowParallelGroupedLinear,
     TERowParallelLinear,
+    fp8_params,
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
     te_checkpoint,
 )
-from mindspeed_te.megatron import fp8_params
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
 from mindspeed_te.patches.registry import PatchRegistry
 

@@ -6,8 +6,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mindspeed_te import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, Linear, MXFP8BlockScaling
-from mindspeed_te import fp8_model_init
+from mindspeed_te import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    Linear,
+    MXFP8BlockScaling,
+    fp8_model_init,
+)
 from mindspeed_te.megatron.fp8_params import is_float8tensor, modify_underlying_storage, quantize_param_shard
 from tests.dist_utils import run_distributed
 

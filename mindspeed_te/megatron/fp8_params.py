@@ -109,7 +109,7 @@ def quantize_param_shard(model_params: Sequence[QuantizedTensor], main_params: S
 
 
 # FP8 inference: pad the token dimension to what the FP8 GEMMs need ------------------------------------------
-_fp8_inference_wrapped_modules: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_fp8_inference_wrapped_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _token_alignment() -> int:
