@@ -2,7 +2,8 @@
 
 Quantizing with torch ops costs one pass over memory per op (divide, clamp, cast) and a few microseconds of
 dispatch each; the extension reads every element once and also serves small tensors in one call. It covers
-the per-tensor hot path: contiguous float32/bfloat16 CPU tensors, one float32 scale. Every function returns
+the per-tensor hot path (contiguous float32/bfloat16 CPU tensors, one float32 scale) and the block-scaled
+ones (blockwise tiles, MX blocks), both layouts in one pass. Every function returns
 None when its input is outside that, and the caller then uses the torch ops, which give the same bits.
 
 `MINDSPEED_TE_FUSED_CAST=0` in the environment at import switches the extension off (the torch path is then
@@ -20,7 +21,8 @@ try:
 except ImportError:  # not built (no compiler at install time, or a source tree without `pip install -e .`)
     _ext = None
 
-__all__ = ["available", "amax", "current_scale_inv", "decode", "quantize_current", "quantize_delayed", "scaled_cast"]
+__all__ = ["available", "amax", "current_scale_inv", "decode", "quantize_current", "quantize_delayed", "quantize_tiles",
+           "scaled_cast"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -116,3 +118,36 @@ def quantize_delayed(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], a
     if not (_applies(x) and _one_element_f32(amax) and _one_element_f32(scale)):
         return None
     return _quantize(x, fmt, table, amax, scale, 0.0, 0.0, False)
+
+
+_TILE_MODES = {"block": 0, "ceil": 1, "floor": 2}
+
+
+def quantize_tiles(x2d: torch.Tensor, fmt: str, table: Optional[torch.Tensor], *, mode: str, tile_rows: int,
+                   block: int, rowwise: bool, columnwise: bool, fp8_max: float, amax_epsilon: float = 0.0,
+                   power_2_scale: bool = True, emax: int = 0) -> Optional[tuple[Optional[torch.Tensor], ...]]:
+    """Block-scaled quantize of a 2-D tensor in one call: (rowwise data (M, K), rowwise scales, columnwise data
+    (K, M), columnwise scales), the layouts not asked for None. mode "block": tiles of tile_rows x block with
+    float32 scale_inv = `scaling.current_scale_inv` of the tile amax (NaN for a tile holding NaN/Inf);
+    "ceil" / "floor": MX blocks of `block` with E8M0 codes (uint8, 0xFF for NaN/Inf) by
+    `scaling.mx_scale_exponent`. None when the extension does not apply."""
+    if not (_applies(x2d) and x2d.dim() == 2 and block <= 128) or (mode != "block" and fmt == "hif8"):
+        return None
+    m, k = x2d.shape
+    code, storage = _OUT_FORMATS[fmt]
+    scale_dtype = torch.float32 if mode == "block" else torch.uint8
+    row_data = row_scale = col_data = col_scale = None
+    if rowwise:
+        row_data = torch.empty((m, k), dtype=storage)
+        row_scale = torch.empty((-(-m // tile_rows), -(-k // block)), dtype=scale_dtype)
+    if columnwise:
+        col_data = torch.empty((k, m), dtype=storage)
+        col_scale = torch.empty((k, -(-m // block)), dtype=scale_dtype)
+
+    def ptr(t: Optional[torch.Tensor]) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    _ext.quantize_tiles(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, code, ptr(table), _TILE_MODES[mode], tile_rows,
+                        block, emax, fp8_max, amax_epsilon, power_2_scale, ptr(row_data), ptr(row_scale),
+                        ptr(col_data), ptr(col_scale), torch.get_num_threads())
+    return row_data, row_scale, col_data, col_scale

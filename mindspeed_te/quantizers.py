@@ -6,7 +6,7 @@ stateless apart from their configuration.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -93,10 +93,21 @@ class Float8Quantizer(Quantizer):
     """Delayed scaling: cast with the scale computed at the last update, and max-accumulate this tensor's
     amax into `amax` (slot 0 of its history column) for the next update."""
 
-    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: FP8Dtype, **usage: bool) -> None:
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: FP8Dtype, *,
+                 scale_inv: Optional[tuple[Any, int]] = None, **usage: bool) -> None:
+        """`scale_inv`: (the state's `ScaleInv`, this quantizer's slot), so 1/scale comes prepared from the
+        per-step update instead of one reciprocal per quantize."""
         super().__init__(fp8_dtype, **usage)
         self.scale = scale
         self.amax = amax
+        self._scale_inv = scale_inv
+
+    def scale_inverse(self) -> torch.Tensor:
+        """1 / scale, a one-element tensor."""
+        if self._scale_inv is None:
+            return self.scale.reciprocal()
+        source, i = self._scale_inv
+        return source.get()[i : i + 1]
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Max-accumulate x's amax into the history slot, as `quantize` does (NaN kept, see scaling)."""
@@ -111,7 +122,7 @@ class Float8Quantizer(Quantizer):
             return self._tensor(x, *fused)
         amax = tensor_amax(x.detach()).reshape(self.amax.shape)
         torch.maximum(self.amax, amax, out=self.amax)
-        scale_inv = self.scale.reciprocal()
+        scale_inv = self.scale_inverse()
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
         return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
                                    scale_inv=mark_nonfinite(scale_inv, amax))
@@ -228,6 +239,15 @@ class Float8BlockQuantizer(Quantizer):
         out = Float8BlockwiseQTensorStorage(
             self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len
         )
+        fused = fused_cast.quantize_tiles(
+            x2d, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device), mode="block", tile_rows=rows,
+            block=self.block_len, rowwise=self.rowwise_usage or self.block_scaling_dim == 2,
+            columnwise=self.columnwise_usage and self.block_scaling_dim == 1, fp8_max=self.target_max,
+            amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale)
+        if fused is not None:
+            data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv = fused
+            out.rowwise_data = None if data is None else data.reshape(x.shape)
+            return out
         if self.rowwise_usage or self.block_scaling_dim == 2:  # 128x128: one copy serves both layouts
             data, scale_inv = _quantize_tiles(x2d, rows, self.block_len, self.fp8_dtype, self._scales)
             out.rowwise_data, out.rowwise_scale_inv = data.reshape(x.shape), scale_inv
@@ -266,6 +286,14 @@ class MXFP8Quantizer(Quantizer):
                 f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the token dimension (Fp8Padding) or the hidden size"
             )
         out = MXFP8TensorStorage(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
+        fused = fused_cast.quantize_tiles(
+            x2d, self.fp8_dtype.value, None, mode=self.rounding, tile_rows=1, block=self.block_len,
+            rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, fp8_max=self.fp8_dtype.max,
+            emax=_EMAX[self.fp8_dtype])
+        if fused is not None:
+            data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv = fused
+            out.rowwise_data = None if data is None else data.reshape(x.shape)
+            return out
         if self.rowwise_usage:
             data, out.rowwise_scale_inv = _quantize_tiles(x2d, 1, self.block_len, self.fp8_dtype, self._scales)
             out.rowwise_data = data.reshape(x.shape)

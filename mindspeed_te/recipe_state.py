@@ -6,7 +6,7 @@ ordering TransformerEngine uses. `make_quantizers()` returns the quantizers in t
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ from mindspeed_te.recipe import (
     QParams,
     Recipe,
 )
-from mindspeed_te.scaling import FLT_MAX, delayed_scaling_update
+from mindspeed_te.scaling import FLT_MAX, batched_delayed_update, delayed_scaling_update
 
 __all__ = [
     "RecipeState",
@@ -163,6 +163,56 @@ class MXFP8BlockScalingRecipeState(RecipeState):
                               for _ in range(self.num_quantizers)])
 
 
+class ScaleInv:
+    """1 / scale of a delayed-scaling state, prepared by the per-step update so a quantize launches no
+    reciprocal. Anything else that writes the scale in place (a checkpoint load, the HiF8 warm-up) bumps the
+    scale's version counter, and the next `get` recomputes it once (one op, no host sync)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+        self.value = scale.reciprocal()
+        self.synced = scale._version
+
+    def get(self) -> torch.Tensor:
+        if self.synced != self.scale._version:
+            torch.reciprocal(self.scale, out=self.value)
+            self.synced = self.scale._version
+        return self.value
+
+
+def update_delayed_states(states: list[DelayedScalingRecipeState],
+                          reduce_amax: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    """The per-step update of all delayed-scaling states of one (recipe, group) key: one contiguous [L, N]
+    amax buffer, `reduce_amax` (an in-place all-reduce of its slot 0) called once, and a fixed handful of
+    batched ops for every state together (TransformerEngine's fused multi-tensor update). States with their
+    own update rule (HiF8 warm-up, a callable algorithm) get the reduced amaxes and update themselves."""
+    history = torch.cat([state.amax_history for state in states], dim=1)
+    if reduce_amax is not None:
+        reduce_amax(history[0])
+    batched = [s for s in states if type(s) is DelayedScalingRecipeState and s.batchable()]
+    others = [s for s in states if not (type(s) is DelayedScalingRecipeState and s.batchable())]
+    if others:
+        if reduce_amax is not None:  # hand the reduced amaxes back
+            torch._foreach_copy_([s.amax_history[0] for s in states],
+                                 list(history[0].split([s.num_quantizers for s in states])))
+        for state in others:
+            state.update()
+        if not batched:
+            return
+        history = torch.cat([s.amax_history for s in batched], dim=1)
+    first = batched[0]
+    sizes = [s.num_quantizers for s in batched]
+    scale = torch.cat([s.scale for s in batched])
+    recipe: DelayedScaling = first.recipe
+    new_history, new_scale, new_scale_inv = batched_delayed_update(
+        history, scale, first.fp8_max_tensor(), recipe.margin, recipe.amax_compute_algo)
+    torch._foreach_copy_(
+        [s.amax_history for s in batched] + [s.scale for s in batched] + [s.scale_inv.value for s in batched],
+        list(new_history.split(sizes, dim=1)) + list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes)))
+    for state in batched:
+        state.scale_inv.synced = state.scale._version
+
+
 class DelayedScalingRecipeState(RecipeState):
     """amax_history [L, n] and scale [n] for the module's n tensors. Quantizers hold views into them, so
     updates are done in place."""
@@ -173,10 +223,12 @@ class DelayedScalingRecipeState(RecipeState):
         self.fp8_max = recipe.target_max(self.forward)
         self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
+        self.scale_inv = ScaleInv(self.scale)
 
     def make_quantizers(self) -> list[Quantizer]:
         return self._watched([
-            Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype)
+            Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype,
+                            scale_inv=(self.scale_inv, i))
             for i in range(self.num_quantizers)
         ])
 
@@ -185,6 +237,17 @@ class DelayedScalingRecipeState(RecipeState):
                                          device=self.scale.device)
         copy.scale.copy_(self.scale)
         return copy
+
+    def batchable(self) -> bool:
+        """Whether `update_delayed_states` may update this state in its batched form (built-in algorithms)."""
+        recipe: DelayedScaling = self.recipe
+        return recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+
+    def fp8_max_tensor(self) -> torch.Tensor:
+        """fp8_max as a 0-d device tensor, made once (the batched update divides by the amaxes with it)."""
+        if not hasattr(self, "_fp8_max_tensor"):
+            self._fp8_max_tensor = torch.tensor(self.fp8_max, dtype=torch.float32, device=self.scale.device)
+        return self._fp8_max_tensor
 
     def update(self) -> None:
         """Roll the history and recompute scales from the amaxes now in slot 0 (after any reduction)."""

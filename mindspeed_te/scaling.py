@@ -97,6 +97,25 @@ def delayed_scaling_update(
     return roll_amax_history(amax_history), torch.where(seen, new_scale, scale)
 
 
+def batched_delayed_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Tensor, margin: float,
+                           amax_compute_algo: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`delayed_scaling_update` for the built-in algorithms in a fixed handful of device ops, whatever the
+    number of columns: (new history, new scale, new scale_inv). `amax_history` is a scratch [L, n] buffer (its
+    slot 0 is overwritten); `fp8_max` a 0-d tensor, so the quotient is one IEEE division. Same results: a
+    non-finite newest amax counts as 0, and a column whose newest amax is 0 keeps its window and scale."""
+    newest = torch.nan_to_num(amax_history[0], nan=0.0, posinf=0.0, out=amax_history[0])
+    amax = amax_history.amax(dim=0) if amax_compute_algo == "max" else newest
+    new_scale = torch.div(fp8_max, amax)
+    if margin:
+        new_scale.div_(2.0**margin)
+    new_scale.clamp_(max=FLT_MAX)
+    seen = newest > 0
+    new_scale = torch.where(seen, new_scale, scale)
+    history = torch.where(seen, torch.roll(amax_history, shifts=-1, dims=0), amax_history)
+    history[0] = 0.0
+    return history, new_scale, new_scale.reciprocal()
+
+
 _SMALL = 1 << 16  # elements below which per-op overhead, not memory traffic, dominates
 
 
@@ -150,7 +169,7 @@ def mark_nonfinite(scale_inv: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     sync). Quantization casts with a finite scale, so the codes and any stored scale stay finite; the NaN
     decode scale makes the tensor dequantize to NaN, and the GEMM it enters gives a non-finite output, as it
     would in high precision (a saturated Inf would otherwise look like a large finite value)."""
-    return scale_inv + amax * 0.0
+    return torch.add(scale_inv, amax, alpha=0.0)  # scale_inv + 0 · amax, one op: 0 · NaN = 0 · Inf = NaN
 
 
 def pad_to_multiple(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

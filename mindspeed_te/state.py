@@ -12,6 +12,7 @@ assignment and nothing can be forgotten.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections import Counter
@@ -29,7 +30,7 @@ from mindspeed_te.recipe import (
     Recipe,
     get_default_recipe,
 )
-from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
+from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState, update_delayed_states
 
 __all__ = [
     "FP8GlobalState",
@@ -109,13 +110,9 @@ def _fp8_support() -> tuple[bool, str]:
     needs a chip with FP8 matmuls."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
         return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
-    from mindspeed_te.kernels import requested_backend
+    from mindspeed_te.kernels import get_backend, requested_backend
 
-    if requested_backend() == "npu":
-        from mindspeed_te.kernels.npu import get_npu_backend
-
-        return get_npu_backend().available()
-    return True, ""
+    return get_backend().available() if requested_backend() == "npu" else (True, "")
 
 
 def _mxfp8_support() -> tuple[bool, str]:
@@ -326,12 +323,10 @@ class FP8GlobalStateManager:
             if not states:
                 continue
             recipe, group = qstate.autocast_arguments[key]
-            state_list = list(states.values())
-            if recipe.reduce_amax and dist.is_available() and dist.is_initialized() \
-                    and dist.get_world_size(group) > 1:
-                _all_reduce_amaxes(state_list, group)
-            for state in state_list:
-                state.update()
+            reduce = recipe.reduce_amax and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size(group) > 1
+            update_delayed_states(list(states.values()),
+                                  functools.partial(_all_reduce_amaxes, group=group) if reduce else None)
 
     # Autocast ----------------------------------------------------------------------------------------
     @classmethod
@@ -437,17 +432,12 @@ def _check_available(recipe: Recipe) -> None:
         raise RuntimeError(f"FP8 is not available: {reason} (recipe {type(recipe).__name__})")
 
 
-def _all_reduce_amaxes(states: list[DelayedScalingRecipeState], group: Optional[dist.ProcessGroup]) -> None:
-    """One MAX all-reduce over the concatenated slot-0 amaxes. NaN becomes +Inf first: gloo/NCCL MAX is not
-    NaN-consistent across ranks, while Inf is, and the update then ignores the non-finite amax everywhere."""
-    buffer = torch.cat([state.amax_history[0] for state in states])
-    buffer = torch.nan_to_num(buffer, nan=float("inf"))
-    dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
-    offset = 0
-    for state in states:
-        n = state.num_quantizers
-        state.amax_history[0].copy_(buffer[offset : offset + n])
-        offset += n
+def _all_reduce_amaxes(amaxes: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """One MAX all-reduce of a key's contiguous slot-0 amaxes, in place. NaN becomes +Inf first: gloo/NCCL MAX
+    is not NaN-consistent across ranks, while Inf is, and the update then ignores the non-finite amax
+    everywhere."""
+    torch.nan_to_num(amaxes, nan=float("inf"), out=amaxes)
+    dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
 
 
 def is_fp8_available(return_reason: bool = False) -> bool | tuple[bool, str]:

@@ -13,12 +13,13 @@ statistics are zero.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import time
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -299,6 +300,20 @@ def accelerator_present() -> bool:
     return bool(npu is not None and npu.is_available())
 
 
+class _EagerCollectives:
+    """What `_coalescing_manager` yields, for ops that already ran one by one: nothing left to wait for."""
+
+    def wait(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _uncoalesced(group: Any = None, device: Any = None, async_ops: bool = False) -> Iterator[_EagerCollectives]:
+    """gloo's coalesced all-gather garbles buckets of different dtypes (--fp8-param-gather puts the uint8
+    FP8-weight bucket and the bf16 bucket in one group): run Megatron's coalesced collectives one by one."""
+    yield _EagerCollectives()
+
+
 def register_device_cpu(registry) -> None:
     """Route Megatron's torch.cuda calls to the CPU (call only when `accelerator_present()` is False)."""
     import importlib.util
@@ -314,6 +329,7 @@ def register_device_cpu(registry) -> None:
     registry.register("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_megatron_rng_state)
     registry.register("torch.distributed.init_process_group", _with_gloo(torch.distributed.init_process_group))
     registry.register("torch.distributed.new_group", _with_gloo(torch.distributed.new_group))
+    registry.register("megatron.core.distributed.param_and_grad_buffer._coalescing_manager", _uncoalesced)
     layers = "megatron.core.tensor_parallel.layers"
     registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
     registry.register(f"{layers}._grad_accum_fusion_available", True)

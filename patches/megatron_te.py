@@ -27,6 +27,7 @@ from mindspeed_te.megatron import (
     TENorm,
     TERowParallelGroupedLinear,
     TERowParallelLinear,
+    fp8_params,
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
@@ -94,6 +95,11 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
 }
 
 
+# megatron.core.fp8_utils functions whose no-TE versions would refuse or ignore our quantized parameters.
+FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_storage", "quantize_param_shard",
+                   "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules")
+
+
 def register_megatron_te(registry: PatchRegistry) -> None:
     """Add the TE replacement patches to `registry` (applied later, together with the others)."""
     import importlib
@@ -114,4 +120,6 @@ def register_megatron_te(registry: PatchRegistry) -> None:
             registry.register(f"{module}.HAVE_TE", True, create=True)
     registry.register("megatron.core.fp8_utils.get_fp8_recipe", get_fp8_recipe)
     registry.register("megatron.core.fp8_utils.get_fp8_context", get_fp8_context)
+    for name in FP8_PARAM_HOOKS:  # --fp8-param-gather and FP8 inference on our quantized parameters
+        registry.register(f"megatron.core.fp8_utils.{name}", getattr(fp8_params, name), create=True)
     registry.register("megatron.core.utils._te_version", Version(TE_API_VERSION))

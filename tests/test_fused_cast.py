@@ -181,3 +181,63 @@ def test_per_tensor_quantizers_agree_with_the_torch_path(monkeypatch, recipe, dt
     if fused_amax is not None:
         assert torch.equal(fused_amax.nan_to_num(-1.0), plain_amax.nan_to_num(-1.0))
         assert torch.isnan(fused_amax).any()  # the NaN input's amax reached the history (the update skips it)
+
+
+def _tiled_input(m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows spread over 80 binades, with NaN, Inf, zeros, a float32 subnormal and a huge value in some blocks."""
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-40, 40, (m, 1), generator=gen).float())
+    x[0, :5] = torch.tensor([float("nan"), 0.0, -0.0, 1e-45, 3e38])
+    x[m - 1, k // 2] = float("inf")
+    x[m // 2, :] = 0.0
+    return x.to(dtype)
+
+
+def _fields_equal(a, b) -> None:
+    for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        got, want = getattr(a, name), getattr(b, name)
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.shape == want.shape and got.dtype == want.dtype, name
+            if got.dtype == torch.float32:  # NaN scales mark non-finite tiles; compare them as NaN
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+            else:
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+def _block_quantizers(fmt: FP8Dtype, m: int, k: int) -> list:
+    from mindspeed_te.quantizers import Float8BlockQuantizer, MXFP8Quantizer
+
+    target = 15.0 if fmt is FP8Dtype.HIF8 else fmt.max
+    qs = [Float8BlockQuantizer(fmt, target, block_scaling_dim=dim, power_2_scale=pow2, amax_epsilon=eps)
+          for dim, pow2, eps in ((1, True, 0.0), (2, True, 0.0), (1, False, 0.0), (2, False, 1e-3))]
+    if fmt is not FP8Dtype.HIF8 and m % 32 == 0 and k % 32 == 0:
+        qs += [MXFP8Quantizer(fmt, rounding=r) for r in ("ceil", "floor")]
+    return qs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 256), (130, 300), (1, 128)])
+@pytest.mark.parametrize("fmt", list(FP8Dtype))
+def test_block_and_mx_kernels_equal_torch_path(monkeypatch, dtype, shape, fmt):
+    """Blockwise (1x128, 128x128, power-of-2 or not) and MX (ceil / floor) quantize in one C call, every
+    layout combination, bit for bit as the torch ops give it (checked against the oracles in test_quantizers)."""
+    x = _tiled_input(*shape, dtype)
+    for q in _block_quantizers(fmt, *shape):
+        for rowwise, columnwise in ((True, False), (False, True), (True, True)):
+            q.set_usage(rowwise=rowwise, columnwise=columnwise)
+            fused = q(x)
+            monkeypatch.setattr(fused_cast, "enabled", False)
+            _fields_equal(fused, q(x))
+            monkeypatch.setattr(fused_cast, "enabled", True)
+
+
+def test_block_kernel_used_when_available(monkeypatch):
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    calls = []
+    original = fused_cast._ext.quantize_tiles
+    monkeypatch.setattr(fused_cast, "_ext", type("Ext", (), {"quantize_tiles": staticmethod(
+        lambda *a: calls.append(a) or original(*a))})())
+    MXFP8Quantizer(FP8Dtype.E4M3)(torch.randn(64, 64))
+    assert len(calls) == 1  # both layouts from one call

@@ -1,9 +1,10 @@
 """Device launches counted the way an NPU runs them: every aten op that is not a view or an allocation, plus
 every torch_npu kernel (the simulator's own torch ops inside a kernel are not launches)."""
+import pytest
 import torch
 
 from mindspeed_te.diagnostics import LaunchCounter
-from mindspeed_te.kernels.npu_sim import make_simulator
+from mindspeed_te.testing.npu_sim import make_simulator
 
 
 def test_counter_counts_compute_ops_not_views_or_allocations():
@@ -28,3 +29,54 @@ def test_counter_counts_a_torch_npu_kernel_once_and_restores_the_module():
     with LaunchCounter(sim) as counter:
         pass
     assert counter.total == 0
+
+
+def _simulated():
+    from mindspeed_te.bench import npu_simulated
+
+    return npu_simulated()
+
+
+def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
+    """Issue 9: one batched update per (recipe, group) key, not a loop of small ops per module."""
+    from mindspeed_te.bench import update_launches
+    from mindspeed_te.recipe import DelayedScaling
+
+    with _simulated() as npu:
+        totals = {layers: [c.total for c in update_launches(DelayedScaling(), layers, npu)] for layers in (2, 32)}
+    assert totals[2] == totals[32] == [13, 13]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delayed_linear_launches(dtype):
+    """Per tensor: one amax reduction, its max into the history slot, npu_quantize, the NaN mark of the
+    decode scale and the non-finite flag (1/scale comes from the update). bf16 adds its float32 upcast."""
+    from mindspeed_te.bench import linear_launches
+    from mindspeed_te.recipe import DelayedScaling, Format
+
+    with _simulated() as npu:
+        for fmt in (Format.E4M3, Format.HYBRID, Format.HIF8):
+            forward, backward = linear_launches(DelayedScaling(fp8_format=fmt), dtype, npu)
+            upcast = dtype != torch.float32
+            # forward: 2 x 5 per quantize + GEMM (bias inside); bf16 adds 2 input upcasts and the bias upcast
+            assert forward.total == 11 + 3 * upcast, dict(forward.counts)
+            # backward: 5 per quantize + dgrad + wgrad + bias grad, + the upcast for bf16
+            assert backward.total == 8 + upcast, dict(backward.counts)
+            assert forward.counts["torch_npu.npu_quantize"] == 2 and backward.counts["torch_npu.npu_quant_matmul"] == 2
+
+
+def test_only_kernels_know_the_backends():
+    """Issue 8: above kernels/, code talks to the backend contract (kernels/base.py) and asks capabilities;
+    it never imports a concrete backend, calls torch_npu through `backend.npu` or tests a backend's name."""
+    import pathlib
+    import re
+
+    import mindspeed_te
+
+    root = pathlib.Path(mindspeed_te.__file__).parent
+    forbidden = re.compile(r"kernels\.(npu|reference|torch_native|npu_sim)\b|backend\.npu\b|\.hcom\(|"
+                           r"\.name\s*[!=]=\s*[\"'](npu|reference|torch)[\"']")
+    offenders = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py")
+                 if "kernels" not in path.parts and "testing" not in path.parts
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
+    assert offenders == []

@@ -16,8 +16,8 @@ def _worker(rank: int, world: int) -> dict:
     import mindspeed_te.kernels.npu as npu_kernels
     from mindspeed_te import Float8CurrentScaling, FP8GlobalStateManager, fp8_autocast
     from mindspeed_te.kernels.npu import NpuBackend
-    from mindspeed_te.kernels.npu_sim import make_simulator
     from mindspeed_te.modules import Linear
+    from mindspeed_te.testing.npu_sim import make_simulator
 
     os.environ["MINDSPEED_TE_BACKEND"] = "npu"
     sim = make_simulator()
@@ -101,8 +101,8 @@ def _mx_worker(rank: int, world: int) -> dict:
     import mindspeed_te.kernels.npu as npu_kernels
     from mindspeed_te import FP8GlobalStateManager, MXFP8BlockScaling, fp8_autocast
     from mindspeed_te.kernels.npu import NpuBackend
-    from mindspeed_te.kernels.npu_sim import make_simulator
     from mindspeed_te.modules import Linear
+    from mindspeed_te.testing.npu_sim import make_simulator
 
     os.environ["MINDSPEED_TE_BACKEND"] = "npu"
     sim = make_simulator()

@@ -16,8 +16,8 @@ from mindspeed_te import (
 from mindspeed_te.diagnostics import HostSyncCounter
 from mindspeed_te.kernels import get_backend, requested_backend
 from mindspeed_te.kernels.npu import NpuBackend
-from mindspeed_te.kernels.npu_sim import make_simulator
 from mindspeed_te.ops import LinearQuantizers, fp8_linear
+from mindspeed_te.testing.npu_sim import make_simulator
 
 NO_POW2 = QParams(power_2_scale=False)
 RECIPES = {
@@ -211,3 +211,19 @@ def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch):
     assert sim.launch_counts["npu_fusion_attention"] == 1 and torch.equal(got, want)
     got.sum().backward()
     assert q.grad is not None and k.grad is not None
+
+
+def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch):
+    """aclnnQuantMatmulV5 (Ascend 950): of the G-B, B-B and mx modes only mx takes a bias, so a blockwise
+    GEMM with a bias adds it after the kernel; the result still equals the reference bit for bit."""
+    sim = make_simulator()
+    calls = []
+    kernel = sim.npu_quant_matmul
+    monkeypatch.setattr(sim, "npu_quant_matmul", lambda *a, **k: calls.append(k) or kernel(*a, **k),
+                        raising=False)
+    got = _step("npu", monkeypatch, RECIPES["blockwise/e4m3"], sim)
+    want = _step("reference", monkeypatch, RECIPES["blockwise/e4m3"])
+    blockwise = [k for k in calls if k.get("group_sizes") == [1, 128, 128]]
+    assert blockwise and all(k.get("bias") is None for k in blockwise)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

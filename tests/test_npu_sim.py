@@ -2,8 +2,10 @@
 float64 matmuls), the argument contract (every violation raises, naming the argument), launch counting."""
 from __future__ import annotations
 
+import ast
 import inspect
 import math
+import pathlib
 import sys
 import types
 
@@ -13,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_te.kernels.npu_sim import (
+from mindspeed_te.testing.npu_sim import (
     NpuContractError,
     NpuSimNotImplemented,
     NpuSocError,
     NpuTypeError,
     NpuValueError,
+    codecs,
     make_simulator,
 )
 
@@ -257,7 +260,8 @@ def test_dynamic_quant_contract(sim):
 
 # npu_dynamic_block_quant ------------------------------------------------------------------------------------
 def block_reference(x, rows, cols, fmt, target, min_scale=0.0):
-    """Tile-by-tile loop: scale = max(amax / target, min_scale) (1 for an all-zero tile), codes of x / scale."""
+    """Tile-by-tile loop: scale = amax / target (1 for an all-zero tile), capped at 1 / min_scale when min_scale > 0
+    (aclnnDynamicBlockQuantV2: "scaleOut = min(input_max / DST_TYPE_MAX, 1/minScale)"), codes of x / scale."""
     *batch, m, n = x.shape
     flat = x.reshape(-1, m, n)
     codes = np.zeros(flat.shape, np.uint8)
@@ -268,7 +272,8 @@ def block_reference(x, rows, cols, fmt, target, min_scale=0.0):
                 tile = flat[b, i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
                 amax = np.float32(np.abs(tile).max())
                 scale = np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(target))
-                scale = max(scale, np.float32(min_scale))
+                if min_scale > 0:
+                    scale = min(scale, np.float32(1.0 / min_scale))
                 codes[b, i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = codes_of(
                     (tile / scale).astype(np.float32), fmt)
                 scales[b, i, j] = scale
@@ -281,6 +286,7 @@ def block_reference(x, rows, cols, fmt, target, min_scale=0.0):
     ("hif8", (130, 300), 128, 128, 15.0, 0.0),
     ("hif8", (3, 64), 256, 192, 224.0, 0.0),
     ("e4m3", (4, 256), 1, 256, 0.0, 0.05),
+    ("e4m3", (4, 256), 1, 256, 0.0, 100.0),  # the 1/min_scale cap binds: values beyond 4.48 saturate
 ])
 def test_dynamic_block_quant(sim, fmt, shape, rows, cols, target, min_scale):
     x = torch.randn(shape, dtype=torch.bfloat16) * 3
@@ -310,8 +316,17 @@ def test_dynamic_block_quant_contract(sim):
     assert_raises(lambda: bq(x, dst_type=e4m3, dst_type_max=15.0), NpuValueError, "dst_type_max")
     assert_raises(lambda: bq(x, dst_type=e4m3, min_scale=-1.0), NpuValueError, "min_scale")
     assert_raises(lambda: bq(x[None, None], dst_type=e4m3), NpuValueError, "x")
-    assert_raises(lambda: bq(x.float(), dst_type=e4m3), NpuTypeError, "x")
+    assert_raises(lambda: bq(x.double(), dst_type=e4m3), NpuTypeError, "x")
     assert_raises(lambda: bq(x), NpuTypeError, "dst_type")  # int8, the A2/A3 default, is not a 950 output
+
+
+def test_dynamic_block_quant_takes_float32(sim):
+    """aclnnDynamicBlockQuantV2 (Ascend 950): x "FLOAT16、BFLOAT16、FLOAT32"."""
+    x = torch.randn(3, 130) * 7
+    y, scale = sim.npu_dynamic_block_quant(x, dst_type=torch.float8_e5m2)
+    codes, scales = block_reference(f32(x), 1, 128, "e5m2", FMT_MAX["e5m2"])
+    np.testing.assert_array_equal(raw(y), codes)
+    np.testing.assert_array_equal(scale.numpy(), scales)
 
 
 # npu_dynamic_mx_quant ---------------------------------------------------------------------------------------
@@ -704,3 +719,119 @@ def test_gradients_follow_torch_npu():
     y, _ = sim.npu_rms_norm(x, gamma)
     y.sum().backward()
     assert gamma.grad is not None and x.grad is not None
+
+
+# The simulator's own codecs against the oracles --------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+def test_codec_decodes_every_code_as_the_oracle(sim, fmt):
+    codes = np.arange(256, dtype=np.uint8)
+    got = codecs.decode(torch.from_numpy(codes), npu_dtype(sim, fmt)).double().numpy()
+    np.testing.assert_array_equal(got, values_of(codes, fmt))  # NaN where the oracle has NaN
+
+
+def _edge_values(fmt):
+    """Random values over the whole range plus the rounding edges: ties, overflow, underflow, zeros, specials."""
+    gen = np.random.default_rng(11)
+    x = gen.standard_normal(20000) * np.exp2(gen.integers(-30, 20, 20000))
+    top, below = FMT_MAX[fmt], {"e4m3": 416.0, "e5m2": 49152.0, "hif8": 24576.0}[fmt]
+    edges = [top, (top + below) / 2, top * 1.0625, top * 1.25, top * 1.5, 1e38, 2.0**-23, 2.0**-24, 2.0**-10,
+             2.0**-17, 1.0625, 1.03125, 0.0, -0.0, np.inf, -np.inf, np.nan]
+    return np.concatenate([x, edges, [-e for e in edges]]).astype(np.float32)
+
+
+@pytest.mark.parametrize("saturate", [False, True])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+def test_codec_encodes_as_the_oracle(sim, fmt, saturate):
+    x = _edge_values(fmt)
+    got = raw(codecs.encode(torch.from_numpy(x), npu_dtype(sim, fmt), saturate=saturate))
+    source = np.clip(x, -FMT_MAX[fmt], FMT_MAX[fmt]) if saturate else x
+    np.testing.assert_array_equal(values_of(got, fmt), source.astype(NP[fmt]).astype(np.float64))
+
+
+def test_codec_e8m0_decodes_as_the_oracle():
+    codes = np.arange(256, dtype=np.uint8)
+    expected = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+    np.testing.assert_array_equal(codecs.e8m0_values(torch.from_numpy(codes)).double().numpy(), expected)
+
+
+def test_simulator_imports_nothing_of_the_library():
+    """The simulator is a test double: it computes with its own codecs, never with the code it checks."""
+    package = pathlib.Path(codecs.__file__).parent
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                if name.startswith("mindspeed_te"):
+                    assert name.startswith("mindspeed_te.testing.npu_sim"), (path.name, name)
+
+
+# Contract rules quoted from the documents ---------------------------------------------------------------------
+@pytest.mark.parametrize("groups", [[1, 128, 128], [128, 128, 128]])
+def test_quant_matmul_blockwise_refuses_bias(sim, groups):
+    """aclnnQuantMatmulV5 (Ascend 950): "仅mx量化模式下包含bias" - the G-B and B-B modes take no bias."""
+    m, k, n = 4, 256, 128
+    x1, _ = random_codes((m, k), "e4m3", 1)
+    x2, _ = random_codes((k, n), "e4m3", 2)
+    s1 = torch.ones(-(-m // groups[0]), 2)
+    s2 = torch.ones(2, 1)
+    call = lambda **kw: sim.npu_quant_matmul(x1, x2, s2, pertoken_scale=s1, output_dtype=torch.bfloat16,  # noqa: E731
+                                             group_sizes=groups, **kw)
+    assert_raises(lambda: call(bias=torch.zeros(n)), NpuValueError, "bias", str(groups))
+    assert sim.launch_counts["npu_quant_matmul"] == 0  # a refused call launches nothing
+    call()
+
+
+def test_quant_matmul_mx_takes_bias(sim):
+    m, k, n = 4, 64, 16
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(k, n, dtype=torch.bfloat16)
+    q1, s1 = sim.npu_dynamic_mx_quant(x, dst_type=sim.float8_e4m3fn)
+    q2, s2 = sim.npu_dynamic_mx_quant(w, axis=0, dst_type=sim.float8_e4m3fn)
+    bias = torch.randn(n)
+    mx = dict(output_dtype=torch.float32, scale_dtype=sim.float8_e8m0fnu, pertoken_scale_dtype=sim.float8_e8m0fnu,
+              group_sizes=[1, 1, 32])
+    out = sim.npu_quant_matmul(q1, q2, s2, pertoken_scale=s1, bias=bias, **mx)
+    pow1 = 2.0 ** (s1.numpy().reshape(m, -1)[:, :2].astype(np.float64) - 127)  # 2 blocks of 32 along k
+    pow2 = 2.0 ** (s2.numpy().transpose(0, 2, 1).reshape(-1, n)[:2].astype(np.float64) - 127)
+    a = values_of(raw(q1), "e4m3") * np.repeat(pow1, 32, 1)
+    b = values_of(raw(q2), "e4m3") * np.repeat(pow2, 32, 0)
+    close(out, a @ b + f32(bias)[None, :], rtol=5e-6)
+
+
+@pytest.mark.parametrize("alg", [0, 1])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_dynamic_mx_quant_with_dual_axis(fmt, alg):
+    sim = make_simulator("Ascend950DT")
+    x = torch.randn(2, 96, 70, dtype=torch.bfloat16) * 20
+    y1, s1, y2, s2 = sim.npu_dynamic_mx_quant_with_dual_axis(x, dst_type=npu_dtype(sim, fmt), scale_alg=alg)
+    # documented shapes: mxscale1 [B, M, ceil(ceil(N/32)/2), 2], mxscale2 [B, ceil(ceil(M/32)/2), N, 2]
+    assert tuple(y1.shape) == tuple(y2.shape) == (2, 96, 70) and y1.dtype == TORCH_FP8[fmt]
+    assert tuple(s1.shape) == (2, 96, 2, 2) and tuple(s2.shape) == (2, 2, 70, 2) and s1.dtype == torch.uint8
+    for b in range(2):
+        rows = f32(x[b])
+        codes, scales = mx_reference(rows, fmt, alg)
+        np.testing.assert_array_equal(raw(y1)[b], codes)
+        np.testing.assert_array_equal(s1.numpy()[b], pair_blocks(scales))
+        codes, scales = mx_reference(rows.T.copy(), fmt, alg)  # the -2 axis: columns as rows
+        np.testing.assert_array_equal(raw(y2)[b], codes.T)
+        np.testing.assert_array_equal(s2.numpy()[b], pair_blocks(scales).transpose(1, 0, 2))
+    assert sim.launch_counts == {"npu_dynamic_mx_quant_with_dual_axis": 1}  # both layouts from one kernel
+
+
+def test_dynamic_mx_quant_with_dual_axis_contract():
+    sim = make_simulator("Ascend950DT")
+    dq = sim.npu_dynamic_mx_quant_with_dual_axis
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    e4m3 = sim.float8_e4m3fn
+    assert_raises(lambda: make_simulator("Ascend950PR").npu_dynamic_mx_quant_with_dual_axis(x, dst_type=e4m3),
+                  NpuSocError, "950DT")
+    assert_raises(lambda: dq(x.float(), dst_type=e4m3), NpuTypeError, "input")
+    assert_raises(lambda: dq(x[0], dst_type=e4m3), NpuValueError, "input")
+    assert_raises(lambda: dq(x, dst_type=e4m3, round_mode="floor"), NpuValueError, "round_mode")
+    assert_raises(lambda: dq(x, dst_type=e4m3, scale_alg=2), NpuValueError, "scale_alg")
+    assert_raises(lambda: dq(x, dst_type=e4m3, dst_type_max=6.0), NpuValueError, "dst_type_max")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8), NpuTypeError, "dst_type")
+    assert sum(sim.launch_counts.values()) == 0
+    with pytest.raises(NpuSimNotImplemented):
+        dq(x)  # FP4 (the default dst_type) is valid but not simulated

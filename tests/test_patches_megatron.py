@@ -156,7 +156,7 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
     if backend is not None:
         import os
 
-        from mindspeed_te.kernels import npu_sim
+        from mindspeed_te.testing import npu_sim
 
         os.environ["MINDSPEED_TE_BACKEND"] = backend
         os.environ["MINDSPEED_TE_NPU_SIMULATOR"] = "1"

@@ -70,17 +70,11 @@ def test_tiny_amax_gives_flt_max_and_callables_are_used():
 @pytest.mark.parametrize("amax", [2.0, 3.0, 448.0, 1e-3, 0.0, math.inf, math.nan, 1e-44, 6e4])
 @pytest.mark.parametrize("eps", [0.0, 1e-2])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_current_scale_matches_reference(amax, eps, pow2):
-    got = scaling.current_scale(torch.tensor([amax]), 448.0, eps, pow2).item()
-    assert got == float(current_scale(amax, 448.0, eps, pow2))
-
-
-@pytest.mark.parametrize("amax", [2.0, 3.0, 448.0, 1e-3, 0.0, math.inf, math.nan, 1e-44, 6e4])
-@pytest.mark.parametrize("eps", [0.0, 1e-2])
-@pytest.mark.parametrize("pow2", [False, True])
-def test_current_scale_inv_matches_reference(amax, eps, pow2):
-    got = scaling.current_scale_inv(torch.tensor([amax]), 15.0, eps, pow2).item()
-    assert got == float(current_scale_inv(amax, 15.0, eps, pow2))
+@pytest.mark.parametrize("ours, oracle, target", [(scaling.current_scale, current_scale, 448.0),
+                                                  (scaling.current_scale_inv, current_scale_inv, 15.0)],
+                         ids=["scale", "scale_inv"])
+def test_current_scale_and_inverse_match_reference(amax, eps, pow2, ours, oracle, target):
+    assert ours(torch.tensor([amax]), target, eps, pow2).item() == float(oracle(amax, target, eps, pow2))
 
 
 def test_current_scale_closed_form():
@@ -108,3 +102,29 @@ def test_e8m0_round_trip():
     codes = scaling.e8m0_encode(e)
     assert codes.dtype == torch.uint8
     np.testing.assert_array_equal(scaling.e8m0_decode(codes).double().numpy(), np.ldexp(1.0, e.numpy()))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0.0, 1.0])
+def test_batched_delayed_update_equals_the_per_state_update(algo, margin):
+    """The per-step update of many states at once (one [L, N] buffer, a fixed handful of ops) gives each
+    state exactly what its own `delayed_scaling_update` gives: rolled windows, kept windows and scales for
+    0 / NaN / Inf newest amaxes, the FLT_MAX clamp."""
+    from mindspeed_te.recipe import DelayedScaling
+    from mindspeed_te.recipe_state import DelayedScalingRecipeState, update_delayed_states
+    from mindspeed_te.scaling import delayed_scaling_update
+
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=algo, margin=margin)
+    g = torch.Generator().manual_seed(3)
+    states = [DelayedScalingRecipeState(recipe, mode="forward", num_quantizers=n) for n in (3, 6, 3)]
+    for state in states:
+        state.amax_history.copy_(torch.rand(state.amax_history.shape, generator=g) * 10)
+        state.scale.copy_(torch.rand(state.num_quantizers, generator=g) + 0.5)
+    newest = states[1].amax_history[0]
+    newest[0], newest[1], newest[2], newest[3], newest[4] = 0.0, float("nan"), float("inf"), 1e-40, 3.0
+    want = [delayed_scaling_update(s.amax_history, s.scale, s.fp8_max, margin, algo) for s in states]
+    update_delayed_states(states)
+    for state, (history, scale) in zip(states, want):
+        assert torch.equal(state.amax_history, history)
+        assert torch.equal(state.scale, scale)
+        assert torch.equal(state.scale_inv.get(), scale.reciprocal())

@@ -334,6 +334,171 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- Block scaling (1xB / 128x128 tiles) and MX (1x32 blocks, E8M0 scales) ---------------------------
+ * One call quantizes the rowwise layout (blocks along the last dim) and, when asked, the columnwise one
+ * (blocks of the 2-D transpose, i.e. along the first dim), reading the input strip by strip while it is in
+ * cache. The block scale rules are those of mindspeed_te.scaling (current_scale_inv for blockwise,
+ * mx_scale_exponent for MX); power-of-two scales are applied as a multiplication by 2^-e, which rounds
+ * exactly as the division by 2^e does. */
+enum { MODE_BLOCK = 0, MODE_MX_CEIL = 1, MODE_MX_FLOOR = 2 };
+
+typedef struct {
+    const void *in;
+    int in_dtype, out_format, mode, pow2, emax;
+    int64_t m, k;
+    int tile_rows, block;
+    float fp8_max, eps;
+    const uint8_t *table;
+    uint8_t *row_data, *col_data;
+    void *row_scale, *col_scale; /* float32 (blockwise) or uint8 E8M0 codes (MX) */
+    int64_t strip_begin, strip_end;
+} TileJob;
+
+static inline float load_elem(const TileJob *j, int64_t i) {
+    return j->in_dtype == IN_F32 ? ((const float *)j->in)[i] : float_of((uint32_t)((const uint16_t *)j->in)[i] << 16);
+}
+
+static inline uint8_t encode(const TileJob *j, float q) {
+    return j->out_format == OUT_E4M3 ? to_e4m3(q) : j->out_format == OUT_E5M2 ? to_e5m2(q) : to_hif8(j->table, q);
+}
+
+/* The block's cast factor from its amax bits (|x| as float32 bits, above 0x7F800000 for NaN): `*mul` set
+ * (and `*div` = 0) for a power-of-two scale, else `*div` = scale_inv. Stores the block's scale at `slot`. */
+static inline void block_scale(const TileJob *j, uint32_t amax_bits, void *scale, int64_t slot, float *mul,
+                               float *div) {
+    const float amax = float_of(amax_bits > 0x7F800000u ? 0x7FC00000u : amax_bits);
+    const int finite = amax_bits < 0x7F800000u;
+    if (j->mode == MODE_BLOCK) {
+        const float sinv = current_scale_inv(amax, j->fp8_max, j->eps, j->pow2);
+        ((float *)scale)[slot] = finite ? sinv : NAN; /* a tile holding NaN/Inf dequantizes to NaN */
+        if (j->pow2) { *mul = 1.0f / sinv; *div = 0.0f; }
+        else { *mul = 0.0f; *div = sinv; }
+        return;
+    }
+    int e;
+    if (!finite) e = 0;
+    else if (amax_bits == 0) e = -127;
+    else if (j->mode == MODE_MX_CEIL) {
+        int ex;
+        const double mant = frexp((double)amax / (double)j->fp8_max, &ex);
+        e = mant == 0.5 ? ex - 1 : ex;
+    } else {
+        int ex;
+        frexpf(amax, &ex);
+        e = (ex - 1) - j->emax;
+    }
+    e = e < -127 ? -127 : e > 127 ? 127 : e;
+    ((uint8_t *)scale)[slot] = finite ? (uint8_t)(e + 127) : 0xFF;
+    *mul = ldexpf(1.0f, -e); /* 2^-e, exact for |e| <= 127 */
+    *div = 0.0f;
+}
+
+static inline float apply(float x, float mul, float div) { return div != 0.0f ? x / div : x * mul; }
+
+static inline uint32_t abs_bits(const TileJob *j, int64_t i) {
+    if (j->in_dtype == IN_F32) return ((const uint32_t *)j->in)[i] & 0x7FFFFFFFu;
+    return ((uint32_t)(((const uint16_t *)j->in)[i] & 0x7FFFu)) << 16;
+}
+
+/* Rowwise: rows [r0, r1), tiles of tile_rows x block along the last dim. */
+static void tile_rowwise(const TileJob *j, int64_t r0, int64_t r1) {
+    const int64_t k = j->k, nb = (k + j->block - 1) / j->block;
+    for (int64_t c0 = 0; c0 < k; c0 += j->block) {
+        const int64_t c1 = c0 + j->block < k ? c0 + j->block : k;
+        uint32_t m = 0;
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = c0; c < c1; ++c) { uint32_t a = abs_bits(j, r * k + c); m = a > m ? a : m; }
+        float mul, div;
+        block_scale(j, m, j->row_scale, (r0 / j->tile_rows) * nb + c0 / j->block, &mul, &div);
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = c0; c < c1; ++c) j->row_data[r * k + c] = encode(j, apply(load_elem(j, r * k + c), mul, div));
+    }
+}
+
+#define COL_CHUNK 64
+/* Columnwise: rows [r0, r1) of the input form one block of every column; output (K, M) rows. */
+static void tile_columnwise(const TileJob *j, int64_t r0, int64_t r1) {
+    const int64_t k = j->k, m_all = j->m, nb = (m_all + j->block - 1) / j->block, h = r1 - r0;
+    uint8_t codes[COL_CHUNK][128];
+    for (int64_t c0 = 0; c0 < k; c0 += COL_CHUNK) {
+        const int64_t w = c0 + COL_CHUNK < k ? COL_CHUNK : k - c0;
+        uint32_t m[COL_CHUNK] = {0};
+        float mul[COL_CHUNK], div[COL_CHUNK];
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t c = 0; c < w; ++c) { uint32_t a = abs_bits(j, r * k + c0 + c); m[c] = a > m[c] ? a : m[c]; }
+        for (int64_t c = 0; c < w; ++c) block_scale(j, m[c], j->col_scale, (c0 + c) * nb + r0 / j->block, &mul[c], &div[c]);
+        for (int64_t r = 0; r < h; ++r)
+            for (int64_t c = 0; c < w; ++c) codes[c][r] = encode(j, apply(load_elem(j, (r0 + r) * k + c0 + c), mul[c], div[c]));
+        for (int64_t c = 0; c < w; ++c) memcpy(j->col_data + (c0 + c) * m_all + r0, codes[c], (size_t)h);
+    }
+}
+
+static void tile_range(TileJob *j) {
+    const int64_t strip = j->tile_rows > 1 ? j->tile_rows : j->block;
+    for (int64_t s = j->strip_begin; s < j->strip_end; ++s) {
+        const int64_t r0 = s * strip, r1 = r0 + strip < j->m ? r0 + strip : j->m;
+        if (j->row_data) {
+            if (j->tile_rows > 1) tile_rowwise(j, r0, r1);
+            else for (int64_t r = r0; r < r1; ++r) tile_rowwise(j, r, r + 1);
+        }
+        if (j->col_data) tile_columnwise(j, r0, r1);
+    }
+}
+
+static void *run_tile(void *arg) { tile_range((TileJob *)arg); return NULL; }
+
+static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
+    TileJob proto;
+    unsigned long long in, table, row_data, row_scale, col_data, col_scale;
+    long long m, k;
+    int threads;
+    double fp8_max, eps;
+    memset(&proto, 0, sizeof proto);
+    if (!PyArg_ParseTuple(args, "KiLLiKiiiiddpKKKKi", &in, &proto.in_dtype, &m, &k, &proto.out_format, &table,
+                          &proto.mode, &proto.tile_rows, &proto.block, &proto.emax, &fp8_max, &eps, &proto.pow2,
+                          &row_data, &row_scale, &col_data, &col_scale, &threads))
+        return NULL;
+    if (!check_formats(proto.in_dtype, proto.out_format, table, m * k) || m < 0 || k < 0 || proto.block < 1 ||
+        proto.block > 128 || (proto.tile_rows != 1 && proto.tile_rows != proto.block) ||
+        proto.mode < MODE_BLOCK || proto.mode > MODE_MX_FLOOR || (proto.mode != MODE_BLOCK && proto.out_format == OUT_HIF8)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "quantize_tiles: bad tile, block or mode");
+        return NULL;
+    }
+    proto.in = (const void *)in;
+    proto.m = m;
+    proto.k = k;
+    proto.fp8_max = (float)fp8_max;
+    proto.eps = (float)eps;
+    proto.table = (const uint8_t *)table;
+    proto.row_data = (uint8_t *)row_data;
+    proto.row_scale = (void *)row_scale;
+    proto.col_data = (uint8_t *)col_data;
+    proto.col_scale = (void *)col_scale;
+    const int64_t strip = proto.tile_rows > 1 ? proto.tile_rows : proto.block;
+    const int64_t strips = (m + strip - 1) / strip;
+    int64_t t = m * k / MIN_PER_THREAD;
+    if (t > threads) t = threads;
+    if (t > strips) t = strips;
+    if (t > MAX_THREADS) t = MAX_THREADS;
+    if (t < 1) t = 1;
+    TileJob jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t step = (strips + t - 1) / t;
+    for (int64_t i = 0; i < t; ++i) {
+        jobs[i] = proto;
+        jobs[i].strip_begin = i * step < strips ? i * step : strips;
+        jobs[i].strip_end = (i + 1) * step < strips ? (i + 1) * step : strips;
+        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_tile, &jobs[i]) == 0;
+        if (i > 0 && !started[i]) tile_range(&jobs[i]);
+    }
+    tile_range(&jobs[0]);
+    for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
@@ -341,6 +506,9 @@ static PyMethodDef methods[] = {
      "quantize(in, in_dtype, n, out, out_format, table, threads, amax, scale, scale_inv_out, fp8_max, eps, pow2)"},
     {"amax", py_amax, METH_VARARGS, "amax(in, in_dtype, n, out, threads): *out = max |in| (NaN if any)"},
     {"decode", py_decode, METH_VARARGS, "decode(in, n, values, out, threads): out = values[in] (uint8 codes)"},
+    {"quantize_tiles", py_quantize_tiles, METH_VARARGS,
+     "quantize_tiles(in, in_dtype, m, k, out_format, table, mode, tile_rows, block, emax, fp8_max, eps, pow2, "
+     "row_data, row_scale, col_data, col_scale, threads): block / MX quantize, rowwise and/or columnwise"},
     {"current_scale_inv", py_current_scale_inv, METH_VARARGS,
      "current_scale_inv(amax, out, fp8_max, eps, pow2): *out = the current-scaling scale_inv of *amax"},
     {NULL, NULL, 0, NULL},

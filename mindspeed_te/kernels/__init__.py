@@ -7,20 +7,21 @@ GEMM upcasts internally and is slower than dequantize + fp32 GEMM (see REFERENCE
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import torch
 
+from mindspeed_te.kernels.base import Capabilities, KernelBackend
 from mindspeed_te.kernels.reference import ReferenceBackend
 from mindspeed_te.kernels.torch_native import TorchBackend
 
 BACKEND_ENV = "MINDSPEED_TE_BACKEND"
 BACKEND_CHOICES = ("auto", "npu", "torch", "reference")
+SIMULATOR_ENV = "MINDSPEED_TE_NPU_SIMULATOR"  # =1: the NPU backend runs on the torch_npu simulator
 
-if TYPE_CHECKING:
-    from mindspeed_te.kernels.npu import NpuBackend
-
-Backend = Union[ReferenceBackend, "NpuBackend"]  # the npu module is imported only when asked for
+Backend = KernelBackend  # the contract (kernels/base.py); the npu module is imported only when asked for
+__all__ = ["BACKEND_CHOICES", "BACKEND_ENV", "SIMULATOR_ENV", "Backend", "Capabilities", "KernelBackend", "get_backend",
+           "requested_backend"]
 
 _REFERENCE = ReferenceBackend()
 _TORCH = TorchBackend()

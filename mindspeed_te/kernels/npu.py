@@ -1,7 +1,7 @@
 """NPU backend: the torch_npu 2.14 quantization and GEMM kernels, called as their schemas define them.
 
 torch_npu is imported here and only here, lazily: importing it needs the CANN libraries. Without an NPU,
-`MINDSPEED_TE_NPU_SIMULATOR=1` puts the simulator (kernels/npu_sim.py) in its place, which enforces the
+`MINDSPEED_TE_NPU_SIMULATOR=1` puts the simulator (mindspeed_te.testing.npu_sim) in its place, which enforces the
 kernels' contract on CPU tensors and computes their reference results.
 
 What goes to a kernel and what stays on torch ops (which run on the NPU too):
@@ -22,8 +22,11 @@ from typing import Any, Optional
 
 import torch
 
+from mindspeed_te.distributed import group_size
 from mindspeed_te.formats import FP8Dtype
-from mindspeed_te.kernels.reference import Operand, ReferenceBackend, check_accumulate
+from mindspeed_te.kernels import SIMULATOR_ENV
+from mindspeed_te.kernels.base import Capabilities, Operand
+from mindspeed_te.kernels.reference import ReferenceBackend, check_accumulate
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -32,7 +35,7 @@ from mindspeed_te.quantizers import (
     Quantizer,
     record_nonfinite,
 )
-from mindspeed_te.scaling import mark_nonfinite, tensor_amax
+from mindspeed_te.scaling import mark_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -41,7 +44,6 @@ from mindspeed_te.tensor import (
     _TiledTensor,
 )
 
-SIMULATOR_ENV = "MINDSPEED_TE_NPU_SIMULATOR"
 _HIF8_DST_MAX = (15.0, 56.0, 224.0, 32768.0)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -49,7 +51,7 @@ _HALF = (torch.float16, torch.bfloat16)
 def load_torch_npu() -> Any:
     """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR=1."""
     if os.environ.get(SIMULATOR_ENV, "0") == "1":
-        from mindspeed_te.kernels.npu_sim import make_simulator
+        from mindspeed_te.testing.npu_sim import make_simulator
 
         return make_simulator()
     try:
@@ -67,6 +69,13 @@ def get_npu_backend() -> NpuBackend:
     return NpuBackend(load_torch_npu())
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in float32 in one reduction (NaN kept); 0 for an empty tensor (an expert without tokens)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+
+
 def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(data (rows, k), scale_inv) of the requested form of a tiled tensor."""
     if columnwise:
@@ -79,6 +88,7 @@ class NpuBackend(ReferenceBackend):
     """Dispatches quantize and GEMM to torch_npu kernels; everything else is the reference emulation."""
 
     name = "npu"
+    capabilities = Capabilities(fused_communication_gemm=True)
 
     def __init__(self, torch_npu: Any) -> None:
         self.npu = torch_npu
@@ -92,6 +102,16 @@ class NpuBackend(ReferenceBackend):
             return True, ""
         return False, (f"the NPU is {self.device_name}; FP8/HiF8/MXFP8 matmuls need an Ascend 950 series chip "
                        "(A2/A3 chips have int8/int4 quantized matmuls only)")
+
+    # Fused communication GEMMs (--use-ascend-mc2) -------------------------------------------------------------
+    def all_gather_matmul(self, x1, x2, group, **quantized):
+        return self.npu.npu_all_gather_base_mm(x1, x2, self.hcom(group), group_size(group), **quantized)
+
+    def matmul_reduce_scatter(self, x1, x2, group, **quantized):
+        return self.npu.npu_mm_reduce_scatter_base(x1, x2, self.hcom(group), group_size(group), **quantized)
+
+    def matmul_all_reduce(self, x1, x2, group):
+        return self.npu.npu_mm_all_reduce_base(x1, x2, self.hcom(group))
 
     def hcom(self, group: Any) -> str:
         """The HCCL communicator name of a process group, which the fused matmul+communication kernels take."""
@@ -112,43 +132,39 @@ class NpuBackend(ReferenceBackend):
         return 0.0 if target == fp8_dtype.max else None
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
-        return record_nonfinite(quantizer, self._quantize(quantizer, x))
+        kernel = _QUANTIZE_KERNELS.get(type(quantizer))
+        out = kernel(self, quantizer, x, x.detach().reshape(-1, x.shape[-1])) if kernel is not None else None
+        return record_nonfinite(quantizer, out if out is not None else quantizer.quantize(x))
 
-    def _quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
-        x2d = x.detach().reshape(-1, x.shape[-1])
-        if isinstance(quantizer, Float8Quantizer):
-            return self._quantize_delayed(quantizer, x, x2d)
-        if isinstance(quantizer, Float8CurrentScalingQuantizer):
-            dst_max = self._dst_type_max(quantizer.fp8_dtype, quantizer.target_max)
-            if (x.dtype in _HALF and dst_max is not None and not quantizer.power_2_scale
-                    and quantizer.amax_epsilon == 0 and quantizer.amax_reduction_group is None):
-                y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(quantizer.fp8_dtype),
-                                                      quant_mode="pertensor", dst_type_max=dst_max)
-                return Float8TensorStorage(quantizer.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
-                                           scale_inv=scale)
-        elif isinstance(quantizer, Float8BlockQuantizer):
-            dst_max = self._dst_type_max(quantizer.fp8_dtype, quantizer.target_max)
-            if x.dtype in _HALF and dst_max is not None and not quantizer.power_2_scale \
-                    and quantizer.amax_epsilon == 0 and quantizer.block_len == 128:
-                return self._quantize_blocks(quantizer, x, x2d, dst_max)
-        elif isinstance(quantizer, MXFP8Quantizer) and quantizer.block_len == 32:
-            return self._quantize_mx(quantizer, x, x2d)
-        return quantizer.quantize(x)
+    def _quantize_current(self, q: Float8CurrentScalingQuantizer, x: torch.Tensor, x2d: torch.Tensor
+                          ) -> Optional[Float8TensorStorage]:
+        dst_max = self._dst_type_max(q.fp8_dtype, q.target_max)
+        if (x.dtype not in _HALF or dst_max is None or q.power_2_scale or q.amax_epsilon != 0
+                or q.amax_reduction_group is not None):
+            return None
+        y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(q.fp8_dtype), quant_mode="pertensor",
+                                              dst_type_max=dst_max)
+        return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale)
 
     def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8TensorStorage:
-        amax = tensor_amax(x2d).reshape(q.amax.shape)
+        # One reduction for the amax (max |x|, NaN kept), max-accumulated into the history slot; 1/scale was
+        # prepared at the last per-step update.
+        amax = _amax(x2d).reshape(q.amax.shape)
         torch.maximum(q.amax, amax, out=q.amax)
-        scale_inv = q.scale.reciprocal()
+        scale_inv = q.scale_inverse()
         # A non-float32 input would need scales in its own dtype; keep them exact by quantizing from float32.
         src = x2d if x2d.dtype == torch.float32 else x2d.float()
         y = self.npu.npu_quantize(src, scale_inv, None, self._npu_dtype(q.fp8_dtype), -1, True)
         if q.fp8_dtype is FP8Dtype.HIF8:
             y = y.view(torch.uint8)
         return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
-                            scale_inv=mark_nonfinite(scale_inv, amax))
+                                   scale_inv=mark_nonfinite(scale_inv, amax))
 
-    def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor,
-                         dst_max: float) -> Float8BlockwiseQTensorStorage:
+    def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
+                         ) -> Optional[Float8BlockwiseQTensorStorage]:
+        dst_max = self._dst_type_max(q.fp8_dtype, q.target_max)
+        if x.dtype not in _HALF or dst_max is None or q.power_2_scale or q.amax_epsilon != 0 or q.block_len != 128:
+            return None
         rows = 1 if q.block_scaling_dim == 1 else 128
         kwargs = dict(round_mode="round" if q.fp8_dtype is FP8Dtype.HIF8 else "rint",
                       dst_type=self._npu_dtype(q.fp8_dtype), row_block_size=rows, col_block_size=128,
@@ -161,9 +177,9 @@ class NpuBackend(ReferenceBackend):
             out.columnwise_data, out.columnwise_scale_inv = self.npu.npu_dynamic_block_quant(x2d.t(), **kwargs)
         return out
 
-    def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> MXFP8TensorStorage:
-        if x2d.shape[0] % 32 or x2d.shape[1] % 32:
-            return q.quantize(x)  # raises the quantizer's own error about the shape
+    def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
+        if q.block_len != 32 or x2d.shape[0] % 32 or x2d.shape[1] % 32:
+            return None  # the quantizer raises its own error about the shape
         out = MXFP8TensorStorage(q.fp8_dtype, x.shape, x.dtype)
         kwargs = dict(dst_type=self._npu_dtype(q.fp8_dtype), scale_alg=1 if q.rounding == "ceil" else 0)
 
@@ -208,9 +224,15 @@ class NpuBackend(ReferenceBackend):
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
                                 bias=bias, out=out)
         x1, x2, kwargs = args
-        mm_dtype = torch.float32 if out is not None else out_dtype
+        # aclnnQuantMatmulV5 (Ascend 950, "G-B && B-B && mx 量化模式"): "仅mx量化模式下包含bias" -- of the block
+        # modes only mx takes a bias, so blockwise adds it after a float32 product (one rounding, as the
+        # reference does).
+        late_bias = bias is not None and kwargs.get("group_sizes") == [1, 128, 128]
+        mm_dtype = torch.float32 if out is not None or late_bias else out_dtype
         result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
-                                           bias=None if bias is None else bias.float(), **kwargs)
+                                           bias=None if bias is None or late_bias else bias.float(), **kwargs)
+        if late_bias:
+            return result.add_(bias).to(out_dtype)
         return out.add_(result) if out is not None else result
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
@@ -293,3 +315,13 @@ class NpuBackend(ReferenceBackend):
             pertoken_scale=s1.reshape(s1.shape[0], -1, 2),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )
+
+
+# Quantize dispatch: the quantizer's type -> the NpuBackend method that runs it on a kernel (None from the
+# method, or a type not listed, means the quantizer's own torch-op path).
+_QUANTIZE_KERNELS = {
+    Float8Quantizer: NpuBackend._quantize_delayed,
+    Float8CurrentScalingQuantizer: NpuBackend._quantize_current,
+    Float8BlockQuantizer: NpuBackend._quantize_blocks,
+    MXFP8Quantizer: NpuBackend._quantize_mx,
+}

@@ -1,15 +1,14 @@
 """Reference backend: exact dequantize + float32 matmul. Runs every recipe and format on any device."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
 from mindspeed_te.formats import as_float32, cast_from_fp8
+from mindspeed_te.kernels.base import KernelBackend, Operand
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage
-
-Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
 
 def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
@@ -37,7 +36,7 @@ def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) 
         raise ValueError("gemm: `out` (accumulation) must be a float32 tensor and cannot be combined with `bias`")
 
 
-class ReferenceBackend:
+class ReferenceBackend(KernelBackend):
     """Emulates every quantized kernel exactly with torch ops."""
 
     name = "reference"

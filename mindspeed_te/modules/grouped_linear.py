@@ -89,6 +89,10 @@ class GroupedLinear(FP8ModuleBase):
     def biases(self) -> Optional[list[torch.nn.Parameter]]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
 
+    def will_execute_quantized(self, is_context_quantized: bool) -> bool:
+        """Whether the expert GEMMs run quantized: in an FP8 region, unless FP8 grouped GEMMs are off."""
+        return is_context_quantized and self.use_fp8_gemm
+
     def forward(self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: Optional[bool] = None):
         shape = inp.shape
         x = inp.reshape(-1, shape[-1])

@@ -132,8 +132,8 @@ class Linear(FP8ModuleBase):
     def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
         """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
         sequence parallelism) MXFP8; otherwise separate collectives (warned once, with the reason)."""
-        if not self.use_ascend_mc2 or self.tp_size == 1 or get_backend(device).name != "npu" \
-                or isinstance(self.weight, QuantizedTensor):
+        fused = get_backend(device).capabilities.fused_communication_gemm
+        if not self.use_ascend_mc2 or self.tp_size == 1 or not fused or isinstance(self.weight, QuantizedTensor):
             return False
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
@@ -152,6 +152,10 @@ class Linear(FP8ModuleBase):
                           "separate collectives", stacklevel=2)
             self._mc2_warned = True
         return False
+
+    def will_execute_quantized(self, is_context_quantized: bool) -> bool:
+        """Whether the GEMMs run quantized in a context that is (or is not) an FP8 autocast region."""
+        return is_context_quantized
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)

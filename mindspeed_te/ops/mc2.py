@@ -12,61 +12,62 @@ from typing import Any
 import torch
 
 from mindspeed_te.distributed import group_size
+from mindspeed_te.kernels.base import KernelBackend
 from mindspeed_te.ops.linear import LinearQuantizers, _finish_fused_wgrad, _main_grad, wgrad_high_precision
 from mindspeed_te.tensor import MXFP8TensorStorage
 
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, npu: Any, hcom: str, world: int, fuse: bool):
-        y, gathered = npu.npu_all_gather_base_mm(x, weight.t(), hcom, world)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, backend: KernelBackend, group: Any, fuse: bool):
+        y, gathered = backend.all_gather_matmul(x, weight.t(), group)
         ctx.save_for_backward(gathered, weight)
-        ctx.npu, ctx.hcom, ctx.world, ctx.fuse = npu, hcom, world, fuse
+        ctx.backend, ctx.group, ctx.fuse = backend, group, fuse
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gathered, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = ctx.npu.npu_mm_reduce_scatter_base(dy, weight, ctx.hcom, ctx.world)
-        return dx, wgrad_high_precision(dy, gathered, weight, ctx.fuse), None, None, None, None
+        dx = ctx.backend.matmul_reduce_scatter(dy, weight, ctx.group)
+        return dx, wgrad_high_precision(dy, gathered, weight, ctx.fuse), None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, npu: Any, hcom: str, world: int, fuse: bool):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, backend: KernelBackend, group: Any, fuse: bool):
         ctx.save_for_backward(x, weight)
-        ctx.npu, ctx.hcom, ctx.world, ctx.fuse = npu, hcom, world, fuse
-        return npu.npu_mm_reduce_scatter_base(x, weight.t(), hcom, world)
+        ctx.backend, ctx.group, ctx.fuse = backend, group, fuse
+        return backend.matmul_reduce_scatter(x, weight.t(), group)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
-        dx, dy_full = ctx.npu.npu_all_gather_base_mm(dy.contiguous(), weight, ctx.hcom, ctx.world)
-        return dx, wgrad_high_precision(dy_full, x, weight, ctx.fuse), None, None, None, None
+        dx, dy_full = ctx.backend.all_gather_matmul(dy.contiguous(), weight, ctx.group)
+        return dx, wgrad_high_precision(dy_full, x, weight, ctx.fuse), None, None, None
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, npu: Any, hcom: str, world: int, fuse: bool):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, backend: KernelBackend, group: Any, fuse: bool):
         ctx.save_for_backward(x, weight)
         ctx.fuse = fuse
-        return npu.npu_mm_all_reduce_base(x, weight.t(), hcom)
+        return backend.matmul_all_reduce(x, weight.t(), group)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
         dx = (dy.float() @ weight.float()).to(x.dtype)
-        return dx, wgrad_high_precision(dy, x, weight, ctx.fuse), None, None, None, None
+        return dx, wgrad_high_precision(dy, x, weight, ctx.fuse), None, None, None
 
 
-def mc2_linear(x: torch.Tensor, weight: torch.Tensor, backend: Any, group: Any, parallel_mode: str,
+def mc2_linear(x: torch.Tensor, weight: torch.Tensor, backend: KernelBackend, group: Any, parallel_mode: str,
                sequence_parallel: bool, fuse_wgrad_accumulation: bool) -> torch.Tensor:
     """The fused-communication linear for `parallel_mode` ("column" needs sequence parallelism). No bias:
     the caller adds it after the communication, once."""
     world = group_size(group)
     x2d = x.reshape(-1, x.shape[-1])
-    args = (backend.npu, backend.hcom(group), world, fuse_wgrad_accumulation)
+    args = (backend, group, fuse_wgrad_accumulation)
     if parallel_mode == "column":
         out = _AllGatherMatmul.apply(x2d, weight, *args)
         lead = (x.shape[0] * world, *x.shape[1:-1])
@@ -108,79 +109,55 @@ def _gather_columnwise(t: MXFP8TensorStorage, group: Any, world: int) -> MXFP8Te
                        columnwise_scale_inv=gather(t.columnwise_scale_inv))
 
 
-class _MXAllGatherMatmul(torch.autograd.Function):
-    """Column parallel + sequence parallel, MXFP8: fused all-gather+matmul forward, fused matmul+
-    reduce-scatter dgrad backward, wgrad from the gathered columnwise input."""
+class _MXFusedLinear(torch.autograd.Function):
+    """MXFP8 through the fused kernels. Column parallel: all-gather+matmul forward, matmul+reduce-scatter dgrad,
+    wgrad from the gathered columnwise input. Row parallel: matmul+reduce-scatter forward, all-gather+matmul
+    dgrad, wgrad with the gathered columnwise gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, q: LinearQuantizers, backend, group, hcom, world, fuse):
+    def forward(ctx, x, weight, q: LinearQuantizers, backend: KernelBackend, group, column: bool, fuse: bool):
         q.input.set_usage(rowwise=True, columnwise=True)
         q.weight.set_usage(rowwise=True, columnwise=True)
         qx, qw = backend.quantize(q.input, x), backend.quantize(q.weight, weight)
-        x2, x2_scale = _x2(qw, columnwise=False)
-        y, _ = backend.npu.npu_all_gather_base_mm(
-            qx.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qx.rowwise_scale_inv), x2_scale=x2_scale,
-            output_dtype=x.dtype)
-        ctx.saved = (_gather_columnwise(qx, group, world), qw)
-        ctx.args = (q, backend, hcom, world, fuse, weight, x.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_cols, qw = ctx.saved
-        q, backend, hcom, world, fuse, weight, dtype = ctx.args
-        q.grad_output.set_usage(rowwise=True, columnwise=True)
-        qdy = backend.quantize(q.grad_output, dy.contiguous())
-        x2, x2_scale = _x2(qw, columnwise=True)
-        dx = backend.npu.npu_mm_reduce_scatter_base(
-            qdy.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qdy.rowwise_scale_inv), x2_scale=x2_scale,
-            output_dtype=dtype)
-        dw = backend.gemm(qdy, x_cols, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype,
-                          out=_main_grad(weight) if fuse else None)
-        ctx.saved = ctx.args = None
-        return dx, _finish_fused_wgrad(weight) if fuse else dw, None, None, None, None, None, None
-
-
-class _MXMatmulReduceScatter(torch.autograd.Function):
-    """Row parallel + sequence parallel, MXFP8: fused matmul+reduce-scatter forward, fused all-gather+matmul
-    dgrad backward, wgrad with the gathered columnwise gradient."""
-
-    @staticmethod
-    def forward(ctx, x, weight, q: LinearQuantizers, backend, group, hcom, world, fuse):
-        q.input.set_usage(rowwise=True, columnwise=True)
-        q.weight.set_usage(rowwise=True, columnwise=True)
-        qx, qw = backend.quantize(q.input, x), backend.quantize(q.weight, weight)
-        x2, x2_scale = _x2(qw, columnwise=False)
-        y = backend.npu.npu_mm_reduce_scatter_base(
-            qx.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qx.rowwise_scale_inv), x2_scale=x2_scale,
-            output_dtype=x.dtype)
+        scales = _scales(qx, qw, columnwise=False, output_dtype=x.dtype)
+        if column:
+            y, _ = backend.all_gather_matmul(qx.rowwise_data, _x2(qw, False)[0], group, **scales)
+            qx = _gather_columnwise(qx, group, group_size(group))
+        else:
+            y = backend.matmul_reduce_scatter(qx.rowwise_data, _x2(qw, False)[0], group, **scales)
         ctx.saved = (qx, qw)
-        ctx.args = (q, backend, group, hcom, world, fuse, weight, x.dtype)
+        ctx.args = (q, backend, group, column, fuse, weight, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         qx, qw = ctx.saved
-        q, backend, group, hcom, world, fuse, weight, dtype = ctx.args
+        q, backend, group, column, fuse, weight, dtype = ctx.args
         q.grad_output.set_usage(rowwise=True, columnwise=True)
         qdy = backend.quantize(q.grad_output, dy.contiguous())
-        x2, x2_scale = _x2(qw, columnwise=True)
-        dx, _ = backend.npu.npu_all_gather_base_mm(
-            qdy.rowwise_data, x2, hcom, world, x1_scale=_mx_pairs(qdy.rowwise_scale_inv), x2_scale=x2_scale,
-            output_dtype=dtype)
-        dw = backend.gemm(_gather_columnwise(qdy, group, world), qx, a_columnwise=True, b_columnwise=True,
-                          out_dtype=weight.dtype, out=_main_grad(weight) if fuse else None)
+        scales = _scales(qdy, qw, columnwise=True, output_dtype=dtype)
+        if column:
+            dx = backend.matmul_reduce_scatter(qdy.rowwise_data, _x2(qw, True)[0], group, **scales)
+        else:
+            dx, _ = backend.all_gather_matmul(qdy.rowwise_data, _x2(qw, True)[0], group, **scales)
+            qdy = _gather_columnwise(qdy, group, group_size(group))
+        dw = backend.gemm(qdy, qx, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype,
+                          out=_main_grad(weight) if fuse else None)
         ctx.saved = ctx.args = None
-        return dx, _finish_fused_wgrad(weight) if fuse else dw, None, None, None, None, None, None
+        return dx, _finish_fused_wgrad(weight) if fuse else dw, None, None, None, None, None
 
 
-def mc2_mx_linear(x: torch.Tensor, weight: torch.Tensor, quantizers: LinearQuantizers, backend: Any, group: Any,
-                  parallel_mode: str, fuse_wgrad_accumulation: bool) -> torch.Tensor:
+def _scales(qa: MXFP8TensorStorage, qw: MXFP8TensorStorage, columnwise: bool, output_dtype: torch.dtype) -> dict:
+    """The fused kernels' MX keyword arguments for x1 = qa's rowwise form and x2 = qw's (columnwise) form."""
+    return dict(x1_scale=_mx_pairs(qa.rowwise_scale_inv), x2_scale=_x2(qw, columnwise)[1], output_dtype=output_dtype)
+
+
+def mc2_mx_linear(x: torch.Tensor, weight: torch.Tensor, quantizers: LinearQuantizers, backend: KernelBackend,
+                  group: Any, parallel_mode: str, fuse_wgrad_accumulation: bool) -> torch.Tensor:
     """MXFP8 through the fused kernels, for the sequence-parallel column and row linears."""
     world = group_size(group)
     x2d = x.reshape(-1, x.shape[-1])
-    fn = _MXAllGatherMatmul if parallel_mode == "column" else _MXMatmulReduceScatter
-    out = fn.apply(x2d, weight, quantizers, backend, group, backend.hcom(group), world, fuse_wgrad_accumulation)
-    lead = (x.shape[0] * world, *x.shape[1:-1]) if parallel_mode == "column" else (x.shape[0] // world,
-                                                                                   *x.shape[1:-1])
+    column = parallel_mode == "column"
+    out = _MXFusedLinear.apply(x2d, weight, quantizers, backend, group, column, fuse_wgrad_accumulation)
+    lead = (x.shape[0] * world, *x.shape[1:-1]) if column else (x.shape[0] // world, *x.shape[1:-1])
     return out.reshape(*lead, weight.shape[0])

@@ -1,0 +1,84 @@
+"""The kernel-backend contract: everything above `kernels/` (ops, modules, state) talks only to this.
+
+A backend turns quantizers and quantized operands into device work. `ReferenceBackend` implements all of it
+with exact torch ops; the NPU and torch backends override what their kernels do better. What a backend can
+do beyond the common core is asked through `capabilities`, never through its name.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.tensor import QuantizedTensorStorage
+
+Operand = Union[torch.Tensor, QuantizedTensorStorage]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond quantize / GEMM / norm / attention.
+
+    fused_communication_gemm: all-gather + matmul, matmul + reduce-scatter and matmul + all-reduce as single
+        kernels (`--use-ascend-mc2`), in high precision and MXFP8.
+    """
+
+    fused_communication_gemm: bool = False
+
+
+class KernelBackend(ABC):
+    """One device's kernels. Methods that a backend lacks raise `NotImplementedError` naming the capability."""
+
+    name: str
+    capabilities: Capabilities = Capabilities()
+
+    def available(self) -> tuple[bool, str]:
+        """(whether FP8 kernels exist on this device, why not)."""
+        return True, ""
+
+    @abstractmethod
+    def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
+        """x quantized the way `quantizer` describes (its usage says which layouts)."""
+
+    @abstractmethod
+    def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
+             out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """a · bᵀ over the shared last dim (+ bias), or accumulated into the float32 `out`."""
+
+    @abstractmethod
+    def grouped_gemm(self, a: Sequence[Operand], b: Sequence[Operand], *, a_columnwise: bool = False,
+                     b_columnwise: bool = False, out_dtype: torch.dtype = torch.float32,
+                     out: Optional[Sequence[torch.Tensor]] = None) -> list[torch.Tensor]:
+        """One `gemm` per group (M-split for fprop/dgrad, K-split with columnwise operands for wgrad)."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over gamma's trailing dims, x's dtype out."""
+
+    @abstractmethod
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: Optional[torch.Tensor], scale: float, dropout: float) -> torch.Tensor:
+        """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs; [s, b, heads · d] out."""
+
+    # Fused communication GEMMs (capabilities.fused_communication_gemm) -------------------------------------
+    def all_gather_matmul(self, x1: torch.Tensor, x2: torch.Tensor, group: Any, **quantized: Any
+                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(all_gather(x1) · x2, the gathered x1 when the kernel returns it); MXFP8 takes x1_scale, x2_scale
+        and output_dtype."""
+        raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
+                                  "(capabilities.fused_communication_gemm)")
+
+    def matmul_reduce_scatter(self, x1: torch.Tensor, x2: torch.Tensor, group: Any, **quantized: Any
+                              ) -> torch.Tensor:
+        """reduce_scatter(x1 · x2) along the rows."""
+        raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
+                                  "(capabilities.fused_communication_gemm)")
+
+    def matmul_all_reduce(self, x1: torch.Tensor, x2: torch.Tensor, group: Any) -> torch.Tensor:
+        """all_reduce(x1 · x2)."""
+        raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
+                                  "(capabilities.fused_communication_gemm)")

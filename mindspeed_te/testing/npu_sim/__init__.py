@@ -1,0 +1,49 @@
+"""A CPU stand-in for `torch_npu` (2.14.0): the quantization, GEMM, mc2 and attention kernels the NPU backend
+calls. It is a test double, independent of the library it tests (it never imports mindspeed_te's formats,
+quantizers, scaling or kernels).
+
+`make_simulator()` returns a fresh module object that can be put where `torch_npu` would be
+(`sys.modules["torch_npu"] = sim`). Each kernel
+
+* checks its arguments the way the real kernel's contract does (the op-plugin meta registrations and docs of
+  torch_npu 2.14.0, and the CANN docs of the Ascend 950 series; the document line is quoted beside each
+  check) and raises on any violation. The errors are `RuntimeError`s, as torch_npu's are, and also
+  `TypeError` (dtypes) or `ValueError` (shapes, values); the message starts with the kernel's name and names
+  the offending argument;
+* computes the result on CPU with the simulator's own format codecs (`codecs.py`);
+* counts itself in `sim.launch_counts` once its arguments passed the checks (a rejected call launches nothing).
+
+Keyword names follow torch_npu 2.14. The first tensor of the single-input kernels is positional-only here: the
+real ops are `torch.ops.npu` overloads whose schema calls it `self` or `x` while the docs say `input`, so the
+library must pass it positionally.
+
+Calls the real kernel accepts but that the library never makes (int8/int4/FP4 data, pseudo-quantization,
+activations fused into grouped GEMMs, ...) raise `NpuSimNotImplemented` instead of being guessed at.
+
+Layout: dtypes.py (dtype numbers), errors.py, checks.py (argument checks, the `kernel` wrapper), codecs.py
+(encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, simulator.py.
+"""
+from mindspeed_te.testing.npu_sim.dtypes import FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, HIFLOAT8
+from mindspeed_te.testing.npu_sim.errors import (
+                                                 NpuContractError,
+                                                 NpuSimNotImplemented,
+                                                 NpuSocError,
+                                                 NpuTypeError,
+                                                 NpuValueError,
+)
+from mindspeed_te.testing.npu_sim.simulator import NpuSimulator, make_simulator
+
+__all__ = [
+    "NpuSimulator",
+    "make_simulator",
+    "NpuContractError",
+    "NpuTypeError",
+    "NpuValueError",
+    "NpuSocError",
+    "NpuSimNotImplemented",
+    "HIFLOAT8",
+    "FLOAT8_E5M2",
+    "FLOAT8_E4M3FN",
+    "FLOAT8_E8M0FNU",
+    "FLOAT4_E2M1FN_X2",
+]

@@ -1,0 +1,60 @@
+"""npu_fusion_attention (the forward; autograd gives the backward)."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from mindspeed_te.testing.npu_sim.checks import check_choice, check_float, check_int, check_tensor, kernel
+from mindspeed_te.testing.npu_sim.dtypes import FLOATS
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuValueError
+
+
+class AttentionKernels:
+    """npu_fusion_attention, the fused attention kernel (forward here; autograd gives the backward)."""
+
+    @kernel(differentiable=True)
+    def npu_fusion_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
+                             input_layout: str, pse: Optional[torch.Tensor] = None,
+                             padding_mask: Optional[torch.Tensor] = None, atten_mask: Optional[torch.Tensor] = None,
+                             scale: float = 1.0, keep_prob: float = 1.0, pre_tockens: int = 2147483647,
+                             next_tockens: int = 2147483647, inner_precise: int = 0, prefix: Any = None,
+                             actual_seq_qlen: Any = None, actual_seq_kvlen: Any = None, sparse_mode: int = 0,
+                             gen_mask_parallel: bool = True, sync: bool = False, softmax_layout: str = "",
+                             sink: Any = None, dropout_mask: Any = None, seed: int = 0, offset: int = 0) -> tuple:
+        """softmax(Q Kᵀ · scale, masked where atten_mask is True) V. Simulated: input_layout "SBH" ([s, b, h·d],
+        key/value may carry fewer heads: GQA), sparse_mode 0 (explicit boolean mask, [s_q, s_k] or
+        [b, 1, s_q, s_k]) and keep_prob 1. Returns (attention_out, softmax_max, softmax_sum, softmax_out,
+        seed, offset, numels) like the kernel; only attention_out is computed."""
+        check_tensor("query", query, FLOATS)
+        check_tensor("key", key, (query.dtype,))
+        check_tensor("value", value, (query.dtype,))
+        check_choice("input_layout", input_layout, ("SBH", "BSH", "BNSD", "BSND", "TND"))
+        if input_layout != "SBH":
+            raise NpuSimNotImplemented(f"input_layout={input_layout!r}: only 'SBH' is simulated")
+        check_choice("sparse_mode", check_int("sparse_mode", sparse_mode), tuple(range(9)))
+        if sparse_mode != 0 or pse is not None or padding_mask is not None or prefix is not None:
+            raise NpuSimNotImplemented("only sparse_mode=0 with an explicit atten_mask, no pse/padding_mask/prefix")
+        if check_float("keep_prob", keep_prob) != 1.0:
+            raise NpuSimNotImplemented("keep_prob < 1 (dropout) is not simulated")
+        head = check_int("head_num", head_num)
+        s_q, b, hidden = query.shape
+        if hidden % head:
+            raise NpuValueError(f"query hidden size {hidden} is not a multiple of head_num {head}")
+        d = hidden // head
+        if key.shape[2] % d or head % (key.shape[2] // d) or value.shape[2] != key.shape[2]:
+            raise NpuValueError(f"key/value hidden sizes {key.shape[2]}/{value.shape[2]} do not fit head_dim {d}")
+        q = query.reshape(s_q, b, head, d).permute(1, 2, 0, 3)
+        kv_heads = key.shape[2] // d
+        k = key.reshape(key.shape[0], b, kv_heads, d).permute(1, 2, 0, 3).repeat_interleave(head // kv_heads, 1)
+        v = value.reshape(value.shape[0], b, kv_heads, d).permute(1, 2, 0, 3).repeat_interleave(head // kv_heads, 1)
+        allowed = None
+        if atten_mask is not None:
+            check_tensor("atten_mask", atten_mask, (torch.bool, torch.uint8))
+            allowed = ~atten_mask.bool()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=check_float(
+            "scale", scale))
+        out = out.permute(2, 0, 1, 3).reshape(s_q, b, hidden)
+        stats = torch.zeros(b, head, s_q, 8)
+        return out, stats, stats.clone(), query.new_empty(0), seed, offset, 0
+

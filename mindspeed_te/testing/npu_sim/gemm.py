@@ -1,0 +1,228 @@
+"""npu_quant_matmul: per-tensor/per-channel, blockwise ([1, 128, 128] / [128, 128, 128]) and MX ([1, 1, 32])
+FP8 and HiF8 GEMMs."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from mindspeed_te.testing.npu_sim.blocks import expand_blocks
+from mindspeed_te.testing.npu_sim.checks import (
+    ceil_div,
+    check_dims,
+    check_dtype,
+    check_int,
+    check_layout,
+    check_none,
+    check_same_device,
+    check_scale_layout,
+    check_shape,
+    check_tensor,
+    dtype_arg,
+    dtype_name,
+    kernel,
+)
+from mindspeed_te.testing.npu_sim.codecs import decode, e8m0_values
+from mindspeed_te.testing.npu_sim.dtypes import (
+    E8M0_CARRIERS,
+    FLOAT8_E8M0FNU,
+    FP4,
+    FP8_NATIVE,
+    GEMM_OUT,
+    HIF8_CARRIERS,
+    HIFLOAT8,
+    Dtype,
+    DtypeArg,
+)
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
+
+
+class QuantMatmulKernels:
+    """npu_quant_matmul (mixed into NpuSimulator)."""
+
+    @kernel
+    def npu_quant_matmul(self, x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, *,
+                         offset: Optional[torch.Tensor] = None, pertoken_scale: Optional[torch.Tensor] = None,
+                         bias: Optional[torch.Tensor] = None, output_dtype: DtypeArg = None,
+                         x1_dtype: DtypeArg = None, x2_dtype: DtypeArg = None, pertoken_scale_dtype: DtypeArg = None,
+                         scale_dtype: DtypeArg = None, group_sizes: Optional[Sequence[int]] = None,
+                         y_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """out = x1 @ x2 with x1 (..., m, k) and x2 (..., k, n) (x2 contiguous or the transposed view of a
+        contiguous (..., n, k)); `scale` dequantizes x2, `pertoken_scale` x1 (multipliers: x = data * scale):
+
+        * group_sizes None / [0, 0, 0]: scale float32 (1,) or (n,); pertoken_scale None, (1,) or (m,);
+          out = (x1 @ x2) * scale * pertoken_scale.
+        * [1, 128, 128] / [128, 128, 128] (blockwise, 2-D only): pertoken_scale (ceil(m/g0), ceil(k/128)) and
+          scale (ceil(k/128), ceil(n/128)), float32.
+        * [1, 1, 32] (MX, 2-D only): scale_dtype = pertoken_scale_dtype = torch_npu.float8_e8m0fnu, uint8
+          pertoken_scale (m, ceil(k/64), 2) and scale (ceil(k/64), n, 2).
+        In the grouped modes a scale tensor is a transposed view exactly when its data tensor is.
+        HiF8 operands are uint8 with x1_dtype = x2_dtype = torch_npu.hifloat8; output_dtype (float16, bfloat16
+        or float32) is required; bias float32 (n,) or (batch, 1, n), added after dequantization."""
+        check_tensor("x1", x1)
+        check_tensor("x2", x2)
+        check_tensor("scale", scale)
+        check_same_device({"x1": x1, "x2": x2, "scale": scale, "pertoken_scale": pertoken_scale, "bias": bias})
+        fmt1 = self._operand_dtype("x1", x1, x1_dtype, "x1_dtype")
+        fmt2 = self._operand_dtype("x2", x2, x2_dtype, "x2_dtype")
+        if (fmt1 == HIFLOAT8) != (fmt2 == HIFLOAT8):
+            raise NpuTypeError(f"x1 ({dtype_name(fmt1)}) and x2 ({dtype_name(fmt2)}) must both be HiF8 or "
+                               "both be float8_e4m3fn/float8_e5m2")
+        out_dtype = dtype_arg("output_dtype", output_dtype)
+        if out_dtype is None:
+            raise NpuTypeError("output_dtype is required for float8/HiF8 inputs (None means int8 output)")
+        check_dtype("output_dtype", out_dtype, GEMM_OUT)
+        check_none("offset", offset, "for float8/HiF8 inputs (offset is for int8 inputs only)")
+        if y_scale is not None:
+            raise NpuSimNotImplemented("y_scale (quantized output) is not simulated")
+        check_dims("x1", x1, 2, 6)
+        check_dims("x2", x2, 2, 6)
+        m, k = x1.shape[-2:]
+        if x2.shape[-2] != k:
+            raise NpuValueError(f"k of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
+        n = x2.shape[-1]
+        lay1 = check_layout("x1", x1)
+        lay2 = check_layout("x2", x2)
+        groups = self._group_sizes(group_sizes)
+        sdt = dtype_arg("scale_dtype", scale_dtype)
+        pdt = dtype_arg("pertoken_scale_dtype", pertoken_scale_dtype)
+        for name, d in (("scale_dtype", sdt), ("pertoken_scale_dtype", pdt)):
+            if d is not None:
+                check_dtype(name, d, (FLOAT8_E8M0FNU,))
+        if groups == (1, 1, 32):
+            if fmt1 == HIFLOAT8:
+                raise NpuTypeError("MX (group_sizes [1, 1, 32]) needs float8_e4m3fn/float8_e5m2 operands, not HiF8")
+            if sdt is None or pdt is None:
+                raise NpuTypeError("MX (group_sizes [1, 1, 32]) needs scale_dtype and pertoken_scale_dtype "
+                                   "= torch_npu.float8_e8m0fnu")
+        elif sdt is not None or pdt is not None:
+            raise NpuValueError("scale_dtype/pertoken_scale_dtype (E8M0) need group_sizes [1, 1, 32]")
+        if groups == (0, 0, 0):
+            a, b = decode(x1, fmt1), decode(x2, fmt2)
+            try:
+                batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+            except RuntimeError:
+                raise NpuValueError(f"batch dims of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not "
+                                    "broadcast") from None
+            self._validate_plain_scales(scale, pertoken_scale, out_dtype, m, n)
+            acc = torch.matmul(a, b) * scale.float()
+            if pertoken_scale is not None:
+                acc = acc * pertoken_scale.float().reshape(-1, 1)
+        else:
+            check_dims("x1", x1, 2, 2)
+            check_dims("x2", x2, 2, 2)
+            batch = torch.Size()
+            if pertoken_scale is None:
+                raise NpuValueError(f"pertoken_scale is required with group_sizes {list(groups)}")
+            # aclnnQuantMatmulV5, Ascend 950PR/950DT, "G-B && B-B && mx量化模式": "仅mx量化模式下包含bias。"
+            if bias is not None and groups != (1, 1, 32):
+                raise NpuValueError(f"bias must be None with group_sizes {list(groups)} (blockwise G-B/B-B modes "
+                                    "take no bias; of the grouped modes only mx, [1, 1, 32], has one)")
+            if groups == (1, 1, 32):
+                a, b = self._mx_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2)
+            else:
+                a, b = self._block_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2, groups)
+            acc = a @ b
+        if bias is not None:
+            acc = acc + self._quant_matmul_bias(bias, out_dtype, pertoken_scale, batch, n).float()
+        return acc.to(out_dtype)
+
+    def _operand_dtype(self, name: str, t: torch.Tensor, value: DtypeArg, arg_name: str) -> Dtype:
+        """The 8-bit format of a GEMM operand: its native float8 dtype, or HiF8 named by `arg_name`."""
+        given = dtype_arg(arg_name, value)
+        if given is None:
+            if t.dtype in FP8_NATIVE:
+                self._require_fp8_soc(f"{name} of dtype {t.dtype}")
+                return t.dtype
+            if t.dtype in HIF8_CARRIERS:
+                raise NpuTypeError(f"{name} holds 1-byte codes ({t.dtype}); pass {arg_name}=torch_npu.hifloat8")
+            if t.dtype in (torch.int8, torch.int32):
+                raise NpuSimNotImplemented(f"{name} of dtype {t.dtype}: integer GEMMs are not simulated")
+            raise NpuTypeError(f"{name}.dtype must be float8_e4m3fn, float8_e5m2, or uint8 with {arg_name}, "
+                               f"got {t.dtype}")
+        if given not in (HIFLOAT8, *FP4):
+            raise NpuTypeError(f"pass {arg_name} only when {name} is not a native torch dtype "
+                               f"(torch_npu.hifloat8, torch_npu.float4_*); got {dtype_name(given)}")
+        if given in FP4:
+            raise NpuSimNotImplemented(f"{arg_name}={dtype_name(given)}: FP4 is not simulated")
+        if t.dtype not in HIF8_CARRIERS:
+            raise NpuTypeError(f"{name} must hold HiF8 codes as torch.uint8 when {arg_name} is "
+                               f"torch_npu.hifloat8, got {t.dtype}")
+        self._require_fp8_soc(f"{arg_name}=torch_npu.hifloat8")
+        return HIFLOAT8
+
+    @staticmethod
+    def _group_sizes(group_sizes: Optional[Sequence[int]]) -> tuple[int, int, int]:
+        if group_sizes is None:
+            return (0, 0, 0)
+        if not isinstance(group_sizes, (list, tuple)) or len(group_sizes) != 3:
+            raise NpuValueError(f"group_sizes must be a list of 3 ints, got {group_sizes!r}")
+        groups = tuple(check_int("group_sizes", g) for g in group_sizes)
+        # aclnnQuantMatmulV5: "对于G-B，B-B和mx量化模式，[groupSizeM，groupSizeN，groupSizeK]取值组合仅分别支持
+        # [1，128，128]，[128，128，128]和[1，1，32]。"
+        allowed = [(0, 0, 0), (1, 128, 128), (128, 128, 128), (1, 1, 32)]
+        if groups not in allowed:
+            raise NpuValueError(f"group_sizes must be one of {[list(a) for a in allowed]}, got {list(groups)}")
+        return groups
+
+    @staticmethod
+    def _validate_plain_scales(scale: torch.Tensor, pertoken: Optional[torch.Tensor], out_dtype: Dtype,
+                            m: int, n: int) -> None:
+        """Per-tensor / per-channel scale of x2, per-tensor / per-token scale of x1."""
+        allowed = (torch.float32, torch.bfloat16) if out_dtype == torch.bfloat16 else (torch.float32,)
+        check_dtype("scale.dtype", scale.dtype, allowed)
+        check_dims("scale", scale, 1, 1)
+        check_shape("scale", scale, (1,), (n,))
+        if pertoken is not None:
+            check_dtype("pertoken_scale.dtype", pertoken.dtype, (torch.float32,))
+            check_dims("pertoken_scale", pertoken, 1, 1)
+            check_shape("pertoken_scale", pertoken, (1,), (m,))
+
+    @staticmethod
+    def _block_operands(x1, x2, fmt1, fmt2, scale, pertoken, lay1, lay2, groups):
+        """Dequantized (m, k), (k, n) operands of the blockwise modes."""
+        gm, gn, gk = groups
+        (m, k), n = x1.shape, x2.shape[1]
+        check_dtype("pertoken_scale.dtype", pertoken.dtype, (torch.float32,))
+        check_dtype("scale.dtype", scale.dtype, (torch.float32,))
+        check_shape("pertoken_scale", pertoken, (ceil_div(m, gm), ceil_div(k, gk)))
+        check_shape("scale", scale, (ceil_div(k, gk), ceil_div(n, gn)))
+        check_scale_layout("pertoken_scale", pertoken, lay1)
+        check_scale_layout("scale", scale, lay2)
+        a = decode(x1, fmt1) * expand_blocks(pertoken.float(), gm, gk, m, k)
+        b = decode(x2, fmt2) * expand_blocks(scale.float(), gk, gn, k, n)
+        return a, b
+
+    @staticmethod
+    def _mx_operands(x1, x2, fmt1, fmt2, scale, pertoken, lay1, lay2):
+        """Dequantized (m, k), (k, n) operands of the MX mode (E8M0 scale pairs along k)."""
+        (m, k), n = x1.shape, x2.shape[1]
+        kp = ceil_div(k, 64)
+        check_dtype("pertoken_scale.dtype", pertoken.dtype, E8M0_CARRIERS)
+        check_dtype("scale.dtype", scale.dtype, E8M0_CARRIERS)
+        check_shape("pertoken_scale", pertoken, (m, kp, 2))
+        check_shape("scale", scale, (kp, n, 2))
+        check_scale_layout("pertoken_scale", pertoken, lay1, dims=(0, 1))
+        check_scale_layout("scale", scale, lay2, dims=(0, 1))
+        s1 = e8m0_values(pertoken).reshape(m, 2 * kp).repeat_interleave(32, dim=1)[:, :k]
+        s2 = e8m0_values(scale).permute(0, 2, 1).reshape(2 * kp, n).repeat_interleave(32, dim=0)[:k]
+        return decode(x1, fmt1) * s1, decode(x2, fmt2) * s2
+
+    @staticmethod
+    def _quant_matmul_bias(bias: torch.Tensor, out_dtype: Dtype, pertoken: Optional[torch.Tensor],
+                           batch: torch.Size, n: int) -> torch.Tensor:
+        check_tensor("bias", bias)
+        check_dtype("bias.dtype", bias.dtype, (torch.float32, torch.bfloat16, torch.float16))
+        if bias.dtype == torch.bfloat16 and out_dtype != torch.bfloat16:
+            raise NpuTypeError("a bfloat16 bias needs output_dtype torch.bfloat16")
+        if bias.dtype == torch.float16 and (pertoken is None or out_dtype != torch.float16):
+            raise NpuTypeError("a float16 bias needs pertoken_scale and output_dtype torch.float16")
+        if bias.dim() == 3:
+            if len(batch) != 1:
+                raise NpuValueError("a 3-dim bias needs a 3-dim output")
+            check_shape("bias", bias, (batch[0], 1, n))
+        else:
+            check_shape("bias", bias, (n,))
+        return bias
+

@@ -1,0 +1,279 @@
+"""npu_grouped_matmul: high-precision grouped GEMMs and the single-tensor FP8/HiF8 forms MoE layers use."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+from mindspeed_te.testing.npu_sim.checks import (
+    check_choice,
+    check_dims,
+    check_dtype,
+    check_int,
+    check_layout,
+    check_list,
+    check_none,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    dtype_arg,
+    dtype_name,
+    kernel,
+)
+from mindspeed_te.testing.npu_sim.codecs import decode
+from mindspeed_te.testing.npu_sim.dtypes import (
+    FLOAT8_E8M0FNU,
+    FLOATS,
+    FP4,
+    FP8_NATIVE,
+    GEMM_OUT,
+    HIF8_CARRIERS,
+    HIFLOAT8,
+    DtypeArg,
+)
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
+
+MAX_GROUPS = 128
+
+
+class GroupedMatmulKernels:
+    """npu_grouped_matmul (mixed into NpuSimulator)."""
+
+    @kernel(differentiable=True)
+    def npu_grouped_matmul(self, x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
+                           bias: Optional[Sequence[torch.Tensor]] = None,
+                           scale: Optional[Sequence[torch.Tensor]] = None,
+                           offset: Optional[Sequence[torch.Tensor]] = None,
+                           antiquant_scale: Optional[Sequence[torch.Tensor]] = None,
+                           antiquant_offset: Optional[Sequence[torch.Tensor]] = None,
+                           per_token_scale: Optional[Sequence[torch.Tensor]] = None,
+                           group_list: Union[torch.Tensor, Sequence[int], None] = None,
+                           activation_input: Optional[Sequence[torch.Tensor]] = None,
+                           activation_quant_scale: Optional[Sequence[torch.Tensor]] = None,
+                           activation_quant_offset: Optional[Sequence[torch.Tensor]] = None,
+                           split_item: int = 0, group_type: Optional[int] = None, group_list_type: int = 0,
+                           act_type: int = 0, tuning_config: Optional[Sequence[int]] = None,
+                           output_dtype: DtypeArg = None, x_dtype: DtypeArg = None, weight_dtype: DtypeArg = None,
+                           scale_dtype: DtypeArg = None, per_token_scale_dtype: DtypeArg = None
+                           ) -> list[torch.Tensor]:
+        """Grouped GEMM. group_type 0 splits m: x [(m, k)], weight [(g, k, n)] (or g tensors (k, n)), rows of
+        group i multiply weight i. group_type 2 splits k: x [(m, k)] the transposed view of a contiguous (k, m),
+        weight [(k, n)] contiguous, output (g, m, n). group_list: int64 tensor, cumulative ends
+        (group_list_type 0) or sizes (1); rows/columns past its total are not computed (zero rows out).
+        split_item 0/1 return one tensor per group, 2/3 a single tensor.
+
+        FP8/HiF8 (x and weight float8_e4m3fn/e5m2, or uint8 with x_dtype = weight_dtype = torch_npu.hifloat8):
+        single tensors, split_item 2 or 3, group_type 0 or 2 passed explicitly, a group_list tensor, output_dtype
+        (float16/bfloat16/float32) required, no bias. scale = [float32 (g,) per group or (g, n) per channel]
+        dequantizes the weight; per_token_scale = [float32 (1,) or (m,)] x (group_type 0), or [(1,) or (g,)]
+        for both in the k-split form. Results are (x_g @ w_g) * scale_g * per_token_scale."""
+        xs = check_list("x", x)
+        ws = check_list("weight", weight)
+        if not 0 < len(xs) <= MAX_GROUPS or not 0 < len(ws) <= MAX_GROUPS:
+            raise NpuValueError(f"x and weight must hold 1 to {MAX_GROUPS} tensors, got {len(xs)}, {len(ws)}")
+        check_choice("split_item", check_int("split_item", split_item), (0, 1, 2, 3))
+        check_choice("group_list_type", check_int("group_list_type", group_list_type), (0, 1))
+        if group_type is None:
+            if not isinstance(group_list, (list, tuple)):
+                raise NpuValueError("group_type must be passed explicitly (-1, 0 or 2) unless group_list is a "
+                                    "Python list")
+        else:
+            check_choice("group_type", check_int("group_type", group_type), (-1, 0, 2))
+        check_choice("act_type", check_int("act_type", act_type), (0, 1, 2, 4, 5))
+        if act_type != 0:
+            raise NpuSimNotImplemented(f"act_type={act_type}: fused activations are not simulated")
+        for name, value in (("offset", offset), ("activation_input", activation_input),
+                            ("activation_quant_scale", activation_quant_scale),
+                            ("activation_quant_offset", activation_quant_offset)):
+            check_none(name, value, "(reserved; only None is supported)")
+        if antiquant_scale is not None or antiquant_offset is not None:
+            raise NpuSimNotImplemented("antiquant_scale/antiquant_offset (weight-only quantization) are not simulated")
+        if tuning_config is not None and not all(isinstance(v, int) for v in tuning_config):
+            raise NpuTypeError(f"tuning_config must be a list of ints, got {tuning_config!r}")
+        xd = dtype_arg("x_dtype", x_dtype)
+        wd = dtype_arg("weight_dtype", weight_dtype)
+        for name, d in (("x_dtype", xd), ("weight_dtype", wd)):
+            if d is not None:
+                check_dtype(name, d, (HIFLOAT8, *FP4))
+                if d in FP4:
+                    raise NpuSimNotImplemented(f"{name}={dtype_name(d)}: FP4 is not simulated")
+        for name, d in (("scale_dtype", dtype_arg("scale_dtype", scale_dtype)),
+                        ("per_token_scale_dtype", dtype_arg("per_token_scale_dtype", per_token_scale_dtype))):
+            if d is not None:
+                check_dtype(name, d, (FLOAT8_E8M0FNU,))
+                raise NpuSimNotImplemented(f"{name}: MX grouped GEMMs are not simulated")
+        out_dtype = dtype_arg("output_dtype", output_dtype)
+        if out_dtype is not None:
+            check_dtype("output_dtype", out_dtype, (*GEMM_OUT, torch.int32))
+        eight_bit = (*FP8_NATIVE, *HIF8_CARRIERS)
+        quantized = xd is not None or wd is not None or xs[0].dtype in eight_bit or ws[0].dtype in eight_bit
+        if quantized:
+            return self._gmm_quantized(xs, ws, xd, wd, bias, scale, per_token_scale, group_list, split_item,
+                                       group_type, group_list_type, out_dtype)
+        for name, value in (("scale", scale), ("per_token_scale", per_token_scale)):
+            if value is not None:
+                raise NpuSimNotImplemented(f"{name} with {xs[0].dtype} inputs (integer GEMMs) is not simulated")
+        return self._gmm_float(xs, ws, bias, group_list, split_item, group_type, group_list_type, out_dtype)
+
+    @staticmethod
+    def _group_sizes_from_list(group_list: Any, list_type: int, total: int, what: str,
+                               groups: Optional[int] = None) -> list[int]:
+        """Per-group sizes along the split dim from group_list (a tensor, or a Python list of ends)."""
+        if isinstance(group_list, torch.Tensor):
+            check_dtype("group_list.dtype", group_list.dtype, (torch.int64,))
+            check_dims("group_list", group_list, 1, 1)
+            values = group_list.tolist()
+        elif isinstance(group_list, (list, tuple)) and all(isinstance(v, int) for v in group_list):
+            values, list_type = list(group_list), 0
+        else:
+            raise NpuTypeError(f"group_list must be an int64 tensor or a list of ints, got {group_list!r}")
+        if groups is not None and len(values) != groups:
+            raise NpuValueError(f"group_list must have {groups} entries (one per weight), got {len(values)}")
+        if not values or any(v < 0 for v in values):
+            raise NpuValueError(f"group_list must be a non-empty list of non-negative values, got {values}")
+        if list_type == 0:
+            if any(b < a for a, b in zip(values, values[1:])):
+                raise NpuValueError(f"group_list (cumulative, group_list_type 0) must be non-decreasing: {values}")
+            sizes = [b - a for a, b in zip([0] + values, values)]
+        else:
+            sizes = values
+        if sum(sizes) > total:
+            raise NpuValueError(f"group_list covers {sum(sizes)} {what}, more than the {total} there are")
+        return sizes
+
+    @torch.no_grad()
+    def _gmm_quantized(self, xs, ws, xd, wd, bias, scale, per_token_scale, group_list, split_item, group_type,
+                       group_list_type, out_dtype) -> list[torch.Tensor]:
+        if len(xs) != 1 or len(ws) != 1:
+            raise NpuValueError(f"FP8/HiF8 grouped GEMMs take a single x and weight tensor, got {len(xs)} and "
+                                f"{len(ws)}")
+        x, w = xs[0], ws[0]
+        fx = self._operand_dtype("x[0]", x, xd, "x_dtype")
+        fw = self._operand_dtype("weight[0]", w, wd, "weight_dtype")
+        if (fx == HIFLOAT8) != (fw == HIFLOAT8):
+            raise NpuTypeError("x and weight must both be HiF8 (x_dtype and weight_dtype torch_npu.hifloat8) or "
+                               "both float8_e4m3fn/float8_e5m2")
+        check_choice("split_item", split_item, (2, 3), "for FP8/HiF8 grouped GEMMs (single output tensor)")
+        check_choice("group_type", group_type, (0, 2), "for FP8/HiF8 grouped GEMMs")
+        if out_dtype is None:
+            raise NpuTypeError("output_dtype is required for FP8/HiF8 grouped GEMMs")
+        check_dtype("output_dtype", out_dtype, GEMM_OUT)
+        check_none("bias", bias, "for FP8/HiF8 grouped GEMMs")
+        if not isinstance(group_list, torch.Tensor):
+            raise NpuTypeError("group_list must be an int64 tensor for FP8/HiF8 grouped GEMMs")
+        if scale is None:
+            raise NpuValueError("scale is required for FP8/HiF8 grouped GEMMs")
+        s = check_list("scale", scale, 1)[0]
+        p = check_list("per_token_scale", per_token_scale, 1)[0] if per_token_scale is not None else None
+        check_tensor("scale[0]", s, (torch.float32,))
+        if p is not None:
+            check_tensor("per_token_scale[0]", p, (torch.float32,))
+        check_same_device({"x": x, "weight": w, "scale": s, "per_token_scale": p, "group_list": group_list})
+        check_dims("x[0]", x, 2, 2)
+        m, k = x.shape
+        a = decode(x, fx)
+        if group_type == 0:
+            check_dims("weight[0]", w, 3, 3)
+            g, kw, n = w.shape
+            if kw != k:
+                raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
+            check_layout("x[0]", x, ("row",))
+            check_layout("weight[0]", w)
+            sizes = self._group_sizes_from_list(group_list, group_list_type, m, "rows", groups=g)
+            check_shape("scale[0]", s, (g,), (g, n))
+            if p is not None:
+                check_shape("per_token_scale[0]", p, (1,), (m,))
+            b = decode(w, fw)
+            out = torch.zeros(m, n, dtype=torch.float32)
+            start = 0
+            for i, size in enumerate(sizes):
+                rows = slice(start, start + size)
+                part = (a[rows] @ b[i]) * s[i].float()
+                if p is not None:
+                    part = part * (p.float() if p.numel() == 1 else p[rows].float().reshape(-1, 1))
+                out[rows] = part
+                start += size
+        else:
+            check_dims("weight[0]", w, 2, 2)
+            kw, n = w.shape
+            if kw != k:
+                raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
+            check_layout("x[0]", x, ("col",))
+            check_layout("weight[0]", w, ("row",))
+            sizes = self._group_sizes_from_list(group_list, group_list_type, k, "columns of k")
+            g = len(sizes)
+            check_shape("scale[0]", s, (1,), (g,))
+            if p is not None:
+                check_shape("per_token_scale[0]", p, (1,), (g,))
+            b = decode(w, fw)
+            out = torch.zeros(g, m, n, dtype=torch.float32)
+            start = 0
+            for i, size in enumerate(sizes):
+                cols = slice(start, start + size)
+                part = (a[:, cols] @ b[cols]) * s[i if s.numel() > 1 else 0].float()
+                if p is not None:
+                    part = part * p[i if p.numel() > 1 else 0].float()
+                out[i] = part
+                start += size
+        return [out.to(out_dtype)]
+
+    def _gmm_float(self, xs, ws, bias, group_list, split_item, group_type, group_list_type, out_dtype
+                   ) -> list[torch.Tensor]:
+        """float16/bfloat16/float32 grouped GEMM (fp32 accumulation, output in x's dtype)."""
+        dtype = xs[0].dtype
+        check_dtype("x[0].dtype", dtype, FLOATS)
+        for i, t in enumerate(xs):
+            check_tensor(f"x[{i}]", t, (dtype,))
+        for i, t in enumerate(ws):
+            check_tensor(f"weight[{i}]", t, (dtype,))
+            check_dims(f"weight[{i}]", t, 2, 3 if len(ws) == 1 else 2)
+        if out_dtype is not None and out_dtype != dtype:
+            raise NpuTypeError(f"output_dtype must be None or {dtype} for {dtype} inputs, got {out_dtype}")
+        bias_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        bs = check_list("bias", bias, len(ws)) if bias is not None else None
+        for i, t in enumerate(bs or []):
+            check_tensor(f"bias[{i}]", t, (bias_dtype,))
+        single_w = len(ws) == 1 and ws[0].dim() == 3
+        weights = list(ws[0].unbind(0)) if single_w else ws
+        biases = (list(bs[0].unbind(0)) if single_w else bs) if bs is not None else [None] * len(weights)
+        if single_w and bs is not None:
+            check_shape("bias[0]", bs[0], (ws[0].shape[0], ws[0].shape[2]))
+
+        def mm(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], name: str) -> torch.Tensor:
+            if a.shape[-1] != w.shape[0]:
+                raise NpuValueError(f"k of {name} {tuple(a.shape)} and its weight {tuple(w.shape)} differ")
+            r = a.float() @ w.float()
+            return (r if b is None else r + b.float()).to(dtype)
+
+        if group_list is None:
+            if len(xs) != len(weights):
+                raise NpuValueError(f"without group_list, x and weight need as many tensors, got {len(xs)} and "
+                                    f"{len(weights)}")
+            check_choice("group_type", group_type, (-1, 0), "without group_list")
+            outs = [mm(a, w, b, f"x[{i}]") for i, (a, w, b) in enumerate(zip(xs, weights, biases))]
+            return [torch.cat(outs)] if split_item in (2, 3) else outs
+        if len(xs) != 1:
+            raise NpuValueError(f"with group_list, x must be a single tensor, got {len(xs)}")
+        x = xs[0]
+        check_dims("x[0]", x, 2, 2)
+        if group_type == 2:
+            if len(ws) != 1 or ws[0].dim() != 2:
+                raise NpuValueError("the k-split form (group_type 2) takes a single 2-D weight")
+            check_none("bias", bias, "in the k-split form (group_type 2)")
+            check_layout("x[0]", x, ("col",))
+            check_layout("weight[0]", ws[0], ("row",))
+            sizes = self._group_sizes_from_list(group_list, group_list_type, x.shape[1], "columns of k")
+            bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            outs = [mm(x[:, bounds[i]:bounds[i + 1]], ws[0][bounds[i]:bounds[i + 1]], None, "x[0]")
+                    for i in range(len(sizes))]
+            return [torch.stack(outs)] if split_item in (2, 3) else outs
+        sizes = self._group_sizes_from_list(group_list, group_list_type, x.shape[0], "rows", groups=len(weights))
+        parts = list(torch.split(x[: sum(sizes)], sizes))
+        outs = [mm(a, w, b, "x[0]") for a, w, b in zip(parts, weights, biases)]
+        if split_item not in (2, 3):
+            return outs
+        y = torch.zeros(x.shape[0], weights[0].shape[1], dtype=dtype)
+        y[: sum(sizes)] = torch.cat(outs)
+        return [y]
+
