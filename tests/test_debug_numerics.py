@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from mindspeed_te import DelayedScaling, Format, fp8_autocast
-from mindspeed_te.debug import NumericsReport, count, reset_counters, tensor_stats
-from mindspeed_te.debug import numerics
+from mindspeed_te.debug import NumericsReport, count, numerics, reset_counters, tensor_stats
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import Linear
 from mindspeed_te.quantizers import Float8Quantizer

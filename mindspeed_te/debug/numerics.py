@@ -19,7 +19,7 @@ from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage, _Ti
 __all__ = ["ACTIVE", "TensorStats", "tensor_stats", "element_scale_inv", "COUNTERFACTUALS", "NumericsRecorder"]
 
 # The report being filled this step, or None (the only thing the hot path looks at).
-ACTIVE: Optional["NumericsRecorder"] = None
+ACTIVE: Optional[NumericsRecorder] = None
 
 
 def _counterfactual(fwd_dtype: FP8Dtype, fwd_max: float, bwd_dtype: FP8Dtype, bwd_max: float
