@@ -18,7 +18,7 @@ import torch
 from mindspeed_te import fused_cast
 from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
 from mindspeed_te.formats import hif8_encode
-from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend
+from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
 from mindspeed_te.modules.linear import Linear
 from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
 from mindspeed_te.recipe import (
@@ -164,6 +164,7 @@ def npu_simulated() -> Iterator[Any]:
     The CPU-only fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
     saved = {name: os.environ.get(name) for name in (BACKEND_ENV, SIMULATOR_ENV)}
     os.environ[BACKEND_ENV], os.environ[SIMULATOR_ENV] = "npu", "1"
+    reset_backend()  # the backend is chosen from the environment once; choose again now and on the way out
     fused, fused_cast.enabled = fused_cast.enabled, False
     try:
         yield get_backend().npu
@@ -174,6 +175,7 @@ def npu_simulated() -> Iterator[Any]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        reset_backend()
 
 
 def launch_recipes() -> dict[str, Recipe]:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_te.distributed import check_same_on_all_ranks
+from mindspeed_te.kernels import get_backend, reset_backend
 from mindspeed_te.recipe import (
     Float8BlockScaling,
     MXFP8BlockScaling,
@@ -107,12 +108,10 @@ class FP8GlobalState:
 
 def _fp8_support() -> tuple[bool, str]:
     """FP8 needs torch's float8 dtypes; the reference backend then runs it on any device, the NPU backend
-    needs a chip with FP8 matmuls."""
+    needs a chip with FP8 matmuls: the backend says, through its contract."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
         return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
-    from mindspeed_te.kernels import get_backend, requested_backend
-
-    return get_backend().available() if requested_backend() == "npu" else (True, "")
+    return get_backend().available()
 
 
 def _mxfp8_support() -> tuple[bool, str]:
@@ -129,8 +128,10 @@ class FP8GlobalStateManager:
 
     @classmethod
     def reset(cls) -> None:
-        """Back to the state at import (for tests and for starting a new run in one process)."""
+        """Back to the state at import (for tests and for starting a new run in one process); the kernel
+        backend is chosen from the environment again at its next use."""
         cls.quantization_state = FP8GlobalState()
+        reset_backend()
 
     # Availability ------------------------------------------------------------------------------------
     @classmethod

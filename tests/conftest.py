@@ -2,7 +2,6 @@
 cannot leak an open autocast, recorded amaxes or a cached backend into the tests after it."""
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -11,13 +10,9 @@ from mindspeed_te import FP8GlobalStateManager
 
 
 def reset_global_state() -> None:
-    """The state manager back to its import state, and the NPU backend dropped from its cache (it is built
-    from the environment, which tests change)."""
+    """The state manager back to its import state; that also drops the kernel backend chosen from the
+    environment (and the NPU backend built from it), which tests change."""
     FP8GlobalStateManager.reset()
-    npu = sys.modules.get("mindspeed_te.kernels.npu")
-    cache_clear = getattr(getattr(npu, "get_npu_backend", None), "cache_clear", None)
-    if cache_clear is not None:
-        cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -92,14 +92,10 @@ def test_bad_interval_fails_at_parse_time(capsys):
     assert "--hif8-scale-update-interval must be >= 1, got 0" in capsys.readouterr().err
 
 
-def _train(backend, monkeypatch):
-    from mindspeed_te.kernels.npu import get_npu_backend
+def _train(backend, use_backend):
     from mindspeed_te.modules import Linear
 
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", backend)
-    monkeypatch.setenv("MINDSPEED_TE_NPU_SIMULATOR", "1")
-    get_npu_backend.cache_clear()
-    FP8GlobalStateManager.reset()
+    use_backend(backend)
     torch.manual_seed(0)
     layer = Linear(64, 64, params_dtype=torch.bfloat16)
     recipe = HIF8DelayedScaling(amax_collect_interval=2, scale_update_interval=2)
@@ -111,13 +107,12 @@ def _train(backend, monkeypatch):
         y.float().square().sum().backward()
         outputs.append((y.detach(), x.grad, layer.weight.grad.clone()))
         layer.weight.grad = None
-    get_npu_backend.cache_clear()
     return outputs, layer
 
 
-def test_a_linear_trains_with_it_identically_on_the_npu_kernels(monkeypatch):
-    reference, layer = _train("reference", monkeypatch)
-    npu, _ = _train("npu", monkeypatch)
+def test_a_linear_trains_with_it_identically_on_the_npu_kernels(use_backend):
+    reference, layer = _train("reference", use_backend)
+    npu, _ = _train("npu", use_backend)
     for a, b in zip(reference, npu):
         for x, y in zip(a, b):
             assert torch.equal(x, y)

@@ -44,8 +44,8 @@ def _quantizers(recipe):
     return LinearQuantizers(f[0], f[1], b[0])
 
 
-def _step(backend_name, monkeypatch, recipe, sim=None):
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", backend_name)
+def _step(use_backend, backend_name, monkeypatch, recipe, sim=None):
+    use_backend(backend_name)
     if sim is not None:
         monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
     g = torch.Generator().manual_seed(0)
@@ -60,11 +60,11 @@ def _step(backend_name, monkeypatch, recipe, sim=None):
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch):
+def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backend):
     recipe = RECIPES[name]
     sim = make_simulator()
-    got = _step("npu", monkeypatch, recipe, sim)
-    want = _step("reference", monkeypatch, recipe)
+    got = _step(use_backend, "npu", monkeypatch, recipe, sim)
+    want = _step(use_backend, "reference", monkeypatch, recipe)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert sim.launch_counts["npu_quant_matmul"] >= 2  # the GEMMs really went through the kernel
@@ -97,21 +97,21 @@ def test_kernels_used_and_launch_counts(monkeypatch):
     assert sim.launch_counts == {"npu_quantize": 1, "npu_quant_matmul": 2}
 
 
-def test_no_host_sync_through_the_npu_path(monkeypatch):
+def test_no_host_sync_through_the_npu_path(monkeypatch, use_backend):
     sim = make_simulator()
     for name in ("delayed/hif8", "tensorwise/hif8", "mxfp8/hybrid"):
         with HostSyncCounter() as counter:
-            _step("npu", monkeypatch, RECIPES[name], sim)
+            _step(use_backend, "npu", monkeypatch, RECIPES[name], sim)
         assert counter.total == 0, (name, dict(counter.counts))
 
 
-def test_backend_selection_and_errors(monkeypatch):
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "fast")
+def test_backend_selection_and_errors(monkeypatch, use_backend):
+    use_backend("fast")
     with pytest.raises(ValueError, match="MINDSPEED_TE_BACKEND='fast' is not valid; allowed: auto, npu, torch"):
         requested_backend()
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "auto")
+    use_backend("auto")
     assert get_backend("cpu").name == "reference"
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "torch")
+    use_backend("torch")
     assert get_backend("cpu").name == "torch"
     a2 = NpuBackend(make_simulator("Ascend910B3"))
     ok, reason = a2.available()
@@ -125,8 +125,8 @@ def test_chip_without_fp8_is_refused_by_the_kernel():
         backend.quantize(q.input, torch.randn(4, 32))
 
 
-def test_fp8_availability_reports_the_chip(monkeypatch):
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+def test_fp8_availability_reports_the_chip(monkeypatch, use_backend):
+    use_backend("npu")
     monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend",
                         lambda: NpuBackend(make_simulator("Ascend910B3")))
     ok, reason = FP8GlobalStateManager.is_fp8_available()
@@ -139,7 +139,7 @@ def test_fp8_availability_reports_the_chip(monkeypatch):
     assert not FP8GlobalStateManager.is_fp8_enabled()
 
 
-def test_rms_norm_runs_the_fused_kernel(monkeypatch):
+def test_rms_norm_runs_the_fused_kernel(monkeypatch, use_backend):
     from mindspeed_te.modules import RMSNorm
 
     sim = make_simulator()
@@ -147,9 +147,9 @@ def test_rms_norm_runs_the_fused_kernel(monkeypatch):
     with torch.no_grad():
         norm.weight.normal_()
     x = torch.randn(8, 3, 64, requires_grad=True)
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "reference")
+    use_backend("reference")
     want = norm(x)
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    use_backend("npu")
     monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
     got = norm(x)
     assert sim.launch_counts["npu_rms_norm"] == 1
@@ -159,16 +159,15 @@ def test_rms_norm_runs_the_fused_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "tensorwise/hif8", "mxfp8/hybrid"])
-def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch):
+def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backend):
     """MoE experts: per-tensor recipes use one npu_grouped_matmul per GEMM kind; results equal the reference."""
-    from mindspeed_te import FP8GlobalStateManager, fp8_autocast
+    from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
 
     def run(backend_name, sim=None):
-        monkeypatch.setenv("MINDSPEED_TE_BACKEND", backend_name)
+        use_backend(backend_name)
         if sim is not None:
             monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-        FP8GlobalStateManager.reset()
         torch.manual_seed(0)
         layer = GroupedLinear(3, 64, 128).bfloat16()
         for w in layer.weights:
@@ -192,7 +191,7 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch):
 
 
 @pytest.mark.parametrize("mask_type, groups", [("causal", 4), ("padding_causal", 2), ("no_mask", 1)])
-def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch):
+def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch, use_backend):
     from mindspeed_te.modules import DotProductAttention
 
     attn = DotProductAttention(4, 16, num_gqa_groups=groups, attn_mask_type=mask_type)
@@ -202,10 +201,10 @@ def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch):
     v = torch.randn(8, 2, groups, 16, generator=g, requires_grad=True)
     mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
     mask[1, ..., 6:] = True
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "reference")
+    use_backend("reference")
     want = attn(q, k, v, attention_mask=mask)
     sim = make_simulator()
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    use_backend("npu")
     monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
     got = attn(q, k, v, attention_mask=mask)
     assert sim.launch_counts["npu_fusion_attention"] == 1 and torch.equal(got, want)
@@ -213,7 +212,7 @@ def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch):
     assert q.grad is not None and k.grad is not None
 
 
-def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch):
+def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch, use_backend):
     """aclnnQuantMatmulV5 (Ascend 950): of the G-B, B-B and mx modes only mx takes a bias, so a blockwise
     GEMM with a bias adds it after the kernel; the result still equals the reference bit for bit."""
     sim = make_simulator()
@@ -221,8 +220,8 @@ def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch):
     kernel = sim.npu_quant_matmul
     monkeypatch.setattr(sim, "npu_quant_matmul", lambda *a, **k: calls.append(k) or kernel(*a, **k),
                         raising=False)
-    got = _step("npu", monkeypatch, RECIPES["blockwise/e4m3"], sim)
-    want = _step("reference", monkeypatch, RECIPES["blockwise/e4m3"])
+    got = _step(use_backend, "npu", monkeypatch, RECIPES["blockwise/e4m3"], sim)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES["blockwise/e4m3"])
     blockwise = [k for k in calls if k.get("group_sizes") == [1, 128, 128]]
     assert blockwise and all(k.get("bias") is None for k in blockwise)
     for g, w in zip(got, want):
