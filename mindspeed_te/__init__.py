@@ -2,7 +2,7 @@
 
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
-from mindspeed_te.distributed import checkpoint
+from mindspeed_te.checkpointing import checkpoint
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,

@@ -6,7 +6,7 @@ tensor-parallel activations are split along the last dim.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -188,17 +188,3 @@ def check_same_on_all_ranks(what: str, identity: str, group: ProcessGroup) -> No
             raise RuntimeError(f"{what} differs across ranks: rank {me} of the group has {values[me]}, rank {rank} has "
                                f"{value}; every rank must use the same one")
 
-
-def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
-    """TransformerEngine's `checkpoint(function, *args, distribute_saved_activations=False,
-    get_rng_state_tracker=None, tp_group=None, use_reentrant=True, **kwargs)`: activation checkpointing
-    of a region with FP8 modules (the recompute uses the first pass's scales, autocast state and RNG
-    streams). The recompute is always non-reentrant; `use_reentrant` and `distribute_saved_activations`
-    are accepted for compatibility and change nothing."""
-    from mindspeed_te.megatron.misc import te_checkpoint
-
-    kwargs.pop("use_reentrant", None)
-    distribute_saved_activations = kwargs.pop("distribute_saved_activations", False)
-    get_rng_state_tracker = kwargs.pop("get_rng_state_tracker", None)
-    tp_group = kwargs.pop("tp_group", None)
-    return te_checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args, **kwargs)

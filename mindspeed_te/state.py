@@ -18,7 +18,7 @@ import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Optional
+from typing import Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from mindspeed_te.recipe import (
     get_default_recipe,
 )
 from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState, update_delayed_states
+from mindspeed_te.tensor import QuantizedTensorStorage
 
 __all__ = [
     "FP8GlobalState",
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 CheckpointPhase = Literal["forward", "recompute"]
+# observer(weight, tensor name: "input" | "weight" | "grad_output", high-precision operand, its quantized form)
+OperandObserver = Callable[[torch.Tensor, str, torch.Tensor, QuantizedTensorStorage], None]
 # (autocast key, forward) -> {id(state): state}, in registration order
 _Registry = dict[tuple[str, bool], dict[int, DelayedScalingRecipeState]]
 
@@ -104,6 +107,9 @@ class FP8GlobalState:
     nonfinite_counts: Counter = field(default_factory=Counter)
     # reduction groups (by id) whose ranks were checked to run the same recipe
     recipe_agreed_groups: set[int] = field(default_factory=set)
+    # Sees every quantized GEMM operand when set (the numerics report of mindspeed_te.debug registers here,
+    # so the autograd functions need not know it); None costs the GEMM one check.
+    operand_observer: Optional[OperandObserver] = None
 
 
 def _fp8_support() -> tuple[bool, str]:
@@ -242,6 +248,18 @@ class FP8GlobalStateManager:
             raise RuntimeError("activation recompute ran more FP8 modules than the first pass of the checkpointed "
                                "region; the region must run the same modules both times")
         return stash.pop(0)
+
+    # Observing quantized operands ------------------------------------------------------------------------
+    @classmethod
+    def set_operand_observer(cls, observer: Optional[OperandObserver]) -> None:
+        """Have the linear autograd functions call `observer` with each quantized operand (None: stop)."""
+        if observer is not None and not callable(observer):
+            raise TypeError(f"observer must be callable or None, got {type(observer).__name__}")
+        cls.quantization_state.operand_observer = observer
+
+    @classmethod
+    def get_operand_observer(cls) -> Optional[OperandObserver]:
+        return cls.quantization_state.operand_observer
 
     # Non-finite inputs -----------------------------------------------------------------------------------
     @classmethod

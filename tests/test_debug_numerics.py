@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_te import DelayedScaling, Format, fp8_autocast
+from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast
 from mindspeed_te.debug import NumericsReport, count, numerics, reset_counters, tensor_stats
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import Linear
@@ -105,7 +105,7 @@ def test_off_computes_nothing(monkeypatch):
     monkeypatch.setattr(numerics.NumericsRecorder, "record", fail)
     report = NumericsReport("unused", interval=3)
     report.begin_step(1)  # not a reporting step
-    assert numerics.ACTIVE is None
+    assert FP8GlobalStateManager.get_operand_observer() is None
     _train_step(torch.nn.Sequential(Linear(64, 64)), DelayedScaling(fp8_format=Format.HIF8))
     report.stop()
 

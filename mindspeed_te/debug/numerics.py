@@ -1,14 +1,15 @@
 """Per-layer FP8 numerics: how each quantized operand of each linear fares in its format, and how it would
 fare in the other formats (the counterfactual: "this layer in HiF8 vs E4M3 vs MXFP8").
 
-The linear autograd calls `ACTIVE.record(...)` only when a report is active (`ACTIVE is not None`), so a
-disabled report costs one attribute check per GEMM operand and computes nothing.
+An active report registers its recorder's `record` as the state manager's operand observer, which the linear
+autograd functions call with each quantized operand; a disabled report registers nothing, which costs one
+check per GEMM and computes nothing.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -16,11 +17,7 @@ from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.quantizers import Float8CurrentScalingQuantizer, MXFP8Quantizer, Quantizer
 from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage, _TiledTensor
 
-__all__ = ["ACTIVE", "TensorStats", "tensor_stats", "element_scale_inv", "COUNTERFACTUALS", "NumericsRecorder"]
-
-# The report being filled this step, or None (the only thing the hot path looks at).
-ACTIVE: Optional[NumericsRecorder] = None
-
+__all__ = ["TensorStats", "tensor_stats", "element_scale_inv", "COUNTERFACTUALS", "NumericsRecorder"]
 
 def _counterfactual(fwd_dtype: FP8Dtype, fwd_max: float, bwd_dtype: FP8Dtype, bwd_max: float
                     ) -> Callable[[str], Quantizer]:

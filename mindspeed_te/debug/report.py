@@ -11,6 +11,7 @@ import torch
 
 from mindspeed_te.debug import numerics
 from mindspeed_te.debug.counters import counters
+from mindspeed_te.state import FP8GlobalStateManager
 
 __all__ = ["NumericsReport", "plot_heatmaps"]
 
@@ -36,10 +37,10 @@ class NumericsReport:
 
     def begin_step(self, iteration: int) -> None:
         self.recorder.step = iteration
-        numerics.ACTIVE = self.recorder if iteration % self.interval == 0 else None
+        FP8GlobalStateManager.set_operand_observer(self.recorder.record if iteration % self.interval == 0 else None)
 
     def stop(self) -> None:
-        numerics.ACTIVE = None
+        FP8GlobalStateManager.set_operand_observer(None)
 
     @property
     def rows(self) -> list[dict]:

@@ -6,8 +6,8 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.utils.checkpoint
 
+from mindspeed_te.checkpointing import checkpoint
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
 from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
@@ -144,44 +144,12 @@ def _set_rng_state(state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
-@contextlib.contextmanager
-def _phase(phase: str, stash: list, autocast_state: Optional[tuple] = None, tracker_states: Optional[dict] = None,
-           get_rng_state_tracker: Optional[Callable] = None) -> Iterator[None]:
-    """Enter a checkpoint phase. The first pass fills `stash` with each FP8 module's forward state; a
-    recompute (which may stop early, and may run more than once) consumes a fresh copy of it, and also
-    restores the first pass's autocast state and RNG tracker streams so the activations come out equal."""
-    saved_autocast = FP8GlobalStateManager.get_autocast_state()
-    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
-    saved_tracker = tracker.get_states() if tracker is not None and tracker_states is not None else None
-    if autocast_state is not None:
-        FP8GlobalStateManager.set_autocast_state(autocast_state)
-    if saved_tracker is not None:
-        tracker.set_states(tracker_states)
-    try:
-        with FP8GlobalStateManager.checkpoint_phase(phase, stash):
-            yield
-    finally:
-        FP8GlobalStateManager.set_autocast_state(saved_autocast)
-        if saved_tracker is not None:
-            tracker.set_states(saved_tracker)
-
-
 def te_checkpoint(forward_func: Callable, distribute_saved_activations: bool, get_rng_state_tracker: Optional[Callable],
                   tp_group: Optional[Any], *args: Any, **kwargs: Any) -> Any:
-    """Activation checkpointing for regions containing FP8 modules: the recompute uses the same FP8 scales,
+    """Megatron's positional form of `mindspeed_te.checkpoint`: the recompute uses the same FP8 scales,
     autocast state and RNG streams as the first pass, and does not record amaxes twice."""
-    autocast_state = FP8GlobalStateManager.get_autocast_state()
-    tracker = get_rng_state_tracker() if get_rng_state_tracker is not None else None
-    tracker_states = tracker.get_states() if tracker is not None and tracker.is_initialized() else None
-
-    stash: list = []
-
-    def contexts():
-        return (_phase("forward", stash),
-                _phase("recompute", stash, autocast_state, tracker_states, get_rng_state_tracker))
-
-    return torch.utils.checkpoint.checkpoint(forward_func, *args, use_reentrant=False, context_fn=contexts,
-                                             preserve_rng_state=True, **kwargs)
+    return checkpoint(forward_func, *args, distribute_saved_activations=distribute_saved_activations,
+                      get_rng_state_tracker=get_rng_state_tracker, tp_group=tp_group, **kwargs)
 
 
 def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, activation_offloading: bool,

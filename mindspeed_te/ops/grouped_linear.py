@@ -13,7 +13,6 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mindspeed_te.debug import numerics
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad, quantized_weight
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
@@ -69,15 +68,16 @@ class _GroupedLinear(torch.autograd.Function):
             b_ops: list[Operand] = [dequantize_if_quantized(weights[i]) for i in active]
         else:
             a_ops, b_ops = [], []
+            observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
             for i in active:
                 q[i].input.set_usage(rowwise=True, columnwise=fp8_wgrad)
                 q[i].weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
                 a_ops.append(backend.quantize(q[i].input, xs[i]))
                 cache = args.weight_caches[i] if args.weight_caches is not None else None
                 b_ops.append(quantized_weight(weights[i], q[i].weight, cache, args.is_first_microbatch, backend))
-                if numerics.ACTIVE is not None:  # the numerics report (mindspeed_te.debug); off: this check only
-                    numerics.ACTIVE.record(weights[i], "input", xs[i], a_ops[-1])
-                    numerics.ACTIVE.record(weights[i], "weight", dequantize_if_quantized(weights[i]), b_ops[-1])
+                if observe is not None:
+                    observe(weights[i], "input", xs[i], a_ops[-1])
+                    observe(weights[i], "weight", dequantize_if_quantized(weights[i]), b_ops[-1])
         outs = backend.grouped_gemm(a_ops, b_ops, out_dtype=torch.float32)
         if biases:
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
@@ -108,11 +108,12 @@ class _GroupedLinear(torch.autograd.Function):
             grads: list[Operand] = [dys[i] for i in active]
         else:
             grads = []
+            observe = FP8GlobalStateManager.get_operand_observer()
             for i in active:
                 q[i].grad_output.set_usage(rowwise=need_dx, columnwise=ctx.fp8_wgrad)
                 grads.append(backend.quantize(q[i].grad_output, dys[i]))
-                if numerics.ACTIVE is not None:  # the numerics report (mindspeed_te.debug)
-                    numerics.ACTIVE.record(weights[i], "grad_output", dys[i], grads[-1])
+                if observe is not None:
+                    observe(weights[i], "grad_output", dys[i], grads[-1])
 
         dx = None
         if need_dx:

@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from mindspeed_te.debug import numerics
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
@@ -87,9 +86,10 @@ class _Linear(torch.autograd.Function):
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             qx = backend.quantize(q.input, x2d)
             qw = quantized_weight(weight, q.weight, args.weight_cache, args.is_first_microbatch, backend)
-            if numerics.ACTIVE is not None:  # the numerics report (mindspeed_te.debug); off: this check only
-                numerics.ACTIVE.record(weight, "input", x2d, qx)
-                numerics.ACTIVE.record(weight, "weight", dequantize_if_quantized(weight), qw)
+            observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
+            if observe is not None:
+                observe(weight, "input", x2d, qx)
+                observe(weight, "weight", dequantize_if_quantized(weight), qw)
             out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
             # Keep only what backward reads: the columnwise input (or the real input for a bf16 wgrad).
             if fp8_wgrad:
@@ -126,8 +126,9 @@ class _Linear(torch.autograd.Function):
             fp8_wgrad = need_dw and isinstance(saved_x, QuantizedTensorStorage)
             q.grad_output.set_usage(rowwise=need_dx, columnwise=fp8_wgrad)
             qdy = backend.quantize(q.grad_output, dy) if (need_dx or fp8_wgrad) else None
-            if qdy is not None and numerics.ACTIVE is not None:  # the numerics report (mindspeed_te.debug)
-                numerics.ACTIVE.record(weight, "grad_output", dy, qdy)
+            observe = FP8GlobalStateManager.get_operand_observer()
+            if qdy is not None and observe is not None:
+                observe(weight, "grad_output", dy, qdy)
             if need_dx:
                 dx = backend.gemm(qdy, saved_w, b_columnwise=True, out_dtype=ctx.input_dtype)
             if need_dw:
