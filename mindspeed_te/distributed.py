@@ -6,7 +6,7 @@ tensor-parallel activations are split along the last dim.
 from __future__ import annotations
 
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,88 +76,58 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return gathered.movedim(0, -1).contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward, all-reduce of the gradient backward (input of a column-parallel linear)."""
+def _identity(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x
+
+
+def _all_reduce_copy(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return _all_reduce(x.clone(), group)
+
+
+Collective = Callable[[torch.Tensor, ProcessGroup], torch.Tensor]
+
+
+class _Collective(torch.autograd.Function):
+    """`forward_op(x, group)` forward and `backward_op(grad, group)` backward: each region function below is
+    one pair of collectives that are each other's adjoint."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, forward_op: Collective, backward_op: Collective):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce forward, identity backward (output of a row-parallel linear)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    """All-gather along dim 0 forward, reduce-scatter backward (sequence-parallel input of a column linear)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_dim0(grad, ctx.group), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """Reduce-scatter along dim 0 forward, all-gather backward (sequence-parallel output of a row linear)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim0(grad, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    """All-gather along the last dim forward, keep this rank's slice backward (gather_output)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
+def _region(x: torch.Tensor, group: ProcessGroup, forward_op: Collective, backward_op: Collective) -> torch.Tensor:
+    return _Collective.apply(x, group, forward_op, backward_op) if group_size(group) > 1 else x
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _CopyToTP.apply(x, group) if group_size(group) > 1 else x
+    """Identity forward, all-reduce of the gradient backward (input of a column-parallel linear)."""
+    return _region(x, group, _identity, _all_reduce)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group) if group_size(group) > 1 else x
+    """All-reduce forward, identity backward (output of a row-parallel linear)."""
+    return _region(x, group, _all_reduce_copy, _identity)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _GatherFromSP.apply(x, group) if group_size(group) > 1 else x
+    """All-gather along dim 0 forward, reduce-scatter backward (sequence-parallel input of a column linear)."""
+    return _region(x, group, _all_gather_dim0, _reduce_scatter_dim0)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterToSP.apply(x, group) if group_size(group) > 1 else x
+    """Reduce-scatter along dim 0 forward, all-gather backward (sequence-parallel output of a row linear)."""
+    return _region(x, group, _reduce_scatter_dim0, _all_gather_dim0)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    return _GatherFromTP.apply(x, group) if group_size(group) > 1 else x
+    """All-gather along the last dim forward, keep this rank's slice backward (gather_output)."""
+    return _region(x, group, _gather_last, _split_last)
 
 
 _IDENTITY_BYTES = 1024  # room for a recipe's configuration string; longer ones are compared by prefix + hash

@@ -10,6 +10,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from mindspeed_te.distributed import group_rank, group_size
 from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.megatron.linear import TEModuleMixin
 from mindspeed_te.modules.grouped_linear import GroupedLinear
 from mindspeed_te.modules.linear import divide
 
@@ -38,7 +39,7 @@ def _expert_parallel_coords(pg_collection: Optional[object]) -> tuple[int, int]:
     return group_size(group), group_rank(group)
 
 
-class TEGroupedLinear(GroupedLinear):
+class TEGroupedLinear(TEModuleMixin, GroupedLinear):
     """Megatron's `TEGroupedLinear`: forward(x, m_splits) -> (output, biases or None). The MoE token
     dispatcher does the expert communication, so under expert TP or EP each rank holds its local shard and
     the layer itself communicates nothing. `config.use_gmm_fp8` (MindSpeed's --no-use-gmm-fp8 turns it off)
@@ -75,10 +76,7 @@ class TEGroupedLinear(GroupedLinear):
     ) -> None:
         if not is_expert:
             raise ValueError("TEGroupedLinear only supports expert layers (is_expert=True), as in Megatron")
-        self.config = config
-        self.te_return_bias = skip_bias_add and bias
-        self.is_first_microbatch = True
-        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        return_bias = self._init_megatron(config, bias, skip_bias_add)
         self._pg_collection = pg_collection
         self._tp_group = _expert_tp_group(pg_collection)
         expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
@@ -95,7 +93,7 @@ class TEGroupedLinear(GroupedLinear):
             fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
             init_method=condition_init_method(config, init_method),
             bias=bias,
-            return_bias=self.te_return_bias,
+            return_bias=return_bias,
             params_dtype=config.params_dtype,
             parallel_mode=parallel_mode,
             device=megatron_device(config),
@@ -133,50 +131,45 @@ class TEGroupedLinear(GroupedLinear):
         result.update(extra)
         return result
 
-    def forward(self, x: torch.Tensor, m_splits):
-        first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
-        out = super().forward(x, m_splits, is_first_microbatch=first)
-        self.is_first_microbatch = False
-        if self.te_return_bias:
-            return out
-        return out, None
+
+class _ExpertParallelGroupedLinear(TEGroupedLinear):
+    """The column and row forms: megatron-core's keywords without parallel_mode, which the subclass fixes."""
+
+    _tp_split: str
+    sharded_axes: tuple[int, Optional[int]]  # (weight, bias or None for replicated) under expert TP
+
+    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
+                 init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
+                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None) -> None:
+        super().__init__(num_gemms, input_size, output_size, parallel_mode=self._tp_split, config=config,
+                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        return self._sharded_grouped(*self.sharded_axes, prefix, sharded_offsets, metadata)
 
 
-class TEColumnParallelGroupedLinear(TEGroupedLinear):
-    """Experts' first linear (FC1): split along the output dimension under expert TP.
+class TEColumnParallelGroupedLinear(_ExpertParallelGroupedLinear):
+    """Experts' first linear (FC1): split along the output dimension under expert TP; per expert, weight and
+    bias sharded along dim 0 in checkpoints.
 
     Args:
         num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
         tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
     """
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
-                 init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None) -> None:
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="column", config=config,
-                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Per expert: weight and bias sharded along dim 0 under expert TP."""
-        return self._sharded_grouped(0, 0, prefix, sharded_offsets, metadata)
+    _tp_split = "column"
+    sharded_axes = (0, 0)
 
 
-class TERowParallelGroupedLinear(TEGroupedLinear):
-    """Experts' second linear (FC2): split along the input dimension under expert TP.
+class TERowParallelGroupedLinear(_ExpertParallelGroupedLinear):
+    """Experts' second linear (FC2): split along the input dimension under expert TP; per expert, weight
+    sharded along dim 1 and bias replicated in checkpoints.
 
     Args:
         num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
         tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
     """
 
-    def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
-                 init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None) -> None:
-        super().__init__(num_gemms, input_size, output_size, parallel_mode="row", config=config,
-                         init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Per expert: weight sharded along dim 1 under expert TP, bias replicated."""
-        return self._sharded_grouped(1, None, prefix, sharded_offsets, metadata)
+    _tp_split = "row"
+    sharded_axes = (1, None)

@@ -2,7 +2,7 @@
 on `mindspeed_te.Linear`."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
@@ -22,9 +22,18 @@ class TEModuleMixin:
     weights quantized once per step (Megatron sets `is_first_microbatch` at each step's first micro-batch),
     and sharded checkpoints."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _init_megatron(self, config: ModelParallelConfig, bias: bool, skip_bias_add: bool) -> bool:
+        """Record what forward reads from Megatron's arguments; returns whether forward returns the bias."""
+        self.config = config
+        self.te_return_bias = skip_bias_add and bias
+        self.is_first_microbatch = True
+        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        return self.te_return_bias
+
+    def forward(self, x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, Any]:
+        """(output, bias or None); grouped layers take `m_splits` after x."""
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
-        out = super().forward(x, is_first_microbatch=first)
+        out = super().forward(x, *args, is_first_microbatch=first)
         self.is_first_microbatch = False
         if self.te_return_bias:
             return out
@@ -82,10 +91,7 @@ class TELinear(TEModuleMixin, Linear):
             raise ValueError("TELinear does not support skip_weight_param_allocation=True")
         if parallel_mode not in ("column", "row", "duplicated", None):
             raise ValueError(f"parallel_mode must be 'column', 'row', 'duplicated' or None, got {parallel_mode!r}")
-        self.config = config
-        self.te_return_bias = skip_bias_add and bias
-        self.is_first_microbatch = True
-        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        return_bias = self._init_megatron(config, bias, skip_bias_add)
         if tp_group is None and pg_collection is not None:
             tp_group = getattr(pg_collection, "expt_tp" if is_expert else "tp", None)
         elif tp_group is None and parallel_mode != "duplicated":
@@ -112,7 +118,7 @@ class TELinear(TEModuleMixin, Linear):
                 tp_group=tp_group, stride=getattr(self, "stride", 1), is_expert=is_expert,
                 duplicated=parallel_mode == "duplicated"),
             bias=bias,
-            return_bias=self.te_return_bias,
+            return_bias=return_bias,
             params_dtype=config.params_dtype,
             parallel_mode=local_mode,
             device=megatron_device(config),

@@ -9,6 +9,7 @@ import torch
 
 from mindspeed_te.checkpointing import checkpoint
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
+from mindspeed_te.ops.grouped_linear import check_m_splits
 from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
 
@@ -19,11 +20,19 @@ def _alignment() -> int:
     return 32 if isinstance(recipe, MXFP8BlockScaling) else 16
 
 
-def _padded(m_splits: list[int], align: int) -> list[int]:
-    return [(m + align - 1) // align * align for m in m_splits]
+class _SplitPadding(torch.nn.Module):
+    def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        self.align_size = align_size
+
+    def _padded_splits(self, m_splits: list[int]) -> list[int]:
+        """Each expert's rows rounded up to the alignment."""
+        align = self.align_size or _alignment()
+        return [(int(m) + align - 1) // align * align for m in m_splits]
 
 
-class Fp8Padding(torch.nn.Module):
+class Fp8Padding(_SplitPadding):
     """Pads every expert's rows to the quantized GEMM's alignment: forward(inp, m_splits) -> (padded, splits).
 
     Args:
@@ -31,23 +40,18 @@ class Fp8Padding(torch.nn.Module):
         align_size: row alignment (None: the active recipe's, 32 for MXFP8 and 16 otherwise)
     """
 
-    def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
-        super().__init__()
-        self.num_gemms = num_gemms
-        self.align_size = align_size
-
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
-        _check_splits(inp, m_splits, self.num_gemms)
-        padded = _padded(list(m_splits), self.align_size or _alignment())
-        if padded == list(m_splits):
+        m_splits = check_m_splits(inp, m_splits, self.num_gemms)
+        padded = self._padded_splits(m_splits)
+        if padded == m_splits:
             return inp, padded
-        chunks = torch.split(inp, list(m_splits))
+        chunks = torch.split(inp, m_splits)
         pieces = [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 1) + (0, p - c.shape[0]))
                   for c, p in zip(chunks, padded)]
         return torch.cat(pieces), padded
 
 
-class Fp8Unpadding(torch.nn.Module):
+class Fp8Unpadding(_SplitPadding):
     """Drops the padding rows again: forward(inp, m_splits) with the original (unpadded) splits.
 
     Args:
@@ -55,23 +59,11 @@ class Fp8Unpadding(torch.nn.Module):
         align_size: row alignment (None: the active recipe's, 32 for MXFP8 and 16 otherwise)
     """
 
-    def __init__(self, num_gemms: int, align_size: Optional[int] = None) -> None:
-        super().__init__()
-        self.num_gemms = num_gemms
-        self.align_size = align_size
-
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        padded = _padded(list(m_splits), self.align_size or _alignment())
-        _check_splits(inp, padded, self.num_gemms)
-        if padded == list(m_splits):
+        padded = check_m_splits(inp, self._padded_splits(m_splits), self.num_gemms)
+        if padded == [int(m) for m in m_splits]:
             return inp
         return torch.cat([c[:m] for c, m in zip(torch.split(inp, padded), m_splits)])
-
-
-def _check_splits(inp: torch.Tensor, m_splits: list[int], num_gemms: int) -> None:
-    if len(m_splits) != num_gemms or sum(m_splits) != inp.shape[0]:
-        raise ValueError(f"m_splits must have {num_gemms} entries summing to the input's rows ({inp.shape[0]}), "
-                         f"got {list(m_splits)}")
 
 
 class TECudaRNGStatesTracker:

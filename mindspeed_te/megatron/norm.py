@@ -68,10 +68,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
         if tp_group is None and pg_collection is not None:
             tp_group = getattr(pg_collection, "tp", None)
         tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
-        self.config = config
-        self.te_return_bias = skip_bias_add and bias
-        self.is_first_microbatch = True
-        self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
+        return_bias = self._init_megatron(config, bias, skip_bias_add)
         self.stride = stride
         super().__init__(
             input_size, output_size,
@@ -82,7 +79,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             init_method=parallel_init_method(config, init_method, partition_dim=0, tp_group=tp_group, stride=stride),
             bias=bias,
             normalization=config.normalization,
-            return_bias=self.te_return_bias,
+            return_bias=return_bias,
             params_dtype=config.params_dtype,
             parallel_mode="column",
             zero_centered_gamma=config.layernorm_zero_centered_gamma,

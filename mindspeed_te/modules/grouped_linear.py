@@ -7,7 +7,7 @@ import torch
 
 from mindspeed_te.distributed import ProcessGroup, copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from mindspeed_te.modules.base import FP8ModuleBase
-from mindspeed_te.modules.linear import check_parallel_mode, divide, resolve_tp_size, set_tensor_parallel_attributes
+from mindspeed_te.modules.linear import check_parallel_mode, create_linear_parameters, record_tensor_parallel
 from mindspeed_te.ops.grouped_linear import check_m_splits, grouped_linear
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache
 from mindspeed_te.state import FP8GlobalStateManager
@@ -57,28 +57,19 @@ class GroupedLinear(FP8ModuleBase):
         check_parallel_mode(parallel_mode)
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be >= 1, got {num_gemms}")
-        self.in_features, self.out_features = in_features, out_features
-        self.tp_group = tp_group
-        self.tp_size = resolve_tp_size(tp_group, tp_size)
-        self.parallel_mode = parallel_mode
+        shape = record_tensor_parallel(self, in_features, out_features, tp_group, tp_size, parallel_mode)
         self.sequence_parallel = sequence_parallel
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
         self.use_fp8_gemm = use_fp8_gemm
-        local_out = divide(out_features, self.tp_size, "out_features") if parallel_mode == "column" else out_features
-        local_in = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
-        dtype = params_dtype or torch.get_default_dtype()
         self.use_bias = bias
         for i in range(num_gemms):
-            weight = self.create_weight((local_out, local_in), dtype, device, init_method, gemm=i)
-            set_tensor_parallel_attributes(weight, parallel_mode is not None, 0 if parallel_mode == "column" else 1)
+            weight, bias_param = create_linear_parameters(self, shape, params_dtype, device, init_method, bias, gemm=i)
             weight.allreduce = False  # Megatron reduces expert gradients over the expert-data-parallel group
             self.register_parameter(f"weight{i}", weight)
-            if bias:
-                b = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
-                set_tensor_parallel_attributes(b, parallel_mode == "column", 0)
-                b.allreduce = False
-                self.register_parameter(f"bias{i}", b)
+            if bias_param is not None:
+                bias_param.allreduce = False
+                self.register_parameter(f"bias{i}", bias_param)
         self._weight_caches = [WeightCache() for _ in range(num_gemms)]
 
     @property

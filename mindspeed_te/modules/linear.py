@@ -17,7 +17,7 @@ from mindspeed_te.distributed import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.modules.base import FP8ModuleBase, initialize_
+from mindspeed_te.modules.base import FP8ModuleBase, InitMethod, initialize_
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
 from mindspeed_te.ops.mc2 import mc2_linear, mc2_mx_linear
 from mindspeed_te.quantized_tensor import QuantizedTensor
@@ -51,6 +51,34 @@ def set_tensor_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: 
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim
     param.partition_stride = 1
+
+
+def record_tensor_parallel(module: FP8ModuleBase, in_features: int, out_features: int, tp_group: ProcessGroup,
+                           tp_size: int, parallel_mode: Optional[str]) -> tuple[int, int]:
+    """Record a linear's whole sizes and tensor parallelism on `module`; returns its local weight shape."""
+    module.in_features, module.out_features = in_features, out_features
+    module.tp_group = tp_group
+    module.tp_size = resolve_tp_size(tp_group, tp_size)
+    module.parallel_mode = parallel_mode
+    local_out = divide(out_features, module.tp_size, "out_features") if parallel_mode == "column" else out_features
+    local_in = divide(in_features, module.tp_size, "in_features") if parallel_mode == "row" else in_features
+    return local_out, local_in
+
+
+def create_linear_parameters(module: FP8ModuleBase, shape: tuple[int, int], params_dtype: Optional[torch.dtype],
+                             device: Union[torch.device, str, None], init_method: InitMethod, bias: bool,
+                             gemm: int = 0) -> tuple[torch.nn.Parameter, Optional[torch.nn.Parameter]]:
+    """GEMM `gemm`'s weight (`module.create_weight`) and bias (zeros, or None without one), marked split
+    the way `module.parallel_mode` splits them: column splits both, row only the weight."""
+    dtype = params_dtype or torch.get_default_dtype()
+    mode = module.parallel_mode
+    weight = module.create_weight(shape, dtype, device, init_method, gemm=gemm)
+    set_tensor_parallel_attributes(weight, mode is not None, 0 if mode == "column" else 1)
+    if not bias:
+        return weight, None
+    bias_param = torch.nn.Parameter(torch.zeros(shape[0], dtype=dtype, device=device))
+    set_tensor_parallel_attributes(bias_param, mode == "column", 0)
+    return weight, bias_param
 
 
 class Linear(FP8ModuleBase):
@@ -97,10 +125,7 @@ class Linear(FP8ModuleBase):
         check_parallel_mode(parallel_mode)
         if gather_output and parallel_mode != "column":
             raise ValueError("gather_output=True needs parallel_mode='column'")
-        self.in_features, self.out_features = in_features, out_features
-        self.tp_group = tp_group
-        self.tp_size = resolve_tp_size(tp_group, tp_size)
-        self.parallel_mode = parallel_mode
+        shape = record_tensor_parallel(self, in_features, out_features, tp_group, tp_size, parallel_mode)
         self.sequence_parallel = sequence_parallel and parallel_mode is not None
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.return_bias = return_bias
@@ -108,18 +133,10 @@ class Linear(FP8ModuleBase):
         self.name = name
         self.use_ascend_mc2 = use_ascend_mc2
         self._mc2_warned = False
-        local_out = divide(out_features, self.tp_size, "out_features") if parallel_mode == "column" else out_features
-        local_in = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
-        dtype = params_dtype or torch.get_default_dtype()
-        self.weight = self.create_weight((local_out, local_in), dtype, device, init_method)
-        set_tensor_parallel_attributes(self.weight, parallel_mode is not None, 0 if parallel_mode == "column" else 1)
-        if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device))
-            set_tensor_parallel_attributes(self.bias, parallel_mode == "column", 0)
-            if parallel_mode == "row":
-                self.bias.sequence_parallel = self.sequence_parallel
-        else:
-            self.register_parameter("bias", None)
+        self.weight, bias_param = create_linear_parameters(self, shape, params_dtype, device, init_method, bias)
+        self.register_parameter("bias", bias_param)
+        if bias_param is not None and parallel_mode == "row":
+            bias_param.sequence_parallel = self.sequence_parallel
         self._weight_cache = WeightCache()
 
     def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], object]] = None) -> None:
