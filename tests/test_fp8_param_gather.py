@@ -7,23 +7,15 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_te import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
     Linear,
     MXFP8BlockScaling,
     fp8_model_init,
 )
 from mindspeed_te.megatron.fp8_params import is_float8tensor, modify_underlying_storage, quantize_param_shard
 from tests.dist_utils import run_distributed
+from tests.recipes import recipes
 
-RECIPES = {
-    "tensorwise-e4m3": Float8CurrentScaling(fp8_format=Format.E4M3),
-    "tensorwise-hif8": Float8CurrentScaling(fp8_format=Format.HIF8),
-    "delayed-hybrid": DelayedScaling(fp8_format=Format.HYBRID),
-    "blockwise-e4m3": Float8BlockScaling(fp8_format=Format.E4M3),
-}
+RECIPES = recipes("tensorwise/e4m3", "tensorwise/hif8", "delayed/hybrid", "blockwise/e4m3")
 
 
 def _new_main(shape: tuple[int, int]) -> torch.Tensor:

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from mindspeed_te import (
     DelayedScaling,
-    Float8BlockScaling,
     Float8CurrentScaling,
     Format,
     FP8GlobalStateManager,
@@ -21,14 +20,9 @@ from mindspeed_te.ops.grouped_linear import grouped_linear
 from mindspeed_te.recipe_state import RecipeState
 from mindspeed_te.tensor import MXFP8TensorStorage
 from tests.dist_utils import run_distributed
+from tests.recipes import recipe, recipes
 
-RECIPES = {
-    "high precision": None,
-    "delayed/hybrid": DelayedScaling(fp8_format=Format.HYBRID),
-    "tensorwise/hif8": Float8CurrentScaling(fp8_format=Format.HIF8),
-    "blockwise/e4m3": Float8BlockScaling(),
-    "mxfp8/e4m3": MXFP8BlockScaling(),
-}
+RECIPES = recipes("high precision", "delayed/hybrid", "tensorwise/hif8", "blockwise/e4m3", "mxfp8/e4m3")
 SPLITS = [64, 0, 96, 32]
 
 
@@ -224,23 +218,20 @@ def test_return_bias_and_bf16_gmm_switch():
     assert torch.allclose(y, out + torch.cat([plain.bias0.expand(2, -1), plain.bias1.expand(4, -1)]), atol=1e-6)
 
 
-TP_RECIPES = {  # exact: delayed reduces amaxes over the group, block/MX tiles line up with 128-wide shards
-    "high precision": (None, 2e-6),
-    "delayed/hybrid": (lambda: DelayedScaling(fp8_format=Format.HYBRID), 2e-6),
-    "blockwise/e4m3": (lambda: Float8BlockScaling(), 2e-6),
-    "mxfp8/e4m3": (lambda: MXFP8BlockScaling(), 2e-6),
-    "tensorwise/hif8": (lambda: Float8CurrentScaling(fp8_format=Format.HIF8), 2 * 2**-3),  # per-shard scales
+TP_TOLERANCES = {  # exact: delayed reduces amaxes over the group, block/MX tiles line up with 128-wide shards
+    "high precision": 2e-6, "delayed/hybrid": 2e-6, "blockwise/e4m3": 2e-6, "mxfp8/e4m3": 2e-6,
+    "tensorwise/hif8": 2 * 2**-3,  # per-shard scales
 }
 WIDTH = 512
 
 
 def _train_experts(layer, recipe_name, x, dy, group):
-    make = TP_RECIPES[recipe_name][0]
     FP8GlobalStateManager.reset()
     x = x.clone().requires_grad_()
     for _ in range(2):
         layer.zero_grad()
-        with fp8_autocast(enabled=make is not None, fp8_recipe=make() if make else None, fp8_group=group):
+        fp8_recipe = recipe(recipe_name)
+        with fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe, fp8_group=group):
             y = layer(x, SPLITS)
         y.backward(dy)
     return y.detach(), x.grad, layer.weight2.grad.clone()
@@ -255,7 +246,7 @@ def _tp_worker(rank: int, world: int) -> dict:
     group = torch.distributed.new_group(list(range(world)))
     x, dy = _tp_data()
     out = {}
-    for name in TP_RECIPES:
+    for name in TP_TOLERANCES:
         for mode in ("column", "row"):
             full, _ = _experts(seed=3, k=WIDTH, n=WIDTH)
             layer = GroupedLinear(len(SPLITS), WIDTH, WIDTH, parallel_mode=mode, tp_group=group)
@@ -275,7 +266,7 @@ def _tp_worker(rank: int, world: int) -> dict:
 def test_expert_tensor_parallel_matches_single_process(world):
     results = run_distributed(_tp_worker, world)
     x, dy = _tp_data()
-    for name, (_, tol) in TP_RECIPES.items():
+    for name, tol in TP_TOLERANCES.items():
         full, _ = _experts(seed=3, k=WIDTH, n=WIDTH)
         y, dx, dw = _train_experts(full, name, x, dy, None)
         for rank, res in enumerate(results):

@@ -14,21 +14,10 @@ from mindspeed_te import (
     RecipeState,
 )
 from mindspeed_te.ops import LinearQuantizers, WeightCache, fp8_linear
+from tests.recipes import NAMES, recipes
 
-RECIPES = [
-    DelayedScaling(fp8_format=Format.E4M3),
-    DelayedScaling(fp8_format=Format.HYBRID),
-    DelayedScaling(fp8_format=Format.HIF8),
-    Float8CurrentScaling(fp8_format=Format.E4M3),
-    Float8CurrentScaling(fp8_format=Format.HYBRID),
-    Float8CurrentScaling(fp8_format=Format.HIF8),
-    Float8BlockScaling(fp8_format=Format.E4M3),
-    Float8BlockScaling(fp8_format=Format.HYBRID),
-    Float8BlockScaling(fp8_format=Format.HIF8),
-    MXFP8BlockScaling(fp8_format=Format.E4M3),
-    MXFP8BlockScaling(fp8_format=Format.HYBRID),
-]
-IDS = [f"{type(r).__name__}-{r.fp8_format.name}" for r in RECIPES]
+IDS = [name for name in NAMES if name != "high precision"]
+RECIPES = list(recipes(*IDS).values())
 
 # Relative rounding error bound of one element: 2^-(mantissa bits + 1). HiF8 keeps 3 bits for scaled
 # magnitudes in [2^-3, 2^4) (forward target 15) and 2 bits up to 2^8 (backward target 224).

@@ -9,27 +9,16 @@ import pytest
 import torch
 
 from mindspeed_te import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
     FP8GlobalStateManager,
-    MXFP8BlockScaling,
     fp8_autocast,
 )
 from mindspeed_te.modules import Linear
 from tests.dist_utils import run_distributed
+from tests.recipes import recipe_factories
 
 SEQ, BATCH, HIDDEN_IN, HIDDEN_OUT, STEPS = 64, 2, 512, 512, 2
-RECIPES = {
-    "high precision": None,
-    "delayed/hybrid": lambda: DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
-    "delayed/hif8": lambda: DelayedScaling(fp8_format=Format.HIF8, amax_history_len=4),
-    "tensorwise/hif8": lambda: Float8CurrentScaling(fp8_format=Format.HIF8),
-    "tensorwise/e4m3": lambda: Float8CurrentScaling(fp8_format=Format.E4M3),
-    "blockwise/e4m3": lambda: Float8BlockScaling(fp8_format=Format.E4M3),
-    "mxfp8/hybrid": lambda: MXFP8BlockScaling(fp8_format=Format.HYBRID),
-}
+RECIPES = recipe_factories("high precision", "delayed/hybrid", "delayed/hif8", "tensorwise/hif8", "tensorwise/e4m3",
+                           "blockwise/e4m3", "mxfp8/hybrid", amax_history_len=4)
 EXACT = {"high precision", "delayed/hybrid", "delayed/hif8", "blockwise/e4m3", "mxfp8/hybrid"}
 LAYOUTS = [  # (parallel_mode, sequence_parallel, gather_output)
     ("column", False, False), ("column", True, False), ("column", False, True),
@@ -56,7 +45,8 @@ def _train(layer: Linear, recipe_name: str, shard_x, shard_dy, group) -> list[di
         x_full, dy_full, _, _ = _full_tensors(step)
         x = shard_x(x_full).clone().requires_grad_()
         layer.zero_grad()
-        with fp8_autocast(enabled=make is not None, fp8_recipe=make() if make else None, fp8_group=group):
+        recipe = make()
+        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, fp8_group=group):
             y = layer(x)
         y.backward(shard_dy(dy_full))
         out = {"y": y.detach(), "dx": x.grad, "dw": layer.weight.grad, "db": layer.bias.grad}

@@ -7,26 +7,14 @@ import pytest
 import torch
 
 from mindspeed_te import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
     FP8GlobalStateManager,
-    MXFP8BlockScaling,
     fp8_autocast,
 )
 from mindspeed_te.modules import Linear
+from tests.recipes import recipe_factories
 
-RECIPES = {
-    "delayed/hybrid": lambda: DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4),
-    "delayed/e4m3": lambda: DelayedScaling(fp8_format=Format.E4M3, amax_history_len=4),
-    "delayed/hif8": lambda: DelayedScaling(fp8_format=Format.HIF8, amax_history_len=4),
-    "tensorwise/hybrid": lambda: Float8CurrentScaling(fp8_format=Format.HYBRID),
-    "tensorwise/hif8": lambda: Float8CurrentScaling(fp8_format=Format.HIF8),
-    "blockwise/e4m3": lambda: Float8BlockScaling(),
-    "blockwise/hif8": lambda: Float8BlockScaling(fp8_format=Format.HIF8),
-    "mxfp8/hybrid": lambda: MXFP8BlockScaling(fp8_format=Format.HYBRID),
-}
+RECIPES = recipe_factories("delayed/hybrid", "delayed/e4m3", "delayed/hif8", "tensorwise/hybrid", "tensorwise/hif8",
+                           "blockwise/e4m3", "blockwise/hif8", "mxfp8/hybrid", amax_history_len=4)
 BACKENDS = ["reference", "torch", "npu"]
 
 

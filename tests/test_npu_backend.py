@@ -6,7 +6,6 @@ import torch
 from mindspeed_te import (
     DelayedScaling,
     Float8BlockScaling,
-    Float8CurrentScaling,
     Format,
     FP8GlobalStateManager,
     MXFP8BlockScaling,
@@ -18,18 +17,15 @@ from mindspeed_te.kernels import get_backend, requested_backend
 from mindspeed_te.kernels.npu import NpuBackend
 from mindspeed_te.ops import LinearQuantizers, fp8_linear
 from mindspeed_te.testing.npu_sim import make_simulator
+from tests.recipes import recipes
 
 NO_POW2 = QParams(power_2_scale=False)
 RECIPES = {
-    "delayed/hybrid": DelayedScaling(fp8_format=Format.HYBRID),
-    "delayed/hif8": DelayedScaling(fp8_format=Format.HIF8),
-    "tensorwise/e4m3": Float8CurrentScaling(fp8_format=Format.E4M3),
-    "tensorwise/hybrid": Float8CurrentScaling(fp8_format=Format.HYBRID),
-    "tensorwise/hif8": Float8CurrentScaling(fp8_format=Format.HIF8),
+    **recipes("delayed/hybrid", "delayed/hif8", "tensorwise/e4m3", "tensorwise/hybrid", "tensorwise/hif8"),
     "blockwise/e4m3": Float8BlockScaling(fp8_quant_fwd_inp=NO_POW2, fp8_quant_fwd_weight=NO_POW2,
                                          fp8_quant_bwd_grad=NO_POW2),
     "blockwise/hif8 pow2 (torch-op quantize)": Float8BlockScaling(fp8_format=Format.HIF8),
-    "mxfp8/hybrid": MXFP8BlockScaling(fp8_format=Format.HYBRID),
+    **recipes("mxfp8/hybrid"),
     "mxfp8/e4m3 floor": MXFP8BlockScaling(scale_rounding="floor"),
 }
 

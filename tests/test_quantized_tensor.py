@@ -10,7 +10,6 @@ import torch
 import mindspeed_te
 from mindspeed_te import (
     DelayedScaling,
-    Float8BlockScaling,
     Float8BlockwiseQTensor,
     Float8CurrentScaling,
     Float8Tensor,
@@ -18,7 +17,6 @@ from mindspeed_te import (
     GroupedLinear,
     LayerNormLinear,
     Linear,
-    MXFP8BlockScaling,
     MXFP8Tensor,
     QuantizedTensor,
     fp8_autocast,
@@ -27,16 +25,14 @@ from mindspeed_te import (
 )
 from tests.dist_utils import run_distributed
 from tests.oracles import current_scale_inv, np_cast
+from tests.recipes import recipe
 
-RECIPES = [
-    (DelayedScaling(fp8_format=Format.HYBRID), Float8Tensor),
-    (DelayedScaling(fp8_format=Format.HIF8), Float8Tensor),
-    (Float8CurrentScaling(fp8_format=Format.E4M3), Float8Tensor),
-    (Float8CurrentScaling(fp8_format=Format.HIF8), Float8Tensor),
-    (Float8BlockScaling(fp8_format=Format.E4M3), Float8BlockwiseQTensor),
-    (MXFP8BlockScaling(fp8_format=Format.E4M3), MXFP8Tensor),
-]
-IDS = [f"{type(r).__name__}-{r.fp8_format.name}" for r, _ in RECIPES]
+TENSOR_CLASSES = {  # the quantized parameter class each case makes
+    "delayed/hybrid": Float8Tensor, "delayed/hif8": Float8Tensor, "tensorwise/e4m3": Float8Tensor,
+    "tensorwise/hif8": Float8Tensor, "blockwise/e4m3": Float8BlockwiseQTensor, "mxfp8/e4m3": MXFP8Tensor,
+}
+RECIPES = [(recipe(name), cls) for name, cls in TENSOR_CLASSES.items()]
+IDS = list(TENSOR_CLASSES)
 
 
 def test_te_documented_example_runs_verbatim():
