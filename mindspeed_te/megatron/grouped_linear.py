@@ -136,7 +136,7 @@ class _ExpertParallelGroupedLinear(TEGroupedLinear):
     """The column and row forms: megatron-core's keywords without parallel_mode, which the subclass fixes."""
 
     _tp_split: str
-    sharded_axes: tuple[int, Optional[int]]  # (weight, bias or None for replicated) under expert TP
+    _sharded_axes: tuple[int, Optional[int]]  # (weight, bias or None for replicated) under expert TP
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
                  init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
@@ -146,7 +146,7 @@ class _ExpertParallelGroupedLinear(TEGroupedLinear):
                          tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        return self._sharded_grouped(*self.sharded_axes, prefix, sharded_offsets, metadata)
+        return self._sharded_grouped(*self._sharded_axes, prefix, sharded_offsets, metadata)
 
 
 class TEColumnParallelGroupedLinear(_ExpertParallelGroupedLinear):
@@ -159,7 +159,7 @@ class TEColumnParallelGroupedLinear(_ExpertParallelGroupedLinear):
     """
 
     _tp_split = "column"
-    sharded_axes = (0, 0)
+    _sharded_axes = (0, 0)
 
 
 class TERowParallelGroupedLinear(_ExpertParallelGroupedLinear):
@@ -172,4 +172,4 @@ class TERowParallelGroupedLinear(_ExpertParallelGroupedLinear):
     """
 
     _tp_split = "row"
-    sharded_axes = (1, None)
+    _sharded_axes = (1, None)
