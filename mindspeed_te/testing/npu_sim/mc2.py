@@ -72,6 +72,11 @@ class Mc2Kernels:
             # x1Scale: "在mx量化场景下，数据类型为FLOAT8_E8M0，shape为(m, ceilDiv(k, 64), 2)。"
             check_tensor("x1_scale", x1_scale, E8M0_CARRIERS)
             check_shape("x1_scale", x1_scale, (x1.shape[0], ceil_div(x1.shape[1], 64), 2))
+            if kernel == "npu_mm_reduce_scatter_base":
+                # aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入。"
+                check_layout("x2", x2, ("col",))
+                check_tensor("x2_scale", x2_scale)
+                check_scale_layout("x2_scale", x2_scale, {"col"}, dims=(0, 1))
         else:
             # "当x1、x2的数据类型为FLOAT16/BFLOAT16/HIFLOAT8/FLOAT4_E2M1时，x1和x2数据类型需要保持一致。" and output:
             # "如果x1类型为FLOAT16、BFLOAT16，则output类型与x1保持一致。"
@@ -135,10 +140,6 @@ class Mc2Kernels:
                                                   x1_scale, x2_scale, output_dtype)
         # torch_npu doc: "reduce_op ... 当前仅支持'sum'"
         check_choice("reduce_op", reduce_op, ("sum",))
-        if mx:
-            # aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入。"
-            check_layout("x2", x2, ("col",))
-            check_scale_layout("x2_scale", x2_scale, {"col"}, dims=(0, 1))
         # "输入x1为2维，其shape为(m, k)，m须为卡数rank_size的整数倍。"
         if input.shape[0] % world_size:
             raise NpuValueError(f"self's dim 0 ({input.shape[0]}) must be divisible by world_size ({world_size})")
