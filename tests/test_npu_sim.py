@@ -991,6 +991,10 @@ def test_grouped_matmul_float_rules_of_the_950(sim):
                   "split_item")
     assert_raises(lambda: sim.npu_grouped_matmul([xb, xb], [wb[0], wb[1]], group_type=-1, split_item=2),
                   NpuValueError, "split_item")
+    # torch_npu doc, group_type: "`group_list`输入类型为`List[int]`时仅支持传入`None`。"
+    assert_raises(lambda: sim.npu_grouped_matmul([xb], list(wb.unbind(0)), group_list=[2, 6], group_type=0,
+                                                 split_item=3), NpuTypeError, "group_list")
+    sim.npu_grouped_matmul([xb], list(wb.unbind(0)), group_list=[2, 6], split_item=0)
 
 
 def test_mc2_contract_before_communication(sim):

@@ -110,6 +110,7 @@ class QuantMatmulKernels:
                 raise NpuTypeError("MX (group_sizes [1, 1, 32]) needs scale_dtype and pertoken_scale_dtype "
                                    "= torch_npu.float8_e8m0fnu")
         elif sdt is not None or pdt is not None:
+            # FLOAT8_E8M0 scales appear in the MX table only (the other modes' x1Scale/x2Scale are FLOAT32).
             raise NpuValueError("scale_dtype/pertoken_scale_dtype (E8M0) need group_sizes [1, 1, 32]")
         if groups == (0, 0, 0):
             a, b = decode(x1, fmt1), decode(x2, fmt2)
@@ -147,6 +148,8 @@ class QuantMatmulKernels:
     def _operand_dtype(self, name: str, t: torch.Tensor, value: DtypeArg, arg_name: str) -> Dtype:
         """The 8-bit format of a GEMM operand: its native float8 dtype, or HiF8 named by `arg_name`."""
         given = dtype_arg(arg_name, value)
+        # The carrier rule (HiF8 codes in uint8 named by x1_dtype/x2_dtype) is torch_npu 2.14's binding: its meta
+        # registration takes the 8-bit format from the dtype argument when the tensor dtype cannot say it.
         if given is None:
             if t.dtype in FP8_NATIVE:
                 self._require_fp8_soc(f"{name} of dtype {t.dtype}")

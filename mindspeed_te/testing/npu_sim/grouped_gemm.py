@@ -78,11 +78,17 @@ class GroupedMatmulKernels:
             raise NpuValueError(f"x and weight must hold 1 to {MAX_GROUPS} tensors, got {len(xs)}, {len(ws)}")
         check_choice("split_item", check_int("split_item", split_item), (0, 1, 2, 3))
         check_choice("group_list_type", check_int("group_list_type", group_list_type), (0, 1))
+        # torch_npu doc, group_type: "`group_list`输入类型为`List[int]`时仅支持传入`None`。" and "`group_list`输入类型为
+        # `Tensor`时，... `group_type`支持的枚举值为：-1代表不分组；0代表m轴分组；2代表k轴分组。" (the simulator also
+        # wants it explicit without a group_list: torch_npu's default None means the list form)
         if group_type is None:
             if not isinstance(group_list, (list, tuple)):
                 raise NpuValueError("group_type must be passed explicitly (-1, 0 or 2) unless group_list is a "
                                     "Python list")
         else:
+            if isinstance(group_list, (list, tuple)):
+                raise NpuTypeError(f"group_list must be an int64 tensor when group_type is given ({group_type}); a "
+                                   "Python list needs group_type None")
             check_choice("group_type", check_int("group_type", group_type), (-1, 0, 2))
         check_choice("act_type", check_int("act_type", act_type), (0, 1, 2, 4, 5))
         if act_type != 0:
@@ -128,6 +134,7 @@ class GroupedMatmulKernels:
     def _group_sizes_from_list(group_list: Any, list_type: int, total: int, what: str,
                                groups: Optional[int] = None) -> list[int]:
         """Per-group sizes along the split dim from group_list (a tensor, or a Python list of ends)."""
+        # torch_npu doc, group_list (`List[int]`/`Tensor`): "数据类型支持`int64`。"
         if isinstance(group_list, torch.Tensor):
             check_dtype("group_list.dtype", group_list.dtype, (torch.int64,))
             check_dims("group_list", group_list, 1, 1)
