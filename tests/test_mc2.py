@@ -4,11 +4,15 @@ MXFP8; other FP8 recipes fall back to separate collectives."""
 import os
 import warnings
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 
 S, B, K, N = 16, 2, 64, 96
+K_RANGE_RULE = ("aclnnAllGatherMatmulV2/aclnnMatmulReduceScatterV2 (Ascend 950) and the torch_npu docs: k must "
+                "be in [256, 65535); mindspeed_te/ops/mc2.py calls npu_all_gather_base_mm with k = 64 (bf16) and "
+                "128 (MXFP8) instead of falling back to separate collectives")
 LAYOUTS = [("column", True), ("row", True), ("row", False)]
 
 
@@ -74,6 +78,7 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.xfail(strict=True, reason=K_RANGE_RULE)
 def test_mc2_matches_separate_collectives():
     results = run_distributed(_worker, 2)
     for res in results:
@@ -132,6 +137,7 @@ def _mx_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.xfail(strict=True, reason=K_RANGE_RULE)
 def test_mc2_mxfp8_matches_separate_collectives():
     for res in run_distributed(_mx_worker, 2):
         for mode in ("column", "row"):

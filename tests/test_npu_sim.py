@@ -9,7 +9,6 @@ import pathlib
 import sys
 import types
 
-import en_dtypes
 import ml_dtypes
 import numpy as np
 import pytest
@@ -24,11 +23,11 @@ from mindspeed_te.testing.npu_sim import (
     codecs,
     make_simulator,
 )
+from tests.dist_utils import run_distributed
+from tests.oracles import FMT_MAX, NP_DTYPES, np_cast, np_decode
 
-NP = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2, "hif8": en_dtypes.hifloat8}
-FMT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "hif8": 32768.0}
-EMAX = {"e4m3": 8, "e5m2": 15}
-TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+EMAX = {"E4M3": 8, "E5M2": 15}
+TORCH_FP8 = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 
 
 @pytest.fixture
@@ -37,22 +36,10 @@ def sim():
 
 
 def npu_dtype(sim, fmt):
-    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "hif8": sim.hifloat8}[fmt]
+    return {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2, "HIF8": sim.hifloat8}[fmt]
 
 
-# Oracles ----------------------------------------------------------------------------------------------------
-def codes_of(values, fmt, saturate=True):
-    """uint8 codes of float32 values (ml_dtypes / en_dtypes casts; clipped first when saturating)."""
-    v = np.asarray(values, dtype=np.float32)
-    if saturate:
-        v = np.where(np.isnan(v), v, np.clip(v, -FMT_MAX[fmt], FMT_MAX[fmt])).astype(np.float32)
-    return v.astype(NP[fmt]).view(np.uint8)
-
-
-def values_of(codes, fmt):
-    return np.asarray(codes, dtype=np.uint8).view(NP[fmt]).astype(np.float64)
-
-
+# Oracles (the element casts are tests/oracles.py's np_cast / np_decode) -----------------------------------------
 def raw(t):
     """The bytes of an 8-bit tensor as a numpy uint8 array."""
     return t.contiguous().view(torch.uint8).numpy()
@@ -65,9 +52,9 @@ def f32(t):
 def random_codes(shape, fmt, seed, scale=4.0):
     """A tensor of valid data in `fmt` (native fp8, or uint8 HiF8 codes) and its float64 values."""
     gen = np.random.default_rng(seed)
-    codes = codes_of(gen.standard_normal(shape).astype(np.float32) * scale, fmt)
+    codes = np_cast(gen.standard_normal(shape).astype(np.float32) * scale, fmt)
     t = torch.from_numpy(codes.copy())
-    return (t.view(TORCH_FP8[fmt]) if fmt in TORCH_FP8 else t), values_of(codes, fmt)
+    return (t.view(TORCH_FP8[fmt]) if fmt in TORCH_FP8 else t), np_decode(codes, fmt).astype(np.float64)
 
 
 def mx_scale_byte(amax, fmt, alg, bound=0.0):
@@ -100,7 +87,7 @@ def mx_reference(x, fmt, alg, block=32, bound=0.0):
             seg = x[r, b * block:(b + 1) * block]
             byte = mx_scale_byte(float(np.abs(seg).max()), fmt, alg, bound)
             scales[r, b] = byte
-            codes[r, b * block:(b + 1) * block] = codes_of(seg.astype(np.float64) / 2.0 ** (byte - 127), fmt)
+            codes[r, b * block:(b + 1) * block] = np_cast(seg.astype(np.float64) / 2.0 ** (byte - 127), fmt)
     return codes, scales
 
 
@@ -165,23 +152,23 @@ def test_signatures_match_torch_npu_2_14():
 
 
 # npu_quantize -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2", "HIF8"])
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantize_divides_by_scales(sim, fmt, per_channel):
     gen = np.random.default_rng(1)
     x = torch.from_numpy(gen.standard_normal((6, 40)).astype(np.float32) * 30)
     s = torch.from_numpy(gen.uniform(0.01, 0.5, 40 if per_channel else 1).astype(np.float32))
     y = sim.npu_quantize(x, s, None, npu_dtype(sim, fmt), axis=-1)
-    expected = codes_of(f32(x) / f32(s), fmt)  # float32 division, saturating cast
+    expected = np_cast(f32(x) / f32(s), fmt)  # float32 division, saturating cast
     np.testing.assert_array_equal(raw(y), expected)
-    assert y.dtype == (torch.bits8 if fmt == "hif8" else TORCH_FP8[fmt])
+    assert y.dtype == (torch.bits8 if fmt == "HIF8" else TORCH_FP8[fmt])
 
 
 def test_quantize_bf16_input_axis0(sim):
     x = torch.randn(8, 5, dtype=torch.bfloat16) * 100
     s = torch.rand(8, dtype=torch.bfloat16) + 0.1
     y = sim.npu_quantize(x, s, None, torch.float8_e4m3fn, axis=0)
-    np.testing.assert_array_equal(raw(y), codes_of(f32(x) / f32(s)[:, None], "e4m3"))
+    np.testing.assert_array_equal(raw(y), np_cast(f32(x) / f32(s)[:, None], "E4M3"))
 
 
 def test_quantize_contract(sim):
@@ -207,8 +194,8 @@ def test_quantize_contract(sim):
 
 # npu_dynamic_quant ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,mode,target", [
-    ("e4m3", "pertoken", 0.0), ("e5m2", "perchannel", 0.0), ("hif8", "pertensor", 15.0),
-    ("hif8", "pertoken", 224.0), ("hif8", "pertensor", 0.0), ("e4m3", "pertensor", 0.0),
+    ("E4M3", "pertoken", 0.0), ("E5M2", "perchannel", 0.0), ("HIF8", "pertensor", 15.0),
+    ("HIF8", "pertoken", 224.0), ("HIF8", "pertensor", 0.0), ("E4M3", "pertensor", 0.0),
 ])
 def test_dynamic_quant(sim, fmt, mode, target):
     x = torch.randn(3, 5, 64, dtype=torch.bfloat16) * 7
@@ -219,7 +206,7 @@ def test_dynamic_quant(sim, fmt, mode, target):
     amax = np.abs(xf).max(axis=axis, keepdims=True) if axis is not None else np.abs(xf).max().reshape(1, 1, 1)
     expected_scale = np.where(amax == 0, 1, amax / np.float32(target or FMT_MAX[fmt])).astype(np.float32)
     q = (xf / expected_scale).astype(np.float32)
-    np.testing.assert_array_equal(raw(y), codes_of(q, fmt))
+    np.testing.assert_array_equal(raw(y), np_cast(q, fmt))
     shape = {"pertoken": (3, 5), "perchannel": (3, 64), "pertensor": (1,)}[mode]
     assert scale.dtype == torch.float32 and tuple(scale.shape) == shape
     np.testing.assert_array_equal(scale.numpy(), expected_scale.reshape(shape))
@@ -236,7 +223,7 @@ def test_dynamic_quant_smooth_scales(sim):
     xs = f32(x) * np.repeat(f32(smooth), [2, 4], axis=0)
     expected_scale = (np.abs(xs).max(-1, keepdims=True) / np.float32(448)).astype(np.float32)
     np.testing.assert_array_equal(scale.numpy(), expected_scale[:, 0])
-    np.testing.assert_array_equal(raw(y), codes_of(xs / expected_scale, "e4m3"))
+    np.testing.assert_array_equal(raw(y), np_cast(xs / expected_scale, "E4M3"))
 
 
 def test_dynamic_quant_contract(sim):
@@ -246,7 +233,7 @@ def test_dynamic_quant_contract(sim):
     assert_raises(lambda: dq(x[0], dst_type=sim.hifloat8), NpuValueError, "input")
     assert_raises(lambda: dq(x, dst_type=torch.float16), NpuTypeError, "dst_type")
     assert_raises(lambda: dq(x, dst_type=sim.hifloat8, quant_mode="perblock"), NpuValueError, "quant_mode")
-    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, dst_type_max=100.0), NpuValueError, "dst_type_max")
+    assert_raises(lambda: dq(x, dst_type=sim.hifloat8, dst_type_max=40000.0), NpuValueError, "dst_type_max")
     assert_raises(lambda: dq(x, dst_type=torch.float8_e4m3fn, dst_type_max=15.0), NpuValueError, "dst_type_max")
     assert_raises(lambda: dq(x, dst_type=sim.hifloat8, dst_type_max=float("nan")), NpuTypeError, "dst_type_max")
     assert_raises(lambda: dq(x, dst_type=sim.hifloat8, smooth_scales=torch.ones(8)), NpuTypeError, "smooth_scales")
@@ -274,31 +261,31 @@ def block_reference(x, rows, cols, fmt, target, min_scale=0.0):
                 scale = np.float32(1.0) if amax == 0 else np.float32(amax / np.float32(target))
                 if min_scale > 0:
                     scale = min(scale, np.float32(1.0 / min_scale))
-                codes[b, i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = codes_of(
+                codes[b, i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = np_cast(
                     (tile / scale).astype(np.float32), fmt)
                 scales[b, i, j] = scale
     return codes.reshape(x.shape), scales.reshape(*batch, *scales.shape[1:])
 
 
 @pytest.mark.parametrize("fmt,shape,rows,cols,target,min_scale", [
-    ("e4m3", (130, 200), 1, 128, 0.0, 0.0),
-    ("e5m2", (2, 40, 70), 1, 64, 0.0, 0.0),
-    ("hif8", (130, 300), 128, 128, 15.0, 0.0),
-    ("hif8", (3, 64), 256, 192, 224.0, 0.0),
-    ("e4m3", (4, 256), 1, 256, 0.0, 0.05),
-    ("e4m3", (4, 256), 1, 256, 0.0, 100.0),  # the 1/min_scale cap binds: values beyond 4.48 saturate
+    ("E4M3", (130, 200), 1, 128, 0.0, 0.0),
+    ("E5M2", (2, 40, 70), 1, 64, 0.0, 0.0),
+    ("HIF8", (130, 300), 128, 128, 15.0, 0.0),
+    ("HIF8", (3, 64), 256, 192, 224.0, 0.0),
+    ("E4M3", (4, 256), 1, 256, 0.0, 0.05),
+    ("E4M3", (4, 256), 1, 256, 0.0, 100.0),  # the 1/min_scale cap binds: values beyond 4.48 saturate
 ])
 def test_dynamic_block_quant(sim, fmt, shape, rows, cols, target, min_scale):
     x = torch.randn(shape, dtype=torch.bfloat16) * 3
     x[..., 0, :cols] = 0  # an all-zero tile in the (1 x cols) cases
-    round_mode = "round" if fmt == "hif8" else "rint"
+    round_mode = "round" if fmt == "HIF8" else "rint"
     y, scale = sim.npu_dynamic_block_quant(x, min_scale=min_scale, round_mode=round_mode,
                                            dst_type=npu_dtype(sim, fmt), row_block_size=rows,
                                            col_block_size=cols, dst_type_max=target)
     codes, scales = block_reference(f32(x), rows, cols, fmt, target or FMT_MAX[fmt], min_scale)
     np.testing.assert_array_equal(raw(y), codes)
     np.testing.assert_array_equal(scale.numpy(), scales)
-    assert y.dtype == (torch.uint8 if fmt == "hif8" else TORCH_FP8[fmt])
+    assert y.dtype == (torch.uint8 if fmt == "HIF8" else TORCH_FP8[fmt])
 
 
 def test_dynamic_block_quant_contract(sim):
@@ -324,13 +311,13 @@ def test_dynamic_block_quant_takes_float32(sim):
     """aclnnDynamicBlockQuantV2 (Ascend 950): x "FLOAT16、BFLOAT16、FLOAT32"."""
     x = torch.randn(3, 130) * 7
     y, scale = sim.npu_dynamic_block_quant(x, dst_type=torch.float8_e5m2)
-    codes, scales = block_reference(f32(x), 1, 128, "e5m2", FMT_MAX["e5m2"])
+    codes, scales = block_reference(f32(x), 1, 128, "E5M2", FMT_MAX["E5M2"])
     np.testing.assert_array_equal(raw(y), codes)
     np.testing.assert_array_equal(scale.numpy(), scales)
 
 
 # npu_dynamic_mx_quant ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt,alg,n", [("e4m3", 0, 96), ("e5m2", 0, 64), ("e4m3", 1, 160), ("e5m2", 1, 40)])
+@pytest.mark.parametrize("fmt,alg,n", [("E4M3", 0, 96), ("E5M2", 0, 64), ("E4M3", 1, 160), ("E5M2", 1, 40)])
 def test_dynamic_mx_quant_rowwise(sim, fmt, alg, n):
     x = torch.randn(5, n, dtype=torch.bfloat16) * 50
     x[1, :32] = 0
@@ -345,7 +332,7 @@ def test_dynamic_mx_quant_rowwise(sim, fmt, alg, n):
 def test_dynamic_mx_quant_columnwise_interleaves_block_pairs(sim):
     x = torch.randn(96, 7, dtype=torch.float16) * 3
     y, scale = sim.npu_dynamic_mx_quant(x, axis=0, dst_type=sim.float8_e4m3fn, scale_alg=1)
-    codes, scales = mx_reference(f32(x).T.copy(), "e4m3", 1)  # column j of x is row j here
+    codes, scales = mx_reference(f32(x).T.copy(), "E4M3", 1)  # column j of x is row j here
     np.testing.assert_array_equal(raw(y), codes.T)
     assert tuple(scale.shape) == (2, 7, 2)
     np.testing.assert_array_equal(scale.numpy(), pair_blocks(scales).transpose(1, 0, 2))
@@ -356,7 +343,7 @@ def test_dynamic_mx_quant_max_low_bound_and_fp32(sim):
     _, scale = sim.npu_dynamic_mx_quant(x, dst_type=sim.float8_e4m3fn, scale_alg=1, max_low_bound=448.0)
     assert (scale == 127).all()  # amax raised to 448 -> scale 1
     y, scale = sim.npu_dynamic_mx_quant(x, dst_type=torch.float8_e5m2)
-    codes, scales = mx_reference(f32(x), "e5m2", 0)
+    codes, scales = mx_reference(f32(x), "E5M2", 0)
     np.testing.assert_array_equal(raw(y), codes)
 
 
@@ -385,7 +372,7 @@ def close(actual, expected, rtol=2e-6):
     np.testing.assert_allclose(actual.double().numpy(), expected, rtol=rtol, atol=rtol * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("f1,f2", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2"), ("hif8", "hif8")])
+@pytest.mark.parametrize("f1,f2", [("E4M3", "E4M3"), ("E5M2", "E4M3"), ("E4M3", "E5M2"), ("HIF8", "HIF8")])
 def test_quant_matmul_per_tensor_and_channel(sim, f1, f2):
     m, k, n = 7, 48, 24
     x1, v1 = random_codes((m, k), f1, 1)
@@ -393,7 +380,7 @@ def test_quant_matmul_per_tensor_and_channel(sim, f1, f2):
     scale = torch.rand(n) + 0.5
     pertoken = torch.rand(m) + 0.5
     bias = torch.randn(n)
-    kw = dict(x1_dtype=sim.hifloat8, x2_dtype=sim.hifloat8) if f1 == "hif8" else {}
+    kw = dict(x1_dtype=sim.hifloat8, x2_dtype=sim.hifloat8) if f1 == "HIF8" else {}
     out = sim.npu_quant_matmul(x1, w.t(), scale, pertoken_scale=pertoken, bias=bias, output_dtype=torch.float32,
                                **kw)
     expected = (v1 @ vw.T) * f32(scale) * f32(pertoken)[:, None] + f32(bias)
@@ -406,8 +393,8 @@ def test_quant_matmul_per_tensor_and_channel(sim, f1, f2):
 
 
 def test_quant_matmul_batch_broadcast(sim):
-    x1, v1 = random_codes((2, 3, 5, 32), "e4m3", 3)
-    x2, v2 = random_codes((32, 8), "e4m3", 4)
+    x1, v1 = random_codes((2, 3, 5, 32), "E4M3", 3)
+    x2, v2 = random_codes((32, 8), "E4M3", 4)
     out = sim.npu_quant_matmul(x1, x2, torch.tensor([0.5]), output_dtype=torch.float16)
     assert out.shape == (2, 3, 5, 8) and out.dtype == torch.float16
     torch.testing.assert_close(out.float(), torch.from_numpy(0.5 * (v1 @ v2)).float(), rtol=2e-3, atol=1e-2)
@@ -417,8 +404,8 @@ def test_quant_matmul_batch_broadcast(sim):
 def test_quant_matmul_blockwise(sim, groups):
     m, k, n = 130, 320, 200
     gm = groups[0]
-    x1, v1 = random_codes((m, k), "e4m3", 5)
-    w, vw = random_codes((n, k), "e4m3", 6)
+    x1, v1 = random_codes((m, k), "E4M3", 5)
+    w, vw = random_codes((n, k), "E4M3", 6)
     gen = np.random.default_rng(7)
     s1 = gen.uniform(0.5, 2, (-(-m // gm), 3)).astype(np.float32)
     s2 = gen.uniform(0.5, 2, (2, 3)).astype(np.float32)  # stored (ceil(n/128), ceil(k/128)) like the weight
@@ -440,8 +427,8 @@ def test_quant_matmul_mx(sim):
                                group_sizes=[1, 1, 32])
     pow1 = 2.0 ** (s1.numpy().reshape(m, -1)[:, :5].astype(np.float64) - 127)  # 5 blocks of 32 along k
     pow2 = 2.0 ** (s2.numpy().transpose(0, 2, 1).reshape(-1, n)[:5].astype(np.float64) - 127)
-    a = values_of(raw(q1), "e4m3") * np.repeat(pow1, 32, 1)
-    b = values_of(raw(q2), "e5m2") * np.repeat(pow2, 32, 0)
+    a = np_decode(raw(q1), "E4M3") * np.repeat(pow1, 32, 1)
+    b = np_decode(raw(q2), "E5M2") * np.repeat(pow2, 32, 0)
     close(out, a @ b, rtol=5e-6)
     # the weight-side operands as transposed views: (n, k) data and (n, ceil(k/64), 2) scales, both .t()
     q2t, s2t = sim.npu_dynamic_mx_quant(w, dst_type=sim.float8_e5m2, scale_alg=1)
@@ -453,10 +440,10 @@ def test_quant_matmul_mx(sim):
 
 def test_quant_matmul_contract(sim):
     m, k, n = 4, 64, 8
-    x1, _ = random_codes((m, k), "e4m3", 1)
-    x2, _ = random_codes((k, n), "e4m3", 2)
-    h1, _ = random_codes((m, k), "hif8", 3)
-    h2, _ = random_codes((k, n), "hif8", 4)
+    x1, _ = random_codes((m, k), "E4M3", 1)
+    x2, _ = random_codes((k, n), "E4M3", 2)
+    h1, _ = random_codes((m, k), "HIF8", 3)
+    h2, _ = random_codes((k, n), "HIF8", 4)
     s = torch.ones(1)
     qmm = sim.npu_quant_matmul
     out = torch.float32
@@ -481,7 +468,7 @@ def test_quant_matmul_contract(sim):
     assert_raises(lambda: qmm(x1, x2[:32], s, output_dtype=out), NpuValueError, "k")
     assert_raises(lambda: qmm(x1, x2[:, ::2], s, output_dtype=out), NpuValueError, "x2")
     assert_raises(lambda: qmm(x1[0], x2, s, output_dtype=out), NpuValueError, "x1")
-    assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(1, n), output_dtype=out), NpuValueError, "bias")
+    assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(2, n), output_dtype=out), NpuValueError, "bias")
     assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(n + 1), output_dtype=out), NpuValueError, "bias")
     assert_raises(lambda: qmm(x1, x2, s, bias=torch.zeros(n, dtype=torch.bfloat16), output_dtype=out),
                   NpuTypeError, "bias")
@@ -526,7 +513,7 @@ def test_quant_matmul_contract(sim):
 
 
 # npu_grouped_matmul -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["e4m3", "hif8"])
+@pytest.mark.parametrize("fmt", ["E4M3", "HIF8"])
 @pytest.mark.parametrize("list_type", [0, 1])
 def test_grouped_matmul_fp8_split_m(sim, fmt, list_type):
     m, k, n, sizes = 20, 32, 12, [5, 0, 9]  # 6 trailing rows belong to no group
@@ -536,7 +523,7 @@ def test_grouped_matmul_fp8_split_m(sim, fmt, list_type):
     scale = torch.from_numpy(gen.uniform(0.5, 2, (3, n)).astype(np.float32))
     pts = torch.from_numpy(gen.uniform(0.5, 2, m).astype(np.float32))
     group_list = torch.tensor(np.cumsum(sizes) if list_type == 0 else sizes, dtype=torch.int64)
-    kw = dict(x_dtype=sim.hifloat8, weight_dtype=sim.hifloat8) if fmt == "hif8" else {}
+    kw = dict(x_dtype=sim.hifloat8, weight_dtype=sim.hifloat8) if fmt == "HIF8" else {}
     (out,) = sim.npu_grouped_matmul([x], [w.transpose(1, 2)], scale=[scale], per_token_scale=[pts],
                                     group_list=group_list, split_item=3, group_type=0, group_list_type=list_type,
                                     output_dtype=torch.float32, **kw)
@@ -551,9 +538,9 @@ def test_grouped_matmul_fp8_split_m(sim, fmt, list_type):
 
 def test_grouped_matmul_fp8_split_k(sim):
     m, k, n, sizes = 6, 40, 5, [16, 24]
-    xt, vxt = random_codes((k, m), "e5m2", 14)  # x is the transposed view of a contiguous (k, m)
-    w, vw = random_codes((k, n), "e4m3", 15)
-    scale, pts = torch.tensor([0.5, 2.0]), torch.tensor([4.0])
+    xt, vxt = random_codes((k, m), "E5M2", 14)  # x is the transposed view of a contiguous (k, m)
+    w, vw = random_codes((k, n), "E4M3", 15)
+    scale, pts = torch.tensor([0.5, 2.0]), torch.tensor([4.0, 4.0])
     (out,) = sim.npu_grouped_matmul([xt.t()], [w], scale=[scale], per_token_scale=[pts],
                                     group_list=torch.tensor(sizes), split_item=2, group_type=2,
                                     group_list_type=1, output_dtype=torch.bfloat16)
@@ -589,10 +576,10 @@ def test_grouped_matmul_bf16(sim):
 
 def test_grouped_matmul_contract(sim):
     m, k, n, g = 8, 32, 4, 2
-    x, _ = random_codes((m, k), "e4m3", 1)
-    w, _ = random_codes((g, k, n), "e4m3", 2)
-    h, _ = random_codes((m, k), "hif8", 3)
-    hw, _ = random_codes((g, k, n), "hif8", 4)
+    x, _ = random_codes((m, k), "E4M3", 1)
+    w, _ = random_codes((g, k, n), "E4M3", 2)
+    h, _ = random_codes((m, k), "HIF8", 3)
+    hw, _ = random_codes((g, k, n), "HIF8", 4)
     gl = torch.tensor([3, 5])
     sc = [torch.ones(g)]
     ok = dict(scale=sc, group_list=gl, split_item=3, group_type=0, group_list_type=1, output_dtype=torch.bfloat16)
@@ -630,8 +617,8 @@ def test_grouped_matmul_contract(sim):
     assert_raises(lambda: call(ws=(w[:, :16],)), NpuValueError, "k")
     assert_raises(lambda: call(xs=(x.t().contiguous().t(),)), NpuValueError, "x[0]")
     # k-split layouts: transposed x, contiguous weight
-    xt, _ = random_codes((k, m), "e4m3", 5)
-    w2, _ = random_codes((k, n), "e4m3", 6)
+    xt, _ = random_codes((k, m), "E4M3", 5)
+    w2, _ = random_codes((k, n), "E4M3", 6)
     ks = dict(group_type=2, group_list=torch.tensor([16, 16]))
     call(xs=(xt.t(),), ws=(w2,), **ks)
     assert_raises(lambda: call(xs=(xt.t().contiguous(),), ws=(w2,), **ks), NpuValueError, "x[0]")
@@ -641,15 +628,17 @@ def test_grouped_matmul_contract(sim):
     # bf16 path
     xb, wb = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(g, k, n, dtype=torch.bfloat16)
     bf = dict(group_list=gl, split_item=3, group_type=0, group_list_type=1)
-    assert_raises(lambda: gmm([xb], [wb], bias=[torch.zeros(g, n, dtype=torch.bfloat16)], **bf), NpuTypeError,
+    assert_raises(lambda: gmm([xb], [wb], bias=[torch.zeros(g, n, dtype=torch.float16)], **bf), NpuTypeError,
                   "bias")
     assert_raises(lambda: gmm([xb], [wb.half()], **bf), NpuTypeError, "weight")
     assert_raises(lambda: gmm([xb], [wb], output_dtype=torch.float32, **bf), NpuTypeError, "output_dtype")
     assert_raises(lambda: gmm([xb], [wb], group_list=gl, split_item=3, group_list_type=1), NpuValueError,
                   "group_type")
     assert_raises(lambda: gmm([xb], [wb], split_item=4, group_list=gl, group_type=0), NpuValueError, "split_item")
+    # aclnnGroupedMatmulV4, Ascend 950: "actType只支持传入0"; other chips may fuse one (not simulated)
+    assert_raises(lambda: gmm([xb], [wb], act_type=1, **bf), NpuValueError, "act_type")
     with pytest.raises(NpuSimNotImplemented):
-        gmm([xb], [wb], act_type=1, **bf)
+        make_simulator("Ascend910B3").npu_grouped_matmul([xb], [wb], act_type=1, **bf)
 
 
 # npu_dtype_cast / npu_rms_norm ------------------------------------------------------------------------------
@@ -658,9 +647,9 @@ def test_dtype_cast(sim):
     x[:4] = torch.tensor([1e5, -5e4, 0.0, float("nan")])
     h = sim.npu_dtype_cast(x, sim.hifloat8)
     assert h.dtype == torch.uint8
-    np.testing.assert_array_equal(h.numpy(), codes_of(f32(x), "hif8", saturate=False))  # overflow -> Inf
+    np.testing.assert_array_equal(h.numpy(), np_cast(f32(x), "HIF8", saturate=False))  # overflow -> Inf
     back = sim.npu_dtype_cast(h, torch.float32, input_dtype=sim.hifloat8)
-    np.testing.assert_array_equal(back.numpy(), values_of(h.numpy(), "hif8").astype(np.float32))
+    np.testing.assert_array_equal(back.numpy(), np_decode(h.numpy(), "HIF8"))
     e = sim.npu_dtype_cast(x.bfloat16(), torch.float8_e4m3fn)
     assert torch.equal(e.view(torch.uint8), x.bfloat16().to(torch.float8_e4m3fn).view(torch.uint8))
     assert sim.npu_dtype_cast(e, sim.float8_e5m2).dtype == torch.float8_e5m2  # 291 is torch.float8_e5m2
@@ -684,7 +673,7 @@ def test_rms_norm(sim):
                                atol=1e-2)
     y2, rstd2 = sim.npu_rms_norm(x.float(), torch.ones(4, 32))
     assert rstd2.shape == (3, 1, 1)
-    assert_raises(lambda: sim.npu_rms_norm(x, gamma.float()), NpuTypeError, "gamma")
+    assert_raises(lambda: sim.npu_rms_norm(x, gamma.half()), NpuTypeError, "gamma")
     assert_raises(lambda: sim.npu_rms_norm(x, gamma[:16]), NpuValueError, "gamma")
     assert_raises(lambda: sim.npu_rms_norm(x[0, 0], gamma), NpuValueError, "input")
     assert_raises(lambda: sim.npu_rms_norm(x.int(), gamma.int()), NpuTypeError, "input")
@@ -722,30 +711,30 @@ def test_gradients_follow_torch_npu():
 
 
 # The simulator's own codecs against the oracles --------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2", "HIF8"])
 def test_codec_decodes_every_code_as_the_oracle(sim, fmt):
     codes = np.arange(256, dtype=np.uint8)
     got = codecs.decode(torch.from_numpy(codes), npu_dtype(sim, fmt)).double().numpy()
-    np.testing.assert_array_equal(got, values_of(codes, fmt))  # NaN where the oracle has NaN
+    np.testing.assert_array_equal(got, np_decode(codes, fmt))  # NaN where the oracle has NaN
 
 
 def _edge_values(fmt):
     """Random values over the whole range plus the rounding edges: ties, overflow, underflow, zeros, specials."""
     gen = np.random.default_rng(11)
     x = gen.standard_normal(20000) * np.exp2(gen.integers(-30, 20, 20000))
-    top, below = FMT_MAX[fmt], {"e4m3": 416.0, "e5m2": 49152.0, "hif8": 24576.0}[fmt]
+    top, below = FMT_MAX[fmt], {"E4M3": 416.0, "E5M2": 49152.0, "HIF8": 24576.0}[fmt]
     edges = [top, (top + below) / 2, top * 1.0625, top * 1.25, top * 1.5, 1e38, 2.0**-23, 2.0**-24, 2.0**-10,
              2.0**-17, 1.0625, 1.03125, 0.0, -0.0, np.inf, -np.inf, np.nan]
     return np.concatenate([x, edges, [-e for e in edges]]).astype(np.float32)
 
 
 @pytest.mark.parametrize("saturate", [False, True])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2", "HIF8"])
 def test_codec_encodes_as_the_oracle(sim, fmt, saturate):
     x = _edge_values(fmt)
     got = raw(codecs.encode(torch.from_numpy(x), npu_dtype(sim, fmt), saturate=saturate))
     source = np.clip(x, -FMT_MAX[fmt], FMT_MAX[fmt]) if saturate else x
-    np.testing.assert_array_equal(values_of(got, fmt), source.astype(NP[fmt]).astype(np.float64))
+    np.testing.assert_array_equal(np_decode(got, fmt), source.astype(NP_DTYPES[fmt]).astype(np.float64))
 
 
 def test_codec_e8m0_decodes_as_the_oracle():
@@ -771,8 +760,8 @@ def test_simulator_imports_nothing_of_the_library():
 def test_quant_matmul_blockwise_refuses_bias(sim, groups):
     """aclnnQuantMatmulV5 (Ascend 950): "仅mx量化模式下包含bias" - the G-B and B-B modes take no bias."""
     m, k, n = 4, 256, 128
-    x1, _ = random_codes((m, k), "e4m3", 1)
-    x2, _ = random_codes((k, n), "e4m3", 2)
+    x1, _ = random_codes((m, k), "E4M3", 1)
+    x2, _ = random_codes((k, n), "E4M3", 2)
     s1 = torch.ones(-(-m // groups[0]), 2)
     s2 = torch.ones(2, 1)
     call = lambda **kw: sim.npu_quant_matmul(x1, x2, s2, pertoken_scale=s1, output_dtype=torch.bfloat16,  # noqa: E731
@@ -794,13 +783,13 @@ def test_quant_matmul_mx_takes_bias(sim):
     out = sim.npu_quant_matmul(q1, q2, s2, pertoken_scale=s1, bias=bias, **mx)
     pow1 = 2.0 ** (s1.numpy().reshape(m, -1)[:, :2].astype(np.float64) - 127)  # 2 blocks of 32 along k
     pow2 = 2.0 ** (s2.numpy().transpose(0, 2, 1).reshape(-1, n)[:2].astype(np.float64) - 127)
-    a = values_of(raw(q1), "e4m3") * np.repeat(pow1, 32, 1)
-    b = values_of(raw(q2), "e4m3") * np.repeat(pow2, 32, 0)
+    a = np_decode(raw(q1), "E4M3") * np.repeat(pow1, 32, 1)
+    b = np_decode(raw(q2), "E4M3") * np.repeat(pow2, 32, 0)
     close(out, a @ b + f32(bias)[None, :], rtol=5e-6)
 
 
 @pytest.mark.parametrize("alg", [0, 1])
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
 def test_dynamic_mx_quant_with_dual_axis(fmt, alg):
     sim = make_simulator("Ascend950DT")
     x = torch.randn(2, 96, 70, dtype=torch.bfloat16) * 20
@@ -835,3 +824,287 @@ def test_dynamic_mx_quant_with_dual_axis_contract():
     assert sum(sim.launch_counts.values()) == 0
     with pytest.raises(NpuSimNotImplemented):
         dq(x)  # FP4 (the default dst_type) is valid but not simulated
+
+
+# More contract rules quoted from the documents (each: a violation raises, a legal call passes) ------------------
+def _fp8_gemm_operands(m=4, k=64, n=8):
+    x1, v1 = random_codes((m, k), "E4M3", 21)
+    x2, v2 = random_codes((k, n), "E4M3", 22)
+    return x1, v1, x2, v2
+
+
+def test_quant_matmul_fp8_scale_and_bias_dtypes(sim):
+    """aclnnQuantMatmulV5 (Ascend 950), FP8/HiF8 rows: x2Scale "FLOAT32", bias "null/FLOAT32" (BFLOAT16 scales and
+    BFLOAT16/FLOAT16 biases are INT8-only rows)."""
+    x1, v1, x2, v2 = _fp8_gemm_operands()
+    qmm = sim.npu_quant_matmul
+    pt = torch.ones(4)
+    for out in (torch.bfloat16, torch.float16):
+        assert_raises(lambda out=out: qmm(x1, x2, torch.ones(1, dtype=torch.bfloat16), output_dtype=out), NpuTypeError,
+                      "scale")
+        assert_raises(lambda out=out: qmm(x1, x2, torch.ones(1), pertoken_scale=pt, bias=torch.zeros(8, dtype=out),
+                                  output_dtype=out), NpuTypeError, "bias")
+    out = qmm(x1, x2, torch.tensor([0.5]), pertoken_scale=pt, bias=torch.full((8,), 2.0), output_dtype=torch.float32)
+    close(out, (v1 @ v2) * 0.5 + 2.0)
+
+
+def test_quant_matmul_bias_shape_follows_output_rank(sim):
+    """"当out的shape为2维时，bias的shape支持1维(n,)或2维(1, n)。当out的shape为4、5、6维时，bias的shape支持1维(n,)。
+    当out的shape为3维时，bias的shape支持1维(n,)或3维(batch, 1, n)。" """
+    x1, v1, x2, v2 = _fp8_gemm_operands()
+    qmm = sim.npu_quant_matmul
+    s, f32out = torch.ones(1), torch.float32
+    bias = torch.arange(8, dtype=torch.float32)
+    close(qmm(x1, x2, s, bias=bias.reshape(1, 8), output_dtype=f32out), v1 @ v2 + f32(bias))
+    x3, v3 = random_codes((3, 4, 64), "E4M3", 23)
+    b3 = torch.randn(3, 1, 8)
+    close(qmm(x3, x2, s, bias=b3, output_dtype=f32out), v3 @ v2 + f32(b3))
+    assert_raises(lambda: qmm(x3, x2, s, bias=bias.reshape(1, 8), output_dtype=f32out), NpuValueError, "bias")
+    x4, v4 = random_codes((2, 3, 4, 64), "E4M3", 24)
+    assert_raises(lambda: qmm(x4, x2, s, bias=torch.zeros(2, 1, 8), output_dtype=f32out), NpuValueError, "bias")
+    close(qmm(x4, x2, s, bias=bias, output_dtype=f32out), v4 @ v2 + f32(bias))
+
+
+def test_quant_matmul_refuses_y_scale(sim):
+    """"yScale仅当x1为FLOAT8_E4M3FN，x2为FLOAT4_E2M1时支持，其他场景暂不支持。" """
+    x1, _, x2, _ = _fp8_gemm_operands()
+    assert_raises(lambda: sim.npu_quant_matmul(x1, x2, torch.ones(1), output_dtype=torch.float32,
+                                               y_scale=torch.ones(1, 8, dtype=torch.int64)), NpuValueError, "y_scale")
+    with pytest.raises(NpuSimNotImplemented):  # a batch in the grouped modes is legal, not simulated
+        sim.npu_quant_matmul(x1[None], x2[None], torch.ones(1, 1), pertoken_scale=torch.ones(4, 1),
+                             output_dtype=torch.float32, group_sizes=[1, 128, 128])
+
+
+def test_quantize_input_rank_and_scale_dtypes(sim):
+    """aclnnQuantize: x "1-8" dims; scales "FLOAT32、FLOAT16、BFLOAT16", "如果`x`的dtype不是FLOAT32，scales的dtype需要和
+    `x`的dtype一致。" """
+    q = sim.npu_quantize
+    x = torch.randn(3, 8) * 10
+    s16 = torch.full((8,), 0.25, dtype=torch.float16)
+    y = q(x, s16, None, torch.float8_e4m3fn, axis=-1)
+    np.testing.assert_array_equal(raw(y), np_cast(f32(x) / np.float32(0.25), "E4M3"))
+    assert_raises(lambda: q(x.half(), s16.bfloat16(), None, torch.float8_e4m3fn, axis=-1), NpuTypeError, "scales")
+    assert_raises(lambda: q(torch.ones([1] * 9), torch.ones(1), None, torch.float8_e4m3fn), NpuValueError, "input")
+    assert q(torch.ones([1] * 8), torch.ones(1), None, torch.float8_e4m3fn, axis=-1).shape == (1,) * 8
+    assert_raises(lambda: q(torch.ones(()), torch.ones(1), None, torch.float8_e4m3fn), NpuValueError, "input")
+
+
+def test_dynamic_quant_hif8_dst_type_max_range(sim):
+    """aclnnDynamicQuantV4, dstTypeMax: "当前支持取值0 ~ 32768。仅在dstType为34（hifloat8）场景下生效。" """
+    x = torch.randn(4, 64, dtype=torch.bfloat16) * 5
+    y, scale = sim.npu_dynamic_quant(x, dst_type=sim.hifloat8, dst_type_max=100.0)
+    expected = (np.abs(f32(x)).max(-1, keepdims=True) / np.float32(100.0)).astype(np.float32)
+    np.testing.assert_array_equal(scale.numpy(), expected[:, 0])
+    np.testing.assert_array_equal(raw(y), np_cast(f32(x) / expected, "HIF8"))
+    for bad in (-1.0, 32769.0):
+        assert_raises(lambda bad=bad: sim.npu_dynamic_quant(x, dst_type=sim.hifloat8, dst_type_max=bad), NpuValueError,
+                      "dst_type_max")
+
+
+def test_dynamic_quant_rank_and_smooth_scales_per_mode(sim):
+    """aclnnDynamicQuantV4: x "2-8" dims; smoothScalesOptional "在perchannel场景下，shape大小是x的倒数第二维的大小"; "当
+    quantMode取"pertensor"或"perchannel"时，groupIndexOptional必须是nullptr"; experts "其值不能超过1024"."""
+    dq = sim.npu_dynamic_quant
+    e4m3 = torch.float8_e4m3fn
+    assert_raises(lambda: dq(torch.ones([2] * 9, dtype=torch.bfloat16), dst_type=e4m3), NpuValueError, "input")
+    x = torch.randn(2, 6, 16, dtype=torch.bfloat16)
+    smooth = torch.rand(6, dtype=torch.bfloat16) + 0.5  # one factor per row of each (6, 16) matrix
+    y, scale = dq(x, smooth_scales=smooth, dst_type=e4m3, quant_mode="perchannel")
+    xs = f32(x) * f32(smooth)[:, None]
+    expected = (np.abs(xs).max(-2, keepdims=True) / np.float32(448)).astype(np.float32)
+    np.testing.assert_array_equal(scale.numpy(), expected[:, 0])
+    np.testing.assert_array_equal(raw(y), np_cast(xs / expected, "E4M3"))
+    assert_raises(lambda: dq(x, smooth_scales=torch.ones(16, dtype=torch.bfloat16), dst_type=e4m3,
+                             quant_mode="perchannel"), NpuValueError, "smooth_scales")
+    table, gi = torch.ones(2, 16, dtype=torch.bfloat16), torch.tensor([4, 12], dtype=torch.int32)
+    for mode in ("pertensor", "perchannel"):
+        assert_raises(lambda mode=mode: dq(x, smooth_scales=table, group_index=gi, dst_type=e4m3, quant_mode=mode),
+                      NpuValueError, "group_index")
+    dq(x, smooth_scales=table, group_index=gi, dst_type=e4m3)  # pertoken takes it
+    many = torch.ones(1025, 16, dtype=torch.bfloat16)
+    ends = torch.full((1025,), 12, dtype=torch.int32)
+    assert_raises(lambda: dq(x, smooth_scales=many, group_index=ends, dst_type=e4m3), NpuValueError, "1024")
+
+
+def _gmm_fp8(sim, **changes):
+    m, k, n, g = 8, 32, 4, 2
+    x, vx = random_codes((m, k), "E4M3", 31)
+    w, vw = random_codes((g, k, n), "E4M3", 32)
+    args = dict(scale=[torch.tensor([0.5, 2.0])], group_list=torch.tensor([3, 5]), split_item=3, group_type=0,
+                group_list_type=1, output_dtype=torch.float32)
+    args.update(changes)
+    return sim.npu_grouped_matmul([x], [w], **args), vx, vw
+
+
+def test_grouped_matmul_scale_shapes_of_the_950(sim):
+    """aclnnGroupedMatmulV4 (Ascend 950): scaleOptional "（g, N）... （g, 1）或（g,）"; perTokenScaleOptional
+    groupType 0 "（M,）... （g, 1）或（g,）", groupType 2 "（g, M）... （g, 1）或（g,）"."""
+    (out,), vx, vw = _gmm_fp8(sim, scale=[torch.tensor([[0.5], [2.0]])],
+                              per_token_scale=[torch.tensor([3.0, 0.25])])
+    expected = np.concatenate([vx[:3] @ vw[0] * 0.5 * 3.0, vx[3:] @ vw[1] * 2.0 * 0.25])
+    close(out, expected)
+    for bad in (torch.ones(1), torch.ones(3)):
+        assert_raises(lambda bad=bad: _gmm_fp8(sim, per_token_scale=[bad]), NpuValueError, "per_token_scale")
+    assert_raises(lambda: _gmm_fp8(sim, scale=[torch.ones(1)]), NpuValueError, "scale")
+    # k split: per-row scales of x for each group
+    m, k, n = 3, 40, 5
+    xt, vxt = random_codes((k, m), "E5M2", 33)
+    w, vw = random_codes((k, n), "E4M3", 34)
+    pts = torch.tensor([[1.0, 2.0, 4.0], [0.5, 0.25, 8.0]])
+    (out,) = sim.npu_grouped_matmul([xt.t()], [w], scale=[torch.tensor([1.0, 2.0])], per_token_scale=[pts],
+                                    group_list=torch.tensor([16, 24]), split_item=3, group_type=2,
+                                    group_list_type=1, output_dtype=torch.float32)
+    expected = np.stack([vxt[:16].T @ vw[:16] * f32(pts)[0][:, None],
+                         vxt[16:].T @ vw[16:] * 2.0 * f32(pts)[1][:, None]])
+    close(out, expected)
+    assert_raises(lambda: sim.npu_grouped_matmul([xt.t()], [w], scale=[torch.ones(2)], per_token_scale=[torch.ones(1)],
+                                                 group_list=torch.tensor([16, 24]), split_item=3, group_type=2,
+                                                 group_list_type=1, output_dtype=torch.float32),
+                  NpuValueError, "per_token_scale")
+
+
+def test_grouped_matmul_at_most_1024_groups(sim):
+    """"groupListOptional第1维最大支持1024，即最多支持1024个group" """
+    xt, _ = random_codes((1025, 2), "E4M3", 35)
+    w, _ = random_codes((1025, 3), "E4M3", 36)
+    call = lambda g: sim.npu_grouped_matmul(  # noqa: E731
+        [xt[: g].t()], [w[: g]], scale=[torch.ones(g)], group_list=torch.ones(g, dtype=torch.int64), split_item=3,
+        group_type=2, group_list_type=1, output_dtype=torch.float32)
+    assert call(1024)[0].shape == (1024, 2, 3)
+    assert_raises(lambda: call(1025), NpuValueError, "1024")
+
+
+def test_grouped_matmul_float_rules_of_the_950(sim):
+    """Ascend 950: x "FLOAT16、BFLOAT16" (no FLOAT32); 非量化 bias "BFLOAT16/FLOAT32/null" for BFLOAT16 x; splitItem
+    "0/1" for groupType -1 and "2/3" for groupType 0."""
+    m, k, n, g = 6, 8, 4, 2
+    xb, wb = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(g, k, n, dtype=torch.bfloat16)
+    bias = torch.randn(g, n, dtype=torch.bfloat16)
+    bf = dict(group_list=torch.tensor([2, 4]), split_item=3, group_type=0, group_list_type=1)
+    (out,) = sim.npu_grouped_matmul([xb], [wb], bias=[bias], **bf)
+    expected = torch.cat([xb[:2].float() @ wb[0].float() + bias[0].float(),
+                          xb[2:].float() @ wb[1].float() + bias[1].float()]).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_raises(lambda: sim.npu_grouped_matmul([xb.float()], [wb.float()], **bf), NpuTypeError, "x[0]")
+    make_simulator("Ascend910B3").npu_grouped_matmul([xb.float()], [wb.float()], **bf)  # A2/A3 list FLOAT32
+    assert_raises(lambda: sim.npu_grouped_matmul([xb], [wb], **{**bf, "split_item": 0}), NpuValueError,
+                  "split_item")
+    assert_raises(lambda: sim.npu_grouped_matmul([xb, xb], [wb[0], wb[1]], group_type=-1, split_item=2),
+                  NpuValueError, "split_item")
+    # torch_npu doc, group_type: "`group_list`输入类型为`List[int]`时仅支持传入`None`。"
+    assert_raises(lambda: sim.npu_grouped_matmul([xb], list(wb.unbind(0)), group_list=[2, 6], group_type=0,
+                                                 split_item=3), NpuTypeError, "group_list")
+    sim.npu_grouped_matmul([xb], list(wb.unbind(0)), group_list=[2, 6], split_item=0)
+
+
+def test_mc2_contract_before_communication(sim):
+    """aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950) and the torch_npu docs: "k轴取值范围为[256,
+    65535)"; "x1矩阵只支持不转置场景"; MX x1Scale "(m, ceilDiv(k, 64), 2)"; reduce-scatter "mx量化场景下，x2/x2Scale仅
+    支持转置输入"; "支持2、4、8、16、32、64卡". Refused before any communication, so no process group is needed."""
+    ag, rs = sim.npu_all_gather_base_mm, sim.npu_mm_reduce_scatter_base
+    a = torch.randn(4, 128, dtype=torch.bfloat16)
+    assert_raises(lambda: ag(a, torch.randn(128, 8, dtype=torch.bfloat16), "h", 2), NpuValueError, "k")
+    big = torch.randn(4, 65535, dtype=torch.bfloat16)
+    assert_raises(lambda: rs(big, torch.randn(65535, 2, dtype=torch.bfloat16), "h", 2), NpuValueError, "k")
+    x = torch.randn(256, 4, dtype=torch.bfloat16).t()
+    assert_raises(lambda: ag(x, torch.randn(256, 8, dtype=torch.bfloat16), "h", 2), NpuValueError, "self")
+    m, k, n = 4, 256, 8
+    q1, s1 = sim.npu_dynamic_mx_quant(torch.randn(m, k, dtype=torch.bfloat16), dst_type=sim.float8_e4m3fn)
+    q2, s2 = sim.npu_dynamic_mx_quant(torch.randn(k, n, dtype=torch.bfloat16), axis=0, dst_type=sim.float8_e4m3fn)
+    mx = dict(output_dtype=torch.float32)
+    assert_raises(lambda: ag(q1, q2, "h", 2, x1_scale=s1[:, :2], x2_scale=s2, **mx), NpuValueError, "x1_scale")
+    assert_raises(lambda: rs(q1, q2, "h", 2, x1_scale=s1, x2_scale=s2, **mx), NpuValueError, "x2")
+    assert_raises(lambda: ag(q1, q2, "h", 2, x1_scale=s1.float(), x2_scale=s2, **mx), NpuTypeError, "x1_scale")
+    assert sim.total_launches() == 2  # only the two quantizations ran
+    # world sizes: 64 is a 950 size; 3 is none (checked once the communicator is known)
+    assert_raises(lambda: ag(a[:, :1].expand(4, 256).contiguous(), torch.randn(256, 8, dtype=torch.bfloat16),
+                             "unknown", 64), NpuValueError, "hcom")
+
+
+def _mc2_worker(rank, world):
+    from mindspeed_te.testing.npu_sim import make_simulator
+
+    sim = make_simulator()
+    group = torch.distributed.new_group(list(range(world)))
+    hcom = sim.hcom_of(group)
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(4 * world, 256, generator=g).bfloat16()
+    w = torch.randn(256, 8, generator=g).bfloat16()
+    mine = full.chunk(world)[rank]
+    y, gathered = sim.npu_all_gather_base_mm(mine, w, hcom, world)
+    rs = sim.npu_mm_reduce_scatter_base(full, w, hcom, world)
+    # MX reduce-scatter with x2 and x2_scale as transposed views (the form the 950 document requires)
+    wt = torch.randn(8, 256, generator=g).bfloat16()
+    q1, s1 = sim.npu_dynamic_mx_quant(full, dst_type=sim.float8_e4m3fn)
+    q2, s2 = sim.npu_dynamic_mx_quant(wt, dst_type=sim.float8_e4m3fn)
+    rs_mx = sim.npu_mm_reduce_scatter_base(q1, q2.t(), hcom, world, x1_scale=s1, x2_scale=s2.transpose(0, 1),
+                                           output_dtype=torch.float32)
+    bad = None
+    try:
+        sim.npu_all_gather_base_mm(mine, w, hcom, 3)
+    except ValueError as err:
+        bad = str(err)
+    return y.float(), gathered.float(), rs.float(), rs_mx, q1, s1, q2, s2, bad
+
+
+@pytest.mark.slow
+def test_mc2_legal_calls():
+    """Legal calls (k = 256, bf16 and MX, x2 of the MX reduce-scatter transposed) pass on 2 real ranks and give
+    all_gather(x) @ w and reduce_scatter(x @ w); world_size must match the group ("hcom group has 2 ranks")."""
+    results = run_distributed(_mc2_worker, 2)
+    full = results[0][1]
+    for rank, (y, gathered, rs, rs_mx, q1, s1, q2, s2, bad) in enumerate(results):
+        torch.testing.assert_close(gathered, full)
+        assert y.shape == (8, 8) and rs.shape == (4, 8) and rs_mx.shape == (4, 8)
+        e1 = np.repeat(2.0 ** (s1.numpy().reshape(8, -1)[:, :8].astype(np.float64) - 127), 32, 1)
+        e2 = np.repeat(2.0 ** (s2.numpy().reshape(8, -1)[:, :8].astype(np.float64) - 127), 32, 1)
+        a = np_decode(raw(q1), "E4M3").astype(np.float64) * e1
+        b = np_decode(raw(q2), "E4M3").astype(np.float64) * e2
+        both = 2 * (a @ b.T)  # both ranks hold the same full operands: the reduction doubles the product
+        close(rs_mx, both[rank * 4:(rank + 1) * 4], rtol=1e-5)
+        assert bad is not None and "world_size" in bad
+
+
+def test_fusion_attention_contract(sim):
+    """torch_npu-npu_fusion_attention.md: keep_prob "取值范围为(0, 1]"; "输入`key`和`value`的shape必须一致"; "B：
+    batchsize必须相等"; "Nq取值范围1~256"; "D ... 取值范围1~768"; atten_mask "BNSS格式、B1SS格式、11SS格式、SS格式"."""
+    fa = sim.npu_fusion_attention
+    s, b, h, d = 5, 2, 2, 4
+    q, k, v = (torch.randn(s, b, h * d) for _ in range(3))
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+    for shape in ((s, s), (1, 1, s, s), (b, 1, s, s), (b, h, s, s)):
+        out = fa(q, k, v, h, "SBH", atten_mask=mask.expand(shape), scale=0.5)[0]
+        qh, kh, vh = (t.reshape(s, b, h, d).permute(1, 2, 0, 3).double().numpy() for t in (q, k, v))
+        logits = qh @ kh.transpose(0, 1, 3, 2) * 0.5
+        logits = np.where(mask.numpy(), -np.inf, logits)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        ref = (p / p.sum(-1, keepdims=True)) @ vh
+        np.testing.assert_allclose(out.double().numpy(), ref.transpose(2, 0, 1, 3).reshape(s, b, h * d), rtol=1e-5,
+                                   atol=1e-6)
+    assert_raises(lambda: fa(q, k, v, h, "SBH", atten_mask=mask[None]), NpuValueError, "atten_mask")
+    for keep in (0.0, 1.5):
+        assert_raises(lambda keep=keep: fa(q, k, v, h, "SBH", keep_prob=keep), NpuValueError, "keep_prob")
+    with pytest.raises(NpuSimNotImplemented):
+        fa(q, k, v, h, "SBH", keep_prob=0.5)
+    assert_raises(lambda: fa(q, k, v[:, :, :4], h, "SBH"), NpuValueError, "value")
+    assert_raises(lambda: fa(q, k[:, :1], v[:, :1], h, "SBH"), NpuValueError, "batch")
+    wide = torch.randn(1, 1, 257)
+    assert_raises(lambda: fa(wide, wide, wide, 257, "SBH"), NpuValueError, "head_num")
+    deep = torch.randn(1, 1, 769)
+    assert_raises(lambda: fa(deep, deep, deep, 1, "SBH"), NpuValueError, "head dim")
+
+
+def test_rms_norm_gamma_dtypes_and_specials(sim):
+    """aclnnRmsNorm (Ascend 950): x BFLOAT16 with gamma FLOAT32 or BFLOAT16; "当输入是Inf时，输出为Inf。当输入是NaN时，
+    输出为NaN。" """
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    gamma = torch.rand(16) + 0.5
+    y, rstd = sim.npu_rms_norm(x, gamma)
+    xf = f32(x).astype(np.float64)
+    ref_rstd = 1 / np.sqrt((xf**2).mean(-1, keepdims=True) + 1e-6)
+    torch.testing.assert_close(y, torch.from_numpy(xf * ref_rstd * f32(gamma)).to(torch.bfloat16), rtol=1e-2,
+                               atol=1e-2)
+    x[0, 3], x[1, 5] = float("inf"), float("nan")
+    y, _ = sim.npu_rms_norm(x, gamma)
+    assert y[0, 3] == float("inf") and torch.isnan(y[1, 5])
+    assert_raises(lambda: sim.npu_rms_norm(x.half(), gamma.bfloat16()), NpuTypeError, "gamma")

@@ -59,29 +59,40 @@ class QuantMatmulKernels:
           pertoken_scale (m, ceil(k/64), 2) and scale (ceil(k/64), n, 2).
         In the grouped modes a scale tensor is a transposed view exactly when its data tensor is.
         HiF8 operands are uint8 with x1_dtype = x2_dtype = torch_npu.hifloat8; output_dtype (float16, bfloat16
-        or float32) is required; bias float32 (n,) or (batch, 1, n), added after dequantization."""
+        or float32) is required; bias float32 (n,), (1, n) for a 2-D or (batch, 1, n) for a 3-D output, added after
+        dequantization (MX and the per-tensor/channel/token modes only)."""
         check_tensor("x1", x1)
         check_tensor("x2", x2)
         check_tensor("scale", scale)
         check_same_device({"x1": x1, "x2": x2, "scale": scale, "pertoken_scale": pertoken_scale, "bias": bias})
         fmt1 = self._operand_dtype("x1", x1, x1_dtype, "x1_dtype")
         fmt2 = self._operand_dtype("x2", x2, x2_dtype, "x2_dtype")
+        # aclnnQuantMatmulV5, Ascend 950 tables: rows pair "FLOAT8_E4M3FN/FLOAT8_E5M2" with
+        # "FLOAT8_E4M3FN/FLOAT8_E5M2", and "HIFLOAT8" with "HIFLOAT8" (no HiF8 x FP8 row).
         if (fmt1 == HIFLOAT8) != (fmt2 == HIFLOAT8):
             raise NpuTypeError(f"x1 ({dtype_name(fmt1)}) and x2 ({dtype_name(fmt2)}) must both be HiF8 or "
                                "both be float8_e4m3fn/float8_e5m2")
         out_dtype = dtype_arg("output_dtype", output_dtype)
+        # Same tables, out column of the FP8/HiF8 rows: "FLOAT16/BFLOAT16/FLOAT32". torch_npu's output_dtype None
+        # means int8 output (torch_npu doc: "默认值为`None`，代表输出Tensor数据类型为`int8`。").
         if out_dtype is None:
             raise NpuTypeError("output_dtype is required for float8/HiF8 inputs (None means int8 output)")
         check_dtype("output_dtype", out_dtype, GEMM_OUT)
+        # aclnnQuantMatmulV5, Ascend 950, 公共约束: "x2Offset仅当x1，x2数据类型为INT8，且out数据类型为INT8时支持，
+        # 其他输入类型需要传入nullptr。" (the x2 offset exists for int8 only)
         check_none("offset", offset, "for float8/HiF8 inputs (offset is for int8 inputs only)")
-        if y_scale is not None:
-            raise NpuSimNotImplemented("y_scale (quantized output) is not simulated")
+        # "yScale仅当x1为FLOAT8_E4M3FN，x2为FLOAT4_E2M1时支持，其他场景暂不支持。" (y_scale: FP8 x FP4 only)
+        check_none("y_scale", y_scale, "unless x1 is float8_e4m3fn and x2 FP4 (the only y_scale mode)")
+        # x1 / x2 parameter table: "2-6" dims (ND).
         check_dims("x1", x1, 2, 6)
         check_dims("x2", x2, 2, 6)
         m, k = x1.shape[-2:]
+        # "transposeX2为false时x2的shape：(batch, k, n)。... k与x1的shape中的k一致。" (same k)
         if x2.shape[-2] != k:
             raise NpuValueError(f"k of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
         n = x2.shape[-1]
+        # x1: "仅最后m和k轴转置情况下支持非连续的Tensor"; x2: "ND格式下支持最后两根轴转置情况下的非连续tensor，其他场景
+        # 的非连续的Tensor不支持。" (contiguous, or the transposed view over the last two dims)
         lay1 = check_layout("x1", x1)
         lay2 = check_layout("x2", x2)
         groups = self._group_sizes(group_sizes)
@@ -91,15 +102,19 @@ class QuantMatmulKernels:
             if d is not None:
                 check_dtype(name, d, (FLOAT8_E8M0FNU,))
         if groups == (1, 1, 32):
+            # MX全量化 table: x1/x2 "FLOAT8_E4M3FN/FLOAT8_E5M2" (or FLOAT4_E2M1) -- no HIFLOAT8 row.
             if fmt1 == HIFLOAT8:
                 raise NpuTypeError("MX (group_sizes [1, 1, 32]) needs float8_e4m3fn/float8_e5m2 operands, not HiF8")
+            # MX table: x1Scale / x2Scale "FLOAT8_E8M0".
             if sdt is None or pdt is None:
                 raise NpuTypeError("MX (group_sizes [1, 1, 32]) needs scale_dtype and pertoken_scale_dtype "
                                    "= torch_npu.float8_e8m0fnu")
         elif sdt is not None or pdt is not None:
+            # FLOAT8_E8M0 scales appear in the MX table only (the other modes' x1Scale/x2Scale are FLOAT32).
             raise NpuValueError("scale_dtype/pertoken_scale_dtype (E8M0) need group_sizes [1, 1, 32]")
         if groups == (0, 0, 0):
             a, b = decode(x1, fmt1), decode(x2, fmt2)
+            # 公共约束: "out的shape支持2~6维，(batch, m, n)，batch可不存在，支持x1与x2的batch维度broadcast".
             try:
                 batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
             except RuntimeError:
@@ -110,9 +125,11 @@ class QuantMatmulKernels:
             if pertoken_scale is not None:
                 acc = acc * pertoken_scale.float().reshape(-1, 1)
         else:
-            check_dims("x1", x1, 2, 2)
-            check_dims("x2", x2, 2, 2)
+            # The documents allow a batch in the grouped modes; the simulator models 2-D operands only there.
+            if x1.dim() != 2 or x2.dim() != 2:
+                raise NpuSimNotImplemented(f"group_sizes {list(groups)} with batched operands is not simulated")
             batch = torch.Size()
+            # G-B/B-B and MX tables: x1Scale is FLOAT32 / FLOAT8_E8M0, never null.
             if pertoken_scale is None:
                 raise NpuValueError(f"pertoken_scale is required with group_sizes {list(groups)}")
             # aclnnQuantMatmulV5, Ascend 950PR/950DT, "G-B && B-B && mx量化模式": "仅mx量化模式下包含bias。"
@@ -125,12 +142,14 @@ class QuantMatmulKernels:
                 a, b = self._block_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2, groups)
             acc = a @ b
         if bias is not None:
-            acc = acc + self._quant_matmul_bias(bias, out_dtype, pertoken_scale, batch, n).float()
+            acc = acc + self._quant_matmul_bias(bias, batch, n).float()
         return acc.to(out_dtype)
 
     def _operand_dtype(self, name: str, t: torch.Tensor, value: DtypeArg, arg_name: str) -> Dtype:
         """The 8-bit format of a GEMM operand: its native float8 dtype, or HiF8 named by `arg_name`."""
         given = dtype_arg(arg_name, value)
+        # The carrier rule (HiF8 codes in uint8 named by x1_dtype/x2_dtype) is torch_npu 2.14's binding: its meta
+        # registration takes the 8-bit format from the dtype argument when the tensor dtype cannot say it.
         if given is None:
             if t.dtype in FP8_NATIVE:
                 self._require_fp8_soc(f"{name} of dtype {t.dtype}")
@@ -169,9 +188,16 @@ class QuantMatmulKernels:
     @staticmethod
     def _validate_plain_scales(scale: torch.Tensor, pertoken: Optional[torch.Tensor], out_dtype: Dtype,
                             m: int, n: int) -> None:
-        """Per-tensor / per-channel scale of x2, per-tensor / per-token scale of x1."""
-        allowed = (torch.float32, torch.bfloat16) if out_dtype == torch.bfloat16 else (torch.float32,)
-        check_dtype("scale.dtype", scale.dtype, allowed)
+        """Per-tensor / per-channel scale of x2, per-tensor / per-token scale of x1 (T-T, T-C, K-T, K-C)."""
+        # aclnnQuantMatmulV5, Ascend 950, T-C/T-T and K-C/K-T tables, FLOAT8_E4M3FN/FLOAT8_E5M2 and HIFLOAT8 rows:
+        # x1Scale "null" or "FLOAT32", x2Scale "FLOAT32" (UINT64/INT64 is the static form, not simulated);
+        # BFLOAT16 scales appear in the INT8 rows only. out "FLOAT16/BFLOAT16/FLOAT32" whatever the scale.
+        if scale.dtype in (torch.int64,):
+            raise NpuSimNotImplemented("int64 (static, aclnnTransQuantParamV2) scales are not simulated")
+        check_dtype("scale.dtype", scale.dtype, (torch.float32,))
+        # "T-T量化场景下，x1Scale的shape为(1,)或nullptr，x2Scale的shape为(1,)。" / "T-C量化场景下，... x2Scale的shape为
+        # (n,)"; "K-C量化场景下，x1Scale的shape为(m,)，x2Scale的shape为(n,)" / "K-T量化场景下，x1Scale的shape为(m,)，
+        # x2Scale的shape为(1,)".
         check_dims("scale", scale, 1, 1)
         check_shape("scale", scale, (1,), (n,))
         if pertoken is not None:
@@ -184,10 +210,15 @@ class QuantMatmulKernels:
         """Dequantized (m, k), (k, n) operands of the blockwise modes."""
         gm, gn, gk = groups
         (m, k), n = x1.shape, x2.shape[1]
+        # aclnnQuantMatmulV5, Ascend 950, G-B/B-B table (FP8 and HiF8 rows): x1Scale "FLOAT32", x2Scale "FLOAT32".
         check_dtype("pertoken_scale.dtype", pertoken.dtype, (torch.float32,))
         check_dtype("scale.dtype", scale.dtype, (torch.float32,))
+        # B-B: x1Scale "(batch, ceil(m / 128), ceil(k / 128))"; G-B: x1Scale "(batch, m, ceil(k / 128))"; both:
+        # x2Scale "(batch, ceil(k / 128), ceil(n / 128))" (the transposed forms are the .t() views, checked below).
         check_shape("pertoken_scale", pertoken, (ceil_div(m, gm), ceil_div(k, gk)))
         check_shape("scale", scale, (ceil_div(k, gk), ceil_div(n, gn)))
+        # "G-B量化和B-B量化场景下，x1和x1Scale的转置属性需要保持一致，x2和x2Scale的转置属性需要保持一致(当shape轴里
+        # 有1，...，x和scale的转置属性可以不一致)。"
         check_scale_layout("pertoken_scale", pertoken, lay1)
         check_scale_layout("scale", scale, lay2)
         a = decode(x1, fmt1) * expand_blocks(pertoken.float(), gm, gk, m, k)
@@ -199,10 +230,16 @@ class QuantMatmulKernels:
         """Dequantized (m, k), (k, n) operands of the MX mode (E8M0 scale pairs along k)."""
         (m, k), n = x1.shape, x2.shape[1]
         kp = ceil_div(k, 64)
+        # aclnnQuantMatmulV5, Ascend 950, MX table: x1Scale / x2Scale "FLOAT8_E8M0" (uint8 bytes in torch_npu).
         check_dtype("pertoken_scale.dtype", pertoken.dtype, E8M0_CARRIERS)
         check_dtype("scale.dtype", scale.dtype, E8M0_CARRIERS)
+        # MX全量化: x1Scale "非转置：(batch, m, ceil(k / 64), 2) / 转置：(batch, ceil(k / 64), m, 2)", x2Scale
+        # "非转置：(batch, ceil(k / 64), n, 2) / 转置：(batch, n, ceil(k / 64), 2)" (transposed = the .transpose(0, 1)
+        # view here).
         check_shape("pertoken_scale", pertoken, (m, kp, 2))
         check_shape("scale", scale, (kp, n, 2))
+        # "MX全量化场景下，当x2数据类型为FLOAT8_E4M3FN/FLOAT8_E5M2时，x1和x1Scale的转置属性需要保持一致，x2和x2Scale的
+        # 转置属性需要保持一致".
         check_scale_layout("pertoken_scale", pertoken, lay1, dims=(0, 1))
         check_scale_layout("scale", scale, lay2, dims=(0, 1))
         s1 = e8m0_values(pertoken).reshape(m, 2 * kp).repeat_interleave(32, dim=1)[:, :k]
@@ -210,18 +247,18 @@ class QuantMatmulKernels:
         return decode(x1, fmt1) * s1, decode(x2, fmt2) * s2
 
     @staticmethod
-    def _quant_matmul_bias(bias: torch.Tensor, out_dtype: Dtype, pertoken: Optional[torch.Tensor],
-                           batch: torch.Size, n: int) -> torch.Tensor:
+    def _quant_matmul_bias(bias: torch.Tensor, batch: torch.Size, n: int) -> torch.Tensor:
         check_tensor("bias", bias)
-        check_dtype("bias.dtype", bias.dtype, (torch.float32, torch.bfloat16, torch.float16))
-        if bias.dtype == torch.bfloat16 and out_dtype != torch.bfloat16:
-            raise NpuTypeError("a bfloat16 bias needs output_dtype torch.bfloat16")
-        if bias.dtype == torch.float16 and (pertoken is None or out_dtype != torch.float16):
-            raise NpuTypeError("a float16 bias needs pertoken_scale and output_dtype torch.float16")
-        if bias.dim() == 3:
-            if len(batch) != 1:
-                raise NpuValueError("a 3-dim bias needs a 3-dim output")
-            check_shape("bias", bias, (batch[0], 1, n))
+        # aclnnQuantMatmulV5, Ascend 950: every FLOAT8_E4M3FN/FLOAT8_E5M2/HIFLOAT8 row of the T-C/T-T, K-C/K-T and
+        # MX全量化 tables has bias "null/FLOAT32" (BFLOAT16/FLOAT16 biases appear in the INT8 rows only).
+        check_dtype("bias.dtype", bias.dtype, (torch.float32,))
+        # "当out的shape为2维时，bias的shape支持1维(n,)或2维(1, n)。当out的shape为4、5、6维时，bias的shape支持1维(n,)。
+        # 当out的shape为3维时，bias的shape支持1维(n,)或3维(batch, 1, n)。"
+        out_dims = len(batch) + 2
+        if out_dims == 2:
+            check_shape("bias", bias, (n,), (1, n))
+        elif out_dims == 3:
+            check_shape("bias", bias, (n,), (batch[0], 1, n))
         else:
             check_shape("bias", bias, (n,))
         return bias

@@ -28,13 +28,15 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     FP4,
     FP8_NATIVE,
     GEMM_OUT,
+    HALF_FLOATS,
     HIF8_CARRIERS,
     HIFLOAT8,
     DtypeArg,
 )
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
 
-MAX_GROUPS = 128
+MAX_GROUPS = 128  # tensors in a list: "weight长度最大支持128" / "长度最大128"
+MAX_GROUP_LIST = 1024  # single-tensor forms: "groupListOptional第1维最大支持1024，即最多支持1024个group"
 
 
 class GroupedMatmulKernels:
@@ -65,24 +67,36 @@ class GroupedMatmulKernels:
 
         FP8/HiF8 (x and weight float8_e4m3fn/e5m2, or uint8 with x_dtype = weight_dtype = torch_npu.hifloat8):
         single tensors, split_item 2 or 3, group_type 0 or 2 passed explicitly, a group_list tensor, output_dtype
-        (float16/bfloat16/float32) required, no bias. scale = [float32 (g,) per group or (g, n) per channel]
-        dequantizes the weight; per_token_scale = [float32 (1,) or (m,)] x (group_type 0), or [(1,) or (g,)]
-        for both in the k-split form. Results are (x_g @ w_g) * scale_g * per_token_scale."""
+        (float16/bfloat16/float32) required, no bias. scale = [float32 (g,) or (g, 1) per group, or (g, n) per
+        channel] dequantizes the weight; per_token_scale = [float32 (m,) per row, or (g,) / (g, 1) per group]
+        (group_type 0), or [(g, m) per row of each group, or (g,) / (g, 1) per group] (group_type 2). Results
+        are (x_g @ w_g) * scale_g * per_token_scale. The rules quoted below are aclnnGroupedMatmulV4.md's
+        Ascend 950PR/950DT sections unless another source is named."""
         xs = check_list("x", x)
         ws = check_list("weight", weight)
         if not 0 < len(xs) <= MAX_GROUPS or not 0 < len(ws) <= MAX_GROUPS:
             raise NpuValueError(f"x and weight must hold 1 to {MAX_GROUPS} tensors, got {len(xs)}, {len(ws)}")
         check_choice("split_item", check_int("split_item", split_item), (0, 1, 2, 3))
         check_choice("group_list_type", check_int("group_list_type", group_list_type), (0, 1))
+        # torch_npu doc, group_type: "`group_list`输入类型为`List[int]`时仅支持传入`None`。" and "`group_list`输入类型为
+        # `Tensor`时，... `group_type`支持的枚举值为：-1代表不分组；0代表m轴分组；2代表k轴分组。" (the simulator also
+        # wants it explicit without a group_list: torch_npu's default None means the list form)
         if group_type is None:
             if not isinstance(group_list, (list, tuple)):
                 raise NpuValueError("group_type must be passed explicitly (-1, 0 or 2) unless group_list is a "
                                     "Python list")
         else:
+            if isinstance(group_list, (list, tuple)):
+                raise NpuTypeError(f"group_list must be an int64 tensor when group_type is given ({group_type}); a "
+                                   "Python list needs group_type None")
             check_choice("group_type", check_int("group_type", group_type), (-1, 0, 2))
         check_choice("act_type", check_int("act_type", act_type), (0, 1, 2, 4, 5))
         if act_type != 0:
+            if self.supports_fp8:
+                # Ascend 950 parameter notes: "actType只支持传入0"
+                raise NpuValueError(f"act_type must be 0 on {self.soc_name} (no fused activation), got {act_type}")
             raise NpuSimNotImplemented(f"act_type={act_type}: fused activations are not simulated")
+        # "不支持offsetOptional"; activation_* are reserved inputs (torch_npu doc: "预留参数，当前版本不支持").
         for name, value in (("offset", offset), ("activation_input", activation_input),
                             ("activation_quant_scale", activation_quant_scale),
                             ("activation_quant_offset", activation_quant_offset)):
@@ -120,6 +134,7 @@ class GroupedMatmulKernels:
     def _group_sizes_from_list(group_list: Any, list_type: int, total: int, what: str,
                                groups: Optional[int] = None) -> list[int]:
         """Per-group sizes along the split dim from group_list (a tensor, or a Python list of ends)."""
+        # torch_npu doc, group_list (`List[int]`/`Tensor`): "数据类型支持`int64`。"
         if isinstance(group_list, torch.Tensor):
             check_dtype("group_list.dtype", group_list.dtype, (torch.int64,))
             check_dims("group_list", group_list, 1, 1)
@@ -130,6 +145,9 @@ class GroupedMatmulKernels:
             raise NpuTypeError(f"group_list must be an int64 tensor or a list of ints, got {group_list!r}")
         if groups is not None and len(values) != groups:
             raise NpuValueError(f"group_list must have {groups} entries (one per weight), got {len(values)}")
+        # 单单单 forms (group_type 0 and 2): "groupListOptional第1维最大支持1024，即最多支持1024个group"
+        if len(values) > MAX_GROUP_LIST:
+            raise NpuValueError(f"group_list may hold at most {MAX_GROUP_LIST} groups, got {len(values)}")
         if not values or any(v < 0 for v in values):
             raise NpuValueError(f"group_list must be a non-empty list of non-negative values, got {values}")
         if list_type == 0:
@@ -151,21 +169,31 @@ class GroupedMatmulKernels:
         x, w = xs[0], ws[0]
         fx = self._operand_dtype("x[0]", x, xd, "x_dtype")
         fw = self._operand_dtype("weight[0]", w, wd, "weight_dtype")
+        # Quantized tables: x "HIFLOAT8" with weight "HIFLOAT8", x "FLOAT8_E5M2/FLOAT8_E4M3FN" with weight
+        # "FLOAT8_E5M2/FLOAT8_E4M3FN" (no mixed row).
         if (fx == HIFLOAT8) != (fw == HIFLOAT8):
             raise NpuTypeError("x and weight must both be HiF8 (x_dtype and weight_dtype torch_npu.hifloat8) or "
                                "both float8_e4m3fn/float8_e5m2")
+        # "不同groupType约束": group_type 0 and 2 with single x/weight/y ("单单单"): "仅支持splitItem为2/3"; the
+        # quantized rows list groupType "0" or "0/2" ("仅非量化和伪量化支持不分组").
         check_choice("split_item", split_item, (2, 3), "for FP8/HiF8 grouped GEMMs (single output tensor)")
         check_choice("group_type", group_type, (0, 2), "for FP8/HiF8 grouped GEMMs")
+        # out column of the FP8/HiF8 rows: "BFLOAT16/FLOAT16/FLOAT32".
         if out_dtype is None:
             raise NpuTypeError("output_dtype is required for FP8/HiF8 grouped GEMMs")
         check_dtype("output_dtype", out_dtype, GEMM_OUT)
+        # biasOptional: "在输入x为INT8、FLOAT16、BFLOAT16时支持...，在输入x为FLOAT4_E1M2、FLOAT4_E2M1时仅支持
+        # FLOAT32，其它类型输入需传空指针"
         check_none("bias", bias, "for FP8/HiF8 grouped GEMMs")
+        # "必须传groupListOptional" (单单单 forms); torch_npu takes it as an int64 tensor when group_type is given.
         if not isinstance(group_list, torch.Tensor):
             raise NpuTypeError("group_list must be an int64 tensor for FP8/HiF8 grouped GEMMs")
         if scale is None:
             raise NpuValueError("scale is required for FP8/HiF8 grouped GEMMs")
         s = check_list("scale", scale, 1)[0]
         p = check_list("per_token_scale", per_token_scale, 1)[0] if per_token_scale is not None else None
+        # Dynamic T-T/T-C/K-T/K-C rows: scaleOptional "FLOAT32", perTokenScaleOptional "FLOAT32" (UINT64/INT64
+        # scales are the static form, not simulated).
         check_tensor("scale[0]", s, (torch.float32,))
         if p is not None:
             check_tensor("per_token_scale[0]", p, (torch.float32,))
@@ -178,20 +206,25 @@ class GroupedMatmulKernels:
             g, kw, n = w.shape
             if kw != k:
                 raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
+            # group_type 0 单单单: "支持x不转置，weight转置、不转置均支持"
             check_layout("x[0]", x, ("row",))
             check_layout("weight[0]", w)
             sizes = self._group_sizes_from_list(group_list, group_list_type, m, "rows", groups=g)
-            check_shape("scale[0]", s, (g,), (g, n))
+            self._check_weight_scale(s, g, n)
+            # perTokenScaleOptional, groupType 0: "pertoken场景：每个tensor 1维，shape为（M,）；pertensor场景：每个
+            # tensor 2维或1维，shape为（g, 1）或（g,）"; "当g = M且perTokenScaleOptional的shape为（g,）时，x选择
+            # pertoken量化模式".
             if p is not None:
-                check_shape("per_token_scale[0]", p, (1,), (m,))
+                check_shape("per_token_scale[0]", p, (m,), (g,), (g, 1))
+            per_row = p is not None and tuple(p.shape) == (m,)
             b = decode(w, fw)
             out = torch.zeros(m, n, dtype=torch.float32)
             start = 0
             for i, size in enumerate(sizes):
                 rows = slice(start, start + size)
-                part = (a[rows] @ b[i]) * s[i].float()
+                part = (a[rows] @ b[i]) * self._weight_scale(s, i)
                 if p is not None:
-                    part = part * (p.float() if p.numel() == 1 else p[rows].float().reshape(-1, 1))
+                    part = part * (p[rows].float().reshape(-1, 1) if per_row else p.reshape(-1)[i].float())
                 out[rows] = part
                 start += size
         else:
@@ -199,30 +232,49 @@ class GroupedMatmulKernels:
             kw, n = w.shape
             if kw != k:
                 raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
+            # group_type 2 单单单: "仅支持x转置且weight不转置"
             check_layout("x[0]", x, ("col",))
             check_layout("weight[0]", w, ("row",))
             sizes = self._group_sizes_from_list(group_list, group_list_type, k, "columns of k")
             g = len(sizes)
-            check_shape("scale[0]", s, (1,), (g,))
+            self._check_weight_scale(s, g, n)
+            # perTokenScaleOptional, groupType 2: "pertoken场景：每个tensor 2维，shape为（g, M）；pertensor场景：每个
+            # tensor 2维或1维，shape为（g, 1）或（g,）"
             if p is not None:
-                check_shape("per_token_scale[0]", p, (1,), (g,))
+                check_shape("per_token_scale[0]", p, (g, m), (g,), (g, 1))
+            per_row = p is not None and tuple(p.shape) == (g, m) and m != 1
             b = decode(w, fw)
             out = torch.zeros(g, m, n, dtype=torch.float32)
             start = 0
             for i, size in enumerate(sizes):
                 cols = slice(start, start + size)
-                part = (a[:, cols] @ b[cols]) * s[i if s.numel() > 1 else 0].float()
+                part = (a[:, cols] @ b[cols]) * self._weight_scale(s, i)
                 if p is not None:
-                    part = part * p[i if p.numel() > 1 else 0].float()
+                    part = part * (p[i].float().reshape(-1, 1) if per_row else p.reshape(-1)[i].float())
                 out[i] = part
                 start += size
         return [out.to(out_dtype)]
 
+    @staticmethod
+    def _check_weight_scale(s: torch.Tensor, g: int, n: int) -> None:
+        """scaleOptional, groupType 0/2, weight单tensor: "perchannel场景：每个tensor 2维，shape为（g, N）；
+        pertensor场景：每个tensor 2维或1维，shape为（g, 1）或（g,）"."""
+        check_shape("scale[0]", s, (g,), (g, 1), (g, n))
+
+    @staticmethod
+    def _weight_scale(s: torch.Tensor, i: int) -> torch.Tensor:
+        """Group i's weight scale: a scalar (per tensor) or a row of n (per channel). For n = 1 the (g, 1) shape is
+        both; the document picks per tensor ("优先选择pertensor量化模式"), which is the same number."""
+        return s[i].float().reshape(-1)
+
     def _gmm_float(self, xs, ws, bias, group_list, split_item, group_type, group_list_type, out_dtype
                    ) -> list[torch.Tensor]:
-        """float16/bfloat16/float32 grouped GEMM (fp32 accumulation, output in x's dtype)."""
+        """float16/bfloat16 (float32 off the 950) grouped GEMM (fp32 accumulation, output in x's dtype)."""
         dtype = xs[0].dtype
-        check_dtype("x[0].dtype", dtype, FLOATS)
+        # Ascend 950: "x支持FLOAT8_E4M3FN、FLOAT8_E5M2、INT8、HIFLOAT8、FLOAT16、BFLOAT16、FLOAT4_E1M2、FLOAT4_E2M1"
+        # (no FLOAT32); the A2/A3 list has "FLOAT16、BFLOAT16、FLOAT32".
+        check_dtype("x[0].dtype", dtype, HALF_FLOATS if self.supports_fp8 else FLOATS)
+        # 非量化场景 table: x and weight of one dtype, out = x's dtype.
         for i, t in enumerate(xs):
             check_tensor(f"x[{i}]", t, (dtype,))
         for i, t in enumerate(ws):
@@ -230,10 +282,22 @@ class GroupedMatmulKernels:
             check_dims(f"weight[{i}]", t, 2, 3 if len(ws) == 1 else 2)
         if out_dtype is not None and out_dtype != dtype:
             raise NpuTypeError(f"output_dtype must be None or {dtype} for {dtype} inputs, got {out_dtype}")
-        bias_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+        if self.supports_fp8:
+            # 非量化场景 table: x BFLOAT16 -> bias "BFLOAT16/FLOAT32/null"; x FLOAT16 -> bias "FLOAT16/FLOAT32/null".
+            bias_dtypes: tuple = (dtype, torch.float32)
+        else:
+            # Off the 950 the simulator keeps its earlier rule (bfloat16 x: float32 bias, float16 x: float16 bias);
+            # the A2/A3 section only lists "biasOptional支持FLOAT16、FLOAT32、INT32" without the pairing.
+            bias_dtypes = (torch.float32,) if dtype == torch.bfloat16 else (dtype,)
         bs = check_list("bias", bias, len(ws)) if bias is not None else None
         for i, t in enumerate(bs or []):
-            check_tensor(f"bias[{i}]", t, (bias_dtype,))
+            check_tensor(f"bias[{i}]", t, bias_dtypes)
+        # "不同groupType约束": -1 (多多多) "仅支持splitItem为0/1"; 0 (单单单, 单多单, 多多单) "仅支持splitItem为2/3";
+        # 2 (单单单) "仅支持splitItem为2/3".
+        if group_type == -1:
+            check_choice("split_item", split_item, (0, 1), "with group_type -1")
+        elif group_type in (0, 2):
+            check_choice("split_item", split_item, (2, 3), f"with group_type {group_type}")
         single_w = len(ws) == 1 and ws[0].dim() == 3
         weights = list(ws[0].unbind(0)) if single_w else ws
         biases = (list(bs[0].unbind(0)) if single_w else bs) if bs is not None else [None] * len(weights)

@@ -15,6 +15,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     check_dtype,
     check_float,
     check_int,
+    check_none,
     check_same_device,
     check_shape,
     check_tensor,
@@ -35,15 +36,26 @@ from mindspeed_te.testing.npu_sim.dtypes import (
 )
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuValueError
 
-HIF8_DST_MAX = (0.0, 15.0, 56.0, 224.0, 32768.0)  # targets the HiF8 quantizers accept (CANN, Ascend 950)
+HIF8_DST_MAX = (0.0, 15.0, 56.0, 224.0, 32768.0)  # HiF8 targets of npu_dynamic_block_quant (aclnnDynamicBlockQuantV2)
+HIF8_DST_MAX_RANGE = (0.0, 32768.0)  # HiF8 target range of npu_dynamic_quant (aclnnDynamicQuantV4)
 BLOCK_ROWS = (1, 128, 256, 512)
 BLOCK_COLS = (64, 128, 192, 256)
+MAX_EXPERTS = 1024
 
 
 def decode_scale(amax: torch.Tensor, target: float) -> torch.Tensor:
     """amax / target in one IEEE division, at least 1/FLT_MAX; 1 for an all-zero group, NaN for a group
-    holding NaN/Inf (so it decodes to NaN). The wheel does not say what such groups get; this is the
-    library's convention (scaling.py: current_scale_inv, mark_nonfinite)."""
+    holding NaN/Inf (so it decodes to NaN).
+
+    The documents give only the formula -- aclnnDynamicQuantV4 "scaleOut=max_t(abs(x))/DTYPE_MAX,
+    yOut=round(x/scaleOut)", aclnnDynamicBlockQuantV2 "scaleOut = min(input_max / (FP8_MAX/HiF8_MAX/DST_TYPE_MAX
+    / INT8_MAX), 1/minScale)" -- and are silent on an all-zero group (the formula would give 0 and 0/0 = NaN
+    codes) and on NaN/Inf input (neither aclnnDynamicQuantV4.md nor aclnnDynamicBlockQuantV2.md mentions NaN or
+    Inf). So the choices below are NOT documented kernel behaviour: scale 1 for an all-zero group (its codes are
+    0 either way, and a 0 scale would turn into Inf scale_inv downstream) and a NaN scale for a group holding
+    NaN/Inf are the simulator's assumptions, taken from the library's convention (scaling.py:
+    current_scale_inv, mark_nonfinite), and the lower bound 1/FLT_MAX keeps the division finite. Tests must not
+    present them as the chip's behaviour."""
     finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
     scale = torch.div(finite, torch.full_like(finite, target)).clamp(min=1.0 / torch.finfo(torch.float32).max)
     return torch.where(finite > 0, scale, torch.ones_like(scale)) + amax * 0.0
@@ -58,19 +70,30 @@ class QuantizeKernels:
         """y = input / scales (div_mode), scales 1-D of size 1 or input.shape[axis], broadcast along `axis`.
         FP8 outputs are native float8 tensors (saturating cast, nearest-even); HiF8 codes come back as
         `torch.bits8` (view them as uint8), rounded half away from zero."""
+        # div_mode=True runs aclnnQuantize (op-plugin QuantizeKernelNpuOpApi.cpp, npu_quantize_by_kernel); the
+        # quotes are from aclnnQuantize.md (it lists the Ascend 950 as supported). x: "FLOAT32、FLOAT16、BFLOAT16",
+        # "1-8" dims.
         check_tensor("input", input, FLOATS)
+        check_dims("input", input, 1, 8)
         check_tensor("scales", scales)
         out = dtype_arg("dtype", dtype, required=True)
+        # torch_npu: "Param (dtype) must be Int8, UInt8, Int32, HiFloat8, Float8_e4m3fn, Float8_e5m2"
+        # (QUANTIZE_SUPPORT_MAP also takes qint8/quint8/qint32); quint4x2 is div_mode=False only.
         check_dtype("dtype", out, (*FP8_NATIVE, HIFLOAT8, torch.qint8, torch.quint8, torch.qint32,
                                     torch.int8, torch.uint8, torch.int32, torch.quint4x2))
         if out not in (*FP8_NATIVE, HIFLOAT8):
             raise NpuSimNotImplemented(f"dtype={dtype_name(out)}: only float8/HiF8 outputs are simulated")
+        # aclnnQuantize: "Atlas A2 ... Atlas A3 ...: 入参`dtype`仅支持取值ACL_INT8、ACL_UINT8、ACL_INT32。"
         self._require_fp8_soc(f"dtype={dtype_name(out)}")
+        # torch_npu docstring of npu_quantize: "div_mode为False时, 类型支持torch.qint8、torch.quint4x2."
         if div_mode is not True:
             raise NpuValueError("div_mode must be True for float8/HiF8 outputs (div_mode=False supports only "
                                 "torch.qint8 and torch.quint4x2)")
+        # axis: "支持范围为小于输入x的维度数且大于等于x维度数的负值。"
         dim = check_axis("axis", axis, input.dim())
-        scale_dtypes = (torch.float32, torch.bfloat16) if input.dtype == torch.float32 else (input.dtype,)
+        # scales: "FLOAT32、FLOAT16、BFLOAT16", 1 dim; "size需要为1或和输入x中axis轴的size相等。如果`x`的dtype不是
+        # FLOAT32，scales的dtype需要和`x`的dtype一致。"
+        scale_dtypes = FLOATS if input.dtype == torch.float32 else (input.dtype,)
         check_dtype("scales.dtype", scales.dtype, scale_dtypes)
         check_dims("scales", scales, 1, 1)
         check_shape("scales", scales, (1,), (input.shape[dim],))
@@ -92,20 +115,25 @@ class QuantizeKernels:
         column ("perchannel", input.shape[:-2] + input.shape[-1:]) or of the whole tensor ("pertensor", (1,)).
         dst_max = dst_type_max, or the format's max when 0. The wheel is silent on an all-zero group; the
         simulator gives it scale 1 (and y 0) and keeps scales >= 1/FLT_MAX, see `decode_scale`."""
+        # Quotes from aclnnDynamicQuantV4.md (Ascend 950PR/950DT only), which torch_npu calls for a non-zero
+        # dst_type_max or a quant_mode other than "pertoken" (DynamicQuantKernelNpuOpApi.cpp).
+        # x: "FLOAT16、BFLOAT16", "2-8" dims (torch_npu: "输入x的维度必须大于1").
         check_tensor("input", input, HALF_FLOATS)
-        if input.dim() < 2:
-            raise NpuValueError(f"input must have more than 1 dim, got shape {tuple(input.shape)}")
+        check_dims("input", input, 2, 8)
         out = dtype_arg("dst_type", dst_type) or torch.int8
+        # dstType: "{2:INT8, 3:INT32, 29:INT4, 34:HIFLOAT8, 35:FLOAT8_E5M2, 36:FLOAT8_E4M3FN}"
         check_dtype("dst_type", out, (torch.int8, torch.quint4x2, *FP8_NATIVE, HIFLOAT8))
         if out not in (*FP8_NATIVE, HIFLOAT8):
             raise NpuSimNotImplemented(f"dst_type={dtype_name(out)}: only float8/HiF8 outputs are simulated")
         self._require_fp8_soc(f"dst_type={dtype_name(out)}")
+        # quantMode: "当前支持"pertoken"、"pertensor"和"perchannel"。"
         check_choice("quant_mode", quant_mode, ("pertoken", "pertensor", "perchannel"))
-        target = self._dst_type_max(out, dst_type_max)
+        target = self._dynamic_quant_target(out, dst_type_max)
         x = input.float()
         if smooth_scales is not None:
-            x = x * self._smooth_factor(input, smooth_scales, group_index)
+            x = x * self._smooth_factor(input, smooth_scales, group_index, quant_mode)
         elif group_index is not None:
+            # groupIndexOptional: "groupIndexOptional非nullptr时，smoothScalesOptional必须非nullptr。"
             raise NpuValueError("group_index needs smooth_scales")
         if quant_mode == "pertoken":
             amax = x.abs().amax(dim=-1, keepdim=True)
@@ -115,13 +143,31 @@ class QuantizeKernels:
             amax = x.abs().amax().reshape([1] * x.dim())
         scale = decode_scale(amax, target)
         y = encode(x / scale, out)
+        # scaleOut: "quantMode是pertoken时，shape为x的shape剔除最后一维。quantMode是pertensor时，shape为(1,)。
+        # quantMode是perchannel时，shape为x的shape剔除倒数第二维。"
         shape = {"pertoken": input.shape[:-1], "perchannel": input.shape[:-2] + input.shape[-1:],
                  "pertensor": (1,)}[quant_mode]
         return y, scale.reshape(shape)
 
     @staticmethod
+    def _dynamic_quant_target(out: Dtype, dst_type_max: Any) -> float:
+        """npu_dynamic_quant's target max: dst_type_max, or the format's max when 0."""
+        value = check_float("dst_type_max", dst_type_max)
+        # aclnnDynamicQuantV4, dstTypeMax: "当前支持取值0 ~ 32768。仅在dstType为34（hifloat8）场景下生效。"
+        if out == HIFLOAT8:
+            lo, hi = HIF8_DST_MAX_RANGE
+            if not lo <= value <= hi:
+                raise NpuValueError(f"dst_type_max must be in [{lo}, {hi}] for HiF8 output, got {value}")
+        elif value != 0.0:
+            # The document says the value has no effect for FP8 outputs; the simulator refuses a non-zero one
+            # (stricter than the document) because a caller passing it expects an effect it will not get.
+            raise NpuValueError(f"dst_type_max must be 0 for {dtype_name(out)} output (it only applies to HiF8), "
+                                f"got {value}")
+        return value or format_max(out)
+
+    @staticmethod
     def _dst_type_max(out: Dtype, dst_type_max: Any) -> float:
-        """The target max: dst_type_max, or the format's max when 0. Only HiF8 takes other values than 0."""
+        """npu_dynamic_block_quant's target max: dst_type_max, or the format's max when 0."""
         value = check_float("dst_type_max", dst_type_max)
         # aclnnDynamicBlockQuantV2: "dstTypeMax: 当前只支持目标数据类型为HIFLOAT8，且可选取值为0.0，15.0，56.0，
         # 224.0，32768.0; 0.0表示使用数据类型原始的最大值。"
@@ -132,20 +178,38 @@ class QuantizeKernels:
         return value or format_max(out)
 
     @staticmethod
-    def _smooth_factor(x: torch.Tensor, smooth: torch.Tensor, group_index: Optional[torch.Tensor]
-                       ) -> torch.Tensor:
-        """smooth_scales broadcast over x's rows (a (G, n) table applied by group_index row ranges)."""
+    def _smooth_factor(x: torch.Tensor, smooth: torch.Tensor, group_index: Optional[torch.Tensor],
+                       quant_mode: str) -> torch.Tensor:
+        """smooth_scales broadcast over x's rows (a (G, n) table applied by group_index row ranges), or over
+        its columns' rows in the perchannel mode."""
+        # aclnnDynamicQuantV4, smoothScalesOptional dtype: "和x保持一致。"
         check_tensor("smooth_scales", smooth, (x.dtype,))
         n = x.shape[-1]
+        if quant_mode == "perchannel":
+            # "在perchannel场景下，shape大小是x的倒数第二维的大小。" and quantMode: "当quantMode取"pertensor"或
+            # "perchannel"时，groupIndexOptional必须是nullptr。"
+            check_none("group_index", group_index, f"with quant_mode {quant_mode!r}")
+            check_shape("smooth_scales", smooth, (x.shape[-2],))
+            return smooth.float().reshape(-1, 1)
         if group_index is None:
+            # "在pertoken/pertensor场景下，当没有groupIndexOptional时，shape维度是x的最后一维。"
             check_shape("smooth_scales", smooth, (n,))
             return smooth.float()
+        if quant_mode == "pertensor":
+            check_none("group_index", group_index, f"with quant_mode {quant_mode!r}")
+        # groupIndexOptional: "INT32", "shape只支持一维，且维度大小等于smoothScalesOptional的第一维。"
         check_tensor("group_index", group_index, (torch.int32,))
+        # "当有groupIndexOptional时，shape是两维，第一维的大小对应专家数，其值不能超过1024，第二维的大小等于x的
+        # 最后一维的大小。"
         check_dims("smooth_scales", smooth, 2, 2)
         check_shape("smooth_scales", smooth, (smooth.shape[0], n))
+        if smooth.shape[0] > MAX_EXPERTS:
+            raise NpuValueError(f"smooth_scales may hold at most {MAX_EXPERTS} experts, got {smooth.shape[0]}")
         check_shape("group_index", group_index, (smooth.shape[0],))
         rows = x.numel() // n
         ends = group_index.tolist()
+        # 约束说明: "groupIndexOptional的值需要是一组不小于零且非递减的数组，且最后一个值和x剔除最后一维的各个维度乘积
+        # 相等。若不满足该条件，结果无实际意义。" (the kernel computes garbage; the simulator refuses)
         if any(b < a for a, b in zip([0] + ends, ends)) or ends[-1] != rows:
             raise NpuValueError(f"group_index must be non-decreasing and end at the row count {rows}, got {ends}")
         counts = torch.tensor([b - a for a, b in zip([0] + ends, ends)])
@@ -201,25 +265,37 @@ class QuantizeKernels:
         e = ceil(log2(max(amax, max_low_bound) / fmt_max)). Scale bytes b = e + 127 in [0, 254] (0xFF for a
         non-finite amax), returned as uint8 with `axis` replaced by ceil(blocks / 2) and a trailing dim of 2
         holding blocks (2i, 2i + 1): (m, ceil(k/64), 2) for axis=-1 of (m, k), (ceil(k/64), n, 2) for axis=0."""
+        # torch_npu runs aclnnDynamicMxQuantV3 (V2/V1 on older CANN; DynamicMxQuantKernelNpuOpApi.cpp); quotes from
+        # aclnnDynamicMxQuantV3.md / aclnnDynamicMxQuant.md, which list only the Ascend 950PR/950DT as supported.
         self._require_fp8_soc("npu_dynamic_mx_quant")
+        # x: "FLOAT16、BFLOAT16、FLOAT", "1-7" dims.
         check_tensor("input", input, FLOATS)
         check_dims("input", input, 1, 7)
+        # axis: "取值范围为[-D, D-1]，D为x的shape的维数。"
         dim = check_axis("axis", axis, input.dim())
         out = dtype_arg("dst_type", dst_type, required=True)
+        # dstType: "{35:FLOAT8_E5M2, 36:FLOAT8_E4M3FN, 40:FLOAT4_E2M1, 41:FLOAT4_E1M2}"
         check_dtype("dst_type", out, (*FP8_NATIVE, *FP4))
         if out in FP4:
             raise NpuSimNotImplemented(f"dst_type={dtype_name(out)}: only FP8 outputs are simulated")
+        # roundModeOptional: "当dstType为36/35时，仅支持{"rint"}。"
         if round_mode != "rint":
             raise NpuValueError(f"round_mode must be 'rint' for FP8 output, got {round_mode!r}")
+        # blocksize: "仅支持32的倍数，不能为0，且不能超过1024。"
         check_int("block_size", block_size)
         if not (0 < block_size <= 1024 and block_size % 32 == 0):
             raise NpuValueError(f"block_size must be a multiple of 32 in [32, 1024], got {block_size}")
+        # scaleAlg (V3): 0 or 1 for FP8 ("场景2，当scaleAlg为1时，只涉及FP8类型"; "场景3，当scaleAlg为2时，只涉及
+        # FP4_E2M1类型").
         check_choice("scale_alg", check_int("scale_alg", scale_alg), (0, 1), "for FP8 output")
+        # dstTypeMax: "支持取值0.0和6.0-12.0 ... 仅支持在FP4E2M1和blocksize取32时设置该值"
         if check_float("dst_type_max", dst_type_max) != 0.0:
             raise NpuValueError(f"dst_type_max must be 0 for FP8 output, got {dst_type_max}")
+        # maxLowBound: "仅当scaleAlg=1时生效，scaleAlg不为1时必须为0.0。取值为非负数。"
         bound = check_float("max_low_bound", max_low_bound)
         if bound < 0 or (scale_alg != 1 and bound != 0.0):
             raise NpuValueError(f"max_low_bound must be >= 0, and 0 unless scale_alg is 1; got {bound}")
+        # x: "x的类型为FLOAT时，仅支持blocksize=32，且量化轴的维度不能小于32。"
         if input.dtype == torch.float32 and (block_size != 32 or input.shape[dim] < 32):
             raise NpuValueError("float32 input needs block_size 32 and at least 32 elements along axis")
         return self._mx_quantize(input, dim, out, block_size, scale_alg, bound)
@@ -265,13 +341,21 @@ class QuantizeKernels:
         code = self._mx_scale_bytes(amax.clamp(min=bound) if scale_alg == 1 else amax, out, scale_alg)
         inv = torch.exp2(127.0 - code.double()).repeat_interleave(block_size, dim=-1)[..., :n]
         y = encode(x.double() * inv, out).movedim(-1, dim)  # x * 2^-e is exact in float64: one rounding
+        # mxscaleOut: "shape在axis轴上为x对应轴的值除以blocksize向上取整，并对其进行偶数pad，pad填充值为0。当axis
+        # 为非尾轴时，mxscaleOut输出需要对每两行数据进行交织处理。"
         code = torch.nn.functional.pad(code, (0, blocks % 2))  # pairs of blocks; the odd one out pads with 0
         pairs = code.to(torch.uint8).reshape(*code.shape[:-1], -1, 2).movedim(-2, dim)
         return y.contiguous(), pairs.contiguous()
 
     @staticmethod
     def _mx_scale_bytes(amax: torch.Tensor, out: Dtype, scale_alg: int) -> torch.Tensor:
-        """E8M0 byte per block (int64): OCP floor rule (0) or round-up rule (1), clamped to [0, 254]."""
+        """E8M0 byte per block (int64): OCP floor rule (0) or round-up rule (1), clamped to [0, 254].
+
+        aclnnDynamicMxQuant: scaleAlg 0 "shared_exp = floor(log_2(max_i(|V_i|))) - emax"; scaleAlg 1
+        "S = Amax(D)/Amax(DType)" with the exponent rounded up. The documents are silent on an all-zero block
+        (log2(0)), on exponents outside E8M0's range and on NaN/Inf input: byte 0 (2^-127) for a zero block, the
+        clamp to [0, 254] and 0xFF (E8M0's NaN) for a non-finite amax are the simulator's assumptions (the OCP MX
+        specification's choices), not documented kernel behaviour."""
         fmt_max = format_max(out)
         a = amax.double()
         if scale_alg == 0:

@@ -118,8 +118,13 @@ class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """y = input * rstd * gamma over the trailing gamma.dim() dims, in float32, returned in input's dtype;
         rstd = 1 / sqrt(mean(input^2) + epsilon), float32 of shape input.shape[:-gamma.dim()] + (1,) * gamma.dim()."""
+        # aclnnRmsNorm.md, "各平台支持数据类型说明" (A2, A3, Ascend 950PR/950DT): x FLOAT16 with gamma FLOAT32 or
+        # FLOAT16, x BFLOAT16 with gamma FLOAT32 or BFLOAT16, x FLOAT32 with gamma FLOAT32; y in x's dtype, rstd
+        # FLOAT32.
         check_tensor("input", input, FLOATS)
-        check_tensor("gamma", gamma, (input.dtype,))
+        check_tensor("gamma", gamma, (input.dtype, torch.float32))
+        # torch_npu doc: self "shape支持2-8维度"; aclnnRmsNorm: gamma "1-8" dims, "shape需要满足gamma_shape =
+        # x_shape[n:], n < x_shape.dims()".
         check_dims("input", input, 2, 8)
         check_dims("gamma", gamma, 1, input.dim())
         if tuple(gamma.shape) != tuple(input.shape[input.dim() - gamma.dim():]):
@@ -129,7 +134,13 @@ class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc
         dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
         x = input.float()
         rstd = torch.rsqrt(x.square().mean(dim=dims, keepdim=True) + eps)
-        return (x * rstd * gamma.float()).to(input.dtype), rstd
+        y = x * rstd * gamma.float()
+        # aclnnRmsNorm 约束说明 (A2, A3, Ascend 950PR/950DT): "当输入是Inf时，输出为Inf。当输入是NaN时，输出为NaN。"
+        # NaN propagates through the formula; an Inf element would give Inf * rstd(= 0) = NaN, so it is set to
+        # x * gamma (Inf with gamma's sign). The document says nothing of the finite elements of such a row
+        # (here x * 0 = 0).
+        y = torch.where(torch.isinf(x), x * gamma.float(), y)
+        return y.to(input.dtype), rstd
 
 
 def make_simulator(soc_name: str = "Ascend950PR") -> NpuSimulator:
