@@ -21,6 +21,7 @@ from mindspeed_te.megatron import (
     TECudaRNGStatesTracker,
     TEDelayedScaling,
     TEDotProductAttention,
+    TEFusedMLP,
     TEGroupedLinear,
     TELayerNormColumnParallelLinear,
     TELinear,
@@ -59,6 +60,9 @@ TE_CLASSES = {
     "get_cpu_offload_context": get_cpu_offload_context,
 }
 
+# Classes the extension sets to None without TE (so their importers are not rebound by identity).
+TE_OPTIONAL_CLASSES = {"TEFusedMLP": TEFusedMLP}
+
 # Functions the extension defines only when TE imports (absent otherwise, so they are added).
 TE_FUNCTIONS = {
     "fused_apply_rotary_pos_emb": fused_apply_rotary_pos_emb,
@@ -80,7 +84,7 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
     # --apply-rope-fusion (Megatron's default with RoPE) calls these; without TE they are None there.
     "megatron.core.models.common.embeddings.rope_utils": (
         ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"), False),
-    "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider"), True),
+    "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider", "TEFusedMLP"), True),
     # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
     "megatron.core.transformer.transformer_block": (
         ("TENorm", "LayerNormImpl", "get_cpu_offload_context", "te_checkpoint"), False),
@@ -97,7 +101,9 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
 
 # megatron.core.fp8_utils functions whose no-TE versions would refuse or ignore our quantized parameters.
 FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_storage", "quantize_param_shard",
-                   "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules")
+                   "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules", "_wrap_te_linear_for_padding")
+# The linears Megatron's FP8 inference padding wraps (empty without TE).
+TE_LINEAR_TYPES = (TELinear, TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear)
 
 
 def register_megatron_te(registry: PatchRegistry) -> None:
@@ -107,10 +113,11 @@ def register_megatron_te(registry: PatchRegistry) -> None:
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
     extension = importlib.import_module(EXTENSION)
-    replacements = dict(TE_CLASSES, **TE_FUNCTIONS, TESpecProvider=TESpecProvider, LayerNormImpl=TENorm)
+    replacements = dict(TE_CLASSES, **TE_OPTIONAL_CLASSES, **TE_FUNCTIONS, TESpecProvider=TESpecProvider,
+                        LayerNormImpl=TENorm)
     for name, replacement in TE_CLASSES.items():
         registry.register(f"{EXTENSION}.{name}", replacement)
-    for name, replacement in TE_FUNCTIONS.items():
+    for name, replacement in {**TE_OPTIONAL_CLASSES, **TE_FUNCTIONS}.items():
         registry.register(f"{EXTENSION}.{name}", replacement, create=True)
     for module, (names, raise_flag) in IMPORTERS.items():
         for name in names:
@@ -122,4 +129,5 @@ def register_megatron_te(registry: PatchRegistry) -> None:
     registry.register("megatron.core.fp8_utils.get_fp8_context", get_fp8_context)
     for name in FP8_PARAM_HOOKS:  # --fp8-param-gather and FP8 inference on our quantized parameters
         registry.register(f"megatron.core.fp8_utils.{name}", getattr(fp8_params, name), create=True)
+    registry.register("megatron.core.fp8_utils.TE_LINEAR_TYPES", TE_LINEAR_TYPES)
     registry.register("megatron.core.utils._te_version", Version(TE_API_VERSION))

@@ -3,9 +3,10 @@
 MEGATRON_LM_PATH; skipped without it.
 
 The selection covers attention (sbhd, packed thd with fused RoPE, checkpointed), the transformer layer, the
-TE MoE layer (grouped GEMMs, all-gather / all-to-all dispatchers, recompute, fp16) and multi-token prediction
-in FP8. Tests in these files that need more ranks than one (world size 2-8) are left out of the verdict;
-every other selected test must pass."""
+TE MoE layer (grouped GEMMs, all-gather / all-to-all dispatchers, recompute, fp16), multi-token prediction
+in FP8 and FP8 inference padding. Tests in these files that need more ranks than one (world size 2-8) are left
+out of the verdict; every other selected test must pass. Megatron's test_fp8_param.py and
+dist_checkpointing/test_fp8.py import TransformerEngine itself and are not run."""
 from __future__ import annotations
 
 import os
@@ -34,6 +35,8 @@ SELECTION = [
     UNIT + "moe/test_grouped_mlp.py::TestTEGroupedMLP",
     UNIT + "test_multi_token_prediction.py::TestMultiTokenPrediction::test_fp8_support",
     UNIT + "test_multi_token_prediction.py::TestMultiTokenPrediction::test_packed_sequences",
+    # FP8 inference padding of the TE linears (the file's other test patches transformer_engine itself).
+    "tests/unit_tests/test_fp8_utils.py::TestFP8Padding::test_prepare_model_for_fp8_inference_basic",
 ]
 # What a single CPU process cannot run: Megatron's harness asks for these parallel sizes.
 NEEDS_MORE_RANKS = ("is not divisible by", "requires world_size")

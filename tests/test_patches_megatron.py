@@ -17,7 +17,7 @@ from mindspeed_te import FP8GlobalStateManager  # noqa: E402
 from mindspeed_te.patches.device_cpu import register_device_cpu  # noqa: E402
 from mindspeed_te.patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
 from mindspeed_te.patches.registry import PatchRegistry  # noqa: E402
-from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
+from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
 
 
@@ -71,6 +71,53 @@ def test_gpt_layer_specs_use_our_modules(patched):
                                                         ours.TERowParallelGroupedLinear)
     shared = moe.submodules.shared_experts.submodules
     assert (shared.linear_fc1, shared.linear_fc2) == (ours.TEColumnParallelLinear, ours.TERowParallelLinear)
+
+
+def _fused_and_plain_mlp(rank: int, world_size: int) -> dict:
+    """TEFusedMLP and Megatron's MLP built from the TE spec with the same parameters, on one gloo rank."""
+    warnings.filterwarnings("ignore")
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    registry.apply()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mindspeed_te import megatron as ours
+
+    parallel_state.initialize_model_parallel(1, 1)
+    fused_spec = get_gpt_layer_with_transformer_engine_spec(use_te_op_fuser=True).submodules.mlp
+    plain_spec = get_gpt_layer_with_transformer_engine_spec().submodules.mlp
+    config = _config()
+    torch.manual_seed(0)
+    fused, plain = build_module(fused_spec, config=config), build_module(plain_spec, config=config)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    outputs = {}
+    for name, mlp in (("fused", fused), ("plain", plain)):
+        y, _ = mlp(x)
+        outputs[name] = (y.detach(), torch.autograd.grad(y.square().sum(), x)[0])
+    try:
+        build_module(ours.TEFusedMLP, config=config, submodules=MLPSubmodules(
+            linear_fc1=ours.TEColumnParallelLinear, linear_fc2=ours.TERowParallelLinear))
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    parallel_state.destroy_model_parallel()
+    return {"types": (fused_spec.module is ours.TEFusedMLP, plain_spec.module is MLP, type(fused).__name__),
+            "keys": (list(fused.state_dict()), list(plain.state_dict())), "outputs": outputs, "refusal": refusal}
+
+
+def test_te_op_fuser_spec_builds_a_fused_mlp_equal_to_the_plain_mlp():
+    """`use_te_op_fuser=True` picks TEFusedMLP: the state dict keys of Megatron's MLP from the same spec and,
+    with the same parameters, its output and input gradient bit for bit (TE's fuser computes the unfused MLP)."""
+    result = run_distributed(_fused_and_plain_mlp, 1)[0]
+    assert result["types"] == (True, True, "TEFusedMLP")
+    assert result["keys"][0] == result["keys"][1]
+    for fused, plain in zip(result["outputs"]["fused"], result["outputs"]["plain"]):
+        torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+    assert "TEFusedMLP expects linear_fc1 to be TELayerNormColumnParallelLinear" in result["refusal"]
 
 
 def test_bert_and_t5_specs_see_te_and_use_our_modules(patched):
@@ -334,3 +381,39 @@ def test_a_second_full_registry_is_refused_by_name():
             build_registry().apply()
     finally:
         first.revert()
+
+
+@pytest.mark.parametrize("recipe,alignment", [(Float8CurrentScaling(fp8_format=Format.HIF8), 16),
+                                              (MXFP8BlockScaling(), 32)])
+def test_fp8_inference_padding_wraps_the_te_linears(patched, recipe, alignment):
+    """Megatron's `prepare_model_for_fp8_inference` (patched to ours) wraps the TE linears named by
+    `fp8_utils.TE_LINEAR_TYPES`: under FP8 the layer sees the tokens padded to the GEMM alignment, and the
+    caller gets exactly the rows it would get from the layer run on the zero-padded input itself."""
+    from megatron.core import fp8_utils
+
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.megatron import TELinear
+
+    layer = TELinear(64, 64, parallel_mode="duplicated", config=_config(), init_method=torch.nn.init.normal_,
+                     bias=True, skip_bias_add=False, skip_weight_param_allocation=False, tp_group=None)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model = torch.nn.ModuleDict({"te": layer, "plain": plain})
+    unwrapped, plain_forward, seen = layer.forward, plain[0].forward, []
+
+    def recording_forward(inp, *args, **kwargs):  # the layer's own forward, noting how many tokens it gets
+        seen.append(inp.shape[0])
+        return unwrapped(inp, *args, **kwargs)
+
+    layer.forward = recording_forward
+    assert fp8_utils.prepare_model_for_fp8_inference(model) is model
+    assert layer in fp8_utils._fp8_inference_wrapped_modules and plain[0].forward == plain_forward
+    x = torch.randn(10, 2, 64)
+    with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+        padded = torch.cat([x, x.new_zeros(alignment - 10, 2, 64)])
+        expected, _ = unwrapped(padded)
+        out, _ = layer(x)
+    assert seen == [alignment] and out.shape == (10, 2, 64)
+    torch.testing.assert_close(out, expected[:10], rtol=0, atol=0)
+    with torch.no_grad():  # outside FP8 nothing is padded
+        out, _ = layer(x)
+    assert seen[-1] == 10

@@ -16,12 +16,13 @@ from mindspeed_te.megatron.misc import (
     get_cpu_offload_context,
     te_checkpoint,
 )
+from mindspeed_te.megatron.mlp import TEFusedMLP
 from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear, TENorm
 
 __all__ = [
     "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear", "TENorm",
     "TEDelayedScaling", "Fp8Padding", "Fp8Unpadding", "TECudaRNGStatesTracker", "get_cpu_offload_context",
     "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
-    "TERowParallelGroupedLinear",
+    "TERowParallelGroupedLinear", "TEFusedMLP",
     "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
 ]

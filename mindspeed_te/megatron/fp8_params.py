@@ -24,7 +24,7 @@ from mindspeed_te.quantizers import _quantize_tiles
 from mindspeed_te.state import FP8GlobalStateManager
 
 __all__ = ["is_float8tensor", "is_mxfp8tensor", "modify_underlying_storage", "quantize_param_shard",
-           "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules"]
+           "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules", "_wrap_te_linear_for_padding"]
 
 
 def is_float8tensor(tensor: torch.Tensor) -> bool:
@@ -118,11 +118,16 @@ def _token_alignment() -> int:
     return 32 if isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling) else 16
 
 
-def _wrap_for_padding(module: torch.nn.Module) -> None:
+def _wrap_te_linear_for_padding(module: torch.nn.Module) -> None:
+    """Megatron's name: make `module`'s forward pad the token dimension when it will run quantized."""
+    if module in _fp8_inference_wrapped_modules:
+        return
     forward = module.forward
 
     def padded_forward(inp: torch.Tensor, *args, **kwargs):
-        if not module.will_execute_quantized(FP8GlobalStateManager.is_fp8_enabled()):
+        enabled = FP8GlobalStateManager.is_fp8_enabled()
+        quantized = module.will_execute_quantized(enabled) if hasattr(module, "will_execute_quantized") else enabled
+        if not quantized:
             return forward(inp, *args, **kwargs)
         if getattr(module, "sequence_parallel", False):
             raise NotImplementedError("FP8 inference padding with sequence parallelism is not supported; run "
@@ -140,11 +145,12 @@ def _wrap_for_padding(module: torch.nn.Module) -> None:
 
 
 def prepare_model_for_fp8_inference(model: torch.nn.Module) -> torch.nn.Module:
-    """Make every mindspeed_te linear of `model` pad its token (first) dimension to the FP8 GEMM alignment
-    (16 rows, 32 for MXFP8) and drop the padding from its output, so inference runs on any sequence length."""
-    from mindspeed_te.modules.linear import Linear
+    """Make every TE linear of `model` (Megatron's `fp8_utils.TE_LINEAR_TYPES`, which the patches set to ours)
+    pad its token (first) dimension to the FP8 GEMM alignment (16 rows, 32 for MXFP8) and drop the padding from
+    its output, so inference runs on any sequence length."""
+    from megatron.core import fp8_utils
 
     for module in model.modules():
-        if isinstance(module, Linear) and module not in _fp8_inference_wrapped_modules:
-            _wrap_for_padding(module)
+        if isinstance(module, fp8_utils.TE_LINEAR_TYPES):
+            _wrap_te_linear_for_padding(module)
     return model
