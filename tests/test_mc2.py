@@ -4,15 +4,12 @@ MXFP8; other FP8 recipes fall back to separate collectives."""
 import os
 import warnings
 
-import pytest
 import torch
 
 from tests.dist_utils import run_distributed
 
-S, B, K, N = 16, 2, 64, 96
-K_RANGE_RULE = ("aclnnAllGatherMatmulV2/aclnnMatmulReduceScatterV2 (Ascend 950) and the torch_npu docs: k must "
-                "be in [256, 65535); mindspeed_te/ops/mc2.py calls npu_all_gather_base_mm with k = 64 (bf16) and "
-                "128 (MXFP8) instead of falling back to separate collectives")
+# Both weight dims per rank within the fused kernels' contraction range [256, 65535) in every layout.
+S, B, K, N = 16, 2, 512, 512
 LAYOUTS = [("column", True), ("row", True), ("row", False)]
 
 
@@ -62,23 +59,24 @@ def _worker(rank: int, world: int) -> dict:
             with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
                 layer(x_full.chunk(world, 2)[rank].bfloat16())
     out["fp8"] = ([str(w.message) for w in caught if "mc2" in str(w.message)], dict(sim.launch_counts))
-    # MXFP8 whose weight is too narrow per rank for paired E8M0 scales (row: K/2 = 32): warned, separate
-    # collectives (this is Megatron's attention projection in a small model).
+    # Layers the fused kernels cannot take warn once and use separate collectives: MXFP8 whose weight dim per
+    # rank is no multiple of 64 (E8M0 scales go in pairs; row: 576/2 = 288), and any weight dim per rank
+    # outside [256, 65535) (row: 64/2 = 32, Megatron's projections in a small model), in high precision too.
     from mindspeed_te import MXFP8BlockScaling
 
-    layer = Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=group, use_ascend_mc2=True,
-                   params_dtype=torch.bfloat16)
-    sim.reset_counts()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
-            y = layer(x_full.chunk(world, 2)[rank].bfloat16())
-    out["mx_narrow"] = ([str(w.message) for w in caught if "mc2" in str(w.message)], dict(sim.launch_counts),
-                        tuple(y.shape))
+    for name, k, recipe in (("mx_odd", 576, MXFP8BlockScaling()), ("small", 64, None)):
+        layer = Linear(k, N, parallel_mode="row", sequence_parallel=True, tp_group=group, use_ascend_mc2=True,
+                       params_dtype=torch.bfloat16)
+        sim.reset_counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+                y = layer(torch.randn(S, B, k // world, generator=g).bfloat16())
+        out[name] = ([str(w.message) for w in caught if "mc2" in str(w.message)], dict(sim.launch_counts),
+                     tuple(y.shape))
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=K_RANGE_RULE)
 def test_mc2_matches_separate_collectives():
     results = run_distributed(_worker, 2)
     for res in results:
@@ -97,8 +95,11 @@ def test_mc2_matches_separate_collectives():
         messages, kernels = res["fp8"]
         assert len(messages) == 1 and "other FP8 recipes" in messages[0]
         assert "npu_mm_reduce_scatter_base" not in kernels and kernels.get("npu_quant_matmul", 0) == 2
-        messages, kernels, shape = res["mx_narrow"]
-        assert len(messages) == 1 and "divisible by 64" in messages[0] and "(96, 32)" in messages[0]
+        messages, kernels, shape = res["mx_odd"]
+        assert len(messages) == 1 and "divisible by 64" in messages[0] and "(512, 288)" in messages[0]
+        assert "npu_mm_reduce_scatter_base" not in kernels and shape == (S // 2, B, N)
+        messages, kernels, shape = res["small"]
+        assert len(messages) == 1 and "in [256, 65535)" in messages[0] and "(512, 32)" in messages[0]
         assert "npu_mm_reduce_scatter_base" not in kernels and shape == (S // 2, B, N)
 
 
@@ -113,7 +114,7 @@ def _mx_worker(rank: int, world: int) -> dict:
     sim = make_simulator()
     npu_kernels.get_npu_backend = lambda: NpuBackend(sim)
     group = torch.distributed.new_group(list(range(world)))
-    s, k, n = 64, 128, 128
+    s, k, n = 64, 512, 512
     g = torch.Generator().manual_seed(1)
     w_full, x_full, dy_full = (torch.randn(n, k, generator=g) * 0.1, torch.randn(s, 1, k, generator=g),
                                torch.randn(s, 1, n, generator=g))
@@ -137,7 +138,6 @@ def _mx_worker(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=K_RANGE_RULE)
 def test_mc2_mxfp8_matches_separate_collectives():
     for res in run_distributed(_mx_worker, 2):
         for mode in ("column", "row"):

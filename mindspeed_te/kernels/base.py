@@ -24,9 +24,12 @@ class Capabilities:
 
     fused_communication_gemm: all-gather + matmul, matmul + reduce-scatter and matmul + all-reduce as single
         kernels (`--use-ascend-mc2`), in high precision and MXFP8.
+    fused_communication_k_range: the contraction sizes [low, high) the all-gather + matmul and matmul +
+        reduce-scatter kernels take.
     """
 
     fused_communication_gemm: bool = False
+    fused_communication_k_range: tuple[int, int] = (0, 0)
 
 
 class KernelBackend(ABC):

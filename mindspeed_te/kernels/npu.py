@@ -88,7 +88,8 @@ class NpuBackend(ReferenceBackend):
     """Dispatches quantize and GEMM to torch_npu kernels; everything else is the reference emulation."""
 
     name = "npu"
-    capabilities = Capabilities(fused_communication_gemm=True)
+    # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"
+    capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535))
 
     def __init__(self, torch_npu: Any) -> None:
         self.npu = torch_npu

@@ -149,19 +149,24 @@ class Linear(FP8ModuleBase):
     def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
         """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
         sequence parallelism) MXFP8; otherwise separate collectives (warned once, with the reason)."""
-        fused = get_backend(device).capabilities.fused_communication_gemm
-        if not self.use_ascend_mc2 or self.tp_size == 1 or not fused or isinstance(self.weight, QuantizedTensor):
+        capabilities = get_backend(device).capabilities
+        if (not self.use_ascend_mc2 or self.tp_size == 1 or not capabilities.fused_communication_gemm
+                or isinstance(self.weight, QuantizedTensor)):
             return False
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
-        if not quantized:
-            return True
-        if not (isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling) and self.sequence_parallel):
+        shape, (low, high) = tuple(self.weight.shape), capabilities.fused_communication_k_range
+        if quantized and not (isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling)
+                              and self.sequence_parallel):
             reason = "runs in high precision and, with sequence parallelism, MXFP8; other FP8 recipes"
+        elif self.sequence_parallel and not all(low <= dim < high for dim in shape):
+            # the forward and the backward fused GEMM each contract over one weight dim
+            reason = f"needs both weight dims per rank in [{low}, {high}) (got {shape}); this layer"
+        elif not quantized:
+            return True
         elif self.weight.shape[0] % 64 or self.weight.shape[1] % 64:
             # the fused kernels take E8M0 scales in pairs along each GEMM's contraction dim
-            reason = (f"with MXFP8 needs both weight dims per rank divisible by 64 (got "
-                      f"{tuple(self.weight.shape)}); this layer")
+            reason = f"with MXFP8 needs both weight dims per rank divisible by 64 (got {shape}); this layer"
         else:
             return True
         if not self._mc2_warned:
