@@ -35,7 +35,7 @@ from mindspeed_te.quantizers import (
     Quantizer,
     record_nonfinite,
 )
-from mindspeed_te.scaling import mark_nonfinite
+from mindspeed_te.scaling import e8m0_decode, mark_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -163,7 +163,11 @@ class NpuBackend(ReferenceBackend):
     def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
                          ) -> Optional[Float8BlockwiseQTensorStorage]:
         dst_max = self._dst_type_max(q.fp8_dtype, q.target_max)
-        if x.dtype not in _HALF or dst_max is None or q.power_2_scale or q.amax_epsilon != 0 or q.block_len != 128:
+        if dst_max is None or q.amax_epsilon != 0 or q.block_len != 128:
+            return None
+        if q.power_2_scale:
+            return self._quantize_blocks_pow2(q, x, x2d)
+        if x.dtype not in _HALF:
             return None
         rows = 1 if q.block_scaling_dim == 1 else 128
         kwargs = dict(round_mode="round" if q.fp8_dtype is FP8Dtype.HIF8 else "rint",
@@ -176,6 +180,64 @@ class NpuBackend(ReferenceBackend):
         if q.columnwise_usage and q.block_scaling_dim == 1:
             out.columnwise_data, out.columnwise_scale_inv = self.npu.npu_dynamic_block_quant(x2d.t(), **kwargs)
         return out
+
+    # Power-of-2 block scales (TE's default). npu_dynamic_block_quant has no power-of-2 option (its scale is
+    # amax / dst_max), but npu_dynamic_mx_quant with scale_alg=1 computes, per block along one axis, the E8M0
+    # scale 2^ceil(log2(amax / fmt_max)) -- the decode scale of TE's power-of-2 rule -- and casts x / scale
+    # (aclnnDynamicMxQuantV3: "为保证量化时不溢出，对指数进行向上取整"). Its blocks may be 128 long for float16 /
+    # bfloat16 ("仅支持32的倍数，不能为0，且不能超过1024"), only 32 for float32 ("当x的类型为FLOAT时，blocksize必须
+    # 为32"); a 128-tile's exponent is then the largest of its 32-blocks' (ceil o log2 is monotone), and the
+    # data is cast again with it. 128x128 tiles take the largest exponent of their 128 row tiles likewise.
+    def _quantize_blocks_pow2(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
+                              ) -> Optional[Float8BlockwiseQTensorStorage]:
+        m, k = x2d.shape
+        if q.fp8_dtype is FP8Dtype.HIF8 or m == 0 or k == 0:
+            return None  # the MX kernel has no HiF8 output
+        if x.dtype not in _HALF and (k % 128 or (q.columnwise_usage and m % 128)):
+            return None  # float32 takes 32-blocks: whole 128-tiles only
+        if q.block_scaling_dim == 2 and (m % 128 or k % 128):
+            return None  # the 128x128 cast below takes whole tiles
+        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim)
+        if q.block_scaling_dim == 2:
+            codes = self._pow2_block_codes(q, x2d)[1]
+            tile_codes = codes.reshape(m // 128, 128, codes.shape[1]).amax(dim=1)
+            out.rowwise_scale_inv = e8m0_decode(tile_codes)
+            out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv, 128).reshape(x.shape)
+            return out
+        if q.rowwise_usage:
+            y, out.rowwise_scale_inv = self._pow2_rows(q, x2d)
+            out.rowwise_data = y.reshape(x.shape)
+        if q.columnwise_usage:
+            t = x2d.t() if x2d.dtype in _HALF else x2d.t().contiguous()
+            out.columnwise_data, out.columnwise_scale_inv = self._pow2_rows(q, t)
+        return out
+
+    def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor
+                          ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(codes cast with the 128-block scales or None, E8M0 exponent bytes (rows, ceil(k / 128))) of
+        1x128 blocks along the last dim of a 2-D tensor."""
+        rows, k = t.shape
+        half = t.dtype in _HALF
+        y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, dst_type=self._npu_dtype(q.fp8_dtype),
+                                                 block_size=128 if half else 32, scale_alg=1)
+        if half:
+            return y, pairs.reshape(rows, -1)[:, : -(-k // 128)]
+        return None, pairs.reshape(rows, -1)[:, : k // 32].reshape(rows, k // 128, 4).amax(dim=-1)
+
+    def _pow2_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, float32 scale_inv) of 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
+        y, codes = self._pow2_block_codes(q, t)
+        scale_inv = e8m0_decode(codes)
+        return (y if y is not None else self._pow2_cast(q, t, scale_inv, 1)), scale_inv
+
+    @staticmethod
+    def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
+        """t / scale_inv per rows x 128 tile, cast to the format: exact (a power-of-2 division), and within the
+        format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles."""
+        m, k = t.shape
+        tiles = t.reshape(m // rows, rows, k // 128, 128)
+        scaled = torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1))
+        return scaled.to(q.fp8_dtype.storage_dtype).reshape(m, k)
 
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
         if q.block_len != 32 or x2d.shape[0] % 32 or x2d.shape[1] % 32:
