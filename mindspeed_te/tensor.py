@@ -162,11 +162,13 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
     """Blockwise scaling: float32 scale_inv per 1x128 tile (block_scaling_dim=1) or 128x128 tile (=2).
 
     Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
-    with 128x128 tiles the columnwise form is a transposed view of the rowwise one.
+    with 128x128 tiles the columnwise form is a transposed view of the rowwise one. `power_2_scale`: every
+    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents).
     """
 
     block_scaling_dim: int = 1
     block_len: int = 128
+    power_2_scale: bool = False
 
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len

@@ -197,7 +197,8 @@ class NpuBackend(ReferenceBackend):
             return None  # float32 takes 32-blocks: whole 128-tiles only
         if q.block_scaling_dim == 2 and (m % 128 or k % 128):
             return None  # the 128x128 cast below takes whole tiles
-        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim)
+        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim,
+                                            power_2_scale=True)
         if q.block_scaling_dim == 2:
             codes = self._pow2_block_codes(q, x2d)[1]
             tile_codes = codes.reshape(m // 128, 128, codes.shape[1]).amax(dim=1)
@@ -288,13 +289,13 @@ class NpuBackend(ReferenceBackend):
         x1, x2, kwargs = args
         # aclnnQuantMatmulV5 (Ascend 950, "G-B && B-B && mx 量化模式"): "仅mx量化模式下包含bias" -- of the block
         # modes only mx takes a bias, so blockwise adds it after a float32 product (one rounding, as the
-        # reference does).
+        # reference does). The MX mode's bias is float32 only ("MX全量化 ... bias null/FLOAT32").
         late_bias = bias is not None and kwargs.get("group_sizes") == [1, 128, 128]
         mm_dtype = torch.float32 if out is not None or late_bias else out_dtype
         result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
                                            bias=None if bias is None or late_bias else bias.float(), **kwargs)
-        if late_bias:
-            return result.add_(bias).to(out_dtype)
+        if late_bias:  # one add into the output dtype: float32 sum, rounded once
+            return torch.add(result, bias, out=torch.empty_like(result, dtype=out_dtype))
         return out.add_(result) if out is not None else result
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
@@ -366,7 +367,9 @@ class NpuBackend(ReferenceBackend):
             return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
         (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
         if isinstance(a, Float8BlockwiseQTensorStorage):
-            if s1.shape[0] != x1.shape[0] or s2.shape[0] == b2d.shape[0]:
+            if s1.shape[0] == x1.shape[0] and s2.shape[0] == b2d.shape[0]:
+                return self._pow2_tiles_as_mx(a, b, x1, s1, b2d, s2)
+            if s1.shape[0] != x1.shape[0]:
                 return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
             return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
         if x1.shape[1] % 64:
@@ -375,6 +378,28 @@ class NpuBackend(ReferenceBackend):
         return x1, b2d.t(), dict(
             scale=s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
             pertoken_scale=s1.reshape(s1.shape[0], -1, 2),
+            scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
+        )
+
+    def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage,
+                          x1: torch.Tensor, s1: torch.Tensor, b2d: torch.Tensor, s2: torch.Tensor
+                          ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """1x128 x 1x128 tiles (the blockwise wgrad), which no blockwise mode takes ([1, 128, 128] wants
+        128x128 tiles on x2), in the MX mode when every scale is a power of two: a 128-tile is four 32-blocks
+        with the same E8M0 exponent, so the kernel's sum of per-block products is the blockwise product."""
+        k = x1.shape[1]
+        if not (a.power_2_scale and b.power_2_scale) or a.fp8_dtype is FP8Dtype.HIF8 or k % 64:
+            return None
+
+        def e8m0_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
+            # A power-of-2 float32 (2^-127 included, a subnormal) has its E8M0 byte in bits 23..30; NaN -> 0xFF.
+            # Shift, repeat each 128-tile's byte for its four 32-blocks, cast the (sliced) view contiguous.
+            exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
+            return exponents[:, : k // 32].to(torch.uint8).reshape(scale_inv.shape[0], -1, 2)
+
+        e8m0 = self.npu.float8_e8m0fnu
+        return x1, b2d.t(), dict(
+            scale=e8m0_pairs(s2).transpose(0, 1), pertoken_scale=e8m0_pairs(s1),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )
 
