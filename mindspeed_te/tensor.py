@@ -200,13 +200,21 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
 class MXFP8TensorStorage(_TiledTensor):
     """MXFP8: one E8M0 scale_inv (uint8, value 2^(b - 127)) per 32 consecutive elements of the last stored dim.
 
-    Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32).
+    Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32). `columnwise_scale_pairs`, when a kernel made
+    both layouts in one pass (then `columnwise_data` is the transposed view of its (M, K) output), holds the
+    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is.
     """
 
     block_len: int = 32
+    columnwise_scale_pairs: Optional[torch.Tensor] = None
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        super().update_usage(rowwise, columnwise)
+        if columnwise is False:
+            self.columnwise_scale_pairs = None
 
     def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
         return e8m0_decode(scale_inv)

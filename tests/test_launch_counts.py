@@ -31,10 +31,10 @@ def test_counter_counts_a_torch_npu_kernel_once_and_restores_the_module():
     assert counter.total == 0
 
 
-def _simulated():
+def _simulated(chip: str = "1"):
     from mindspeed_te.bench import npu_simulated
 
-    return npu_simulated()
+    return npu_simulated(chip)
 
 
 def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
@@ -82,10 +82,10 @@ def test_only_kernels_know_the_backends():
     assert offenders == []
 
 
-def _per_recipe_counts(recipe, dtype):
+def _per_recipe_counts(recipe, dtype, chip: str = "1"):
     from mindspeed_te.bench import linear_launches
 
-    with _simulated() as npu:
+    with _simulated(chip) as npu:
         return linear_launches(recipe, dtype, npu)
 
 
@@ -114,14 +114,20 @@ def test_blockwise_power_2_linear_launches(fmt):
         assert backward.counts["torch_npu.npu_quant_matmul"] == 2 and "aten.mm" not in backward.counts
 
 
-def test_mxfp8_linear_launches():
-    """MXFP8: one npu_dynamic_mx_quant per layout (the columnwise form stays a separate call: see the kernels'
-    module docstring), each quantizer's non-finite flag (decode the E8M0 bytes, amax, maximum), the GEMM with
-    its float32 bias inside (a bf16 bias is upcast: the MX mode takes float32 only). Backward: two layouts of
-    the gradient, dgrad, wgrad, the bias gradient."""
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+def test_mxfp8_linear_launches(chip):
+    """MXFP8: two layouts per quantizer, each one npu_dynamic_mx_quant; on the 950DT with a bf16 input one
+    npu_dynamic_mx_quant_with_dual_axis + the copy of its columnwise scales into the storage's (K, M/32) form.
+    Each quantizer's non-finite flag (decode the E8M0 bytes, amax, maximum); the GEMM with its float32 bias
+    inside (a bf16 bias is upcast: the MX mode takes float32 only). Backward: the gradient's two layouts, dgrad,
+    wgrad, the bias gradient."""
     from mindspeed_te.recipe import MXFP8BlockScaling
 
     for dtype in (torch.bfloat16, torch.float32):
-        forward, backward = _per_recipe_counts(MXFP8BlockScaling(), dtype)
-        assert forward.total == 4 + 2 * 3 + 1 + (dtype == torch.bfloat16), dict(forward.counts)
+        forward, backward = _per_recipe_counts(MXFP8BlockScaling(), dtype, chip)
+        assert forward.total == 2 * 2 + 2 * 3 + 1 + (dtype == torch.bfloat16), dict(forward.counts)
         assert backward.total == 2 + 3 + 2 + 1, dict(backward.counts)
+        dual = chip == "Ascend950DT" and dtype == torch.bfloat16
+        assert forward.counts["torch_npu.npu_dynamic_mx_quant_with_dual_axis"] == 2 * dual
+        assert backward.counts["torch_npu.npu_dynamic_mx_quant_with_dual_axis"] == dual
+        assert forward.counts["torch_npu.npu_dynamic_mx_quant"] == 4 * (not dual)

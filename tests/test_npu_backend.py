@@ -301,3 +301,41 @@ def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dt
     for g_t, w_t in zip(*results):
         assert torch.equal(g_t, w_t)
     assert calls == [[1, 128, 128], [1, 128, 128], [1, 1, 32]]  # fprop, dgrad, wgrad
+
+
+@pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor"])
+def test_mxfp8_dual_axis_on_950dt_matches_reference(name, monkeypatch):
+    """On the Ascend 950DT a bf16 tensor needing both MX layouts takes one npu_dynamic_mx_quant_with_dual_axis;
+    the quantized storage and the linear's results equal the reference's bit for bit."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    sim = make_simulator("Ascend950DT")
+    got = _step("npu", monkeypatch, RECIPES[name], sim)
+    want = _step("reference", monkeypatch, RECIPES[name])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"] == 3 and not sim.launch_counts[
+        "npu_dynamic_mx_quant"]
+    rounding = "floor" if "floor" in name else "ceil"
+    x = (torch.randn(96, 160, generator=torch.Generator().manual_seed(4)) * 5).bfloat16()
+    x[:32, :32] = 0.0
+    q = MXFP8Quantizer(FP8Dtype.E4M3, rounding=rounding)
+    a, b = NpuBackend(sim).quantize(q, x), q.quantize(x)
+    for field in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert torch.equal(getattr(a, field).view(torch.uint8), getattr(b, field).view(torch.uint8)), field
+    assert a.columnwise_scale_pairs is not None
+    a.update_usage(columnwise=False)
+    assert a.columnwise_scale_pairs is None
+
+
+def test_mxfp8_dual_axis_not_on_other_chips_or_float32():
+    """torch_npu documents the dual-axis kernel for the Ascend 950DT only, with float16/bfloat16 input."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    q = MXFP8Quantizer(FP8Dtype.E4M3)
+    for chip, dtype in (("Ascend950PR", torch.bfloat16), ("Ascend950DT", torch.float32)):
+        sim = make_simulator(chip)
+        out = NpuBackend(sim).quantize(q, torch.randn(64, 64).to(dtype))
+        assert sim.launch_counts == {"npu_dynamic_mx_quant": 2} and out.columnwise_scale_pairs is None

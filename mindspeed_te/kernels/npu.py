@@ -49,11 +49,13 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def load_torch_npu() -> Any:
-    """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR=1."""
-    if os.environ.get(SIMULATOR_ENV, "0") == "1":
+    """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR is 1 (an Ascend 950PR) or a chip name
+    starting with "Ascend" (that chip, e.g. Ascend950DT)."""
+    simulator = os.environ.get(SIMULATOR_ENV, "0")
+    if simulator == "1" or simulator.startswith("Ascend"):
         from mindspeed_te.testing.npu_sim import make_simulator
 
-        return make_simulator()
+        return make_simulator() if simulator == "1" else make_simulator(simulator)
     try:
         import torch_npu  # noqa: F401  (the one place the real module is imported)
     except ImportError as err:
@@ -64,9 +66,17 @@ def load_torch_npu() -> Any:
     return torch_npu
 
 
-@functools.lru_cache(maxsize=1)
-def get_npu_backend() -> NpuBackend:
+@functools.lru_cache(maxsize=2)
+def _npu_backend(simulator: str) -> NpuBackend:
     return NpuBackend(load_torch_npu())
+
+
+def get_npu_backend() -> NpuBackend:
+    """The NPU backend, one per value of MINDSPEED_TE_NPU_SIMULATOR (the real torch_npu or a simulated chip)."""
+    return _npu_backend(os.environ.get(SIMULATOR_ENV, "0"))
+
+
+get_npu_backend.cache_clear = _npu_backend.cache_clear  # type: ignore[attr-defined]
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -250,12 +260,27 @@ class NpuBackend(ReferenceBackend):
             y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, **kwargs)
             return y, pairs.reshape(t.shape[0], -1)[:, : t.shape[1] // 32]
 
+        if q.rowwise_usage and q.columnwise_usage and self._dual_axis_mx(x2d):
+            # Both layouts from one read of x: y2 is quantized along the rows of x, (M, K), its scales
+            # (M/64, K, 2) with block pairs interleaved; the storage keeps y2 as the (K, M) transposed view and
+            # the scales also in its (K, M/32) form (one small copy; the GEMM takes the kernel's layout).
+            y1, s1, y2, s2 = self.npu.npu_dynamic_mx_quant_with_dual_axis(x2d, **kwargs)
+            m, k = x2d.shape
+            out.rowwise_data, out.rowwise_scale_inv = y1.reshape(x.shape), s1.reshape(m, -1)[:, : k // 32]
+            out.columnwise_data, out.columnwise_scale_pairs = y2.t(), s2
+            out.columnwise_scale_inv = s2.permute(1, 0, 2).contiguous().view(k, -1)[:, : m // 32]
+            return out
         if q.rowwise_usage:
             y, out.rowwise_scale_inv = run(x2d)
             out.rowwise_data = y.reshape(x.shape)
         if q.columnwise_usage:
             out.columnwise_data, out.columnwise_scale_inv = run(x2d.t())
         return out
+
+    def _dual_axis_mx(self, x2d: torch.Tensor) -> bool:
+        """Whether npu_dynamic_mx_quant_with_dual_axis can make both MX layouts: torch_npu's document says
+        "该接口仅在Ascend 950DT上支持" and its input is float16/bfloat16 only (aclnnDynamicMxQuantWithDualAxis)."""
+        return str(self.device_name).startswith("Ascend950DT") and x2d.dtype in _HALF
 
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """The fused npu_rms_norm (gamma in x's dtype, as the kernel requires); float64 stays on torch ops."""
@@ -375,9 +400,15 @@ class NpuBackend(ReferenceBackend):
         if x1.shape[1] % 64:
             return None  # E8M0 scales travel in pairs along k
         e8m0 = self.npu.float8_e8m0fnu
+        # A columnwise form made by the dual-axis kernel is a transposed view with its scales in the kernel's
+        # (M/64, K, 2) layout, which is the layout the GEMM wants for that view (as x1: transposed, as x2 = its
+        # (M, K) self: contiguous).
+        a_pairs = a.columnwise_scale_pairs if a_col else None
+        b_pairs = b.columnwise_scale_pairs if b_col else None
         return x1, b2d.t(), dict(
-            scale=s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
-            pertoken_scale=s1.reshape(s1.shape[0], -1, 2),
+            scale=b_pairs if b_pairs is not None else s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
+            pertoken_scale=(a_pairs.permute(1, 0, 2) if a_pairs is not None
+                            else s1.reshape(s1.shape[0], -1, 2)),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )
 
