@@ -8,11 +8,15 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   delayed      npu_quantize(x, 1/scale, div_mode=True)     amax bookkeeping with torch ops
   tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   unless power-of-2 scales, amax_epsilon, an amax
                                                             reduction group or a non-kernel target is asked for
-  blockwise    npu_dynamic_block_quant                      unless power-of-2 scales (the default!) or epsilon
-  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor)
-  GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX); shapes the kernels cannot
-               take (1x128 x 1x128 blockwise wgrad, MX with k not a multiple of 64, high-precision operands)
-               use dequantize + matmul.
+  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; HiF8 and
+               partial float32 / 128x128 tiles use torch ops); other scales: npu_dynamic_block_quant
+               (not with amax_epsilon)
+  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
+               Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis
+  GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
+               blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
+               take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
+               dequantize + matmul.
 """
 from __future__ import annotations
 
