@@ -159,11 +159,12 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
 
 
 @contextmanager
-def npu_simulated() -> Iterator[Any]:
+def npu_simulated(chip: str = "1") -> Iterator[Any]:
     """The NPU backend on the torch_npu simulator for CPU tensors; yields the simulated torch_npu module.
-    The CPU-only fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
+    `chip`: "1" (the simulator's default, an Ascend 950PR) or a chip name such as "Ascend950DT". The CPU-only
+    fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
     saved = {name: os.environ.get(name) for name in (BACKEND_ENV, SIMULATOR_ENV)}
-    os.environ[BACKEND_ENV], os.environ[SIMULATOR_ENV] = "npu", "1"
+    os.environ[BACKEND_ENV], os.environ[SIMULATOR_ENV] = "npu", chip
     reset_backend()  # the backend is chosen from the environment once; choose again now and on the way out
     fused, fused_cast.enabled = fused_cast.enabled, False
     try:
@@ -230,15 +231,19 @@ def update_launches(recipe: DelayedScaling, layers: int, npu: Any) -> tuple[Laun
 def bench_npu_launches() -> list[tuple[str, float, str]]:
     """Device launches (non-view aten ops + torch_npu kernels) of the NPU path on the simulator."""
     rows = []
+    for chip in ("Ascend950PR", "Ascend950DT"):  # the DT has the dual-axis MX quantize
+        with npu_simulated(chip) as npu:
+            for name, recipe in launch_recipes().items():
+                kind = name.split()[0]
+                if chip != "Ascend950PR" and kind != "mxfp8":
+                    continue  # the same kernels on both chips
+                for dtype in (torch.bfloat16, torch.float32):
+                    forward, backward = linear_launches(recipe, dtype, npu)
+                    detail = f"{name} {str(dtype).replace('torch.', '')} {chip} ({forward.npu_kernels} / " \
+                             f"{backward.npu_kernels} torch_npu)"
+                    rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
+                    rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
     with npu_simulated() as npu:
-        for name, recipe in launch_recipes().items():
-            kind = name.split()[0]
-            for dtype in (torch.bfloat16, torch.float32):
-                forward, backward = linear_launches(recipe, dtype, npu)
-                detail = f"{name} {str(dtype).replace('torch.', '')} ({forward.npu_kernels} / " \
-                         f"{backward.npu_kernels} torch_npu)"
-                rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
-                rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
         for layers in (2, 32):
             forward, backward = update_launches(DelayedScaling(), layers, npu)
             rows.append(("NPU launches, delayed update per step", float(forward.total), f"{layers} layers, forward"))

@@ -162,11 +162,13 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
     """Blockwise scaling: float32 scale_inv per 1x128 tile (block_scaling_dim=1) or 128x128 tile (=2).
 
     Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
-    with 128x128 tiles the columnwise form is a transposed view of the rowwise one.
+    with 128x128 tiles the columnwise form is a transposed view of the rowwise one. `power_2_scale`: every
+    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents).
     """
 
     block_scaling_dim: int = 1
     block_len: int = 128
+    power_2_scale: bool = False
 
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
@@ -198,13 +200,21 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
 class MXFP8TensorStorage(_TiledTensor):
     """MXFP8: one E8M0 scale_inv (uint8, value 2^(b - 127)) per 32 consecutive elements of the last stored dim.
 
-    Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32).
+    Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32). `columnwise_scale_pairs`, when a kernel made
+    both layouts in one pass (then `columnwise_data` is the transposed view of its (M, K) output), holds the
+    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is.
     """
 
     block_len: int = 32
+    columnwise_scale_pairs: Optional[torch.Tensor] = None
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        super().update_usage(rowwise, columnwise)
+        if columnwise is False:
+            self.columnwise_scale_pairs = None
 
     def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
         return e8m0_decode(scale_inv)

@@ -31,10 +31,10 @@ def test_counter_counts_a_torch_npu_kernel_once_and_restores_the_module():
     assert counter.total == 0
 
 
-def _simulated():
+def _simulated(chip: str = "1"):
     from mindspeed_te.bench import npu_simulated
 
-    return npu_simulated()
+    return npu_simulated(chip)
 
 
 def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
@@ -80,3 +80,54 @@ def test_only_kernels_know_the_backends():
                  if "kernels" not in path.parts and "testing" not in path.parts
                  for n, line in enumerate(path.read_text().splitlines(), 1) if forbidden.search(line)]
     assert offenders == []
+
+
+def _per_recipe_counts(recipe, dtype, chip: str = "1"):
+    from mindspeed_te.bench import linear_launches
+
+    with _simulated(chip) as npu:
+        return linear_launches(recipe, dtype, npu)
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_blockwise_power_2_linear_launches(fmt):
+    """TE's default blockwise (power-of-2 scales) through npu_dynamic_mx_quant, scale_alg=1. Per 1x128 layout,
+    bf16: the kernel (128-blocks) + its E8M0 bytes decoded to float32; float32 input: the kernel takes 32-blocks
+    only, so + the max over each tile's four exponents + the exact cast x / scale (div, to) + for the
+    columnwise layout a transposed copy. The 128x128 weight: the kernel + max over the tile's 128 rows +
+    decode + div + cast (+ the max of four for float32). Each quantizer's non-finite flag: amax + maximum.
+    Forward: fprop GEMM ([1, 128, 128], no bias) + one add of the bias into the output dtype. Backward: dgrad
+    GEMM; the 1x128 x 1x128 wgrad in the MX mode, each operand's exponents made E8M0 pairs (shift, repeat,
+    cast); the bias gradient's sum."""
+    from mindspeed_te.recipe import Float8BlockScaling, Format
+
+    recipe = Float8BlockScaling(fp8_format=Format[fmt])
+    layout = {torch.bfloat16: 2, torch.float32: 5}
+    weight = {torch.bfloat16: 5, torch.float32: 6}
+    for dtype in (torch.bfloat16, torch.float32):
+        forward, backward = _per_recipe_counts(recipe, dtype)
+        transposed_copy = dtype == torch.float32
+        assert forward.total == 2 * layout[dtype] + transposed_copy + weight[dtype] + 2 * 2 + 1 + 1, \
+            dict(forward.counts)
+        assert backward.total == 2 * layout[dtype] + transposed_copy + 2 + 2 + 2 * 3 + 1, dict(backward.counts)
+        assert forward.counts["torch_npu.npu_dynamic_mx_quant"] == 3
+        assert backward.counts["torch_npu.npu_quant_matmul"] == 2 and "aten.mm" not in backward.counts
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+def test_mxfp8_linear_launches(chip):
+    """MXFP8: two layouts per quantizer, each one npu_dynamic_mx_quant; on the 950DT with a bf16 input one
+    npu_dynamic_mx_quant_with_dual_axis + the copy of its columnwise scales into the storage's (K, M/32) form.
+    Each quantizer's non-finite flag (decode the E8M0 bytes, amax, maximum); the GEMM with its float32 bias
+    inside (a bf16 bias is upcast: the MX mode takes float32 only). Backward: the gradient's two layouts, dgrad,
+    wgrad, the bias gradient."""
+    from mindspeed_te.recipe import MXFP8BlockScaling
+
+    for dtype in (torch.bfloat16, torch.float32):
+        forward, backward = _per_recipe_counts(MXFP8BlockScaling(), dtype, chip)
+        assert forward.total == 2 * 2 + 2 * 3 + 1 + (dtype == torch.bfloat16), dict(forward.counts)
+        assert backward.total == 2 + 3 + 2 + 1, dict(backward.counts)
+        dual = chip == "Ascend950DT" and dtype == torch.bfloat16
+        assert forward.counts["torch_npu.npu_dynamic_mx_quant_with_dual_axis"] == 2 * dual
+        assert backward.counts["torch_npu.npu_dynamic_mx_quant_with_dual_axis"] == dual
+        assert forward.counts["torch_npu.npu_dynamic_mx_quant"] == 4 * (not dual)

@@ -25,6 +25,8 @@ RECIPES = {
     "blockwise/e4m3": Float8BlockScaling(fp8_quant_fwd_inp=NO_POW2, fp8_quant_fwd_weight=NO_POW2,
                                          fp8_quant_bwd_grad=NO_POW2),
     "blockwise/hif8 pow2 (torch-op quantize)": Float8BlockScaling(fp8_format=Format.HIF8),
+    "blockwise pow2/e4m3": Float8BlockScaling(),
+    "blockwise pow2/hybrid": Float8BlockScaling(fp8_format=Format.HYBRID),
     **recipes("mxfp8/hybrid"),
     "mxfp8/e4m3 floor": MXFP8BlockScaling(scale_rounding="floor"),
 }
@@ -65,7 +67,8 @@ def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backen
         assert torch.equal(g, w)
     assert sim.launch_counts["npu_quant_matmul"] >= 2  # the GEMMs really went through the kernel
     quantize_kernel = {"delayed": "npu_quantize", "tensorwise": "npu_dynamic_quant",
-                       "blockwise/e4m3": "npu_dynamic_block_quant", "mxfp8": "npu_dynamic_mx_quant"}
+                       "blockwise/e4m3": "npu_dynamic_block_quant", "blockwise pow2": "npu_dynamic_mx_quant",
+                       "mxfp8": "npu_dynamic_mx_quant"}
     for prefix, kernel in quantize_kernel.items():
         if name.startswith(prefix):
             assert sim.launch_counts[kernel] >= 3
@@ -222,3 +225,112 @@ def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch, use_backe
     assert blockwise and all(k.get("bias") is None for k in blockwise)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def _fields(t) -> dict:
+    names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+    return {n: getattr(t, n) for n in names if getattr(t, n) is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("dim", [1, 2])
+def test_blockwise_power_2_quantize_equals_reference(dtype, fmt, dim):
+    """TE's default power-of-2 block scales on the NPU path come from npu_dynamic_mx_quant (scale_alg=1); codes
+    and scales equal the reference quantizer's bit for bit, except the stored scale of an all-zero tile: 2^-127
+    (the kernel's E8M0 byte 0) where the reference keeps TE's 1. Its codes are 0 either way."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    fp8 = FP8Dtype[fmt]
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    g = torch.Generator().manual_seed(3)
+    for shape in ((256, 384), (128, 200), (384, 128)):
+        x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-40, 40, (shape[0], 1), generator=g).float())
+        x[:, -1] = fp8.max * 2.0**-3  # tiles whose amax is exactly fmt_max * 2^k: scale 2^k, nothing saturates
+        x[5] = 0.0  # all-zero 1x128 tiles
+        x = x.to(dtype)
+        q = Float8BlockQuantizer(fp8, fp8.max, block_scaling_dim=dim)
+        sim.reset_counts()
+        got, want = backend.quantize(q, x), q.quantize(x)
+        kernel_path = dtype == torch.bfloat16 or (shape[1] % 128 == 0 and shape[0] % 128 == 0)
+        if dim == 2:
+            kernel_path = kernel_path and shape[0] % 128 == 0 and shape[1] % 128 == 0
+        assert (sim.launch_counts["npu_dynamic_mx_quant"] > 0) == kernel_path, shape
+        assert got.power_2_scale == kernel_path
+        got_f, want_f = _fields(got), _fields(want)
+        assert got_f.keys() == want_f.keys()
+        for name, g_t in got_f.items():
+            w_t = want_f[name]
+            if g_t.dtype == torch.float32:
+                zero = w_t == 1.0
+                zero &= torch.as_tensor(g_t == 2.0**-127)
+                if kernel_path and dim == 1 and name == "rowwise_scale_inv":
+                    assert zero.any()  # the all-zero row's tiles
+                assert torch.equal(torch.where(zero, 1.0, g_t), w_t), name
+            else:
+                assert torch.equal(g_t.view(torch.uint8), w_t.view(torch.uint8)), name
+        assert torch.equal(got.dequantize(), want.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, monkeypatch):
+    """Whole tiles everywhere, so the weight's 128x128 tiles and float32 inputs take the kernel path too; the
+    1x128 x 1x128 wgrad runs in the MX mode of npu_quant_matmul."""
+    sim = make_simulator()
+    calls = []
+    real = sim.npu_quant_matmul
+    monkeypatch.setattr(sim, "npu_quant_matmul", lambda *a, **k: calls.append(k.get("group_sizes")) or real(*a, **k))
+    results = []
+    for name in ("npu", "reference"):
+        monkeypatch.setenv("MINDSPEED_TE_BACKEND", name)
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(256, 256, generator=g) * 3).to(dtype).requires_grad_()
+        w = (torch.randn(128, 256, generator=g) * 0.05).to(dtype).requires_grad_()
+        b = torch.randn(128, generator=g).to(dtype).requires_grad_()
+        y = fp8_linear(x, w, b, quantizers=_quantizers(Float8BlockScaling(fp8_format=Format.HYBRID)))
+        y.backward(torch.randn(256, 128, generator=g).to(dtype))
+        results.append((y.detach(), x.grad, w.grad, b.grad))
+    for g_t, w_t in zip(*results):
+        assert torch.equal(g_t, w_t)
+    assert calls == [[1, 128, 128], [1, 128, 128], [1, 1, 32]]  # fprop, dgrad, wgrad
+
+
+@pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor"])
+def test_mxfp8_dual_axis_on_950dt_matches_reference(name, monkeypatch):
+    """On the Ascend 950DT a bf16 tensor needing both MX layouts takes one npu_dynamic_mx_quant_with_dual_axis;
+    the quantized storage and the linear's results equal the reference's bit for bit."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    sim = make_simulator("Ascend950DT")
+    got = _step("npu", monkeypatch, RECIPES[name], sim)
+    want = _step("reference", monkeypatch, RECIPES[name])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"] == 3 and not sim.launch_counts[
+        "npu_dynamic_mx_quant"]
+    rounding = "floor" if "floor" in name else "ceil"
+    x = (torch.randn(96, 160, generator=torch.Generator().manual_seed(4)) * 5).bfloat16()
+    x[:32, :32] = 0.0
+    q = MXFP8Quantizer(FP8Dtype.E4M3, rounding=rounding)
+    a, b = NpuBackend(sim).quantize(q, x), q.quantize(x)
+    for field in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"):
+        assert torch.equal(getattr(a, field).view(torch.uint8), getattr(b, field).view(torch.uint8)), field
+    assert a.columnwise_scale_pairs is not None
+    a.update_usage(columnwise=False)
+    assert a.columnwise_scale_pairs is None
+
+
+def test_mxfp8_dual_axis_not_on_other_chips_or_float32():
+    """torch_npu documents the dual-axis kernel for the Ascend 950DT only, with float16/bfloat16 input."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    q = MXFP8Quantizer(FP8Dtype.E4M3)
+    for chip, dtype in (("Ascend950PR", torch.bfloat16), ("Ascend950DT", torch.float32)):
+        sim = make_simulator(chip)
+        out = NpuBackend(sim).quantize(q, torch.randn(64, 64).to(dtype))
+        assert sim.launch_counts == {"npu_dynamic_mx_quant": 2} and out.columnwise_scale_pairs is None

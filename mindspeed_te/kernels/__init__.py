@@ -22,7 +22,7 @@ from mindspeed_te.kernels.torch_native import TorchBackend
 
 BACKEND_ENV = "MINDSPEED_TE_BACKEND"
 BACKEND_CHOICES = ("auto", "npu", "torch", "reference")
-SIMULATOR_ENV = "MINDSPEED_TE_NPU_SIMULATOR"  # =1: the NPU backend runs on the torch_npu simulator
+SIMULATOR_ENV = "MINDSPEED_TE_NPU_SIMULATOR"  # =1 or a chip name (Ascend950DT): the NPU backend on the simulator
 
 Backend = KernelBackend  # the contract (kernels/base.py); the npu module is imported only when asked for
 __all__ = ["BACKEND_CHOICES", "BACKEND_ENV", "SIMULATOR_ENV", "Backend", "Capabilities", "KernelBackend", "get_backend",

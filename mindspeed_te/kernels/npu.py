@@ -8,11 +8,15 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   delayed      npu_quantize(x, 1/scale, div_mode=True)     amax bookkeeping with torch ops
   tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   unless power-of-2 scales, amax_epsilon, an amax
                                                             reduction group or a non-kernel target is asked for
-  blockwise    npu_dynamic_block_quant                      unless power-of-2 scales (the default!) or epsilon
-  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor)
-  GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX); shapes the kernels cannot
-               take (1x128 x 1x128 blockwise wgrad, MX with k not a multiple of 64, high-precision operands)
-               use dequantize + matmul.
+  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; HiF8 and
+               partial float32 / 128x128 tiles use torch ops); other scales: npu_dynamic_block_quant
+               (not with amax_epsilon)
+  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
+               Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis
+  GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
+               blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
+               take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
+               dequantize + matmul.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from mindspeed_te.quantizers import (
     Quantizer,
     record_nonfinite,
 )
-from mindspeed_te.scaling import mark_nonfinite
+from mindspeed_te.scaling import e8m0_decode, mark_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -49,11 +53,13 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def load_torch_npu() -> Any:
-    """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR=1."""
-    if os.environ.get(SIMULATOR_ENV, "0") == "1":
+    """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR is 1 (an Ascend 950PR) or a chip name
+    starting with "Ascend" (that chip, e.g. Ascend950DT)."""
+    simulator = os.environ.get(SIMULATOR_ENV, "0")
+    if simulator == "1" or simulator.startswith("Ascend"):
         from mindspeed_te.testing.npu_sim import make_simulator
 
-        return make_simulator()
+        return make_simulator() if simulator == "1" else make_simulator(simulator)
     try:
         import torch_npu  # noqa: F401  (the one place the real module is imported)
     except ImportError as err:
@@ -64,9 +70,17 @@ def load_torch_npu() -> Any:
     return torch_npu
 
 
-@functools.lru_cache(maxsize=1)
-def get_npu_backend() -> NpuBackend:
+@functools.lru_cache(maxsize=2)
+def _npu_backend(simulator: str) -> NpuBackend:
     return NpuBackend(load_torch_npu())
+
+
+def get_npu_backend() -> NpuBackend:
+    """The NPU backend, one per value of MINDSPEED_TE_NPU_SIMULATOR (the real torch_npu or a simulated chip)."""
+    return _npu_backend(os.environ.get(SIMULATOR_ENV, "0"))
+
+
+get_npu_backend.cache_clear = _npu_backend.cache_clear  # type: ignore[attr-defined]
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +178,11 @@ class NpuBackend(ReferenceBackend):
     def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
                          ) -> Optional[Float8BlockwiseQTensorStorage]:
         dst_max = self._dst_type_max(q.fp8_dtype, q.target_max)
-        if x.dtype not in _HALF or dst_max is None or q.power_2_scale or q.amax_epsilon != 0 or q.block_len != 128:
+        if dst_max is None or q.amax_epsilon != 0 or q.block_len != 128:
+            return None
+        if q.power_2_scale:
+            return self._quantize_blocks_pow2(q, x, x2d)
+        if x.dtype not in _HALF:
             return None
         rows = 1 if q.block_scaling_dim == 1 else 128
         kwargs = dict(round_mode="round" if q.fp8_dtype is FP8Dtype.HIF8 else "rint",
@@ -178,6 +196,65 @@ class NpuBackend(ReferenceBackend):
             out.columnwise_data, out.columnwise_scale_inv = self.npu.npu_dynamic_block_quant(x2d.t(), **kwargs)
         return out
 
+    # Power-of-2 block scales (TE's default). npu_dynamic_block_quant has no power-of-2 option (its scale is
+    # amax / dst_max), but npu_dynamic_mx_quant with scale_alg=1 computes, per block along one axis, the E8M0
+    # scale 2^ceil(log2(amax / fmt_max)) -- the decode scale of TE's power-of-2 rule -- and casts x / scale
+    # (aclnnDynamicMxQuantV3: "为保证量化时不溢出，对指数进行向上取整"). Its blocks may be 128 long for float16 /
+    # bfloat16 ("仅支持32的倍数，不能为0，且不能超过1024"), only 32 for float32 ("当x的类型为FLOAT时，blocksize必须
+    # 为32"); a 128-tile's exponent is then the largest of its 32-blocks' (ceil o log2 is monotone), and the
+    # data is cast again with it. 128x128 tiles take the largest exponent of their 128 row tiles likewise.
+    def _quantize_blocks_pow2(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
+                              ) -> Optional[Float8BlockwiseQTensorStorage]:
+        m, k = x2d.shape
+        if q.fp8_dtype is FP8Dtype.HIF8 or m == 0 or k == 0:
+            return None  # the MX kernel has no HiF8 output
+        if x.dtype not in _HALF and (k % 128 or (q.columnwise_usage and m % 128)):
+            return None  # float32 takes 32-blocks: whole 128-tiles only
+        if q.block_scaling_dim == 2 and (m % 128 or k % 128):
+            return None  # the 128x128 cast below takes whole tiles
+        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim,
+                                            power_2_scale=True)
+        if q.block_scaling_dim == 2:
+            codes = self._pow2_block_codes(q, x2d)[1]
+            tile_codes = codes.reshape(m // 128, 128, codes.shape[1]).amax(dim=1)
+            out.rowwise_scale_inv = e8m0_decode(tile_codes)
+            out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv, 128).reshape(x.shape)
+            return out
+        if q.rowwise_usage:
+            y, out.rowwise_scale_inv = self._pow2_rows(q, x2d)
+            out.rowwise_data = y.reshape(x.shape)
+        if q.columnwise_usage:
+            t = x2d.t() if x2d.dtype in _HALF else x2d.t().contiguous()
+            out.columnwise_data, out.columnwise_scale_inv = self._pow2_rows(q, t)
+        return out
+
+    def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor
+                          ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(codes cast with the 128-block scales or None, E8M0 exponent bytes (rows, ceil(k / 128))) of
+        1x128 blocks along the last dim of a 2-D tensor."""
+        rows, k = t.shape
+        half = t.dtype in _HALF
+        y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, dst_type=self._npu_dtype(q.fp8_dtype),
+                                                 block_size=128 if half else 32, scale_alg=1)
+        if half:
+            return y, pairs.reshape(rows, -1)[:, : -(-k // 128)]
+        return None, pairs.reshape(rows, -1)[:, : k // 32].reshape(rows, k // 128, 4).amax(dim=-1)
+
+    def _pow2_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, float32 scale_inv) of 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
+        y, codes = self._pow2_block_codes(q, t)
+        scale_inv = e8m0_decode(codes)
+        return (y if y is not None else self._pow2_cast(q, t, scale_inv, 1)), scale_inv
+
+    @staticmethod
+    def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
+        """t / scale_inv per rows x 128 tile, cast to the format: exact (a power-of-2 division), and within the
+        format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles."""
+        m, k = t.shape
+        tiles = t.reshape(m // rows, rows, k // 128, 128)
+        scaled = torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1))
+        return scaled.to(q.fp8_dtype.storage_dtype).reshape(m, k)
+
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
         if q.block_len != 32 or x2d.shape[0] % 32 or x2d.shape[1] % 32:
             return None  # the quantizer raises its own error about the shape
@@ -188,12 +265,27 @@ class NpuBackend(ReferenceBackend):
             y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, **kwargs)
             return y, pairs.reshape(t.shape[0], -1)[:, : t.shape[1] // 32]
 
+        if q.rowwise_usage and q.columnwise_usage and self._dual_axis_mx(x2d):
+            # Both layouts from one read of x: y2 is quantized along the rows of x, (M, K), its scales
+            # (M/64, K, 2) with block pairs interleaved; the storage keeps y2 as the (K, M) transposed view and
+            # the scales also in its (K, M/32) form (one small copy; the GEMM takes the kernel's layout).
+            y1, s1, y2, s2 = self.npu.npu_dynamic_mx_quant_with_dual_axis(x2d, **kwargs)
+            m, k = x2d.shape
+            out.rowwise_data, out.rowwise_scale_inv = y1.reshape(x.shape), s1.reshape(m, -1)[:, : k // 32]
+            out.columnwise_data, out.columnwise_scale_pairs = y2.t(), s2
+            out.columnwise_scale_inv = s2.permute(1, 0, 2).contiguous().view(k, -1)[:, : m // 32]
+            return out
         if q.rowwise_usage:
             y, out.rowwise_scale_inv = run(x2d)
             out.rowwise_data = y.reshape(x.shape)
         if q.columnwise_usage:
             out.columnwise_data, out.columnwise_scale_inv = run(x2d.t())
         return out
+
+    def _dual_axis_mx(self, x2d: torch.Tensor) -> bool:
+        """Whether npu_dynamic_mx_quant_with_dual_axis can make both MX layouts: torch_npu's document says
+        "该接口仅在Ascend 950DT上支持" and its input is float16/bfloat16 only (aclnnDynamicMxQuantWithDualAxis)."""
+        return str(self.device_name).startswith("Ascend950DT") and x2d.dtype in _HALF
 
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """The fused npu_rms_norm (gamma in x's dtype, as the kernel requires); float64 stays on torch ops."""
@@ -227,13 +319,13 @@ class NpuBackend(ReferenceBackend):
         x1, x2, kwargs = args
         # aclnnQuantMatmulV5 (Ascend 950, "G-B && B-B && mx 量化模式"): "仅mx量化模式下包含bias" -- of the block
         # modes only mx takes a bias, so blockwise adds it after a float32 product (one rounding, as the
-        # reference does).
+        # reference does). The MX mode's bias is float32 only ("MX全量化 ... bias null/FLOAT32").
         late_bias = bias is not None and kwargs.get("group_sizes") == [1, 128, 128]
         mm_dtype = torch.float32 if out is not None or late_bias else out_dtype
         result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
                                            bias=None if bias is None or late_bias else bias.float(), **kwargs)
-        if late_bias:
-            return result.add_(bias).to(out_dtype)
+        if late_bias:  # one add into the output dtype: float32 sum, rounded once
+            return torch.add(result, bias, out=torch.empty_like(result, dtype=out_dtype))
         return out.add_(result) if out is not None else result
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
@@ -305,15 +397,45 @@ class NpuBackend(ReferenceBackend):
             return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
         (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
         if isinstance(a, Float8BlockwiseQTensorStorage):
-            if s1.shape[0] != x1.shape[0] or s2.shape[0] == b2d.shape[0]:
+            if s1.shape[0] == x1.shape[0] and s2.shape[0] == b2d.shape[0]:
+                return self._pow2_tiles_as_mx(a, b, x1, s1, b2d, s2)
+            if s1.shape[0] != x1.shape[0]:
                 return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
             return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
         if x1.shape[1] % 64:
             return None  # E8M0 scales travel in pairs along k
         e8m0 = self.npu.float8_e8m0fnu
+        # A columnwise form made by the dual-axis kernel is a transposed view with its scales in the kernel's
+        # (M/64, K, 2) layout, which is the layout the GEMM wants for that view (as x1: transposed, as x2 = its
+        # (M, K) self: contiguous).
+        a_pairs = a.columnwise_scale_pairs if a_col else None
+        b_pairs = b.columnwise_scale_pairs if b_col else None
         return x1, b2d.t(), dict(
-            scale=s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
-            pertoken_scale=s1.reshape(s1.shape[0], -1, 2),
+            scale=b_pairs if b_pairs is not None else s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
+            pertoken_scale=(a_pairs.permute(1, 0, 2) if a_pairs is not None
+                            else s1.reshape(s1.shape[0], -1, 2)),
+            scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
+        )
+
+    def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage,
+                          x1: torch.Tensor, s1: torch.Tensor, b2d: torch.Tensor, s2: torch.Tensor
+                          ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """1x128 x 1x128 tiles (the blockwise wgrad), which no blockwise mode takes ([1, 128, 128] wants
+        128x128 tiles on x2), in the MX mode when every scale is a power of two: a 128-tile is four 32-blocks
+        with the same E8M0 exponent, so the kernel's sum of per-block products is the blockwise product."""
+        k = x1.shape[1]
+        if not (a.power_2_scale and b.power_2_scale) or a.fp8_dtype is FP8Dtype.HIF8 or k % 64:
+            return None
+
+        def e8m0_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
+            # A power-of-2 float32 (2^-127 included, a subnormal) has its E8M0 byte in bits 23..30; NaN -> 0xFF.
+            # Shift, repeat each 128-tile's byte for its four 32-blocks, cast the (sliced) view contiguous.
+            exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
+            return exponents[:, : k // 32].to(torch.uint8).reshape(scale_inv.shape[0], -1, 2)
+
+        e8m0 = self.npu.float8_e8m0fnu
+        return x1, b2d.t(), dict(
+            scale=e8m0_pairs(s2).transpose(0, 1), pertoken_scale=e8m0_pairs(s1),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )
 
