@@ -275,7 +275,7 @@ def test_blockwise_power_2_quantize_equals_reference(dtype, fmt, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, monkeypatch):
+def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, monkeypatch, use_backend):
     """Whole tiles everywhere, so the weight's 128x128 tiles and float32 inputs take the kernel path too; the
     1x128 x 1x128 wgrad runs in the MX mode of npu_quant_matmul."""
     sim = make_simulator()
@@ -284,7 +284,7 @@ def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dt
     monkeypatch.setattr(sim, "npu_quant_matmul", lambda *a, **k: calls.append(k.get("group_sizes")) or real(*a, **k))
     results = []
     for name in ("npu", "reference"):
-        monkeypatch.setenv("MINDSPEED_TE_BACKEND", name)
+        use_backend(name)
         monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
         g = torch.Generator().manual_seed(1)
         x = (torch.randn(256, 256, generator=g) * 3).to(dtype).requires_grad_()
@@ -299,15 +299,15 @@ def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dt
 
 
 @pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor"])
-def test_mxfp8_dual_axis_on_950dt_matches_reference(name, monkeypatch):
+def test_mxfp8_dual_axis_on_950dt_matches_reference(name, monkeypatch, use_backend):
     """On the Ascend 950DT a bf16 tensor needing both MX layouts takes one npu_dynamic_mx_quant_with_dual_axis;
     the quantized storage and the linear's results equal the reference's bit for bit."""
     from mindspeed_te.formats import FP8Dtype
     from mindspeed_te.quantizers import MXFP8Quantizer
 
     sim = make_simulator("Ascend950DT")
-    got = _step("npu", monkeypatch, RECIPES[name], sim)
-    want = _step("reference", monkeypatch, RECIPES[name])
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name])
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"] == 3 and not sim.launch_counts[
