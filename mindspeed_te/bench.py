@@ -229,8 +229,10 @@ def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 
     return forward, backward
 
 
-# HIF8DelayedScaling (5 warm-up steps, scales updated every 10 steps): step 15 updates the scales, 14 does not.
-HIF8_UPDATE_STEPS = {"scale update": 15, "accumulating": 14}
+# HIF8DelayedScaling with one warm-up step and scales updated every 2 steps (the counts do not depend on the
+# intervals, the run time does): step 3 updates the scales, step 2 only accumulates.
+HIF8_UPDATE_RECIPE = dict(amax_collect_interval=1, scale_update_interval=2)
+HIF8_UPDATE_STEPS = {"scale update": 3, "accumulating": 2}
 
 
 def bench_npu_launches() -> list[tuple[str, float, str]]:
@@ -250,7 +252,7 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
             rows.append(("NPU launches, delayed update per step", float(forward.total), f"{layers} layers, forward"))
             rows.append(("NPU launches, delayed update per step", float(backward.total), f"{layers} layers, backward"))
             for kind, step in HIF8_UPDATE_STEPS.items():
-                forward, backward = update_launches(HIF8DelayedScaling(), layers, npu, steps=step)
+                forward, backward = update_launches(HIF8DelayedScaling(**HIF8_UPDATE_RECIPE), layers, npu, steps=step)
                 for direction, counter in (("forward", forward), ("backward", backward)):
                     rows.append(("NPU launches, HiF8 delayed update per step", float(counter.total),
                                  f"{layers} layers, {direction}, step {step} ({kind})"))

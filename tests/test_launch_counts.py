@@ -51,15 +51,17 @@ def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
     assert totals[2] == totals[32] == [16, 16]
 
 
+@pytest.mark.slow
 def test_hif8_delayed_update_is_batched_too():
     """HIF8DelayedScaling: the same 16 launches at a scale-update step (its per-slot targets are the fp8_max
     of the one division), and at the steps between (amaxes keep accumulating) the concatenation, the flag
     fold, clearing NaN/Inf from the newest amaxes and the write-back: 4, for 2 layers as for 32."""
-    from mindspeed_te.bench import HIF8_UPDATE_STEPS, update_launches
+    from mindspeed_te.bench import HIF8_UPDATE_RECIPE, HIF8_UPDATE_STEPS, update_launches
     from mindspeed_te.recipe import HIF8DelayedScaling
 
     with _simulated() as npu:
-        totals = {(layers, kind): [c.total for c in update_launches(HIF8DelayedScaling(), layers, npu, steps=step)]
+        recipe = HIF8DelayedScaling(**HIF8_UPDATE_RECIPE)
+        totals = {(layers, kind): [c.total for c in update_launches(recipe, layers, npu, steps=step)]
                   for layers in (2, 32) for kind, step in HIF8_UPDATE_STEPS.items()}
     for layers in (2, 32):
         assert totals[layers, "scale update"] == [16, 16]
