@@ -26,6 +26,7 @@ from mindspeed_te.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    HIF8DelayedScaling,
     MXFP8BlockScaling,
     Recipe,
 )
@@ -51,6 +52,7 @@ TARGETS = {
     "NPU launches, linear forward, mxfp8": (4, False),
     "NPU launches, linear backward, mxfp8": (6, False),
     "NPU launches, delayed update per step": (16, False),
+    "NPU launches, HiF8 delayed update per step": (16, False),
 }
 
 
@@ -211,12 +213,14 @@ def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[Launc
     return forward, backward
 
 
-def update_launches(recipe: DelayedScaling, layers: int, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
+def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 2
+                    ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of the per-step delayed-scaling update (forward, backward) of `layers` Linear(256, 256), in
-    the second step (the first makes the update's constants once)."""
+    step `steps` (the first makes the update's constants once; HIF8DelayedScaling updates its scales only at
+    some steps, so the step says which kind is measured)."""
     model = torch.nn.Sequential(*(Linear(256, 256, bias=True) for _ in range(layers)))
     FP8GlobalStateManager.reset()
-    for _ in range(2):
+    for _ in range(steps):
         autocast = fp8_autocast(fp8_recipe=recipe)
         autocast.__enter__()
         model(torch.randn(32, 256))
@@ -226,6 +230,12 @@ def update_launches(recipe: DelayedScaling, layers: int, npu: Any) -> tuple[Laun
         with backward:
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
     return forward, backward
+
+
+# HIF8DelayedScaling with one warm-up step and scales updated every 2 steps (the counts do not depend on the
+# intervals, the run time does): step 3 updates the scales, step 2 only accumulates.
+HIF8_UPDATE_RECIPE = dict(amax_collect_interval=1, scale_update_interval=2)
+HIF8_UPDATE_STEPS = {"scale update": 3, "accumulating": 2}
 
 
 def bench_npu_launches() -> list[tuple[str, float, str]]:
@@ -248,6 +258,11 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
             forward, backward = update_launches(DelayedScaling(), layers, npu)
             rows.append(("NPU launches, delayed update per step", float(forward.total), f"{layers} layers, forward"))
             rows.append(("NPU launches, delayed update per step", float(backward.total), f"{layers} layers, backward"))
+            for kind, step in HIF8_UPDATE_STEPS.items():
+                forward, backward = update_launches(HIF8DelayedScaling(**HIF8_UPDATE_RECIPE), layers, npu, steps=step)
+                for direction, counter in (("forward", forward), ("backward", backward)):
+                    rows.append(("NPU launches, HiF8 delayed update per step", float(counter.total),
+                                 f"{layers} layers, {direction}, step {step} ({kind})"))
     FP8GlobalStateManager.reset()
     return rows
 

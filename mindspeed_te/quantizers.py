@@ -91,7 +91,13 @@ class Quantizer:
 
 class Float8Quantizer(Quantizer):
     """Delayed scaling: cast with the scale computed at the last update, and max-accumulate this tensor's
-    amax into `amax` (slot 0 of its history column) for the next update."""
+    amax into `amax` (slot 0 of its history column) for the next update.
+
+    The divisor convention, the same on every backend: a bfloat16 input is divided by 1/scale rounded to
+    bfloat16 (the NPU quantize kernel takes its scale in the input's dtype; the rounding is done once, at the
+    per-step update), and that rounded value, exact in float32, is the scale_inv stored with the codes, so
+    dequantizing stays exact. The quotient is float32(x) / float32(divisor), rounded once to the format.
+    Other inputs are divided by the float32 1/scale."""
 
     def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: FP8Dtype, *,
                  scale_inv: Optional[tuple[Any, int]] = None, **usage: bool) -> None:
@@ -103,11 +109,21 @@ class Float8Quantizer(Quantizer):
         self._scale_inv = scale_inv
 
     def scale_inverse(self) -> torch.Tensor:
-        """1 / scale, a one-element tensor."""
+        """1 / scale, a one-element float32 tensor."""
+        return self.divisor(torch.float32)[0]
+
+    def divisor(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what an input of `dtype` is divided by, its exact float32 value: the scale_inv stored with the
+        codes), one-element tensors; see the class docstring."""
         if self._scale_inv is None:
-            return self.scale.reciprocal()
+            value = self.scale.reciprocal()
+            if dtype != torch.bfloat16:
+                return value, value
+            rounded = value.to(dtype)
+            return rounded, rounded.float()
         source, i = self._scale_inv
-        return source.get()[i : i + 1]
+        div, exact = source.divisors(dtype)
+        return div[i : i + 1], exact[i : i + 1]
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Max-accumulate x's amax into the history slot, as `quantize` does (NaN kept, see scaling)."""
@@ -116,13 +132,14 @@ class Float8Quantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
         _check_input(x)
-        fused = fused_cast.quantize_delayed(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
-                                            self.amax, self.scale)
-        if fused is not None:
-            return self._tensor(x, *fused)
+        if x.dtype != torch.bfloat16:  # the fused kernel divides by the float32 1/scale
+            fused = fused_cast.quantize_delayed(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
+                                                self.amax, self.scale)
+            if fused is not None:
+                return self._tensor(x, *fused)
         amax = tensor_amax(x.detach()).reshape(self.amax.shape)
         torch.maximum(self.amax, amax, out=self.amax)
-        scale_inv = self.scale_inverse()
+        scale_inv = self.divisor(x.dtype)[1]
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
         return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
                                    scale_inv=mark_nonfinite(scale_inv, amax))

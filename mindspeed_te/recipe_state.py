@@ -67,8 +67,9 @@ class RecipeState:
         self.num_quantizers = num_quantizers
         self.roles = _roles(self.forward, num_quantizers)
         self.fp8_dtype = recipe.fp8_dtype(self.forward)
-        # Per slot: NaN once a tensor holding NaN/Inf was quantized there since the last check (see
-        # quantizers.record_nonfinite and FP8GlobalStateManager.check_nonfinite).
+        # Per slot: non-finite once a tensor holding NaN/Inf was quantized there since the last check (set by
+        # quantizers.record_nonfinite, or for delayed scaling by the per-step update; read and cleared by
+        # FP8GlobalStateManager.check_nonfinite).
         self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
 
     @staticmethod
@@ -165,51 +166,98 @@ class MXFP8BlockScalingRecipeState(RecipeState):
 
 class ScaleInv:
     """1 / scale of a delayed-scaling state, prepared by the per-step update so a quantize launches no
-    reciprocal. Anything else that writes the scale in place (a checkpoint load, the HiF8 warm-up) bumps the
-    scale's version counter, and the next `get` recomputes it once (one op, no host sync)."""
+    reciprocal, in the two forms the quantizers divide by: float32 (`value`, for float32 and other inputs)
+    and rounded to bfloat16 (`value_bf16`, for bfloat16 inputs: the NPU quantize kernel takes its scale in
+    the input's dtype) with its exact float32 value (`value_bf16_f32`, the scale_inv stored with the codes).
+    Anything else that writes the scale in place (a checkpoint load, a reset) bumps the scale's version
+    counter, and the next `get` recomputes them once (three ops, no host sync)."""
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
         self.value = scale.reciprocal()
+        self.value_bf16 = self.value.to(torch.bfloat16)
+        self.value_bf16_f32 = self.value_bf16.float()
         self.synced = scale._version
 
     def get(self) -> torch.Tensor:
+        """The float32 1 / scale."""
+        return self.divisors(torch.float32)[0]
+
+    def divisors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the divisor for inputs of `dtype`, its exact float32 value): the bfloat16-rounded pair for
+        bfloat16 inputs, the float32 reciprocal twice otherwise."""
         if self.synced != self.scale._version:
             torch.reciprocal(self.scale, out=self.value)
+            self.value_bf16.copy_(self.value)
+            self.value_bf16_f32.copy_(self.value_bf16)
             self.synced = self.scale._version
-        return self.value
+        if dtype == torch.bfloat16:
+            return self.value_bf16, self.value_bf16_f32
+        return self.value, self.value
 
 
 def update_delayed_states(states: list[DelayedScalingRecipeState],
                           reduce_amax: Optional[Callable[[torch.Tensor], None]] = None) -> None:
     """The per-step update of all delayed-scaling states of one (recipe, group) key: one contiguous [L, N]
     amax buffer, `reduce_amax` (an in-place all-reduce of its slot 0) called once, and a fixed handful of
-    batched ops for every state together (TransformerEngine's fused multi-tensor update). States with their
-    own update rule (HiF8 warm-up, a callable algorithm) get the reduced amaxes and update themselves."""
+    batched ops for every state together (TransformerEngine's fused multi-tensor update), HIF8DelayedScaling
+    included. Non-finite amaxes (NaN/Inf data quantized since the last update) are first folded into each
+    state's `nonfinite` flags, one op for all. States with a callable algorithm get the reduced amaxes and
+    update themselves."""
     history = torch.cat([state.amax_history for state in states], dim=1)
+    sizes = [s.num_quantizers for s in states]
+    # flag + 0 * amax: NaN where the amax is NaN or Inf (sticky until check_nonfinite clears it).
+    torch._foreach_add_([s.nonfinite for s in states], list(history[0].split(sizes)), alpha=0.0)
     if reduce_amax is not None:
         reduce_amax(history[0])
-    batched = [s for s in states if type(s) is DelayedScalingRecipeState and s.batchable()]
-    others = [s for s in states if not (type(s) is DelayedScalingRecipeState and s.batchable())]
-    if others:
+    if not all(s.batchable() for s in states):
         if reduce_amax is not None:  # hand the reduced amaxes back
-            torch._foreach_copy_([s.amax_history[0] for s in states],
-                                 list(history[0].split([s.num_quantizers for s in states])))
-        for state in others:
-            state.update()
-        if not batched:
+            torch._foreach_copy_([s.amax_history[0] for s in states], list(history[0].split(sizes)))
+        for state in states:
+            if not state.batchable():
+                state.update()
+        states = [s for s in states if s.batchable()]
+        if not states:
             return
-        history = torch.cat([s.amax_history for s in batched], dim=1)
-    first = batched[0]
-    sizes = [s.num_quantizers for s in batched]
-    scale = torch.cat([s.scale for s in batched])
+        history = torch.cat([s.amax_history for s in states], dim=1)
+    if not isinstance(states[0], HIF8DelayedScalingRecipeState):  # one key is one recipe: all or none are HiF8
+        _batched_update(states, history)
+        return
+    # HIF8DelayedScaling: every state counts the step; those at an update step are updated together, the
+    # others keep accumulating slot 0, cleared of NaN/Inf (flagged above) so that it recovers at once.
+    for state in states:
+        state.steps += 1
+    updating = [s for s in states if s.recipe.updates_at(s.steps)]
+    waiting = [s for s in states if not s.recipe.updates_at(s.steps)]
+    for group in (updating, waiting):
+        if not group:
+            continue
+        group_history = history if len(group) == len(states) else torch.cat([s.amax_history for s in group], 1)
+        if group is updating:
+            _batched_update(group, group_history)
+        else:
+            newest = torch.nan_to_num(group_history[0], nan=0.0, posinf=0.0)
+            torch._foreach_copy_([s.amax_history[0] for s in group],
+                                 list(newest.split([s.num_quantizers for s in group])))
+
+
+def _batched_update(states: list[DelayedScalingRecipeState], history: torch.Tensor) -> None:
+    """`batched_delayed_update` of states with the built-in algorithms (`history`: their concatenated
+    windows, a scratch buffer), the new 1/scale in float32 and bfloat16 included, written back in one op."""
+    first = states[0]
+    sizes = [s.num_quantizers for s in states]
+    scale = torch.cat([s.scale for s in states])
     recipe: DelayedScaling = first.recipe
     new_history, new_scale, new_scale_inv = batched_delayed_update(
-        history, scale, first.fp8_max_tensor(), recipe.margin, recipe.amax_compute_algo)
+        history, scale, first.fp8_max_tensor(states), recipe.margin, recipe.amax_compute_algo)
+    inv_bf16 = new_scale_inv.to(torch.bfloat16)
+    inv_bf16_f32 = inv_bf16.float()
     torch._foreach_copy_(
-        [s.amax_history for s in batched] + [s.scale for s in batched] + [s.scale_inv.value for s in batched],
-        list(new_history.split(sizes, dim=1)) + list(new_scale.split(sizes)) + list(new_scale_inv.split(sizes)))
-    for state in batched:
+        [s.amax_history for s in states] + [s.scale for s in states] + [s.scale_inv.value for s in states]
+        + [s.scale_inv.value_bf16 for s in states] + [s.scale_inv.value_bf16_f32 for s in states],
+        [t for whole in (new_history.split(sizes, dim=1), new_scale.split(sizes), new_scale_inv.split(sizes),
+                         inv_bf16.split(sizes), inv_bf16_f32.split(sizes)) for t in whole])
+    for state in states:
         state.scale_inv.synced = state.scale._version
 
 
@@ -226,11 +274,11 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale_inv = ScaleInv(self.scale)
 
     def make_quantizers(self) -> list[Quantizer]:
-        return self._watched([
-            Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype,
-                            scale_inv=(self.scale_inv, i))
-            for i in range(self.num_quantizers)
-        ])
+        # No per-quantizer non-finite flags: NaN/Inf data leaves a non-finite amax in slot 0, which the
+        # per-step update folds into `nonfinite` (update_delayed_states), so a quantize spends no op on it.
+        return [Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype,
+                                scale_inv=(self.scale_inv, i))
+                for i in range(self.num_quantizers)]
 
     def frozen_copy(self) -> DelayedScalingRecipeState:
         copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
@@ -243,8 +291,9 @@ class DelayedScalingRecipeState(RecipeState):
         recipe: DelayedScaling = self.recipe
         return recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
 
-    def fp8_max_tensor(self) -> torch.Tensor:
-        """fp8_max as a 0-d device tensor, made once (the batched update divides by the amaxes with it)."""
+    def fp8_max_tensor(self, states: list[DelayedScalingRecipeState]) -> torch.Tensor:
+        """What the batched update of `states` (this one first) divides by the amaxes: fp8_max as a 0-d
+        device tensor, made once."""
         if not hasattr(self, "_fp8_max_tensor"):
             self._fp8_max_tensor = torch.tensor(self.fp8_max, dtype=torch.float32, device=self.scale.device)
         return self._fp8_max_tensor
@@ -258,7 +307,6 @@ class DelayedScalingRecipeState(RecipeState):
         )
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
-
 
 
 class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
@@ -277,10 +325,8 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     def make_quantizers(self) -> list[Quantizer]:
         if not self.warming_up():
             return super().make_quantizers()
-        return self._watched([
-            Float8WarmupQuantizer(self.amax_history[0, i : i + 1], self.fp8_dtype, self.recipe.role_target(role))
-            for i, role in enumerate(self.roles)
-        ])
+        return [Float8WarmupQuantizer(self.amax_history[0, i : i + 1], self.fp8_dtype, self.recipe.role_target(role))
+                for i, role in enumerate(self.roles)]
 
     def frozen_copy(self) -> HIF8DelayedScalingRecipeState:
         copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
@@ -289,9 +335,18 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
         copy.steps = self.steps
         return copy
 
+    def fp8_max_tensor(self, states: list[DelayedScalingRecipeState]) -> torch.Tensor:
+        """The per-slot targets of `states` concatenated (scale = target / amax), kept while the same states
+        update together."""
+        key = tuple((id(s), s.mode, s.num_quantizers) for s in states)
+        if getattr(self, "_targets_key", None) != key:
+            self._targets_key, self._targets = key, torch.cat([s.targets for s in states])
+        return self._targets
+
     def update(self) -> None:
         """At an update step: roll the history and set scale = target / amax per slot (targets are powers of
-        two, so dividing and multiplying by them is exact). Otherwise slot 0 keeps accumulating."""
+        two, so dividing and multiplying by them is exact). Otherwise slot 0 keeps accumulating. The batched
+        form (`update_delayed_states`) gives the same scales as one division target / amax."""
         self.steps += 1
         if not self.recipe.updates_at(self.steps):
             return

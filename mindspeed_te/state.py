@@ -279,7 +279,7 @@ class FP8GlobalStateManager:
         if not watched:
             return []
         flags = [state.nonfinite for _, state in watched]
-        bad = torch.cat(flags).isnan().tolist()
+        bad = torch.cat(flags).isfinite().logical_not_().tolist()  # NaN, or Inf (a current-scaling scale_inv)
         torch._foreach_zero_(flags)
         found, offset = [], 0
         for name, state in watched:

@@ -38,31 +38,71 @@ def _simulated(chip: str = "1"):
 
 
 def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
-    """Issue 9: one batched update per (recipe, group) key, not a loop of small ops per module."""
+    """Issue 9: one batched update per (recipe, group) key, not a loop of small ops per module: concatenate
+    the windows and scales (2), fold NaN/Inf amaxes into the non-finite flags (1), the update itself (9: clean
+    the newest amax, window max, fp8_max / amax, FLT_MAX clamp, seen mask, keep-or-new scale, roll, keep-or-
+    rolled window, clear slot 0), 1/scale in float32 and rounded to bfloat16 with its float32 value (3), one
+    multi-tensor write-back (1)."""
     from mindspeed_te.bench import update_launches
     from mindspeed_te.recipe import DelayedScaling
 
     with _simulated() as npu:
         totals = {layers: [c.total for c in update_launches(DelayedScaling(), layers, npu)] for layers in (2, 32)}
-    assert totals[2] == totals[32] == [13, 13]
+    assert totals[2] == totals[32] == [16, 16]
+
+
+@pytest.mark.slow
+def test_hif8_delayed_update_is_batched_too():
+    """HIF8DelayedScaling: the same 16 launches at a scale-update step (its per-slot targets are the fp8_max
+    of the one division), and at the steps between (amaxes keep accumulating) the concatenation, the flag
+    fold, clearing NaN/Inf from the newest amaxes and the write-back: 4, for 2 layers as for 32."""
+    from mindspeed_te.bench import HIF8_UPDATE_RECIPE, HIF8_UPDATE_STEPS, update_launches
+    from mindspeed_te.recipe import HIF8DelayedScaling
+
+    with _simulated() as npu:
+        recipe = HIF8DelayedScaling(**HIF8_UPDATE_RECIPE)
+        totals = {(layers, kind): [c.total for c in update_launches(recipe, layers, npu, steps=step)]
+                  for layers in (2, 32) for kind, step in HIF8_UPDATE_STEPS.items()}
+    for layers in (2, 32):
+        assert totals[layers, "scale update"] == [16, 16]
+        assert totals[layers, "accumulating"] == [4, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delayed_linear_launches(dtype):
-    """Per tensor: one amax reduction, its max into the history slot, npu_quantize, the NaN mark of the
-    decode scale and the non-finite flag (1/scale comes from the update). bf16 adds its float32 upcast."""
+    """Forward: one multi-tensor amax of input and weight, one max into their history slots, one NaN mark of
+    their decode scales, two npu_quantize, the GEMM with its bias (6). Backward: the same three small ops and
+    npu_quantize for grad_output, dgrad, wgrad, the bias gradient (7). bfloat16 inputs need no upcast: they
+    are divided by the bfloat16-rounded 1/scale prepared at the update; no bias upcast either."""
     from mindspeed_te.bench import linear_launches
     from mindspeed_te.recipe import DelayedScaling, Format
 
     with _simulated() as npu:
         for fmt in (Format.E4M3, Format.HYBRID, Format.HIF8):
             forward, backward = linear_launches(DelayedScaling(fp8_format=fmt), dtype, npu)
-            upcast = dtype != torch.float32
-            # forward: 2 x 5 per quantize + GEMM (bias inside); bf16 adds 2 input upcasts and the bias upcast
-            assert forward.total == 11 + 3 * upcast, dict(forward.counts)
-            # backward: 5 per quantize + dgrad + wgrad + bias grad, + the upcast for bf16
-            assert backward.total == 8 + upcast, dict(backward.counts)
+            assert forward.total == 6, dict(forward.counts)
+            assert backward.total == 7, dict(backward.counts)
             assert forward.counts["torch_npu.npu_quantize"] == 2 and backward.counts["torch_npu.npu_quant_matmul"] == 2
+            assert "aten._to_copy" not in forward.counts and "aten._to_copy" not in backward.counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensorwise_linear_launches(dtype):
+    """bfloat16: npu_dynamic_quant per tensor, one non-finite flag update for the input and weight together,
+    the GEMM (4); backward quantize, flag, dgrad, wgrad, bias gradient (5). float32, which npu_dynamic_quant
+    does not take: one multi-tensor amax, scale_inv from it in 4 ops, npu_quantize per tensor, one flag update
+    (9 forward, 10 backward)."""
+    from mindspeed_te.bench import linear_launches
+    from mindspeed_te.recipe import Float8CurrentScaling, Format
+
+    bf16 = dtype == torch.bfloat16
+    with _simulated() as npu:
+        for fmt in (Format.E4M3, Format.HYBRID, Format.HIF8):
+            forward, backward = linear_launches(Float8CurrentScaling(fp8_format=fmt), dtype, npu)
+            assert forward.total == (4 if bf16 else 9), dict(forward.counts)
+            assert backward.total == (5 if bf16 else 10), dict(backward.counts)
+            kernel = "torch_npu.npu_dynamic_quant" if bf16 else "torch_npu.npu_quantize"
+            assert forward.counts[kernel] == 2 and backward.counts[kernel] == 1
 
 
 def test_only_kernels_know_the_backends():

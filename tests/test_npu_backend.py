@@ -42,15 +42,15 @@ def _quantizers(recipe):
     return LinearQuantizers(f[0], f[1], b[0])
 
 
-def _step(use_backend, backend_name, monkeypatch, recipe, sim=None):
+def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.bfloat16):
     use_backend(backend_name)
     if sim is not None:
         monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(64, 192, generator=g) * 2).bfloat16().requires_grad_()
-    w = (torch.randn(128, 192, generator=g) * 0.1).bfloat16().requires_grad_()
-    b = torch.randn(128, generator=g).bfloat16().requires_grad_()
-    dy = torch.randn(64, 128, generator=g).bfloat16()
+    x = (torch.randn(64, 192, generator=g) * 2).to(dtype).requires_grad_()
+    w = (torch.randn(128, 192, generator=g) * 0.1).to(dtype).requires_grad_()
+    b = torch.randn(128, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(64, 128, generator=g).to(dtype)
     w.main_grad = torch.zeros(128, 192)
     y = fp8_linear(x, w, b, quantizers=_quantizers(recipe), fuse_wgrad_accumulation=True)
     y.backward(dy)
@@ -72,6 +72,49 @@ def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backen
     for prefix, kernel in quantize_kernel.items():
         if name.startswith(prefix):
             assert sim.launch_counts[kernel] >= 3
+
+
+@pytest.mark.parametrize("name", [n for n in RECIPES if n.startswith(("delayed", "tensorwise"))])
+def test_float32_inputs_match_the_reference_bit_for_bit(name, monkeypatch, use_backend):
+    """float32 inputs: delayed scaling divides by the float32 1/scale, tensorwise takes the float32 path
+    around npu_quantize (npu_dynamic_quant takes only float16/bfloat16)."""
+    sim = make_simulator()
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, dtype=torch.float32)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], dtype=torch.float32)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_quantize"] == 3 and "npu_dynamic_quant" not in sim.launch_counts
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2", "HIF8"])
+@pytest.mark.parametrize("backend_name", ["reference", "npu"])
+def test_bfloat16_delayed_convention_against_oracles(fmt, backend_name, monkeypatch):
+    """A bfloat16 input under delayed scaling is divided by 1/scale rounded to bfloat16 (prepared at the
+    update), in float32, rounded once to the format; that rounded divisor is the stored scale_inv. Checked
+    against ml_dtypes' bfloat16 rounding and ml_dtypes/en_dtypes casts, after a real per-step update."""
+    import ml_dtypes
+    import numpy as np
+
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.recipe_state import DelayedScalingRecipeState, update_delayed_states
+    from tests.oracles import np_cast
+
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", backend_name)
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(make_simulator()))
+    recipe = DelayedScaling(fp8_format=Format.HIF8 if fmt == "HIF8" else Format.HYBRID)
+    state = DelayedScalingRecipeState(recipe, mode="forward" if fmt != "E5M2" else "backward", num_quantizers=2)
+    state.amax_history[0] = torch.tensor([3.3, 0.7])  # -> scales target / amax, 1/scale not bf16-exact
+    update_delayed_states([state])
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(48, 64, generator=g) * 3).bfloat16()
+    out = get_backend(x.device).quantize(state.make_quantizers()[0], x)
+    scale = np.float32(state.scale[0].item())
+    divisor = np.float32((np.float32(1.0) / scale).astype(ml_dtypes.bfloat16))
+    assert divisor != np.float32(1.0) / scale  # the rounding matters for this scale
+    assert out.scale_inv.dtype == torch.float32 and out.scale_inv.item() == divisor
+    codes = np_cast(x.float().numpy() / divisor, fmt)
+    np.testing.assert_array_equal(out.data.view(torch.uint8).numpy(), codes)
+    assert FP8Dtype[fmt] is out.fp8_dtype
 
 
 def test_kernels_used_and_launch_counts(monkeypatch):

@@ -46,6 +46,12 @@ class KernelBackend(ABC):
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         """x quantized the way `quantizer` describes (its usage says which layouts)."""
 
+    def quantize_many(self, quantizers: Sequence[Quantizer], tensors: Sequence[torch.Tensor]
+                      ) -> list[QuantizedTensorStorage]:
+        """`quantize` of several tensors at once (a linear's input and weight): a backend may batch their
+        small per-tensor ops into multi-tensor launches."""
+        return [self.quantize(q, x) for q, x in zip(quantizers, tensors)]
+
     @abstractmethod
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,

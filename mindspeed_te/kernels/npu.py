@@ -5,9 +5,13 @@ torch_npu is imported here and only here, lazily: importing it needs the CANN li
 kernels' contract on CPU tensors and computes their reference results.
 
 What goes to a kernel and what stays on torch ops (which run on the NPU too):
-  delayed      npu_quantize(x, 1/scale, div_mode=True)     amax bookkeeping with torch ops
-  tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   unless power-of-2 scales, amax_epsilon, an amax
-                                                            reduction group or a non-kernel target is asked for
+  delayed      npu_quantize(x, 1/scale, div_mode=True)     1/scale prepared at the update (bfloat16-rounded for
+                                                            bfloat16 x); one multi-tensor amax, history max and
+                                                            NaN mark for a linear's input and weight together
+  tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   bfloat16/float16 x; float32 x (not a dtype that
+               or amax + 2 small ops + npu_quantize         kernel takes): see _quantize_current. Power-of-2
+                                                            scales, amax_epsilon, an amax reduction group or a
+                                                            non-kernel target use torch ops
   blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; HiF8 and
                partial float32 / 128x128 tiles use torch ops); other scales: npu_dynamic_block_quant
                (not with amax_epsilon)
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -39,7 +43,7 @@ from mindspeed_te.quantizers import (
     Quantizer,
     record_nonfinite,
 )
-from mindspeed_te.scaling import e8m0_decode, mark_nonfinite
+from mindspeed_te.scaling import FLT_MAX, e8m0_decode
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -81,13 +85,6 @@ def get_npu_backend() -> NpuBackend:
 
 
 get_npu_backend.cache_clear = _npu_backend.cache_clear  # type: ignore[attr-defined]
-
-
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| in float32 in one reduction (NaN kept); 0 for an empty tensor (an expert without tokens)."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
 
 
 def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,33 +144,93 @@ class NpuBackend(ReferenceBackend):
         return 0.0 if target == fp8_dtype.max else None
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
-        kernel = _QUANTIZE_KERNELS.get(type(quantizer))
-        out = kernel(self, quantizer, x, x.detach().reshape(-1, x.shape[-1])) if kernel is not None else None
-        return record_nonfinite(quantizer, out if out is not None else quantizer.quantize(x))
+        return self.quantize_many([quantizer], [x])[0]
 
-    def _quantize_current(self, q: Float8CurrentScalingQuantizer, x: torch.Tensor, x2d: torch.Tensor
-                          ) -> Optional[Float8TensorStorage]:
-        dst_max = self._dst_type_max(q.fp8_dtype, q.target_max)
-        if (x.dtype not in _HALF or dst_max is None or q.power_2_scale or q.amax_epsilon != 0
-                or q.amax_reduction_group is not None):
-            return None
-        y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(q.fp8_dtype), quant_mode="pertensor",
-                                              dst_type_max=dst_max)
-        return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale)
+    def quantize_many(self, quantizers: Sequence[Quantizer], tensors: Sequence[torch.Tensor]
+                      ) -> list[QuantizedTensorStorage]:
+        """Per-tensor delayed and current scaling of several tensors share their small ops (one multi-tensor
+        amax, one history update, one non-finite mark or flag update for all); the rest one by one."""
+        x2ds = [x.detach().reshape(-1, x.shape[-1]) for x in tensors]
+        kind = type(quantizers[0])
+        if all(type(q) is kind for q in quantizers) and all(t.numel() for t in x2ds):
+            if kind is Float8Quantizer:
+                return self._quantize_delayed(quantizers, tensors, x2ds)
+            if kind is Float8CurrentScalingQuantizer:
+                out = self._quantize_current(quantizers, tensors, x2ds)
+                if out is not None:
+                    return out
+        outs = []
+        for q, x, x2d in zip(quantizers, tensors, x2ds):
+            kernel = _QUANTIZE_KERNELS.get(type(q))
+            out = kernel(self, q, x, x2d) if kernel is not None else None
+            outs.append(record_nonfinite(q, out if out is not None else q.quantize(x)))
+        return outs
 
-    def _quantize_delayed(self, q: Float8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Float8TensorStorage:
-        # One reduction for the amax (max |x|, NaN kept), max-accumulated into the history slot; 1/scale was
-        # prepared at the last per-step update.
-        amax = _amax(x2d).reshape(q.amax.shape)
-        torch.maximum(q.amax, amax, out=q.amax)
-        scale_inv = q.scale_inverse()
-        # A non-float32 input would need scales in its own dtype; keep them exact by quantizing from float32.
-        src = x2d if x2d.dtype == torch.float32 else x2d.float()
-        y = self.npu.npu_quantize(src, scale_inv, None, self._npu_dtype(q.fp8_dtype), -1, True)
+    def _npu_quantize(self, q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, divisor: torch.Tensor,
+                      scale_inv: torch.Tensor) -> Float8TensorStorage:
+        """codes = npu_quantize(x, divisor) (x / divisor, saturated), stored with `scale_inv`."""
+        src = x2d if x2d.dtype == divisor.dtype else x2d.float()  # float16/float64: divide in float32
+        y = self.npu.npu_quantize(src, divisor, None, self._npu_dtype(q.fp8_dtype), -1, True)
         if q.fp8_dtype is FP8Dtype.HIF8:
             y = y.view(torch.uint8)
-        return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
-                                   scale_inv=mark_nonfinite(scale_inv, amax))
+        return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale_inv)
+
+    def _quantize_current(self, qs: Sequence[Float8CurrentScalingQuantizer], xs: Sequence[torch.Tensor],
+                          x2ds: Sequence[torch.Tensor]) -> Optional[list[Float8TensorStorage]]:
+        """bfloat16/float16: one npu_dynamic_quant per tensor (its pertensor scale is NaN for NaN/Inf data).
+        float32, which that kernel does not take ("x: 数据类型支持float16、bfloat16"): one multi-tensor amax,
+        scale_inv = max(amax, 0 -> target) / target (one IEEE division, at least 1/FLT_MAX; it stays
+        non-finite for NaN/Inf data, so those codes and the stored scale are non-finite), npu_quantize.
+        Then one flag update for all. None (the quantizer's torch ops) for what neither form covers."""
+        q0 = qs[0]
+        dst_max = self._dst_type_max(q0.fp8_dtype, q0.target_max)
+        same = all((q.fp8_dtype, q.target_max, q.amax_epsilon, q.power_2_scale) ==
+                   (q0.fp8_dtype, q0.target_max, q0.amax_epsilon, q0.power_2_scale) for q in qs)
+        if (not same or q0.power_2_scale or q0.amax_epsilon != 0 or any(q.amax_reduction_group is not None for q in qs)
+                or len({x.dtype for x in xs}) != 1):
+            return None
+        if xs[0].dtype in _HALF and dst_max is not None:
+            outs = []
+            for q, x, x2d in zip(qs, xs, x2ds):
+                y, scale = self.npu.npu_dynamic_quant(x2d, dst_type=self._npu_dtype(q.fp8_dtype),
+                                                      quant_mode="pertensor", dst_type_max=dst_max)
+                outs.append(Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
+                                                scale_inv=scale))
+        elif xs[0].dtype == torch.float32:
+            amax = torch.empty(len(xs), dtype=torch.float32, device=xs[0].device)
+            torch.ops.aten._foreach_norm.Scalar_out(list(x2ds), float("inf"), torch.float32,
+                                                    out=list(amax.unbind(0)))
+            target = self._constant(q0.target_max, amax.device)
+            scale_inv = torch.where(amax == 0, target, amax).div_(target).clamp_(min=1.0 / FLT_MAX)
+            outs = [self._npu_quantize(q, x, x2d, scale_inv[i : i + 1], scale_inv[i : i + 1])
+                    for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds))]
+        else:
+            return None
+        flagged = [(q.nonfinite, out.scale_inv) for q, out in zip(qs, outs) if q.nonfinite is not None]
+        if flagged:
+            torch._foreach_maximum_(*map(list, zip(*flagged)))
+        return outs
+
+    def _quantize_delayed(self, qs: Sequence[Float8Quantizer], xs: Sequence[torch.Tensor],
+                          x2ds: Sequence[torch.Tensor]) -> list[Float8TensorStorage]:
+        """One multi-tensor amax (max |x|, NaN kept) max-accumulated into the history slots, one op marking
+        the stored scale_invs NaN where the data held NaN/Inf, then npu_quantize per tensor with the divisor
+        prepared at the last per-step update (bfloat16 inputs: 1/scale rounded to bfloat16, see
+        Float8Quantizer)."""
+        amaxes = torch._foreach_norm(list(x2ds), float("inf"), dtype=torch.float32)
+        torch._foreach_maximum_([q.amax for q in qs], [a.reshape(q.amax.shape) for q, a in zip(qs, amaxes)])
+        divisors = [q.divisor(x.dtype) for q, x in zip(qs, xs)]
+        scale_invs = torch._foreach_add([exact for _, exact in divisors], [a.reshape(1) for a in amaxes], alpha=0.0)
+        return [self._npu_quantize(q, x, x2d, div, scale_inv)
+                for q, x, x2d, (div, _), scale_inv in zip(qs, xs, x2ds, divisors, scale_invs)]
+
+    def _constant(self, value: float, device: torch.device) -> torch.Tensor:
+        """A float32 0-d device tensor of `value`, made once (a Python scalar in a tensor op is a launch)."""
+        cache = self.__dict__.setdefault("_constants", {})
+        key = (value, device)
+        if key not in cache:
+            cache[key] = torch.tensor(value, dtype=torch.float32, device=device)
+        return cache[key]
 
     def _quantize_blocks(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
                          ) -> Optional[Float8BlockwiseQTensorStorage]:
@@ -440,11 +497,10 @@ class NpuBackend(ReferenceBackend):
         )
 
 
-# Quantize dispatch: the quantizer's type -> the NpuBackend method that runs it on a kernel (None from the
-# method, or a type not listed, means the quantizer's own torch-op path).
+# Quantize dispatch of the block-scaled quantizers (per-tensor ones go through quantize_many's batched forms):
+# the quantizer's type -> the NpuBackend method that runs it on a kernel (None from the method, or a type not
+# listed, means the quantizer's own torch-op path).
 _QUANTIZE_KERNELS = {
-    Float8Quantizer: NpuBackend._quantize_delayed,
-    Float8CurrentScalingQuantizer: NpuBackend._quantize_current,
     Float8BlockQuantizer: NpuBackend._quantize_blocks,
     MXFP8Quantizer: NpuBackend._quantize_mx,
 }

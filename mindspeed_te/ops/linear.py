@@ -39,12 +39,19 @@ class WeightCache:
     def __init__(self) -> None:
         self.quantized: Optional[QuantizedTensorStorage] = None
 
+    def cached(self, is_first_microbatch: Optional[bool]) -> Optional[QuantizedTensorStorage]:
+        """The stored form when this micro-batch reuses it, else None (quantize now and `keep` it)."""
+        return self.quantized if is_first_microbatch is False else None
+
+    def keep(self, quantized: QuantizedTensorStorage, is_first_microbatch: Optional[bool]) -> None:
+        self.quantized = quantized if is_first_microbatch is not None else None
+
     def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
             backend) -> QuantizedTensorStorage:
-        if is_first_microbatch is False and self.quantized is not None:
-            return self.quantized
-        quantized = backend.quantize(quantizer, weight)
-        self.quantized = quantized if is_first_microbatch is not None else None
+        quantized = self.cached(is_first_microbatch)
+        if quantized is None:
+            quantized = backend.quantize(quantizer, weight)
+            self.keep(quantized, is_first_microbatch)
         return quantized
 
 
@@ -57,6 +64,21 @@ def quantized_weight(weight: torch.Tensor, quantizer: Quantizer, cache: Optional
     if cache is not None:
         return cache.get(weight, quantizer, is_first_microbatch, backend)
     return backend.quantize(quantizer, weight)
+
+
+def quantize_input_and_weight(x2d: torch.Tensor, weight: torch.Tensor, q: LinearQuantizers,
+                              cache: Optional[WeightCache], is_first_microbatch: Optional[bool], backend
+                              ) -> tuple[QuantizedTensorStorage, QuantizedTensorStorage]:
+    """The fprop operands: the input quantized now, the weight as `quantized_weight` gives it; when both
+    are quantized now, in one `quantize_many` call (the backend batches their small ops)."""
+    stored = weight._storage if isinstance(weight, QuantizedTensor) else (
+        cache.cached(is_first_microbatch) if cache is not None else None)
+    if stored is not None:
+        return backend.quantize(q.input, x2d), stored
+    qx, qw = backend.quantize_many([q.input, q.weight], [x2d, weight])
+    if cache is not None:
+        cache.keep(qw, is_first_microbatch)
+    return qx, qw
 
 
 @dataclass
@@ -84,8 +106,7 @@ class _Linear(torch.autograd.Function):
             fp8_wgrad = args.fp8_wgrad and needs_wgrad
             q.input.set_usage(rowwise=True, columnwise=fp8_wgrad)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
-            qx = backend.quantize(q.input, x2d)
-            qw = quantized_weight(weight, q.weight, args.weight_cache, args.is_first_microbatch, backend)
+            qx, qw = quantize_input_and_weight(x2d, weight, q, args.weight_cache, args.is_first_microbatch, backend)
             observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
             if observe is not None:
                 observe(weight, "input", x2d, qx)
