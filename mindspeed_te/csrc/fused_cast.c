@@ -347,6 +347,8 @@ enum { MODE_BLOCK = 0, MODE_MX_CEIL = 1, MODE_MX_FLOOR = 2 };
 #define CHUNK 256 /* columns per pass of the columnwise loops */
 #define MAX_BLOCK 128
 #define MAX_CHUNK 4096 /* columns per chunk at most */
+#define STRIP_BLOCKS 16 /* blocks of rows per strip at most */
+#define STRIP_ROWS 128
 
 typedef struct {
     const void *in;
@@ -532,9 +534,9 @@ __attribute__((target("avx2"))) static void col_amax_avx2(const TileJob *j, int6
 __attribute__((target("avx2"))) static void col_cast_avx2(const TileJob *j, int64_t r0, int64_t r1, int64_t c0,
                                                           int64_t w, const float *f, int64_t fstride) {
     const int64_t k = j->k, m_all = j->m, h8 = (r1 - r0) & ~(int64_t)7, w8 = w & ~(int64_t)7;
-    for (int64_t r = 0; r < h8; r += 8) {
-        const float *fr = f + (r / j->block) * fstride;
-        for (int64_t c = 0; c < w8; c += 8) {
+    for (int64_t c = 0; c < w8; c += 8) /* down the strip, so each column's output bytes are written in order */
+        for (int64_t r = 0; r < h8; r += 8) {
+            const float *fr = f + (r / j->block) * fstride;
             const int64_t i = (r0 + r) * k + c0 + c;
             __m256 v[8], t[8];
             for (int q = 0; q < 8; ++q) v[q] = load8_avx2(j->in, j->in_dtype, i + q * k);
@@ -557,7 +559,6 @@ __attribute__((target("avx2"))) static void col_cast_avx2(const TileJob *j, int6
                 store8_avx2(j->col_data + (c0 + c + q) * m_all + r0 + r,
                             codes8_avx2(j, t[q], _mm256_set1_ps(fr[c + q])));
         }
-    }
     for (int64_t r = 0; r < r1 - r0; ++r)
         for (int64_t c = r < h8 ? w8 : 0; c < w; ++c) {
             const float x = load_elem(j, (r0 + r) * k + c0 + c), fc = f[(r / j->block) * fstride + c];
@@ -612,7 +613,7 @@ static void chunk_rowwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, 
 static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     const int64_t m_all = j->m, bl = j->block, nb = (m_all + bl - 1) / bl;
     uint32_t amax[CHUNK];
-    float f[MAX_BLOCK * CHUNK];
+    float f[STRIP_BLOCKS * CHUNK];
     for (int64_t s0 = c0; s0 < c1; s0 += CHUNK) {
         const int64_t w = s0 + CHUNK < c1 ? CHUNK : c1 - s0;
         int64_t b = 0;
@@ -633,10 +634,18 @@ static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c
     }
 }
 
-/* A strip of rows (one 128-row tile, or as many whole blocks as fit in 128 rows) in chunks of columns sized
+/* Rows per strip: one tile, or up to 512 rows of 1xB blocks (at most STRIP_BLOCKS blocks), so that the
+ * columnwise output, one page per column for 4096 tokens, is written in runs of up to 512 bytes. */
+static int64_t strip_rows(int tile_rows, int block) {
+    if (tile_rows > 1) return tile_rows;
+    const int64_t blocks = STRIP_ROWS / block < STRIP_BLOCKS ? STRIP_ROWS / block : STRIP_BLOCKS;
+    return blocks * block;
+}
+
+/* A strip of rows in chunks of columns sized
  * to stay in L2 (about 512 KiB) and long enough per row for the hardware prefetcher. */
 static void tile_range(TileJob *j) {
-    const int64_t bl = j->block, strip = j->tile_rows > 1 ? j->tile_rows : MAX_BLOCK / bl * bl;
+    const int64_t bl = j->block, strip = strip_rows(j->tile_rows, j->block);
     const int64_t elem = j->in_dtype == IN_F32 ? 4 : 2;
     int64_t chunk = (512 << 10) / (strip * elem);
     chunk = (chunk < MAX_CHUNK ? chunk : MAX_CHUNK) / bl * bl;
@@ -685,7 +694,7 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     proto.avx2 = has_avx2();
     proto.avx2_cast = proto.avx2 && proto.out_format != OUT_HIF8;
 #endif
-    const int64_t strip = proto.tile_rows > 1 ? proto.tile_rows : MAX_BLOCK / proto.block * proto.block;
+    const int64_t strip = strip_rows(proto.tile_rows, proto.block);
     const int64_t strips = (m + strip - 1) / strip;
     int64_t t = m * k / MIN_PER_THREAD;
     if (t > threads) t = threads;
