@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "gpt"):
         from mindspeed_te.bench_gpt import RECIPES, bench_gpt
 
-        rows += bench_gpt(args.repeats) if _megatron_available() else [
-            (f"GPT step {label} / bf16", float("nan"), "megatron-core not installed") for label in RECIPES if label != "bf16"]
+        missing = [(f"GPT step {label} / bf16", float("nan"), "megatron-core not installed")
+                   for label in RECIPES if label != "bf16"]
+        rows += bench_gpt(args.repeats) if _megatron_available() else missing
     print(report(rows))
 
 
