@@ -279,3 +279,18 @@ def test_mx_scale_exponents_at_binade_edges(monkeypatch, fmt):
         monkeypatch.setattr(fused_cast, "enabled", False)
         _fields_equal(fused, q(x))
         monkeypatch.setattr(fused_cast, "enabled", True)
+
+
+@pytest.mark.parametrize("fmt", list(FP8Dtype))
+@pytest.mark.parametrize("shape,rows,cols", [((130, 300), 1, 128), ((130, 300), 128, 128), ((64, 96), 1, 32),
+                                             ((600, 512), 1, 128)])
+def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols):
+    """One pass of values[codes] * tile scale, as the oracle's decode times the repeated scales, NaN where either is."""
+    g = torch.Generator().manual_seed(shape[0])
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    scales = torch.exp2(torch.randint(-130, 120, (-(-shape[0] // rows), -(-shape[1] // cols)), generator=g).float())
+    scales[0, 0] = float("nan")
+    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), scales, rows, cols)
+    decoded = torch.from_numpy(codes.numpy().view(NP_DTYPES[FORMATS[fmt.value]]).astype(np.float32))
+    want = decoded * scales.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

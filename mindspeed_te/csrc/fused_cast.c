@@ -719,6 +719,64 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- Dequantize of block-scaled data: out[r, c] = values[code[r, c]] * scale[r / rows, c / cols] ----------
+ * One pass (torch decodes, then multiplies by the expanded scales), the same float32 product. */
+typedef struct {
+    const uint8_t *codes;
+    const float *values, *scales;
+    float *out;
+    int64_t k, scale_cols, rows, cols, row_begin, row_end;
+} DequantJob;
+
+static void dequant_rows(DequantJob *j) {
+    const int64_t k = j->k, cols = j->cols;
+    for (int64_t r = j->row_begin; r < j->row_end; ++r) {
+        const uint8_t *restrict in = j->codes + r * k;
+        const float *restrict scale = j->scales + (r / j->rows) * j->scale_cols;
+        const float *restrict values = j->values;
+        float *restrict out = j->out + r * k;
+        for (int64_t c0 = 0; c0 < k; c0 += cols) {
+            const int64_t c1 = c0 + cols < k ? c0 + cols : k;
+            const float s = scale[c0 / cols];
+            for (int64_t c = c0; c < c1; ++c) out[c] = values[in[c]] * s;
+        }
+    }
+}
+
+static void *run_dequant(void *arg) { dequant_rows((DequantJob *)arg); return NULL; }
+
+static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
+    unsigned long long codes, values, scales, out;
+    long long m, k, scale_cols, rows, cols;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKKLLLKi", &codes, &m, &k, &values, &scales, &scale_cols, &rows, &cols, &out,
+                          &threads))
+        return NULL;
+    if (m < 0 || k < 0 || rows < 1 || cols < 1 || scale_cols < (k + cols - 1) / cols || !values || !scales) {
+        PyErr_SetString(PyExc_ValueError, "dequantize_tiles: bad shape, tile or table");
+        return NULL;
+    }
+    int64_t t = m * k / MIN_PER_THREAD;
+    t = t > threads ? threads : t;
+    t = t > m ? m : t;
+    t = t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
+    DequantJob jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t step = (m + t - 1) / t;
+    for (int64_t i = 0; i < t; ++i) {
+        jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const float *)scales, (float *)out,
+                               k, scale_cols, rows, cols, i * step < m ? i * step : m, (i + 1) * step < m ? (i + 1) * step : m};
+        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_dequant, &jobs[i]) == 0;
+        if (i > 0 && !started[i]) dequant_rows(&jobs[i]);
+    }
+    dequant_rows(&jobs[0]);
+    for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
@@ -729,6 +787,9 @@ static PyMethodDef methods[] = {
     {"quantize_tiles", py_quantize_tiles, METH_VARARGS,
      "quantize_tiles(in, in_dtype, m, k, out_format, table, mode, tile_rows, block, emax, fp8_max, eps, pow2, "
      "row_data, row_scale, col_data, col_scale, threads): block / MX quantize, rowwise and/or columnwise"},
+    {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
+     "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads): out = values[codes] * "
+     "scales[r / rows, c / cols]"},
     {"current_scale_inv", py_current_scale_inv, METH_VARARGS,
      "current_scale_inv(amax, out, fp8_max, eps, pow2): *out = the current-scaling scale_inv of *amax"},
     {NULL, NULL, 0, NULL},
