@@ -3,7 +3,7 @@
 A megatron-core GPTModel built from Megatron's TransformerEngine layer spec (patched by this plugin to our
 modules), 4 layers, hidden 256, sequence 256, micro-batch 2, bf16 (Megatron's Float16Module), in a
 one-process gloo world. One step is forward + backward + optimizer step; each FP8 recipe's best step time
-is reported as a ratio to the same step without FP8, measured in the same run.
+is reported as a ratio to the same step without FP8, the recipes timed in turn in the same run.
 """
 from __future__ import annotations
 
@@ -63,14 +63,18 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
     return step
 
 
-def _best(step: Callable[[], float], repeats: int) -> float:
-    for _ in range(2):  # warm-up: the first steps create FP8 metadata and delayed scales
+def _interleaved_best(steps: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Best wall time of each step over `repeats` rounds that run every step once in turn, so that a load
+    change on a shared machine hits all of them alike."""
+    for step in steps.values():  # warm-up: the first steps create FP8 metadata and delayed scales
         step()
-    best = float("inf")
+        step()
+    best = dict.fromkeys(steps, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
+        for label, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[label] = min(best[label], time.perf_counter() - start)
     return best
 
 
@@ -93,10 +97,8 @@ def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        times = {}
-        for label, fp8 in RECIPES.items():
-            FP8GlobalStateManager.reset()
-            times[label] = _best(gpt_step(fp8), repeats)
+        FP8GlobalStateManager.reset()
+        times = _interleaved_best({label: gpt_step(fp8) for label, fp8 in RECIPES.items()}, repeats)
     finally:
         parallel_state.destroy_model_parallel()
         if started:
