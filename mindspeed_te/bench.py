@@ -36,6 +36,9 @@ from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 # name -> (target, True when the ratio must be at least the target / False when at most)
 TARGETS = {
     "quantize current E4M3": (0.5, True),  # ratio to copy_
+    "quantize blockwise 1x128 E4M3, both layouts": (0.5, True),
+    "quantize blockwise 128x128 E4M3": (0.5, True),
+    "quantize mxfp8 E4M3, both layouts": (0.5, True),
     "hif8_encode vs en_dtypes": (10.0, True),  # speed-up
     "fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear": (1.25, False),
     "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
@@ -53,6 +56,8 @@ TARGETS = {
     "NPU launches, linear backward, mxfp8": (6, False),
     "NPU launches, delayed update per step": (16, False),
     "NPU launches, HiF8 delayed update per step": (16, False),
+    **{f"GPT step {label} / bf16": (1.3, False) for label in ("delayed HiF8", "delayed E4M3", "delayed HYBRID",
+                                                            "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3")},
 }
 
 
@@ -67,23 +72,29 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def _quantizer(recipe, role: str = "input"):
+def _quantizer(recipe, role: str = "input", columnwise: bool = False):
     """The forward quantizer of a recipe for one tensor role (input or weight)."""
     state = RecipeState.create(recipe, forward=True, num_quantizers=3)
     quantizer = state.make_quantizers()[0 if role == "input" else 1]
-    quantizer.set_usage(rowwise=True, columnwise=False)
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
     return quantizer
 
 
 def quantize_cases() -> dict[str, Callable]:
+    """The quantizes of a training step. A per-tensor quantize makes one copy (its columnwise form is the
+    transposed view); blockwise 1x128 activations and MXFP8 tensors are made in both layouts (fprop reads the
+    rowwise one, wgrad the columnwise one), 128x128 weights in one (it serves both). The rowwise-only
+    cases show what the columnwise copy costs."""
     return {
         "quantize delayed E4M3": _quantizer(DelayedScaling(fp8_format=Format.E4M3)),
         "quantize delayed HiF8": _quantizer(DelayedScaling(fp8_format=Format.HIF8)),
         "quantize current E4M3": _quantizer(Float8CurrentScaling(fp8_format=Format.E4M3)),
         "quantize current HiF8": _quantizer(Float8CurrentScaling(fp8_format=Format.HIF8)),
-        "quantize blockwise 1x128 E4M3": _quantizer(Float8BlockScaling()),
+        "quantize blockwise 1x128 E4M3, both layouts": _quantizer(Float8BlockScaling(), columnwise=True),
+        "quantize blockwise 1x128 E4M3, rowwise only": _quantizer(Float8BlockScaling()),
         "quantize blockwise 128x128 E4M3": _quantizer(Float8BlockScaling(), role="weight"),
-        "quantize mxfp8 E4M3": _quantizer(MXFP8BlockScaling()),
+        "quantize mxfp8 E4M3, both layouts": _quantizer(MXFP8BlockScaling(), columnwise=True),
+        "quantize mxfp8 E4M3, rowwise only": _quantizer(MXFP8BlockScaling()),
     }
 
 
@@ -288,12 +299,18 @@ def report(rows: list[tuple[str, float, str]]) -> str:
     return "\n".join(lines)
 
 
+def _megatron_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mindspeed_te.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params"],
+    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params", "gpt"],
                         help="run one group of cases")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
@@ -312,6 +329,12 @@ def main(argv: list[str] | None = None) -> None:
         from mindspeed_te.bench_params import bench_params
 
         rows += bench_params()
+    if args.only in (None, "gpt"):
+        from mindspeed_te.bench_gpt import RECIPES, bench_gpt
+
+        missing = [(f"GPT step {label} / bf16", float("nan"), "megatron-core not installed")
+                   for label in RECIPES if label != "bf16"]
+        rows += bench_gpt(args.repeats) if _megatron_available() else missing
     print(report(rows))
 
 

@@ -21,8 +21,8 @@ try:
 except ImportError:  # not built (no compiler at install time, or a source tree without `pip install -e .`)
     _ext = None
 
-__all__ = ["available", "amax", "current_scale_inv", "decode", "quantize_current", "quantize_delayed", "quantize_tiles",
-           "scaled_cast"]
+__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "quantize_current",
+           "quantize_delayed", "quantize_tiles", "scaled_cast"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -70,6 +70,23 @@ def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     out = torch.empty_like(codes, dtype=torch.float32)
     _ext.decode(codes.data_ptr(), codes.numel(), values.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rows: int,
+                     cols: int) -> Optional[torch.Tensor]:
+    """values[codes] * scales[r // rows, c // cols] as float32 (M, K) in one pass, for 2-D (M, K) codes and
+    float32 (ceil(M / rows), ceil(K / cols)) scales (`values`: the 256 float32 values of the format's codes),
+    or None when the extension does not apply (then decode and multiply with torch ops: the same products)."""
+    if not (available() and codes.is_cpu and codes.dim() == 2 and codes.element_size() == 1 and codes.is_contiguous()
+            and scales.dtype == torch.float32 and scales.is_cpu and scales.dim() == 2 and scales.is_contiguous()):
+        return None
+    m, k = codes.shape
+    if scales.shape != (-(-m // rows), -(-k // cols)):
+        return None
+    out = torch.empty((m, k), dtype=torch.float32)
+    _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
+                          out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_te.formats import FP8Dtype, cast_from_fp8
+from mindspeed_te import fused_cast
+from mindspeed_te.formats import FP8Dtype, cast_from_fp8, decode_table
 from mindspeed_te.scaling import e8m0_decode
 
 __all__ = ["QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage"]
@@ -134,8 +135,16 @@ class _TiledTensor(QuantizedTensorStorage):
     def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         rows, cols = self._tile()
         m, k = data.shape
-        values = cast_from_fp8(data, self.fp8_dtype)
         scales = self._scale_inv_values(scale_inv)
+        table = decode_table(self.fp8_dtype, data.device)
+        if data.t().is_contiguous() and not data.is_contiguous():  # a transposed view (128x128 columnwise)
+            fused = fused_cast.dequantize_tiles(data.t(), table, scales.t(), cols, rows)
+            fused = None if fused is None else fused.t()
+        else:
+            fused = fused_cast.dequantize_tiles(data, table, scales, rows, cols)
+        if fused is not None:
+            return fused
+        values = cast_from_fp8(data, self.fp8_dtype)
         scales = scales.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
         return values * scales
 

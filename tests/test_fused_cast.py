@@ -241,3 +241,56 @@ def test_block_kernel_used_when_available(monkeypatch):
         lambda *a: calls.append(a) or original(*a))})())
     MXFP8Quantizer(FP8Dtype.E4M3)(torch.randn(64, 64))
     assert len(calls) == 1  # both layouts from one call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_and_mx_kernels_equal_torch_path_across_chunks_strips_and_threads(monkeypatch, dtype):
+    """Shapes spanning several column chunks, 128-row strips and threads, with a ragged last block."""
+    x = _tiled_input(416, 2600, dtype)
+    for shape in ((416, 2600), (384, 2592)):
+        part = x[: shape[0], : shape[1]].contiguous()
+        for q in _block_quantizers(FP8Dtype.E4M3, *shape):
+            q.set_usage(rowwise=True, columnwise=True)
+            fused = q(part)
+            monkeypatch.setattr(fused_cast, "enabled", False)
+            _fields_equal(fused, q(part))
+            monkeypatch.setattr(fused_cast, "enabled", True)
+
+
+@pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
+def test_mx_scale_exponents_at_binade_edges(monkeypatch, fmt):
+    """Block amaxes exactly at fp8_max * 2^j, one float32 ulp either side, powers of two and float32
+    subnormals: the kernel's exponent from bits equals the torch path's (ceil and floor rules)."""
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    j = torch.arange(-140, 110, 10, dtype=torch.float64)
+    edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
+    amaxes = torch.cat([edge.float(), torch.exp2(j).float(), torch.tensor([1e-45, 3e-42, 1.1754942e-38, 3e38])])
+    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
+    amaxes = torch.cat([amaxes, up, down])
+    amaxes = amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
+    rows = -(-amaxes.numel() // 32) * 32
+    x = torch.zeros(rows, 32)
+    x[: amaxes.numel(), 0] = amaxes  # one amax per rowwise block
+    x[: amaxes.numel(), 1] = -amaxes * 0.75
+    for rounding in ("ceil", "floor"):
+        q = MXFP8Quantizer(fmt, rounding=rounding)
+        fused = q(x)
+        monkeypatch.setattr(fused_cast, "enabled", False)
+        _fields_equal(fused, q(x))
+        monkeypatch.setattr(fused_cast, "enabled", True)
+
+
+@pytest.mark.parametrize("fmt", list(FP8Dtype))
+@pytest.mark.parametrize("shape,rows,cols", [((130, 300), 1, 128), ((130, 300), 128, 128), ((64, 96), 1, 32),
+                                             ((600, 512), 1, 128)])
+def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols):
+    """One pass of values[codes] * tile scale, as the oracle's decode times the repeated scales, NaN where either is."""
+    g = torch.Generator().manual_seed(shape[0])
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    scales = torch.exp2(torch.randint(-130, 120, (-(-shape[0] // rows), -(-shape[1] // cols)), generator=g).float())
+    scales[0, 0] = float("nan")
+    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), scales, rows, cols)
+    decoded = torch.from_numpy(codes.numpy().view(NP_DTYPES[FORMATS[fmt.value]]).astype(np.float32))
+    want = decoded * scales.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

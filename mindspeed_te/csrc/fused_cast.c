@@ -336,17 +336,28 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 
 /* ---- Block scaling (1xB / 128x128 tiles) and MX (1x32 blocks, E8M0 scales) ---------------------------
  * One call quantizes the rowwise layout (blocks along the last dim) and, when asked, the columnwise one
- * (blocks of the 2-D transpose, i.e. along the first dim), reading the input strip by strip while it is in
- * cache. The block scale rules are those of mindspeed_te.scaling (current_scale_inv for blockwise,
- * mx_scale_exponent for MX); power-of-two scales are applied as a multiplication by 2^-e, which rounds
- * exactly as the division by 2^e does. */
+ * (blocks of the 2-D transpose, i.e. along the first dim). The input is walked in strips of one block of rows,
+ * each strip in chunks of at most CHUNK columns (at most 128 KiB, so it stays in L2): both layouts are made
+ * from a chunk while it is in cache, so main memory is read once. Amax and E4M3/E5M2 casts run 8 lanes wide
+ * with AVX2 when the CPU has it (scalar loops otherwise, and for HiF8's table encode). The block scale rules
+ * are those of mindspeed_te.scaling (current_scale_inv for blockwise, mx_scale_exponent for MX);
+ * power-of-two scales are applied as a multiplication by 2^-e, which rounds exactly as the division by 2^e
+ * does. */
 enum { MODE_BLOCK = 0, MODE_MX_CEIL = 1, MODE_MX_FLOOR = 2 };
+#define CHUNK 256 /* columns per pass of the columnwise loops */
+#define MAX_BLOCK 128
+#define MAX_CHUNK 4096 /* columns per chunk at most */
+#define STRIP_BLOCKS 16 /* blocks of rows per strip at most */
+#define STRIP_ROWS 128
 
 typedef struct {
     const void *in;
     int in_dtype, out_format, mode, pow2, emax;
     int64_t m, k;
     int tile_rows, block;
+    int use_mul;   /* power-of-two scales: multiply by 2^-e (else divide by scale_inv) */
+    int avx2;      /* the CPU has AVX2 (amax) */
+    int avx2_cast; /* ... and the output is E4M3/E5M2 (the cast; HiF8 goes through its table) */
     float fp8_max, eps;
     const uint8_t *table;
     uint8_t *row_data, *col_data;
@@ -362,86 +373,290 @@ static inline uint8_t encode(const TileJob *j, float q) {
     return j->out_format == OUT_E4M3 ? to_e4m3(q) : j->out_format == OUT_E5M2 ? to_e5m2(q) : to_hif8(j->table, q);
 }
 
-/* The block's cast factor from its amax bits (|x| as float32 bits, above 0x7F800000 for NaN): `*mul` set
- * (and `*div` = 0) for a power-of-two scale, else `*div` = scale_inv. Stores the block's scale at `slot`. */
-static inline void block_scale(const TileJob *j, uint32_t amax_bits, void *scale, int64_t slot, float *mul,
-                               float *div) {
-    const float amax = float_of(amax_bits > 0x7F800000u ? 0x7FC00000u : amax_bits);
-    const int finite = amax_bits < 0x7F800000u;
-    if (j->mode == MODE_BLOCK) {
-        const float sinv = current_scale_inv(amax, j->fp8_max, j->eps, j->pow2);
-        ((float *)scale)[slot] = finite ? sinv : NAN; /* a tile holding NaN/Inf dequantizes to NaN */
-        if (j->pow2) { *mul = 1.0f / sinv; *div = 0.0f; }
-        else { *mul = 0.0f; *div = sinv; }
-        return;
-    }
-    int e;
-    if (!finite) e = 0;
-    else if (amax_bits == 0) e = -127;
-    else if (j->mode == MODE_MX_CEIL) {
-        int ex;
-        const double mant = frexp((double)amax / (double)j->fp8_max, &ex);
-        e = mant == 0.5 ? ex - 1 : ex;
-    } else {
-        int ex;
-        frexpf(amax, &ex);
-        e = (ex - 1) - j->emax;
-    }
-    e = e < -127 ? -127 : e > 127 ? 127 : e;
-    ((uint8_t *)scale)[slot] = finite ? (uint8_t)(e + 127) : 0xFF;
-    *mul = ldexpf(1.0f, -e); /* 2^-e, exact for |e| <= 127 */
-    *div = 0.0f;
-}
-
-static inline float apply(float x, float mul, float div) { return div != 0.0f ? x / div : x * mul; }
-
 static inline uint32_t abs_bits(const TileJob *j, int64_t i) {
     if (j->in_dtype == IN_F32) return ((const uint32_t *)j->in)[i] & 0x7FFFFFFFu;
     return ((uint32_t)(((const uint16_t *)j->in)[i] & 0x7FFFu)) << 16;
 }
 
-/* Rowwise: rows [r0, r1), tiles of tile_rows x block along the last dim. */
-static void tile_rowwise(const TileJob *j, int64_t r0, int64_t r1) {
-    const int64_t k = j->k, nb = (k + j->block - 1) / j->block;
-    for (int64_t c0 = 0; c0 < k; c0 += j->block) {
-        const int64_t c1 = c0 + j->block < k ? c0 + j->block : k;
-        uint32_t m = 0;
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t c = c0; c < c1; ++c) { uint32_t a = abs_bits(j, r * k + c); m = a > m ? a : m; }
-        float mul, div;
-        block_scale(j, m, j->row_scale, (r0 / j->tile_rows) * nb + c0 / j->block, &mul, &div);
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t c = c0; c < c1; ++c) j->row_data[r * k + c] = encode(j, apply(load_elem(j, r * k + c), mul, div));
+/* 2^e for -127 <= e <= 127 (2^-127 is a float32 subnormal). */
+static inline float exp2_int(int e) { return e > -127 ? float_of((uint32_t)(e + 127) << 23) : float_of(0x00400000u); }
+
+/* The MX scale exponent of a finite amax > 0 (mindspeed_te.scaling.mx_scale_exponent), from bits instead
+ * of frexp. ceil: ceil(log2(amax / fp8_max)) of the float64 quotient (a normal double: its exponent, one
+ * more unless the fraction is zero); floor: floor(log2(amax)) - emax. */
+static inline int mx_exponent(const TileJob *j, uint32_t amax_bits) {
+    if (j->mode == MODE_MX_CEIL) {
+        const double q = (double)float_of(amax_bits) / (double)j->fp8_max;
+        uint64_t b;
+        memcpy(&b, &q, 8);
+        const int e = (int)((b >> 52) & 0x7FF) - 1023;
+        return (b & 0xFFFFFFFFFFFFFull) ? e + 1 : e;
+    }
+    const int log2_floor = amax_bits >= 0x00800000u ? (int)(amax_bits >> 23) - 127
+                                                    : (31 - __builtin_clz(amax_bits)) - 149;
+    return log2_floor - j->emax;
+}
+
+/* The block's cast factor from its amax bits (|x| as float32 bits, above 0x7F800000 for NaN): 2^-e to
+ * multiply by (use_mul) or the scale_inv to divide by. Stores the block's scale at `slot`. */
+static inline float block_scale(const TileJob *j, uint32_t amax_bits, void *scale, int64_t slot) {
+    const int finite = amax_bits < 0x7F800000u;
+    if (j->mode == MODE_BLOCK) {
+        const float amax = float_of(amax_bits > 0x7F800000u ? 0x7FC00000u : amax_bits);
+        const float sinv = current_scale_inv(amax, j->fp8_max, j->eps, j->pow2);
+        ((float *)scale)[slot] = finite ? sinv : NAN; /* a tile holding NaN/Inf dequantizes to NaN */
+        return j->use_mul ? 1.0f / sinv : sinv;
+    }
+    int e = !finite ? 0 : amax_bits == 0 ? -127 : mx_exponent(j, amax_bits);
+    e = e < -127 ? -127 : e > 127 ? 127 : e;
+    ((uint8_t *)scale)[slot] = finite ? (uint8_t)(e + 127) : 0xFF;
+    return exp2_int(-e);
+}
+
+/* Scalar forms of the four loops (and the tails of the AVX2 ones). */
+static uint32_t span_amax_scalar(const TileJob *j, int64_t i, int64_t n) {
+    uint32_t m = 0;
+    for (int64_t t = i; t < i + n; ++t) { const uint32_t a = abs_bits(j, t); m = a > m ? a : m; }
+    return m;
+}
+
+static void span_cast_scalar(const TileJob *j, int64_t i, int64_t n, float f, uint8_t *restrict out) {
+    for (int64_t t = 0; t < n; ++t) {
+        const float x = load_elem(j, i + t);
+        out[t] = encode(j, j->use_mul ? x * f : x / f);
     }
 }
 
-#define COL_CHUNK 64
-/* Columnwise: rows [r0, r1) of the input form one block of every column; output (K, M) rows. */
-static void tile_columnwise(const TileJob *j, int64_t r0, int64_t r1) {
-    const int64_t k = j->k, m_all = j->m, nb = (m_all + j->block - 1) / j->block, h = r1 - r0;
-    uint8_t codes[COL_CHUNK][128];
-    for (int64_t c0 = 0; c0 < k; c0 += COL_CHUNK) {
-        const int64_t w = c0 + COL_CHUNK < k ? COL_CHUNK : k - c0;
-        uint32_t m[COL_CHUNK] = {0};
-        float mul[COL_CHUNK], div[COL_CHUNK];
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t c = 0; c < w; ++c) { uint32_t a = abs_bits(j, r * k + c0 + c); m[c] = a > m[c] ? a : m[c]; }
-        for (int64_t c = 0; c < w; ++c) block_scale(j, m[c], j->col_scale, (c0 + c) * nb + r0 / j->block, &mul[c], &div[c]);
-        for (int64_t r = 0; r < h; ++r)
-            for (int64_t c = 0; c < w; ++c) codes[c][r] = encode(j, apply(load_elem(j, (r0 + r) * k + c0 + c), mul[c], div[c]));
-        for (int64_t c = 0; c < w; ++c) memcpy(j->col_data + (c0 + c) * m_all + r0, codes[c], (size_t)h);
+/* max |x| down columns [c0, c0 + w) of rows [r0, r1) into m[0, w). */
+static void col_amax_scalar(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t w, uint32_t *m) {
+    for (int64_t c = 0; c < w; ++c) m[c] = 0;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < w; ++c) { const uint32_t a = abs_bits(j, r * j->k + c0 + c); m[c] = a > m[c] ? a : m[c]; }
+}
+
+/* Columnwise codes of rows [r0, r1) x columns [c0, c0 + w) into the (K, M) output; f[b * fstride + c]: the
+ * factor of column c in the strip's b-th block of rows. */
+static void col_cast_scalar(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t w, const float *f,
+                            int64_t fstride) {
+    for (int64_t c = 0; c < w; ++c) {
+        uint8_t *restrict out = j->col_data + (c0 + c) * j->m;
+        for (int64_t r = r0; r < r1; ++r) {
+            const float x = load_elem(j, r * j->k + c0 + c), fc = f[((r - r0) / j->block) * fstride + c];
+            out[r] = encode(j, j->use_mul ? x * fc : x / fc);
+        }
     }
 }
 
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static inline __m256i abs8_avx2(const TileJob *j, int64_t i) {
+    return _mm256_and_si256(_mm256_castps_si256(load8_avx2(j->in, j->in_dtype, i)), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
+/* 8 codes of x scaled by f, in int32 lanes. */
+__attribute__((target("avx2"))) static inline __m256i codes8_avx2(const TileJob *j, __m256 x, __m256 f) {
+    const __m256 q = j->use_mul ? _mm256_mul_ps(x, f) : _mm256_div_ps(x, f);
+    return j->out_format == OUT_E4M3 ? fp8_codes_avx2(q, 3, 121, 0x43E00000, 0x00100000)
+                                     : fp8_codes_avx2(q, 2, 113, 0x47600000, 0x00800000);
+}
+
+/* Four vectors of codes as 32 bytes in element order. */
+__attribute__((target("avx2"))) static inline void store32_avx2(uint8_t *out, __m256i c0, __m256i c1, __m256i c2,
+                                                                __m256i c3) {
+    const __m256i words = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+    _mm256_storeu_si256((__m256i *)out, _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+__attribute__((target("avx2"))) static inline void store8_avx2(uint8_t *out, __m256i c) {
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(w, w));
+}
+
+__attribute__((target("avx2"))) static uint32_t span_amax_avx2(const TileJob *j, int64_t i, int64_t n) {
+    __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) { /* |x| bits are non-negative int32: the signed max orders them */
+        m0 = _mm256_max_epi32(m0, abs8_avx2(j, i + t));
+        m1 = _mm256_max_epi32(m1, abs8_avx2(j, i + t + 8));
+    }
+    for (; t + 8 <= n; t += 8) m0 = _mm256_max_epi32(m0, abs8_avx2(j, i + t));
+    m0 = _mm256_max_epi32(m0, m1);
+    __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    const uint32_t m = (uint32_t)_mm_cvtsi128_si32(h), rest = t < n ? span_amax_scalar(j, i + t, n - t) : 0;
+    return m > rest ? m : rest;
+}
+
+__attribute__((target("avx2"))) static void span_cast_avx2(const TileJob *j, int64_t i, int64_t n, float f,
+                                                           uint8_t *out) {
+    const __m256 fv = _mm256_set1_ps(f);
+    int64_t t = 0;
+    for (; t + 32 <= n; t += 32)
+        store32_avx2(out + t, codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t), fv),
+                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 8), fv),
+                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 16), fv),
+                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 24), fv));
+    for (; t + 8 <= n; t += 8) store8_avx2(out + t, codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t), fv));
+    if (t < n) span_cast_scalar(j, i + t, n - t, f, out + t);
+}
+
+/* Column maxima 32 columns at a time (four accumulators) down the rows, then 8, then the scalar tail. */
+__attribute__((target("avx2"))) static void col_amax_avx2(const TileJob *j, int64_t r0, int64_t r1, int64_t c0,
+                                                          int64_t w, uint32_t *m) {
+    const int64_t k = j->k;
+    int64_t c = 0;
+    for (; c + 32 <= w; c += 32) {
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t i = r * k + c0 + c;
+            a0 = _mm256_max_epi32(a0, abs8_avx2(j, i));
+            a1 = _mm256_max_epi32(a1, abs8_avx2(j, i + 8));
+            a2 = _mm256_max_epi32(a2, abs8_avx2(j, i + 16));
+            a3 = _mm256_max_epi32(a3, abs8_avx2(j, i + 24));
+        }
+        _mm256_storeu_si256((__m256i *)(m + c), a0);
+        _mm256_storeu_si256((__m256i *)(m + c + 8), a1);
+        _mm256_storeu_si256((__m256i *)(m + c + 16), a2);
+        _mm256_storeu_si256((__m256i *)(m + c + 24), a3);
+    }
+    for (; c + 8 <= w; c += 8) {
+        __m256i a = _mm256_setzero_si256();
+        for (int64_t r = r0; r < r1; ++r) a = _mm256_max_epi32(a, abs8_avx2(j, r * k + c0 + c));
+        _mm256_storeu_si256((__m256i *)(m + c), a);
+    }
+    if (c < w) col_amax_scalar(j, r0, r1, c0 + c, w - c, m + c);
+}
+
+/* Columnwise codes straight into the (K, M) output: 8 rows x 8 columns at a time are loaded, transposed
+ * in registers (so a vector holds 8 rows of one column), scaled by that column's factor, cast and stored
+ * as 8 bytes of the column's output row. f[b * fstride + c]: the factor of column c in the strip's b-th
+ * block of rows. Rows and columns beyond whole 8x8 squares go through the scalar loop. */
+__attribute__((target("avx2"))) static void col_cast_avx2(const TileJob *j, int64_t r0, int64_t r1, int64_t c0,
+                                                          int64_t w, const float *f, int64_t fstride) {
+    const int64_t k = j->k, m_all = j->m, h8 = (r1 - r0) & ~(int64_t)7, w8 = w & ~(int64_t)7;
+    for (int64_t c = 0; c < w8; c += 8) /* down the strip, so each column's output bytes are written in order */
+        for (int64_t r = 0; r < h8; r += 8) {
+            const float *fr = f + (r / j->block) * fstride;
+            const int64_t i = (r0 + r) * k + c0 + c;
+            __m256 v[8], t[8];
+            for (int q = 0; q < 8; ++q) v[q] = load8_avx2(j->in, j->in_dtype, i + q * k);
+            for (int q = 0; q < 8; q += 2) {
+                t[q] = _mm256_unpacklo_ps(v[q], v[q + 1]);
+                t[q + 1] = _mm256_unpackhi_ps(v[q], v[q + 1]);
+            }
+            for (int q = 0; q < 8; q += 4) {
+                v[q] = _mm256_shuffle_ps(t[q], t[q + 2], _MM_SHUFFLE(1, 0, 1, 0));
+                v[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], _MM_SHUFFLE(3, 2, 3, 2));
+                v[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], _MM_SHUFFLE(1, 0, 1, 0));
+                v[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], _MM_SHUFFLE(3, 2, 3, 2));
+            }
+            for (int q = 0; q < 4; ++q) {
+                t[q] = _mm256_permute2f128_ps(v[q], v[q + 4], 0x20);
+                t[q + 4] = _mm256_permute2f128_ps(v[q], v[q + 4], 0x31);
+            }
+            /* t[q] now holds rows r..r+7 of column c + q */
+            for (int q = 0; q < 8; ++q)
+                store8_avx2(j->col_data + (c0 + c + q) * m_all + r0 + r,
+                            codes8_avx2(j, t[q], _mm256_set1_ps(fr[c + q])));
+        }
+    for (int64_t r = 0; r < r1 - r0; ++r)
+        for (int64_t c = r < h8 ? w8 : 0; c < w; ++c) {
+            const float x = load_elem(j, (r0 + r) * k + c0 + c), fc = f[(r / j->block) * fstride + c];
+            j->col_data[(c0 + c) * m_all + r0 + r] = encode(j, j->use_mul ? x * fc : x / fc);
+        }
+}
+#endif
+
+static inline uint32_t span_amax(const TileJob *j, int64_t i, int64_t n) {
+#if defined(__x86_64__)
+    if (j->avx2) return span_amax_avx2(j, i, n);
+#endif
+    return span_amax_scalar(j, i, n);
+}
+
+static inline void span_cast(const TileJob *j, int64_t i, int64_t n, float f, uint8_t *out) {
+#if defined(__x86_64__)
+    if (j->avx2_cast) { span_cast_avx2(j, i, n, f, out); return; }
+#endif
+    span_cast_scalar(j, i, n, f, out);
+}
+
+/* Rowwise blocks of rows [r0, r1) x columns [c0, c1) (c0 and the chunk width whole blocks), row by row. */
+static void chunk_rowwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    const int64_t k = j->k, bl = j->block, nb = (k + bl - 1) / bl;
+    if (j->tile_rows == 1) {
+        for (int64_t r = r0; r < r1; ++r)
+            for (int64_t b0 = c0; b0 < c1; b0 += bl) {
+                const int64_t n = b0 + bl < c1 ? bl : c1 - b0;
+                const float f = block_scale(j, span_amax(j, r * k + b0, n), j->row_scale, r * nb + b0 / bl);
+                span_cast(j, r * k + b0, n, f, j->row_data + r * k + b0);
+            }
+        return;
+    }
+    uint32_t amax[MAX_CHUNK]; /* one tile of all the rows per block of columns */
+    for (int64_t b = 0; b < (c1 - c0 + bl - 1) / bl; ++b) amax[b] = 0;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b0 = c0; b0 < c1; b0 += bl) {
+            const uint32_t a = span_amax(j, r * k + b0, b0 + bl < c1 ? bl : c1 - b0);
+            uint32_t *m = &amax[(b0 - c0) / bl];
+            *m = a > *m ? a : *m;
+        }
+    float f[MAX_CHUNK];
+    for (int64_t b0 = c0; b0 < c1; b0 += bl)
+        f[(b0 - c0) / bl] = block_scale(j, amax[(b0 - c0) / bl], j->row_scale, (r0 / j->tile_rows) * nb + b0 / bl);
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b0 = c0; b0 < c1; b0 += bl)
+            span_cast(j, r * k + b0, b0 + bl < c1 ? bl : c1 - b0, f[(b0 - c0) / bl], j->row_data + r * k + b0);
+}
+
+/* Columnwise: each block of rows in [r0, r1) is one block of every column in [c0, c1); output (K, M) rows. */
+static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+    const int64_t m_all = j->m, bl = j->block, nb = (m_all + bl - 1) / bl;
+    uint32_t amax[CHUNK];
+    float f[STRIP_BLOCKS * CHUNK];
+    for (int64_t s0 = c0; s0 < c1; s0 += CHUNK) {
+        const int64_t w = s0 + CHUNK < c1 ? CHUNK : c1 - s0;
+        int64_t b = 0;
+        for (int64_t b0 = r0; b0 < r1; b0 += bl, ++b) {
+            const int64_t b1 = b0 + bl < r1 ? b0 + bl : r1;
+#if defined(__x86_64__)
+            if (j->avx2) col_amax_avx2(j, b0, b1, s0, w, amax);
+            else
+#endif
+                col_amax_scalar(j, b0, b1, s0, w, amax);
+            for (int64_t c = 0; c < w; ++c)
+                f[b * CHUNK + c] = block_scale(j, amax[c], j->col_scale, (s0 + c) * nb + b0 / bl);
+        }
+#if defined(__x86_64__)
+        if (j->avx2_cast && bl % 8 == 0) { col_cast_avx2(j, r0, r1, s0, w, f, CHUNK); continue; }
+#endif
+        col_cast_scalar(j, r0, r1, s0, w, f, CHUNK);
+    }
+}
+
+/* Rows per strip: one tile, or up to 512 rows of 1xB blocks (at most STRIP_BLOCKS blocks), so that the
+ * columnwise output, one page per column for 4096 tokens, is written in runs of up to 512 bytes. */
+static int64_t strip_rows(int tile_rows, int block) {
+    if (tile_rows > 1) return tile_rows;
+    const int64_t blocks = STRIP_ROWS / block < STRIP_BLOCKS ? STRIP_ROWS / block : STRIP_BLOCKS;
+    return blocks * block;
+}
+
+/* A strip of rows in chunks of columns sized
+ * to stay in L2 (about 512 KiB) and long enough per row for the hardware prefetcher. */
 static void tile_range(TileJob *j) {
-    const int64_t strip = j->tile_rows > 1 ? j->tile_rows : j->block;
+    const int64_t bl = j->block, strip = strip_rows(j->tile_rows, j->block);
+    const int64_t elem = j->in_dtype == IN_F32 ? 4 : 2;
+    int64_t chunk = (512 << 10) / (strip * elem);
+    chunk = (chunk < MAX_CHUNK ? chunk : MAX_CHUNK) / bl * bl;
+    chunk = chunk < bl ? bl : chunk;
     for (int64_t s = j->strip_begin; s < j->strip_end; ++s) {
         const int64_t r0 = s * strip, r1 = r0 + strip < j->m ? r0 + strip : j->m;
-        if (j->row_data) {
-            if (j->tile_rows > 1) tile_rowwise(j, r0, r1);
-            else for (int64_t r = r0; r < r1; ++r) tile_rowwise(j, r, r + 1);
+        for (int64_t c0 = 0; c0 < j->k; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < j->k ? c0 + chunk : j->k;
+            if (j->row_data) chunk_rowwise(j, r0, r1, c0, c1);
+            if (j->col_data) chunk_columnwise(j, r0, r1, c0, c1);
         }
-        if (j->col_data) tile_columnwise(j, r0, r1);
     }
 }
 
@@ -459,7 +674,7 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
                           &row_data, &row_scale, &col_data, &col_scale, &threads))
         return NULL;
     if (!check_formats(proto.in_dtype, proto.out_format, table, m * k) || m < 0 || k < 0 || proto.block < 1 ||
-        proto.block > 128 || (proto.tile_rows != 1 && proto.tile_rows != proto.block) ||
+        proto.block > MAX_BLOCK || (proto.tile_rows != 1 && proto.tile_rows != proto.block) ||
         proto.mode < MODE_BLOCK || proto.mode > MODE_MX_FLOOR || (proto.mode != MODE_BLOCK && proto.out_format == OUT_HIF8)) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "quantize_tiles: bad tile, block or mode");
         return NULL;
@@ -474,7 +689,12 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     proto.row_scale = (void *)row_scale;
     proto.col_data = (uint8_t *)col_data;
     proto.col_scale = (void *)col_scale;
-    const int64_t strip = proto.tile_rows > 1 ? proto.tile_rows : proto.block;
+    proto.use_mul = proto.mode != MODE_BLOCK || proto.pow2;
+#if defined(__x86_64__)
+    proto.avx2 = has_avx2();
+    proto.avx2_cast = proto.avx2 && proto.out_format != OUT_HIF8;
+#endif
+    const int64_t strip = strip_rows(proto.tile_rows, proto.block);
     const int64_t strips = (m + strip - 1) / strip;
     int64_t t = m * k / MIN_PER_THREAD;
     if (t > threads) t = threads;
@@ -499,6 +719,64 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- Dequantize of block-scaled data: out[r, c] = values[code[r, c]] * scale[r / rows, c / cols] ----------
+ * One pass (torch decodes, then multiplies by the expanded scales), the same float32 product. */
+typedef struct {
+    const uint8_t *codes;
+    const float *values, *scales;
+    float *out;
+    int64_t k, scale_cols, rows, cols, row_begin, row_end;
+} DequantJob;
+
+static void dequant_rows(DequantJob *j) {
+    const int64_t k = j->k, cols = j->cols;
+    for (int64_t r = j->row_begin; r < j->row_end; ++r) {
+        const uint8_t *restrict in = j->codes + r * k;
+        const float *restrict scale = j->scales + (r / j->rows) * j->scale_cols;
+        const float *restrict values = j->values;
+        float *restrict out = j->out + r * k;
+        for (int64_t c0 = 0; c0 < k; c0 += cols) {
+            const int64_t c1 = c0 + cols < k ? c0 + cols : k;
+            const float s = scale[c0 / cols];
+            for (int64_t c = c0; c < c1; ++c) out[c] = values[in[c]] * s;
+        }
+    }
+}
+
+static void *run_dequant(void *arg) { dequant_rows((DequantJob *)arg); return NULL; }
+
+static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
+    unsigned long long codes, values, scales, out;
+    long long m, k, scale_cols, rows, cols;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKKLLLKi", &codes, &m, &k, &values, &scales, &scale_cols, &rows, &cols, &out,
+                          &threads))
+        return NULL;
+    if (m < 0 || k < 0 || rows < 1 || cols < 1 || scale_cols < (k + cols - 1) / cols || !values || !scales) {
+        PyErr_SetString(PyExc_ValueError, "dequantize_tiles: bad shape, tile or table");
+        return NULL;
+    }
+    int64_t t = m * k / MIN_PER_THREAD;
+    t = t > threads ? threads : t;
+    t = t > m ? m : t;
+    t = t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
+    DequantJob jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t step = (m + t - 1) / t;
+    for (int64_t i = 0; i < t; ++i) {
+        jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const float *)scales, (float *)out,
+                               k, scale_cols, rows, cols, i * step < m ? i * step : m, (i + 1) * step < m ? (i + 1) * step : m};
+        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_dequant, &jobs[i]) == 0;
+        if (i > 0 && !started[i]) dequant_rows(&jobs[i]);
+    }
+    dequant_rows(&jobs[0]);
+    for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
@@ -509,6 +787,9 @@ static PyMethodDef methods[] = {
     {"quantize_tiles", py_quantize_tiles, METH_VARARGS,
      "quantize_tiles(in, in_dtype, m, k, out_format, table, mode, tile_rows, block, emax, fp8_max, eps, pow2, "
      "row_data, row_scale, col_data, col_scale, threads): block / MX quantize, rowwise and/or columnwise"},
+    {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
+     "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads): out = values[codes] * "
+     "scales[r / rows, c / cols]"},
     {"current_scale_inv", py_current_scale_inv, METH_VARARGS,
      "current_scale_inv(amax, out, fp8_max, eps, pow2): *out = the current-scaling scale_inv of *amax"},
     {NULL, NULL, 0, NULL},
