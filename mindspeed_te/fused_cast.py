@@ -85,6 +85,8 @@ def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Te
     if scales.shape != (-(-m // rows), -(-k // cols)):
         return None
     out = torch.empty((m, k), dtype=torch.float32)
+    if out.numel() == 0:  # an expert without tokens: nothing to read (and no buffer to point at)
+        return out
     _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
                           out.data_ptr(), torch.get_num_threads())
     return out

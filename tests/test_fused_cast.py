@@ -294,3 +294,11 @@ def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, 
     decoded = torch.from_numpy(codes.numpy().view(NP_DTYPES[FORMATS[fmt.value]]).astype(np.float32))
     want = decoded * scales.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_dequantize_tiles_of_no_rows_is_empty():
+    """An expert that got no tokens has (0, K) codes and (0, K / 32) scales: an empty result, not an error."""
+    got = fused_cast.dequantize_tiles(torch.empty(0, 64, dtype=torch.uint8),
+                                      formats.decode_table(FP8Dtype.E4M3, torch.device("cpu")),
+                                      torch.empty(0, 2), 1, 32)
+    assert got is not None and got.shape == (0, 64) and got.dtype == torch.float32
