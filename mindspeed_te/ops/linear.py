@@ -100,6 +100,8 @@ class _Linear(torch.autograd.Function):
             # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
             saved_w = qw.columnwise_only()
         ctx.args = args
+        if args.reduce_amax_in_backward:
+            FP8GlobalStateManager.expect_backward_reduction(ctx)
         ctx.saved = (saved_x, saved_w)
         ctx.weight = weight
         ctx.input_shape = inp.shape
