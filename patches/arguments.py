@@ -12,6 +12,7 @@ import argparse
 import functools
 from typing import Callable, Optional
 
+from mindspeed_te.patches.registry import resolve
 from mindspeed_te.recipe import Format
 
 # args attribute -> default; copied onto the TransformerConfig
@@ -159,8 +160,6 @@ def wrap_config_from_args(config_from_args: Callable) -> Callable:
 
 def register_arguments(registry) -> None:
     """Hook parse_args and core_transformer_config_from_args of megatron.training.arguments."""
-    from megatron.training import arguments
-
-    registry.register("megatron.training.arguments.parse_args", wrap_parse_args(arguments.parse_args))
-    registry.register("megatron.training.arguments.core_transformer_config_from_args",
-                      wrap_config_from_args(arguments.core_transformer_config_from_args))
+    for target, wrap in (("megatron.training.arguments.parse_args", wrap_parse_args),
+                         ("megatron.training.arguments.core_transformer_config_from_args", wrap_config_from_args)):
+        registry.register(target, wrap(resolve(target)))

@@ -31,7 +31,7 @@ def _train(rank: int, world_size: int, recipe_name: str, fault: dict) -> dict:
     recovery = StepRecovery()
     recipe = RECIPES[recipe_name]()
     attempts: list[dict] = []
-    step = 0
+    current = {"step": 0}
 
     def poison(tensor: torch.Tensor) -> torch.Tensor:
         out = tensor.clone()
@@ -39,6 +39,7 @@ def _train(rank: int, world_size: int, recipe_name: str, fault: dict) -> dict:
         return out
 
     def attempt() -> float:
+        step = current["step"]
         n = sum(a["step"] == step for a in attempts)
         fwd = layers[0].fp8_states[0] if layers[0].fp8_states is not None else None
         attempts.append({"step": step, "history": None if fwd is None or not hasattr(fwd, "amax_history")
@@ -65,6 +66,7 @@ def _train(rank: int, world_size: int, recipe_name: str, fault: dict) -> dict:
 
     losses = []
     for step in range(STEPS):
+        current["step"] = step
         losses.append(recovery.run(attempt, [batches]))
     return {"losses": losses, "params": [p.detach().clone() for p in layers.parameters()],
             "retried": recovery.retried, "skipped": recovery.skipped, "attempts": attempts}
