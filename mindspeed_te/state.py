@@ -280,9 +280,9 @@ class FP8GlobalStateManager:
     def check_nonfinite(cls) -> list[str]:
         """Report the tensors that held NaN/Inf when quantized since the last check ("<module> <tensor>"),
         warn once per check naming them, count them, tell the listeners, and clear the flags. One host read of
-        all flags, at the end of each step: after the backward amax reduction, at the exit of a region run
-        without gradients, else (backward never ran) at the next outermost entry. `nonfinite_check` off
-        turns these automatic checks off."""
+        all flags, at the end of each step: after the last backward amax reduction the step's regions owe, at
+        the exit of a region run without gradients, else (backward never ran) at the next outermost entry.
+        `nonfinite_check` off turns these automatic checks off."""
         qstate = cls.quantization_state
         qstate.nonfinite_unchecked = False
         watched = [(name, ref()) for name, ref in qstate.nonfinite_watch]
@@ -387,8 +387,7 @@ class FP8GlobalStateManager:
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
         """For every key: one MAX all-reduce of all registered amaxes, then every scale update. The
-        registrations are taken first, so a failure here cannot leave them behind for later steps. The backward
-        reduction ends the step: it then reports the non-finite inputs the step quantized."""
+        registrations are taken first, so a failure here cannot leave them behind for later steps."""
         qstate = cls.quantization_state
         if not forward:
             cls._drop_stale_backward_registrations()
@@ -404,8 +403,16 @@ class FP8GlobalStateManager:
                 and dist.get_world_size(group) > 1
             update_delayed_states(list(states.values()),
                                   functools.partial(_all_reduce_amaxes, group=group) if reduce else None)
-        if not forward:
-            qstate.backward_reducers.clear()  # everything registered so far has been reduced
+
+    @classmethod
+    def reduce_backward_amaxes(cls, ctx: object) -> None:
+        """The backward of a region's first FP8 module (`ctx`, see `expect_backward_reduction`): reduce the
+        backward amaxes. When no other region's backward is still to come, the step is over: report the
+        non-finite inputs it quantized."""
+        qstate = cls.quantization_state
+        qstate.backward_reducers = {seq: ref for seq, ref in qstate.backward_reducers.items() if ref() is not ctx}
+        cls.reduce_and_update_fp8_tensors(forward=False)
+        if not qstate.backward_reducers:
             cls._check_nonfinite_if_pending()
 
     @classmethod
@@ -464,8 +471,9 @@ class FP8GlobalStateManager:
         qstate.fp8_distributed_group = fp8_group
         qstate.fp8_graph_capturing = bool(_graph)
         if qstate.autocast_depth == 0:
-            cls._check_nonfinite_if_pending()  # a step before whose backward never reached its check
             cls._drop_stale_backward_registrations()
+            if not qstate.backward_reducers:  # no backward to come that would end the step before
+                cls._check_nonfinite_if_pending()
             qstate.nonfinite_unchecked = True
             qstate.region_seq += 1
             # Set even when this outer region is disabled: an enabled region nested inside still has a

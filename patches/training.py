@@ -45,7 +45,9 @@ def _gradients(model: Any) -> list[torch.Tensor]:
     parameter."""
     grads = []
     for chunk in model if isinstance(model, list) else [model]:
-        buffers = [*getattr(chunk, "buffers", ()), *getattr(chunk, "expert_parallel_buffers", ())]
+        # DDP's buffer lists (an instance attribute shadowing nn.Module.buffers, the method)
+        buffers = [buffer for name in ("buffers", "expert_parallel_buffers")
+                   if isinstance(getattr(chunk, name, None), list) for buffer in getattr(chunk, name)]
         if buffers:
             grads += [buffer.grad_data for buffer in buffers]
         else:

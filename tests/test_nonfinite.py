@@ -150,3 +150,26 @@ def test_fault_counts_reach_the_numerics_report(tmp_path):
     counters = json.loads((tmp_path / "numerics.json").read_text())["counters"]
     assert counters == {"nonfinite_steps": 1, "nonfinite fc1 grad_output": 1}
     reset_counters()
+
+
+def test_fault_with_one_region_per_layer_is_reported_once_at_the_end_of_its_step():
+    """Megatron's per-layer regions (every recipe but delayed): the check runs once, after the last backward
+    the step's regions owe, so a gradient fault in the first layer is reported in its own step."""
+    from mindspeed_te.diagnostics import HostSyncCounter
+
+    a, b = Linear(64, 64, name="a"), Linear(64, 64, name="b")
+    recipe = RECIPES["tensorwise/hif8"]()
+    for step in range(2):
+        x, dy = _clean(step)
+        with HostSyncCounter() as counter:
+            with fp8_autocast(fp8_recipe=recipe):
+                h = a(x.requires_grad_())
+            with fp8_autocast(fp8_recipe=recipe):
+                y = b(h)
+            if step == 1:
+                h.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(math.nan)))
+                with pytest.warns(RuntimeWarning, match=r"at a grad_output$|at a grad_output:"):
+                    y.backward(dy)
+            else:
+                y.backward(dy)
+        assert dict(counter.counts) == {"tolist": 1}

@@ -135,7 +135,7 @@ class _GroupedLinear(torch.autograd.Function):
         dbs = [dys[i].sum(dim=0).to(weights[i].dtype) for i in range(args.num_biases)]
         if q is not None and args.reduce_amax_in_backward:
             # The step's first FP8 module runs backward last: every expert's amax is recorded by now.
-            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+            FP8GlobalStateManager.reduce_backward_amaxes(ctx)
         ctx.saved = None
         return (dx, None, *dws, *dbs)
 

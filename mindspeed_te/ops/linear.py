@@ -142,7 +142,7 @@ class _Linear(torch.autograd.Function):
                     dw = wgrad_high_precision(dy, saved_x, weight, args.fuse_wgrad_accumulation)
             if args.reduce_amax_in_backward:
                 # This is the first FP8 module of the step, so its backward is the last one to run.
-                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+                FP8GlobalStateManager.reduce_backward_amaxes(ctx)
         if need_db and ctx.has_bias:
             db = dy.sum(dim=0).to(weight.dtype)
         ctx.saved = None
