@@ -112,7 +112,7 @@ class FP8GlobalState:
     checkpoint_stash: list[RecipeState] = field(default_factory=list)
     skip_fp8_weight_update_tensor: Optional[torch.Tensor] = None
     # Non-finite inputs: the recipe states whose flags are checked (module name, weak reference), whether
-    # the check runs at every outermost autocast entry, and what it found so far.
+    # the check runs at the end of every step (see check_nonfinite), and what it found so far.
     nonfinite_watch: list[tuple[str, weakref.ref]] = field(default_factory=list)
     nonfinite_check: bool = True
     nonfinite_unchecked: bool = False  # an outermost region ran since the last check

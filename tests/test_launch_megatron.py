@@ -160,7 +160,7 @@ def test_pretrain_gpt_step_recovery_retries_a_fault_on_one_rank():
     faulty = _launch(*flags, nproc=2, port=29593, env_extra={"MINDSPEED_TE_TEST_FAULT": "1,1"},
                      launcher=(os.path.join(ROOT, "tests", "megatron_fault_launch.py"),))
     assert _losses(faulty) == reference and len(reference) == 3
-    assert re.search(r"NaN/Inf entered quantized GEMMs at decoder\.layers\.0\.self_attention\.linear_proj input",
+    assert re.search(r"NaN/Inf entered quantized GEMMs at .*\bdecoder\.layers\.0\.self_attention\.linear_proj input",
                      faulty.stderr), faulty.stderr[-3000:]
     skipped = re.findall(r"number of skipped iterations:\s+(\d+)", faulty.stdout)
     assert len(skipped) == 3 and set(skipped) == {"0"}  # the retry succeeded: no iteration was given up
