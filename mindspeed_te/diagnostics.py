@@ -26,11 +26,37 @@ _SYNCING = {
 
 class HostSyncCounter(TorchFunctionMode):
     """Counts calls that force a host-device synchronization (`.item()`, `.tolist()`, `bool(t)`,
-    data-dependent shapes, copies to the host). Use as a context manager; `counts` says what was called."""
+    data-dependent shapes, copies to the host). Use as a context manager; `counts` says what was called.
+    Torch function modes do not reach into autograd backward functions, so while the counter is active the
+    syncing methods are also wrapped to count the calls the mode cannot see."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self._wrapped: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+
+    def __enter__(self) -> HostSyncCounter:
+        for func, name in _SYNCING.items():
+            owner = torch if func is torch.nonzero else torch.Tensor
+            attribute = func.__name__
+            original = getattr(owner, attribute)
+            setattr(owner, attribute, self._unseen_counted(name, original))
+            self._wrapped.append((owner, attribute, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, attribute, original in reversed(self._wrapped):
+            setattr(owner, attribute, original)
+        self._wrapped.clear()
+        return super().__exit__(*exc)
+
+    def _unseen_counted(self, name: str, original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self not in torch.overrides._get_current_function_mode_stack():  # e.g. inside a backward
+                self.counts[name] += 1
+            return original(*args, **kwargs)
+
+        return call
 
     def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:
         name = _SYNCING.get(func)

@@ -308,6 +308,10 @@ class DelayedScalingRecipeState(RecipeState):
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
 
+    def reset_amax_history(self) -> None:
+        """Forget the history and scales, back to a new state's (after a failed step)."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
 
 class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     """HIF8DelayedScaling: per-slot targets from the per-tensor margins, current scaling while the warm-up
@@ -357,8 +361,7 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
 
     def reset_amax_history(self) -> None:
         """Forget the history and scales and start the warm-up again (after a failed step)."""
-        self.amax_history.zero_()
-        self.scale.fill_(1.0)
+        super().reset_amax_history()
         self.steps = 0
 
 

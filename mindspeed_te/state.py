@@ -18,7 +18,7 @@ import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Optional
+from typing import Callable, Iterable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,12 @@ from mindspeed_te.recipe import (
     Recipe,
     get_default_recipe,
 )
-from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState, update_delayed_states
+from mindspeed_te.recipe_state import (
+    DelayedScalingRecipeState,
+    HIF8DelayedScalingRecipeState,
+    RecipeState,
+    update_delayed_states,
+)
 from mindspeed_te.tensor import QuantizedTensorStorage
 
 __all__ = [
@@ -94,15 +99,27 @@ class FP8GlobalState:
     registered: _Registry = field(default_factory=dict)
     # registrations made inside the running outermost region (dropped again if the region fails)
     registered_in_region: list[tuple[tuple[str, bool], int]] = field(default_factory=list)
+    # Backward registrations and who reduces them: the outermost region (by sequence number) that last
+    # registered each backward state, and per region the autograd context of its first FP8 module (weakly:
+    # it dies with the graph). A region whose context died before its backward reduction ran had its
+    # backward fail or never run; its registrations are stale and are dropped.
+    region_seq: int = 0
+    backward_owner: dict[int, int] = field(default_factory=dict)
+    backward_reducers: dict[int, weakref.ref] = field(default_factory=dict)
+    # every delayed-scaling state registered under each autocast key, and the keys registered since the last
+    # `take_used_autocast_keys()` (step recovery resets the histories of the keys a failed step used)
+    delayed_states: dict[str, weakref.WeakSet] = field(default_factory=dict)
+    used_keys: set[str] = field(default_factory=set)
     # Activation checkpointing: the phase of the running checkpointed region and its stash of each FP8
     # module's forward state from the first pass, in call order, for the recompute.
     checkpoint_phase: Optional[CheckpointPhase] = None
     checkpoint_stash: list[RecipeState] = field(default_factory=list)
     skip_fp8_weight_update_tensor: Optional[torch.Tensor] = None
     # Non-finite inputs: the recipe states whose flags are checked (module name, weak reference), whether
-    # the check runs at every outermost autocast entry, and what it found so far.
+    # the check runs at the end of every step (see check_nonfinite), and what it found so far.
     nonfinite_watch: list[tuple[str, weakref.ref]] = field(default_factory=list)
     nonfinite_check: bool = True
+    nonfinite_unchecked: bool = False  # an outermost region ran since the last check
     nonfinite_steps: int = 0
     nonfinite_counts: Counter = field(default_factory=Counter)
     # reduction groups (by id) whose ranks were checked to run the same recipe
@@ -131,6 +148,7 @@ class FP8GlobalStateManager:
     The state itself is the `quantization_state` instance."""
 
     quantization_state: FP8GlobalState = FP8GlobalState()
+    _nonfinite_listeners: list[Callable[[list[str]], None]] = []
 
     @classmethod
     def reset(cls) -> None:
@@ -264,15 +282,28 @@ class FP8GlobalStateManager:
     # Non-finite inputs -----------------------------------------------------------------------------------
     @classmethod
     def watch_nonfinite(cls, module_name: str, state: RecipeState) -> None:
-        """Have `check_nonfinite` report NaN/Inf that `state`'s quantizers see, naming `module_name`."""
-        cls.quantization_state.nonfinite_watch.append((module_name, weakref.ref(state)))
+        """Have `check_nonfinite` report NaN/Inf that `state`'s quantizers see, naming `module_name`. Watching a
+        watched state again renames it (e.g. once Megatron's model is built and its layers have paths)."""
+        qstate = cls.quantization_state
+        qstate.nonfinite_watch = [(name, ref) for name, ref in qstate.nonfinite_watch if ref() is not state]
+        qstate.nonfinite_watch.append((module_name, weakref.ref(state)))
+
+    @classmethod
+    def add_nonfinite_listener(cls, listener: Callable[[list[str]], None]) -> None:
+        """Call `listener(found)` after every check that found NaN/Inf ("<module> <tensor>" each), e.g. the
+        numerics report's counters. Listeners outlive `reset()`: they are tools, not training state."""
+        if listener not in cls._nonfinite_listeners:
+            cls._nonfinite_listeners.append(listener)
 
     @classmethod
     def check_nonfinite(cls) -> list[str]:
         """Report the tensors that held NaN/Inf when quantized since the last check ("<module> <tensor>"),
-        warn once per check naming them, count them, and clear the flags. One host read of all flags; it
-        runs at every outermost autocast entry (for the step before) unless `nonfinite_check` is off."""
+        warn once per check naming them, count them, tell the listeners, and clear the flags. One host read of
+        all flags, at the end of each step: after the last backward amax reduction the step's regions owe, at
+        the exit of a region run without gradients, else (backward never ran) at the next outermost entry.
+        `nonfinite_check` off turns these automatic checks off."""
         qstate = cls.quantization_state
+        qstate.nonfinite_unchecked = False
         watched = [(name, ref()) for name, ref in qstate.nonfinite_watch]
         watched = [(name, state) for name, state in watched if state is not None]
         qstate.nonfinite_watch = [(name, weakref.ref(state)) for name, state in watched]
@@ -295,7 +326,15 @@ class FP8GlobalStateManager:
             warnings.warn(f"mindspeed_te: NaN/Inf entered quantized GEMMs at {', '.join(found)}: their outputs are "
                           "non-finite, as in high precision; scales and amax histories were left unchanged "
                           f"({qstate.nonfinite_steps} such checks so far)", RuntimeWarning, stacklevel=2)
+            for listener in cls._nonfinite_listeners:
+                listener(found)
         return found
+
+    @classmethod
+    def _check_nonfinite_if_pending(cls) -> None:
+        qstate = cls.quantization_state
+        if qstate.nonfinite_unchecked and qstate.nonfinite_check:
+            cls.check_nonfinite()
 
     @classmethod
     def get_nonfinite_counts(cls) -> dict[str, int]:
@@ -325,20 +364,57 @@ class FP8GlobalStateManager:
         qstate = cls.quantization_state
         key = cls.get_unique_autocast_key(state.recipe, group)
         qstate.autocast_arguments.setdefault(key, (state.recipe, group))
+        qstate.delayed_states.setdefault(key, weakref.WeakSet()).add(state)
+        qstate.used_keys.add(key)
         entry = (key, state.forward)
         states = qstate.registered.setdefault(entry, {})
+        if not state.forward:
+            qstate.backward_owner[id(state)] = qstate.region_seq
         if id(state) not in states:
             states[id(state)] = state
             if qstate.autocast_depth > 0:
                 qstate.registered_in_region.append((entry, id(state)))
 
     @classmethod
+    def expect_backward_reduction(cls, ctx: object) -> None:
+        """Called by the first FP8 module's autograd function with its context: the running region's backward
+        registrations are reduced by that context's backward. If the context dies first (the backward raised,
+        or the graph was dropped), the registrations are stale and the next step drops them."""
+        qstate = cls.quantization_state
+        qstate.backward_reducers[qstate.region_seq] = weakref.ref(ctx)
+
+    @classmethod
+    def _drop_stale_backward_registrations(cls) -> None:
+        """Drop the backward registrations of regions whose backward can no longer run, with the amaxes their
+        failed backward left in slot 0 (HiF8 delayed states keep slot 0: it holds the whole update interval)."""
+        qstate = cls.quantization_state
+        dead = {seq for seq, ref in qstate.backward_reducers.items() if ref() is None}
+        if not dead:
+            return
+        for seq in dead:
+            del qstate.backward_reducers[seq]
+        for entry in [entry for entry in qstate.registered if not entry[1]]:
+            states = qstate.registered[entry]
+            for state_id in [i for i in states if qstate.backward_owner.get(i) in dead]:
+                state = states.pop(state_id)
+                del qstate.backward_owner[state_id]
+                if not isinstance(state, HIF8DelayedScalingRecipeState):
+                    state.amax_history[0].zero_()
+            if not states:
+                del qstate.registered[entry]
+
+    @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
         """For every key: one MAX all-reduce of all registered amaxes, then every scale update. The
         registrations are taken first, so a failure here cannot leave them behind for later steps."""
         qstate = cls.quantization_state
+        if not forward:
+            cls._drop_stale_backward_registrations()
         for (key, fwd) in [entry for entry in qstate.registered if entry[1] == forward]:
             states = qstate.registered.pop((key, fwd))
+            if not fwd:
+                for state_id in states:
+                    qstate.backward_owner.pop(state_id, None)
             if not states:
                 continue
             recipe, group = qstate.autocast_arguments[key]
@@ -346,6 +422,33 @@ class FP8GlobalStateManager:
                 and dist.get_world_size(group) > 1
             update_delayed_states(list(states.values()),
                                   functools.partial(_all_reduce_amaxes, group=group) if reduce else None)
+
+    @classmethod
+    def reduce_backward_amaxes(cls, ctx: object) -> None:
+        """The backward of a region's first FP8 module (`ctx`, see `expect_backward_reduction`): reduce the
+        backward amaxes. When no other region's backward is still to come, the step is over: report the
+        non-finite inputs it quantized."""
+        qstate = cls.quantization_state
+        qstate.backward_reducers = {seq: ref for seq, ref in qstate.backward_reducers.items() if ref() is not ctx}
+        cls.reduce_and_update_fp8_tensors(forward=False)
+        if not qstate.backward_reducers:
+            cls._check_nonfinite_if_pending()
+
+    @classmethod
+    def take_used_autocast_keys(cls) -> set[str]:
+        """The autocast keys delayed-scaling states were registered under since the last call."""
+        qstate = cls.quantization_state
+        keys, qstate.used_keys = qstate.used_keys, set()
+        return keys
+
+    @classmethod
+    def reset_amax_histories(cls, keys: Optional[Iterable[str]] = None) -> None:
+        """Forget the amax history and scales of every delayed-scaling state under `keys` (default: all keys),
+        as after a failed step: the next step starts them as new (HiF8 delayed: with its warm-up)."""
+        qstate = cls.quantization_state
+        for key in qstate.delayed_states if keys is None else keys:
+            for state in list(qstate.delayed_states.get(key, ())):
+                state.reset_amax_history()
 
     # Autocast ----------------------------------------------------------------------------------------
     @classmethod
@@ -386,9 +489,12 @@ class FP8GlobalStateManager:
         qstate.fp8_recipe = recipe
         qstate.fp8_distributed_group = fp8_group
         qstate.fp8_graph_capturing = bool(_graph)
-        if qstate.autocast_depth == 0 and qstate.nonfinite_check:
-            cls.check_nonfinite()  # the step before
         if qstate.autocast_depth == 0:
+            cls._drop_stale_backward_registrations()
+            if not qstate.backward_reducers:  # no backward to come that would end the step before
+                cls._check_nonfinite_if_pending()
+            qstate.nonfinite_unchecked = True
+            qstate.region_seq += 1
             # Set even when this outer region is disabled: an enabled region nested inside still has a
             # first module, whose backward reduces the backward amaxes.
             qstate.is_first_fp8_module = True
@@ -412,11 +518,33 @@ class FP8GlobalStateManager:
             for entry, state_id in qstate.registered_in_region:
                 states = qstate.registered.get(entry, {})
                 states.pop(state_id, None)
+                if not entry[1]:
+                    qstate.backward_owner.pop(state_id, None)
                 if not states:
                     qstate.registered.pop(entry, None)
+            qstate.backward_reducers.pop(qstate.region_seq, None)
         elif torch.is_grad_enabled() or calibrating:
             cls.reduce_and_update_fp8_tensors(forward=True)
+        if not failed and not torch.is_grad_enabled():
+            if not calibrating:
+                cls._flag_nonfinite_amaxes(qstate.registered_in_region)
+            cls._check_nonfinite_if_pending()  # no backward follows: this region is the whole step
         qstate.registered_in_region = []
+
+    @classmethod
+    def _flag_nonfinite_amaxes(cls, region: list[tuple[tuple[str, bool], int]]) -> None:
+        """A pass without gradients runs no update, which is where delayed scaling folds NaN/Inf amaxes into
+        the states' flags: fold this region's here, and zero those amax slots so that the next training
+        update neither reports them again nor sees them (a non-finite amax never enters a history)."""
+        qstate = cls.quantization_state
+        states = [qstate.registered.get(entry, {}).get(state_id) for entry, state_id in region]
+        states = [s for s in states if s is not None and not isinstance(s, HIF8DelayedScalingRecipeState)]
+        if not states:
+            return
+        slots = [state.amax_history[0] for state in states]
+        torch._foreach_add_([state.nonfinite for state in states], slots, alpha=0.0)
+        for slot in slots:
+            slot.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     # TransformerEngine <= 2.8 names.
     @classmethod

@@ -5,9 +5,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import warnings
+from typing import Iterator
 
 from mindspeed_te.patches.registry import SUPPORTED_MEGATRON_CORE, PatchError, PatchRegistry, megatron_versions
 
@@ -20,22 +22,41 @@ def build_registry() -> PatchRegistry:
     if importlib.util.find_spec("megatron.core") is None:
         raise ImportError("mindspeed_te's Megatron patches need megatron-core: pip install megatron-core==0.16.1 "
                           "(or put a Megatron-LM checkout on sys.path)")
-    from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
-    from mindspeed_te.patches.megatron_te import register_megatron_te
-
     _warn_on_other_megatron_version()
     registry = PatchRegistry()
-    register_megatron_te(registry)
-    if not accelerator_present():
-        register_device_cpu(registry)
+    with _building("megatron.core.extensions.transformer_engine"):
+        from mindspeed_te.patches.megatron_te import register_megatron_te
+
+        register_megatron_te(registry)
+    with _building("torch.cuda"):
+        from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
+
+        if not accelerator_present():
+            register_device_cpu(registry)
     if importlib.util.find_spec("megatron.training") is not None:
-        from mindspeed_te.patches.arguments import register_arguments
+        with _building("megatron.training.arguments"):
+            from mindspeed_te.patches.arguments import register_arguments
 
-        register_arguments(registry)
-        from mindspeed_te.patches.numerics import register_numerics
+            register_arguments(registry)
+        with _building("megatron.training.training.train_step"):
+            from mindspeed_te.patches.training import register_training
 
-        register_numerics(registry)
+            register_training(registry)
     return registry
+
+
+@contextlib.contextmanager
+def _building(targets: str) -> Iterator[None]:
+    """Turn an import or attribute error while the patches of `targets` are being built (a Megatron module or
+    name they need is missing) into a PatchError with the target and the megatron-core versions."""
+    try:
+        yield
+    except PatchError:
+        raise
+    except (ImportError, AttributeError) as error:
+        missing = getattr(error, "name", None)
+        raise PatchError(f"cannot build the patches of {targets!r}: {error}"
+                         f"{f' (missing {missing!r})' if missing else ''} ({megatron_versions()})") from error
 
 
 def _warn_on_other_megatron_version() -> None:

@@ -1,10 +1,11 @@
 """mindspeed_te's Megatron command-line flags, added through `parse_args`'s extra-arguments hook.
 
-Flags: `--fp8-format hif8` (added to Megatron's own choices), `--hif8-fwd-max` / `--hif8-bwd-max` (HiF8
-target maxima, default 15 / 224), `--no-use-gmm-fp8` (MoE grouped GEMMs in high precision) and
-`--use-ascend-mc2` (fused matmul + communication kernels). Megatron copies only TransformerConfig's own
-fields from the arguments into the config, so `core_transformer_config_from_args` is wrapped to carry
-these over as config attributes, where the TE* modules read them.
+Flags: `--fp8-format hif8` (added to Megatron's own choices), `--fp8-recipe hif8_delayed` and its
+`--hif8-*` settings, `--hif8-fwd-max` / `--hif8-bwd-max` (HiF8 target maxima, default 15 / 224),
+`--fp8-step-recovery` (patches/training.py), `--fp8-numerics-report`, `--no-use-gmm-fp8` (MoE grouped GEMMs in
+high precision) and `--use-ascend-mc2` (fused matmul + communication kernels). Megatron copies only
+TransformerConfig's own fields from the arguments into the config, so `core_transformer_config_from_args` is
+wrapped to carry these over as config attributes, where the TE* modules read them.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import functools
 from typing import Callable, Optional
 
+from mindspeed_te.patches.registry import resolve
 from mindspeed_te.recipe import Format
 
 # args attribute -> default; copied onto the TransformerConfig
@@ -119,6 +121,9 @@ def validate_args(args: argparse.Namespace) -> None:
     if fp8 == "hif8" and recipe == "mxfp8":
         raise ValueError("--fp8-format hif8 does not work with --fp8-recipe mxfp8 (MX blocks hold E4M3/E5M2 "
                          "elements); use delayed, tensorwise or blockwise")
+    if getattr(args, "fp8_step_recovery", False) and getattr(args, "check_for_nan_in_loss_and_grad", False):
+        raise ValueError("--fp8-step-recovery needs --no-check-for-nan-in-loss-and-grad (Megatron's check stops the "
+                         "run at the first NaN, before the step can be skipped and retried)")
     for flag in ("hif8_fwd_max", "hif8_bwd_max"):
         value = getattr(args, flag, None)
         if value is None:
@@ -159,8 +164,6 @@ def wrap_config_from_args(config_from_args: Callable) -> Callable:
 
 def register_arguments(registry) -> None:
     """Hook parse_args and core_transformer_config_from_args of megatron.training.arguments."""
-    from megatron.training import arguments
-
-    registry.register("megatron.training.arguments.parse_args", wrap_parse_args(arguments.parse_args))
-    registry.register("megatron.training.arguments.core_transformer_config_from_args",
-                      wrap_config_from_args(arguments.core_transformer_config_from_args))
+    for target, wrap in (("megatron.training.arguments.parse_args", wrap_parse_args),
+                         ("megatron.training.arguments.core_transformer_config_from_args", wrap_config_from_args)):
+        registry.register(target, wrap(resolve(target)))

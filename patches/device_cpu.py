@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from mindspeed_te.patches.registry import resolve
+
 
 class Stream(torch.cpu.Stream):
     """A CUDA-stream-shaped no-op: CPU work is already ordered."""
@@ -335,9 +337,7 @@ def register_device_cpu(registry) -> None:
     registry.register(f"{layers}._grad_accum_fusion_available", True)
     registry.register("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     if importlib.util.find_spec("megatron.training") is not None:
-        from megatron.training import initialize
-
-        registry.register("megatron.training.initialize.initialize_megatron",
-                          _allow_no_cuda(initialize.initialize_megatron))
+        target = "megatron.training.initialize.initialize_megatron"
+        registry.register(target, _allow_no_cuda(resolve(target)))
         registry.register("megatron.legacy.fused_kernels.load", _no_fused_kernels)
         registry.register("megatron.training.utils.get_device_arch_version", _device_arch_version)

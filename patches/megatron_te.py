@@ -35,7 +35,7 @@ from mindspeed_te.megatron import (
     te_checkpoint,
 )
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
-from mindspeed_te.patches.registry import PatchRegistry
+from mindspeed_te.patches.registry import PatchRegistry, resolve
 
 # The TransformerEngine release whose API the modules mirror, as Megatron's version checks see it.
 TE_API_VERSION = "2.8.0"
@@ -108,12 +108,8 @@ TE_LINEAR_TYPES = (TELinear, TEColumnParallelLinear, TERowParallelLinear, TELaye
 
 def register_megatron_te(registry: PatchRegistry) -> None:
     """Add the TE replacement patches to `registry` (applied later, together with the others)."""
-    import importlib
-
-    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
-
-    extension = importlib.import_module(EXTENSION)
-    replacements = dict(TE_CLASSES, **TE_OPTIONAL_CLASSES, **TE_FUNCTIONS, TESpecProvider=TESpecProvider,
+    spec_provider = resolve("megatron.core.extensions.transformer_engine_spec_provider.TESpecProvider")
+    replacements = dict(TE_CLASSES, **TE_OPTIONAL_CLASSES, **TE_FUNCTIONS, TESpecProvider=spec_provider,
                         LayerNormImpl=TENorm)
     for name, replacement in TE_CLASSES.items():
         registry.register(f"{EXTENSION}.{name}", replacement)
@@ -121,7 +117,7 @@ def register_megatron_te(registry: PatchRegistry) -> None:
         registry.register(f"{EXTENSION}.{name}", replacement, create=True)
     for module, (names, raise_flag) in IMPORTERS.items():
         for name in names:
-            value = replacements[name] if name in replacements else getattr(extension, name)
+            value = replacements[name] if name in replacements else resolve(f"{EXTENSION}.{name}")
             registry.register(f"{module}.{name}", value, create=True)
         if raise_flag:
             registry.register(f"{module}.HAVE_TE", True, create=True)

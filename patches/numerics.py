@@ -41,10 +41,3 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def register_numerics(registry) -> None:
-    """Hook megatron.training.training.train_step."""
-    from megatron.training import training
-
-    registry.register("megatron.training.training.train_step", wrap_train_step(training.train_step))

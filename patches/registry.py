@@ -16,7 +16,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "megatron_versions"]
+__all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "megatron_versions", "resolve"]
 
 _MISSING = object()
 SUPPORTED_MEGATRON_CORE = "0.16.1"
@@ -72,6 +72,23 @@ def _owner(path: str) -> Any:
         if not hasattr(owner, name):
             raise
         return getattr(owner, name)
+
+
+def resolve(target: str) -> Any:
+    """The object `target` ("package.module.attribute" or "package.module.Class.attribute") names, read while
+    the patches are being built; a PatchError naming the target and the megatron-core versions when its module
+    does not import or lacks the attribute."""
+    module_name, _, attribute = target.rpartition(".")
+    try:
+        owner = _owner(module_name)
+    except ImportError as error:
+        raise PatchError(f"cannot build the patch of {target!r}: module {module_name!r} does not import "
+                         f"({error}; {megatron_versions()})") from error
+    try:
+        return getattr(owner, attribute)
+    except AttributeError as error:
+        raise PatchError(f"cannot build the patch of {target!r}: {module_name!r} has no attribute {attribute!r} "
+                         f"({megatron_versions()})") from error
 
 
 def _rebindable(obj: Any) -> bool:

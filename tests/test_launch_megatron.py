@@ -35,16 +35,16 @@ def dataset_helpers():
                    check=True, capture_output=True)
 
 
-def _launch(*extra: str, nproc: int = 1, port: int = 29571,
-            env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _launch(*extra: str, nproc: int = 1, port: int = 29571, env_extra: dict | None = None,
+            launcher: tuple[str, ...] = ("-m", "mindspeed_te.launch")) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
     script = os.path.join(MEGATRON, "pretrain_gpt.py")
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        cmd = [sys.executable, "-m", "mindspeed_te.launch", script]
+        cmd = [sys.executable, *launcher, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
-               "-m", "mindspeed_te.launch", script]
+               *launcher, script]
     return subprocess.run([*cmd, *TINY_GPT, *extra], env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -148,3 +148,19 @@ def _losses_of_6(run: subprocess.CompletedProcess) -> dict[int, float]:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     found = re.findall(r"iteration\s+(\d+)/\s*6 \|.*?lm loss: ([0-9.E+-]+)", run.stdout)
     return {int(i): float(x) for i, x in found}
+
+
+def test_pretrain_gpt_step_recovery_retries_a_fault_on_one_rank():
+    """--fp8-step-recovery: a NaN in one layer's output on rank 1 at iteration 2 makes both ranks skip that
+    attempt and retry the batch; the losses are those of the run without the fault (dropout off, so the
+    retry computes what the first attempt would have), and the warning names the layer by its model path."""
+    flags = ("--fp8-format", "hif8", "--fp8-recipe", "tensorwise", "--fp8-step-recovery",
+             "--no-check-for-nan-in-loss-and-grad", "--hidden-dropout", "0", "--attention-dropout", "0")
+    reference = _losses(_launch(*flags, nproc=2, port=29591))
+    faulty = _launch(*flags, nproc=2, port=29593, env_extra={"MINDSPEED_TE_TEST_FAULT": "1,1"},
+                     launcher=(os.path.join(ROOT, "tests", "megatron_fault_launch.py"),))
+    assert _losses(faulty) == reference and len(reference) == 3
+    assert re.search(r"NaN/Inf entered quantized GEMMs at .*\bdecoder\.layers\.0\.self_attention\.linear_proj input",
+                     faulty.stderr), faulty.stderr[-3000:]
+    skipped = re.findall(r"number of skipped iterations:\s+(\d+)", faulty.stdout)
+    assert len(skipped) == 3 and set(skipped) == {"0"}  # the retry succeeded: no iteration was given up

@@ -16,14 +16,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "recipe": ("mindspeed_te.recipe", "mindspeed_te.scaling"),
     "tensor": ("mindspeed_te.tensor", "mindspeed_te.quantizers", "mindspeed_te.quantized_tensor"),
     "kernels": ("mindspeed_te.kernels",),
-    "state": ("mindspeed_te.recipe_state", "mindspeed_te.state", "mindspeed_te.checkpointing"),
+    "state": ("mindspeed_te.recipe_state", "mindspeed_te.state", "mindspeed_te.checkpointing", "mindspeed_te.recovery"),
     "ops": ("mindspeed_te.ops",),
     "modules": ("mindspeed_te.modules",),
     "megatron": ("mindspeed_te.megatron",),
     "api": ("mindspeed_te",),
-    "tools": ("mindspeed_te.debug", "mindspeed_te.diagnostics", "mindspeed_te.bench", "mindspeed_te.bench_params",
-              "mindspeed_te.demo"),
-    "entry": ("mindspeed_te.patches", "mindspeed_te.megatron_adaptor", "mindspeed_te.launch"),
+    "tools": ("mindspeed_te.debug", "mindspeed_te.diagnostics"),
+    # programs: the Megatron integration and what runs as `python -m` (the bench and demo apply the patches)
+    "entry": ("mindspeed_te.patches", "mindspeed_te.megatron_adaptor", "mindspeed_te.launch", "mindspeed_te.bench",
+              "mindspeed_te.bench_params", "mindspeed_te.bench_gpt", "mindspeed_te.demo"),
 }
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
 

@@ -2,6 +2,7 @@
 precision, under every recipe, format and backend; scales and histories stay finite and the next clean step
 is exactly the step a run without the fault would take."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -94,16 +95,79 @@ def test_each_faulty_step_is_warned_naming_module_and_tensor_and_counted(name):
         x, dy = _clean(step)
         if step == 1:
             x[0, 0] = math.inf
-        if step == 2:
+        if step == 3:  # the last step: reported all the same
             dy[3, 3] = math.nan
         x.requires_grad_()
-        if step in (2, 3):  # the check at this entry reports the step before
-            with pytest.warns(RuntimeWarning, match=r"fc1 input" if step == 2 else r"fc1 grad_output"):
-                with fp8_autocast(fp8_recipe=recipe):
-                    y = layer(x)
+        with fp8_autocast(fp8_recipe=recipe):
+            y = layer(x)
+        if step in (1, 3):  # reported at the end of the faulty step itself (its backward reduction)
+            with pytest.warns(RuntimeWarning, match=r"fc1 input" if step == 1 else r"fc1 grad_output"):
+                y.backward(dy)
         else:
-            with fp8_autocast(fp8_recipe=recipe):
-                y = layer(x)
-        y.backward(dy)
-    assert FP8GlobalStateManager.check_nonfinite() == []  # step 3 was clean
+            y.backward(dy)
+    assert FP8GlobalStateManager.check_nonfinite() == []  # everything was reported already
     assert FP8GlobalStateManager.get_nonfinite_counts() == {"steps": 2, "fc1 input": 1, "fc1 grad_output": 1}
+
+
+def test_fault_in_an_evaluation_pass_is_reported_at_its_exit():
+    layer = Linear(64, 64, name="fc1")
+    x, _ = _clean(0)
+    x[1, 1] = math.nan
+    recipe = RECIPES["delayed/hif8"]()
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="fc1 input"):
+        with fp8_autocast(fp8_recipe=recipe):
+            layer(x)
+    # reported once: the clean training step after it warns of nothing and updates finite scales
+    x, dy = _clean(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with fp8_autocast(fp8_recipe=recipe):
+            y = layer(x.requires_grad_())
+        y.backward(dy)
+    assert FP8GlobalStateManager.get_nonfinite_counts()["steps"] == 1
+    assert all(bool(state.scale.isfinite().all()) for state in layer.fp8_states if hasattr(state, "scale"))
+
+
+def test_fault_counts_reach_the_numerics_report(tmp_path):
+    import json
+
+    from mindspeed_te.debug import NumericsReport, reset_counters
+
+    reset_counters()
+    layer = Linear(64, 64, name="fc1")
+    for step in range(3):
+        x, dy = _clean(step)
+        if step == 1:
+            dy[0, 0] = math.inf
+        with fp8_autocast(fp8_recipe=RECIPES["tensorwise/hif8"]()):
+            y = layer(x.requires_grad_())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            y.backward(dy)
+    NumericsReport(str(tmp_path)).write(plots=False)
+    counters = json.loads((tmp_path / "numerics.json").read_text())["counters"]
+    assert counters == {"nonfinite_steps": 1, "nonfinite fc1 grad_output": 1}
+    reset_counters()
+
+
+def test_fault_with_one_region_per_layer_is_reported_once_at_the_end_of_its_step():
+    """Megatron's per-layer regions (every recipe but delayed): the check runs once, after the last backward
+    the step's regions owe, so a gradient fault in the first layer is reported in its own step."""
+    from mindspeed_te.diagnostics import HostSyncCounter
+
+    a, b = Linear(64, 64, name="a"), Linear(64, 64, name="b")
+    recipe = RECIPES["tensorwise/hif8"]()
+    for step in range(2):
+        x, dy = _clean(step)
+        with HostSyncCounter() as counter:
+            with fp8_autocast(fp8_recipe=recipe):
+                h = a(x.requires_grad_())
+            with fp8_autocast(fp8_recipe=recipe):
+                y = b(h)
+            if step == 1:
+                h.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(math.nan)))
+                with pytest.warns(RuntimeWarning, match=r"at a grad_output$|at a grad_output:"):
+                    y.backward(dy)
+            else:
+                y.backward(dy)
+        assert dict(counter.counts) == {"tolist": 1}

@@ -65,6 +65,18 @@ def test_bad_combinations_name_the_flags(argv, message):
         _parse(argv)
 
 
+def test_step_recovery_needs_megatrons_nan_check_off():
+    """Megatron's --check-for-nan-in-loss-and-grad (on by default) ends the run at the first NaN loss."""
+    def extra(parser):
+        parser.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                            dest="check_for_nan_in_loss_and_grad")
+        return parser
+
+    with pytest.raises(ValueError, match="--fp8-step-recovery needs --no-check-for-nan-in-loss-and-grad"):
+        _parse(["--fp8-step-recovery"], extra)
+    assert _parse(["--fp8-step-recovery", "--no-check-for-nan-in-loss-and-grad"], extra).fp8_step_recovery
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--fp8-format", "hif8", "--hif8-fwd-max", "1e6"],
      "argument --hif8-fwd-max: --hif8-fwd-max must be in (0, 32768]"),

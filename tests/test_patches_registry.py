@@ -122,3 +122,41 @@ def test_patch_errors_name_target_and_megatron_versions(fake_modules):
     registry.register("fakepkg.defs.missing", Replacement)
     with pytest.raises(PatchError, match=r"'fakepkg.defs.missing'.*installed megatron-core \S+, supported 0\.16\.1"):
         registry.apply()
+
+
+def test_building_the_megatron_patches_names_a_missing_target(monkeypatch):
+    """A Megatron name the patch table reads while it is built (another megatron-core release) fails as a
+    PatchError with the target and the versions, not a bare AttributeError."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.extensions import transformer_engine_spec_provider
+
+    from mindspeed_te.patches import build_registry
+
+    monkeypatch.delattr(transformer_engine_spec_provider, "TESpecProvider")
+    with pytest.raises(PatchError, match=r"transformer_engine_spec_provider\.TESpecProvider'.*has no attribute.*"
+                                         r"installed megatron-core \S+, supported 0\.16\.1"):
+        build_registry()
+
+
+def test_building_the_megatron_patches_names_a_blocked_module(monkeypatch):
+    pytest.importorskip("megatron.core")
+    import megatron.core.extensions as extensions
+
+    from mindspeed_te.patches import build_registry
+
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine_spec_provider", None)
+    monkeypatch.delattr(extensions, "transformer_engine_spec_provider")
+    with pytest.raises(PatchError, match=r"transformer_engine_spec_provider.*does not import.*"
+                                         r"installed megatron-core \S+, supported 0\.16\.1"):
+        build_registry()
+
+
+def test_building_the_training_patches_names_a_missing_train_step(monkeypatch):
+    pytest.importorskip("megatron.training", reason="needs Megatron-LM's training package (MEGATRON_LM_PATH)")
+    from megatron.training import training
+
+    from mindspeed_te.patches import build_registry
+
+    monkeypatch.delattr(training, "train_step")
+    with pytest.raises(PatchError, match=r"'megatron\.training\.training\.train_step'.*supported 0\.16\.1"):
+        build_registry()

@@ -288,3 +288,62 @@ def test_top_level_te_names():
     y_plain.sum().backward()
     assert torch.equal(y, y_plain) and torch.equal(x.grad, grad)
     assert torch.equal(layer.weight.grad, plain.weight.grad)
+
+
+def _two_layer_steps(fail_backward: bool, recipe_after=None):
+    """Step 1 runs forward; its backward raises after B's backward and before A's (the first module), or is
+    never run. Steps 2 and 3 are clean. Returns their outputs, gradients and backward scales."""
+    torch.manual_seed(0)
+    a, b = Linear(16, 16), Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    recipe = DelayedScaling(amax_history_len=2)
+    with fp8_autocast(fp8_recipe=recipe):
+        h = a(x)
+        y = b(h)
+    if fail_backward:
+        def explode(_):
+            raise RuntimeError("boom")
+
+        h.register_hook(explode)
+        with pytest.raises(RuntimeError, match="boom"):
+            (y.sum() * 1000.0).backward()  # B's gradient amax is 1000x the clean steps'
+    del h, y  # the failed step's graph is gone; a training loop zeroes its gradients
+    x.grad = a.weight.grad = b.weight.grad = a.bias.grad = b.bias.grad = None
+    results = []
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe_after or recipe):
+            out = b(a(x))
+        out.sum().backward()
+        results.append((out.detach(), x.grad.clone(), a.weight.grad.clone(), b.weight.grad.clone(),
+                        b.fp8_states[1].scale.clone(), b.fp8_states[1].amax_history.clone()))
+        x.grad = a.weight.grad = b.weight.grad = None
+        a.bias.grad = b.bias.grad = None
+        assert not FP8GlobalStateManager.quantization_state.registered
+    return results
+
+
+@pytest.mark.parametrize("recipe_after", [None, DelayedScaling(fp8_format=Format.HIF8)], ids=["same", "other"])
+def test_failed_backward_leaves_no_stale_registration(recipe_after):
+    """A raising backward leaves nothing behind: the clean steps after it are those of a run whose first step
+    never ran its backward (B's partial gradient amax is discarded, no registration is reduced later)."""
+    failed = _two_layer_steps(True, recipe_after)
+    reference = _two_layer_steps(False, recipe_after)
+    for got, want in zip(failed, reference):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+def test_pending_backward_of_earlier_regions_is_kept():
+    """Several outermost regions before one backward (Megatron's per-layer regions, pipeline warm-up): their
+    backward registrations stay until the backward reduces them."""
+    a, b = Linear(16, 16), Linear(16, 16)
+    x = torch.randn(8, 16, requires_grad=True)
+    recipe = DelayedScaling(amax_history_len=1)
+    with fp8_autocast(fp8_recipe=recipe):
+        h = a(x)
+    with fp8_autocast(fp8_recipe=recipe):
+        y = b(h)
+    registered = FP8GlobalStateManager.quantization_state.registered
+    assert {id(a.fp8_states[1]), id(b.fp8_states[1])} <= set(next(v for k, v in registered.items() if not k[1]))
+    y.sum().backward()
+    assert not registered and b.fp8_states[1].scale[0].item() != 1.0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from mindspeed_te.state import FP8GlobalStateManager
+
 __all__ = ["count", "counters", "reset_counters"]
 
 _COUNTS: Counter[str] = Counter()
@@ -22,3 +24,14 @@ def counters() -> dict[str, int]:
 
 def reset_counters() -> None:
     _COUNTS.clear()
+
+
+def _count_nonfinite(found: list[str]) -> None:
+    """The state manager's non-finite check: one "nonfinite_steps" per check that found any, and one
+    "nonfinite <module> <tensor>" per tensor."""
+    count("nonfinite_steps")
+    for where in found:
+        count(f"nonfinite {where}")
+
+
+FP8GlobalStateManager.add_nonfinite_listener(_count_nonfinite)

@@ -91,6 +91,8 @@ class _GroupedLinear(torch.autograd.Function):
         if inp.requires_grad:
             saved_w = b_ops if q is None else [w.columnwise_only() for w in b_ops]
         ctx.args, ctx.active, ctx.saved = args, active, (saved_x, saved_w)
+        if q is not None and args.reduce_amax_in_backward:
+            FP8GlobalStateManager.expect_backward_reduction(ctx)
         ctx.weights, ctx.input_dtype, ctx.fp8_wgrad = weights, inp.dtype, fp8_wgrad
         return out
 
@@ -134,7 +136,7 @@ class _GroupedLinear(torch.autograd.Function):
         dbs = [dys[i].sum(dim=0).to(weights[i].dtype) for i in range(args.num_biases)]
         if q is not None and args.reduce_amax_in_backward:
             # The step's first FP8 module runs backward last: every expert's amax is recorded by now.
-            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+            FP8GlobalStateManager.reduce_backward_amaxes(ctx)
         ctx.saved = None
         return (dx, None, *dws, *dbs)
 

@@ -121,6 +121,8 @@ class _Linear(torch.autograd.Function):
             # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
             saved_w = qw.columnwise_only()
         ctx.args = args
+        if args.reduce_amax_in_backward:
+            FP8GlobalStateManager.expect_backward_reduction(ctx)
         ctx.saved = (saved_x, saved_w)
         ctx.weight = weight
         ctx.input_shape = inp.shape
@@ -162,7 +164,7 @@ class _Linear(torch.autograd.Function):
                     dw = wgrad_high_precision(dy, saved_x, weight, args.fuse_wgrad_accumulation)
             if args.reduce_amax_in_backward:
                 # This is the first FP8 module of the step, so its backward is the last one to run.
-                FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+                FP8GlobalStateManager.reduce_backward_amaxes(ctx)
         if need_db and ctx.has_bias:
             db = dy.sum(dim=0).to(weight.dtype)
         ctx.saved = None
