@@ -2,7 +2,7 @@
 TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16 and in every FP8/HiF8
 recipe, from the same initial weights and the same batches.
 
-    python -m mindspeed_te.demo [--out demo_out] [--steps 200] [--runs bf16,hif8-delayed,...]
+    python -m mindspeed_te.demo [--out demo_out] [--steps 150] [--runs bf16,hif8-delayed,...]
 
 Prints a table (final train and validation loss, the difference to bf16, time per step) and writes to --out:
 demo_loss.png (train and validation loss curves), demo_numerics.png (per-layer FP8 numerics of one run, from
@@ -103,7 +103,7 @@ def _forward_step(data_iterator, model: torch.nn.Module):
 
     def loss_func(output: torch.Tensor):
         loss = output.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule divides `loss` in place
     return per_token, loss_func
 
 
@@ -241,7 +241,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of: {', '.join(RUNS)}")
     parser.add_argument("--numerics-run", default="hif8-delayed",
                         help="the FP8 run whose last step is recorded by the numerics report")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
@@ -250,6 +250,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the GEMMs are small, and one thread never waits for a "
+                             "descheduled partner on a busy machine)")
     args = parser.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
     unknown = [r for r in args.runs + [args.numerics_run] if r not in RUNS]
@@ -257,7 +260,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         parser.error(f"--runs / --numerics-run: unknown run {unknown or '(none given)'}; allowed: {', '.join(RUNS)}")
     if RUNS[args.numerics_run][0] is None:
         parser.error("--numerics-run must name an FP8 run (the bf16 run quantizes nothing)")
-    for flag in ("steps", "eval_interval", "eval_batches", "layers"):
+    for flag in ("steps", "eval_interval", "eval_batches", "layers", "threads"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     # MXFP8 quantizes 32-element blocks along both dims of every GEMM operand: tokens and hidden sizes.
@@ -269,6 +272,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> list[list]:
     args = parse_args(argv)
     started = time.perf_counter()
+    torch.set_num_threads(args.threads)
     setup_megatron()
     from mindspeed_te.debug import NumericsReport
 

@@ -3,6 +3,7 @@ carries, so the demo downloads nothing. Tokens are bytes (vocabulary 256). The f
 batches come from a seeded generator, so every run of the demo sees the same data in the same order."""
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,22 +24,26 @@ class Corpus:
 
 
 def stdlib_files(directory: Optional[str] = None) -> list[Path]:
-    """The top-level `*.py` modules of the standard library, sorted by name."""
+    """The top-level `*.py` modules of the standard library (non-empty ones), sorted by name."""
     root = Path(directory or sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py"))
+    files = sorted(f for f in root.glob("*.py") if f.stat().st_size)
     if not files:
         raise FileNotFoundError(f"no Python source files under {root} (the standard library's directory)")
     return files
 
 
-def load_corpus(directory: Optional[str] = None, val_every: int = 10) -> Corpus:
-    """Every `val_every`-th file (by sorted name) is held out for validation: the model is scored on modules
-    it never saw, not on other windows of the files it trained on."""
+def split_files(directory: Optional[str] = None, val_every: int = 10) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): every `val_every`-th file by sorted name is held out, so the model
+    is scored on modules it never saw, not on other windows of the files it trained on."""
     if val_every < 2:
         raise ValueError(f"val_every must be at least 2, got {val_every}")
     files = stdlib_files(directory)
     held_out = [f for i, f in enumerate(files) if i % val_every == val_every - 1]
-    train = [f for f in files if f not in held_out]
+    return [f for f in files if f not in held_out], held_out
+
+
+def load_corpus(directory: Optional[str] = None, val_every: int = 10) -> Corpus:
+    train, held_out = split_files(directory, val_every)
     return Corpus(_tokens(train), _tokens(held_out), [f.name for f in train], [f.name for f in held_out])
 
 
@@ -78,3 +83,32 @@ def val_batches(tokens: torch.Tensor, batches: int, batch_size: int, seq_length:
     count = batches * batch_size
     starts = torch.linspace(0, tokens.numel() - seq_length - 1, count).long()
     return [_windows(tokens, chunk, seq_length) for chunk in starts.split(batch_size)]
+
+
+def write_indexed_dataset(prefix: str, directory: Optional[str] = None) -> str:
+    """The same corpus as Megatron's indexed dataset (`prefix`.bin / .idx, the files tools/preprocess_data.py
+    writes), one document per module, byte tokens stored as uint16 (preprocess_data's choice for a vocabulary
+    this small). The training files come first, then the held-out ones; returns the `--split` value that
+    gives Megatron exactly those documents for training and validation."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    train, held_out = split_files(directory)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=numpy.uint16)
+    for f in train + held_out:
+        data = f.read_bytes()
+        builder.add_document(numpy.frombuffer(data, dtype=numpy.uint8), [len(data)])
+    builder.finalize(get_idx_path(prefix))
+    return f"{len(train)},{len(held_out)},0"
+
+
+if __name__ == "__main__":
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")  # megatron-core's import notes
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m mindspeed_te.demo_corpus PREFIX  (writes PREFIX.bin and PREFIX.idx, "
+                         "prints the --split value for Megatron)")
+    print(write_indexed_dataset(sys.argv[1]))
