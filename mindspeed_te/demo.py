@@ -48,7 +48,8 @@ def setup_megatron() -> None:
     one-rank gloo group with model parallel size 1."""
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    # megatron-core's notes about optional packages and its own defaults, printed at import and config time
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope is deprecated).*")
     from megatron.core import parallel_state
 
     import mindspeed_te.megatron_adaptor  # noqa: F401  (applies the patch registry)

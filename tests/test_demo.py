@@ -81,6 +81,7 @@ def _read_csv(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # a subprocess that imports megatron-core and builds seven models (~15 s on an idle machine)
 def test_demo_trains_every_run_and_writes_its_outputs(tmp_path):
     """A few steps of a tiny GPT per run: each run's loss falls below the uniform model's ln 256, validation
     improves, all runs start from the same weights and batches, and the figures and tables are written."""
