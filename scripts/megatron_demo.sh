@@ -23,7 +23,7 @@ GPT=(--transformer-impl transformer_engine --num-layers 2 --hidden-size 128 --nu
      --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --seed 1234
      --data-path "$DATA_DIR/stdlib" --split "$SPLIT" --tokenizer-type NullTokenizer --vocab-size 256
      --log-interval 10 --eval-interval 1000 --eval-iters 4)
-run() {
+run() {  # run NAME [FLAGS...]: one pretrain_gpt.py launch, its losses on one line
     local name="$1"; shift
     local log="$DATA_DIR/${name// /_}.log"
     python -m torch.distributed.run --standalone --nproc-per-node 1 \
@@ -42,4 +42,4 @@ run "hybrid delayed" --fp8-format hybrid --fp8-recipe delayed
 run "e4m3 blockwise" --fp8-format e4m3 --fp8-recipe blockwise
 run "e4m3 mxfp8" --fp8-format e4m3 --fp8-recipe mxfp8
 run "hif8 tensorwise, MoE (4 exp.)" --fp8-format hif8 --fp8-recipe tensorwise --num-experts 4 \
-    --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-topk 2
+    --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-topk 2 --disable-bias-linear
