@@ -1,89 +1,258 @@
-"""Demo: train the same small model in fp32 and in FP8/HiF8 with every recipe, and compare the losses.
+"""Demo: a GPT built from megatron-core (GPTModel, Megatron's TransformerEngine layer spec, patched so that the
+TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16 and in every FP8/HiF8
+recipe, from the same initial weights and the same batches.
 
-    python -m mindspeed_te.demo [--steps 150]
+    python -m mindspeed_te.demo [--out demo_out] [--steps 150] [--runs bf16,hif8-delayed,...]
 
-A plain torch MLP is converted in one line (`convert_linears`) and trained inside `fp8_autocast`; the
-FP8 runs should track the fp32 run closely.
+Prints a table (final train and validation loss, the difference to bf16, time per step) and writes to --out:
+demo_loss.png (train and validation loss curves), demo_numerics.png (per-layer FP8 numerics of one run, from
+mindspeed_te.debug), summary.csv, losses.csv and the numerics report (numerics/).
 """
 from __future__ import annotations
 
 import argparse
+import csv
+import logging
+import os
 import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from mindspeed_te import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
-    FP8GlobalStateManager,
-    MXFP8BlockScaling,
-    fp8_autocast,
-)
-from mindspeed_te.modules import convert_linears
+from mindspeed_te.demo_corpus import VOCAB_SIZE, load_corpus, train_batches, unigram_entropy, val_batches
+from mindspeed_te.demo_plots import combine_heatmaps, plot_losses
 
-CASES = [
-    ("fp32 baseline", None),
-    ("delayed / hybrid", DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)),
-    ("delayed / hif8", DelayedScaling(fp8_format=Format.HIF8, amax_history_len=16)),
-    ("tensorwise / e4m3", Float8CurrentScaling(fp8_format=Format.E4M3)),
-    ("tensorwise / hif8", Float8CurrentScaling(fp8_format=Format.HIF8)),
-    ("blockwise / e4m3", Float8BlockScaling()),
-    ("mxfp8 / e4m3", MXFP8BlockScaling()),
-]
+# name: (--fp8-format, --fp8-recipe); None is the bf16 baseline. Every run has bf16 parameters.
+RUNS: dict[str, tuple[Optional[str], Optional[str]]] = {
+    "bf16": (None, None),
+    "hif8-delayed": ("hif8", "delayed"),
+    "hif8-tensorwise": ("hif8", "tensorwise"),
+    "e4m3-tensorwise": ("e4m3", "tensorwise"),
+    "hybrid-delayed": ("hybrid", "delayed"),
+    "e4m3-blockwise": ("e4m3", "blockwise"),
+    "e4m3-mxfp8": ("e4m3", "mxfp8"),
+}
 
 
-def make_model(width: int) -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width),
-        torch.nn.GELU(), torch.nn.Linear(width, width),
-    )
+@dataclass
+class RunResult:
+    name: str
+    train_losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    seconds_per_step: float = 0.0
 
 
-def train(recipe, steps: int, width: int, batch: int) -> list[float]:
-    """Fit a fixed random teacher network; returns the loss of every step."""
+def setup_megatron() -> None:
+    """Patch Megatron as `mindspeed_te.megatron_adaptor` does, and give megatron-core's parallel_state its
+    one-rank gloo group with model parallel size 1."""
+    import torch.distributed as dist
+
+    # megatron-core's notes about optional packages and its own defaults, printed at import and config time
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope is deprecated).*")
+    from megatron.core import parallel_state
+
+    import mindspeed_te.megatron_adaptor  # noqa: F401  (applies the patch registry)
+
+    # On the CPU, Megatron's "CUDA" RNG stream is the CPU one; its check for the two mixing is noise here.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def build(args: argparse.Namespace, fp8: Optional[str], recipe: Optional[str]):
+    """GPT + Megatron's DDP (fp32 gradient buffers) + its mixed-precision Adam (fp32 main weights) + its
+    learning-rate schedule (linear warm-up, cosine decay), seeded identically for every run."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mindspeed_te import FP8GlobalStateManager
+
     FP8GlobalStateManager.reset()
-    torch.manual_seed(0)
-    teacher = make_model(width)
-    torch.manual_seed(1)
-    model = convert_linears(make_model(width))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(2)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(batch, width, generator=gen)
-        with torch.no_grad():
-            target = teacher(x)
-        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            out = model(x)
-        loss = torch.nn.functional.mse_loss(out, target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 32,
+                               bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                               fp8=fp8, fp8_recipe=recipe or "delayed")
+    gpt = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=VOCAB_SIZE,
+                   max_sequence_length=args.seq_length, position_embedding_type="rope")
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                    Float16Module(config, gpt))
+    config.finalize_model_grads_func = finalize_model_grads  # as Megatron's training loop sets them
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr / 10,
+                                                       weight_decay=0.1, clip_grad=1.0, bf16=True), [model])
+    warmup = max(1, args.steps // 10)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.lr / 10,
+                                        lr_warmup_steps=warmup, lr_decay_steps=args.steps, lr_decay_style="cosine",
+                                        start_wd=0.1, end_wd=0.1, wd_incr_steps=args.steps, wd_incr_style="constant")
+    return gpt, model, optimizer, scheduler
 
 
-def main(argv: list[str] | None = None) -> None:
+def _forward_step(data_iterator, model: torch.nn.Module):
+    """Megatron's forward-step contract: the output and a function that turns it into the loss."""
+    inputs, labels = next(data_iterator)
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    per_token = model(inputs, positions, None, labels=labels)  # the layer spec's causal mask; no mask tensor
+
+    def loss_func(output: torch.Tensor):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # a copy: the schedule divides `loss` in place
+    return per_token, loss_func
+
+
+def _run_schedule(model: torch.nn.Module, batches: list, forward_only: bool) -> float:
+    """One step (or one validation pass) through Megatron's no-pipelining schedule, one micro-batch per
+    batch; it also marks each step's first micro-batch, so that FP8 weights are quantized afresh."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    batch_size, seq_length = batches[0][0].shape
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(batches), model=[model], num_microbatches=len(batches),
+        seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only)
+    return sum(float(x["lm loss"]) for x in losses) / len(losses)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list) -> float:
+    model.eval()
+    loss = _run_schedule(model, batches, forward_only=True)
+    model.train()
+    return loss
+
+
+def train(name: str, args: argparse.Namespace, corpus, val, report=None) -> RunResult:
+    """One run: args.steps steps on the seeded batches, validation every args.eval_interval steps and at
+    the end. With `report` (a mindspeed_te.debug.NumericsReport), the last step's numerics are recorded."""
+    from tqdm import tqdm
+
+    gpt, model, optimizer, scheduler = build(args, *RUNS[name])
+    if report is not None:
+        report.watch(gpt)
+    result, busy = RunResult(name), 0.0
+    batches = train_batches(corpus.train, args.steps, args.batch_size, args.seq_length, args.seed)
+    with tqdm(total=args.steps, desc=f"{name:16s}", unit="step", leave=True) as bar:
+        for step, batch in enumerate(batches, start=1):
+            start = time.perf_counter()
+            if report is not None:
+                report.begin_step(step)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            result.train_losses.append(_run_schedule(model, [batch], forward_only=False))
+            optimizer.step()
+            scheduler.step(increment=1)
+            if report is not None:
+                report.stop()
+            busy += time.perf_counter() - start
+            if step % args.eval_interval == 0 or step == args.steps:
+                result.val_losses.append((step, evaluate(model, val)))
+            bar.set_postfix(loss=f"{result.train_losses[-1]:.3f}",
+                            val=f"{result.val_losses[-1][1]:.3f}" if result.val_losses else "-")
+            bar.update()
+    result.seconds_per_step = busy / args.steps
+    return result
+
+
+def final_train_loss(result: RunResult) -> float:
+    """The mean of the last 10 steps (one batch's loss is noisy)."""
+    tail = result.train_losses[-10:]
+    return sum(tail) / len(tail)
+
+
+def write_csv(results: list[RunResult], out: str) -> list[list]:
+    """summary.csv (one row per run) and losses.csv (every step's train loss, validation where measured)."""
+    baseline = next((r for r in results if r.name == "bf16"), None)
+    table = []
+    for r in results:
+        val = r.val_losses[-1][1]
+        table.append([r.name, final_train_loss(r), val, val - baseline.val_losses[-1][1] if baseline else float("nan"),
+                      1000 * r.seconds_per_step])
+    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "train_loss", "val_loss", "val_loss_minus_bf16", "ms_per_step"])
+        writer.writerows(table)
+    with open(os.path.join(out, "losses.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "step", "train_loss", "val_loss"])
+        for r in results:
+            val = dict(r.val_losses)
+            writer.writerows([r.name, step, loss, val.get(step, "")]
+                             for step, loss in enumerate(r.train_losses, start=1))
+    return table
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mindspeed_te.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="demo_out", help="directory for the figures and CSV files")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of: {', '.join(RUNS)}")
+    parser.add_argument("--numerics-run", default="hif8-delayed",
+                        help="the FP8 run whose last step is recorded by the numerics report")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--width", type=int, default=128, help="model width (a multiple of 32 for mxfp8)")
-    parser.add_argument("--batch", type=int, default=128, help="batch size (a multiple of 32 for mxfp8)")
+    parser.add_argument("--eval-interval", type=int, default=25)
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size, a multiple of 32 (head size 32)")
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: the GEMMs are small, and one thread never waits for a "
+                             "descheduled partner on a busy machine)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.width % 32 or args.batch % 32:
-        parser.error("--steps must be >= 1; --width and --batch must be multiples of 32")
-    print(f"Training a {args.width}-wide MLP for {args.steps} steps on CPU, fp32 vs FP8/HiF8 recipes\n")
-    print(f"{'recipe / format':22s} {'first loss':>11s} {'final loss':>11s} {'vs fp32':>8s} {'time':>7s}")
-    baseline = None
-    for name, recipe in CASES:
-        start = time.perf_counter()
-        losses = train(recipe, args.steps, args.width, args.batch)
-        final = sum(losses[-10:]) / len(losses[-10:])
-        baseline = baseline or final
-        print(f"{name:22s} {losses[0]:11.5f} {final:11.5f} {final / baseline:7.3f}x "
-              f"{time.perf_counter() - start:6.1f}s")
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in args.runs + [args.numerics_run] if r not in RUNS]
+    if unknown or not args.runs:
+        parser.error(f"--runs / --numerics-run: unknown run {unknown or '(none given)'}; allowed: {', '.join(RUNS)}")
+    if RUNS[args.numerics_run][0] is None:
+        parser.error("--numerics-run must name an FP8 run (the bf16 run quantizes nothing)")
+    for flag in ("steps", "eval_interval", "eval_batches", "layers", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    # MXFP8 quantizes 32-element blocks along both dims of every GEMM operand: tokens and hidden sizes.
+    if args.hidden % 32 or args.seq_length * args.batch_size % 32:
+        parser.error("--hidden and --seq-length x --batch-size must be multiples of 32")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> list[list]:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    setup_megatron()
+    from mindspeed_te.debug import NumericsReport
+
+    corpus = load_corpus()
+    entropy = unigram_entropy(corpus.train)
+    val = val_batches(corpus.val, args.eval_batches, args.batch_size, args.seq_length)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"corpus: {len(corpus.train_files)} standard-library modules for training ({corpus.train.numel():,} bytes), "
+          f"{len(corpus.val_files)} held out ({corpus.val.numel():,} bytes); unigram entropy {entropy:.3f} nats/byte")
+    print(f"model: GPT, {args.layers} layers, hidden {args.hidden}, sequence {args.seq_length}, batch "
+          f"{args.batch_size}, {args.steps} steps, bf16 parameters\n")
+    report = NumericsReport(os.path.join(args.out, "numerics"), interval=args.steps)
+    results = [train(name, args, corpus, val, report if name == args.numerics_run else None) for name in args.runs]
+
+    table = write_csv(results, args.out)
+    plot_losses(results, entropy, os.path.join(args.out, "demo_loss.png"))
+    heatmaps = [p for p in report.write() if p.endswith(".png")]
+    if heatmaps:
+        combine_heatmaps(heatmaps, os.path.join(args.out, "demo_numerics.png"))
+    print(f"\n{'run':16s} {'train loss':>10s} {'val loss':>9s} {'val - bf16':>10s} {'ms/step':>8s}")
+    for name, train_loss, val_loss, diff, ms in table:
+        print(f"{name:16s} {train_loss:10.4f} {val_loss:9.4f} {diff:+10.4f} {ms:8.0f}")
+    print(f"\n(unigram entropy {entropy:.3f}; figures and CSV files in {args.out}/; "
+          f"{time.perf_counter() - started:.0f} s in all)")
+    return table
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Run the main demo in the project's pinned environment (created on first use): with MEGATRON_LM_PATH set
-# (a Megatron-LM checkout), Megatron's own pretrain_gpt.py in fp32 and FP8/HiF8; otherwise a small model
-# trained in fp32 and every recipe with the TE-style modules.
-if [ -n "${MEGATRON_LM_PATH:-}" ]; then
-    exec bash "$(dirname "${BASH_SOURCE[0]}")/megatron_demo.sh" "$@"
-fi
+# The main demo, in the project's pinned environment (created on first use): a GPT built from megatron-core
+# learns the Python standard library's bytes in bf16 and in every FP8/HiF8 recipe; tables in the terminal,
+# figures in demo_out/ (`python -m mindspeed_te.demo --help` for the options, passed through from here).
+# With MEGATRON_LM_PATH set (a Megatron-LM checkout), Megatron's own pretrain_gpt.py follows on the same corpus.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-echo "(set MEGATRON_LM_PATH to a Megatron-LM checkout, tag core_v0.16.1, to run Megatron's pretrain_gpt.py instead)"
-exec python -m mindspeed_te.demo "$@"
+python -m mindspeed_te.demo "$@"
+if [ -n "${MEGATRON_LM_PATH:-}" ]; then
+    echo
+    bash "$ROOT/scripts/megatron_demo.sh"
+else
+    echo "(set MEGATRON_LM_PATH to a Megatron-LM checkout, tag core_v0.16.1, to also train with Megatron's" \
+         "pretrain_gpt.py on the same corpus)"
+fi
