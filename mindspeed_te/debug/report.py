@@ -87,7 +87,9 @@ def plot_heatmaps(rows: list[dict], directory: str, step: Optional[int] = None) 
             grid[layers.index(r["layer"]), columns.index(col)] = min(value, 99.0) if metric == "sqnr_db" else value
         fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(columns), 1.2 + 0.3 * len(layers)))
         image = ax.imshow(grid.numpy(), aspect="auto", cmap="viridis")
-        ax.set_xticks(range(len(columns)), [f"{t}\n{f}" for t, f in columns], fontsize=7)
+        # "grad_output" is the widest label: break it so neighbouring columns stay readable
+        labels = ["\n".join((*tensor.split("_"), fmt)) for tensor, fmt in columns]
+        ax.set_xticks(range(len(columns)), labels, fontsize=7)
         ax.set_yticks(range(len(layers)), layers, fontsize=7)
         ax.set_title(f"{title}, step {step}", fontsize=9)
         fig.colorbar(image, ax=ax)
