@@ -234,12 +234,13 @@ def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 
     for _ in range(steps):
         autocast = fp8_autocast(fp8_recipe=recipe)
         autocast.__enter__()
-        model(torch.randn(32, 256))
+        out = model(torch.randn(32, 256))  # kept: its backward would run the backward update
         forward, backward = LaunchCounter(npu), LaunchCounter(npu)
         with forward:
             autocast.__exit__(None, None, None)
         with backward:
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+        del out
     return forward, backward
 
 

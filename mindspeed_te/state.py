@@ -393,15 +393,18 @@ class FP8GlobalStateManager:
             return
         for seq in dead:
             del qstate.backward_reducers[seq]
+        slots = []
         for entry in [entry for entry in qstate.registered if not entry[1]]:
             states = qstate.registered[entry]
             for state_id in [i for i in states if qstate.backward_owner.get(i) in dead]:
                 state = states.pop(state_id)
                 del qstate.backward_owner[state_id]
                 if not isinstance(state, HIF8DelayedScalingRecipeState):
-                    state.amax_history[0].zero_()
+                    slots.append(state.amax_history[0])
             if not states:
                 del qstate.registered[entry]
+        if slots:
+            torch._foreach_zero_(slots)
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
@@ -526,25 +529,26 @@ class FP8GlobalStateManager:
         elif torch.is_grad_enabled() or calibrating:
             cls.reduce_and_update_fp8_tensors(forward=True)
         if not failed and not torch.is_grad_enabled():
-            if not calibrating:
-                cls._flag_nonfinite_amaxes(qstate.registered_in_region)
+            slots = [] if calibrating else cls._flag_nonfinite_amaxes(qstate.registered_in_region)
+            faults = qstate.nonfinite_steps
             cls._check_nonfinite_if_pending()  # no backward follows: this region is the whole step
+            if slots and qstate.nonfinite_steps > faults:
+                # reported now: the next training update must neither count these amaxes again nor see them
+                for slot in slots:
+                    slot.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         qstate.registered_in_region = []
 
     @classmethod
-    def _flag_nonfinite_amaxes(cls, region: list[tuple[tuple[str, bool], int]]) -> None:
+    def _flag_nonfinite_amaxes(cls, region: list[tuple[tuple[str, bool], int]]) -> list[torch.Tensor]:
         """A pass without gradients runs no update, which is where delayed scaling folds NaN/Inf amaxes into
-        the states' flags: fold this region's here, and zero those amax slots so that the next training
-        update neither reports them again nor sees them (a non-finite amax never enters a history)."""
+        the states' flags: fold this region's here, in one op. Returns the amax slots it read."""
         qstate = cls.quantization_state
         states = [qstate.registered.get(entry, {}).get(state_id) for entry, state_id in region]
         states = [s for s in states if s is not None and not isinstance(s, HIF8DelayedScalingRecipeState)]
-        if not states:
-            return
         slots = [state.amax_history[0] for state in states]
-        torch._foreach_add_([state.nonfinite for state in states], slots, alpha=0.0)
-        for slot in slots:
-            slot.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if states:
+            torch._foreach_add_([state.nonfinite for state in states], slots, alpha=0.0)
+        return slots
 
     # TransformerEngine <= 2.8 names.
     @classmethod

@@ -32,6 +32,8 @@ def recipes(*names: str) -> dict[str, Optional[Recipe]]:
 
 
 def recipe_factories(*names: str, amax_history_len: Optional[int] = None
-                     ) -> dict[str, Callable[[], Optional[Recipe]]]:
-    """{name: a function building that case's recipe afresh}, for tests that want a new recipe per run."""
-    return {name: (lambda name=name: recipe(name, amax_history_len)) for name in names}
+                     ) -> dict[str, Optional[Callable[[], Recipe]]]:
+    """{name: a function building that case's recipe afresh}, for tests that want a new recipe per run; None
+    for "high precision" (no recipe, so callers can tell it apart without calling it)."""
+    return {name: None if name == "high precision" else (lambda name=name: recipe(name, amax_history_len))
+            for name in names}

@@ -45,7 +45,7 @@ def _train(layer: Linear, recipe_name: str, shard_x, shard_dy, group) -> list[di
         x_full, dy_full, _, _ = _full_tensors(step)
         x = shard_x(x_full).clone().requires_grad_()
         layer.zero_grad()
-        recipe = make()
+        recipe = make() if make else None
         with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe, fp8_group=group):
             y = layer(x)
         y.backward(shard_dy(dy_full))
