@@ -31,7 +31,6 @@ from mindspeed_te.recipe import (
     MXFP8BlockScaling,
     QParams,
     Recipe,
-    get_default_recipe,
 )
 from mindspeed_te.recipe_state import (
     DelayedScalingRecipeState,
@@ -46,6 +45,7 @@ from mindspeed_te.state import (
     autocast,
     fp8_autocast,
     fp8_model_init,
+    get_default_recipe,
     is_fp8_available,
     is_fp8_block_scaling_available,
     is_mxfp8_available,
