@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from mindspeed_te.ops.wgrad_store import WeightGradStore
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.recipe import Recipe
@@ -28,6 +29,42 @@ class FP8ModuleBase(torch.nn.Module):
         self.fp8_states: Optional[tuple[RecipeState, RecipeState]] = None
         self._fp8_recipe_key: Optional[str] = None
         self._loaded_fp8_meta: Optional[dict[str, Any]] = None  # from a checkpoint, applied to matching states
+        self.wgrad_store = WeightGradStore(False)
+        self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
+        self._wgrad_computations_per_backward = 1
+
+    # Delayed weight gradients (TE's delay_wgrad_compute, for Megatron's 1F1B overlap) -----------------------
+    def init_wgrad_store(self, delay_wgrad_compute: bool, params: Iterable[torch.nn.Parameter],
+                         computations_per_backward: int = 1) -> None:
+        """Set up delayed wgrad compute for the linear `params` (weights and biases). As in TE they are marked
+        `skip_backward_post_hook`: Megatron's DDP then registers its gradient hooks through
+        `register_wgrad_accumulation_and_reduce_hooks`, to run at the end of `backward_dw()`."""
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
+        self._wgrad_computations_per_backward = computations_per_backward
+        if delay_wgrad_compute:
+            for param in params:
+                if param is not None:
+                    param.skip_backward_post_hook = True
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """A callable run at the end of every `backward_dw()` (Megatron's gradient accumulate/reduce hook)."""
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        return self.wgrad_store.delay_wgrad_compute()
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs the last backward of this module left for later (a no-op unless built
+        with delay_wgrad_compute=True). Gradients land where the backward would have put them: added to
+        `.grad`, or into `main_grad` with fused accumulation; then the registered hooks run."""
+        if not self.need_backward_dw():
+            return
+        for _ in range(self._wgrad_computations_per_backward):
+            for param, grad in self.wgrad_store.pop():
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad + grad
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
 
     def _states_for_current_recipe(self, device: torch.device,
                                    recipe: Optional[Recipe] = None) -> tuple[RecipeState, RecipeState]:
