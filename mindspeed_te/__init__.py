@@ -74,7 +74,8 @@ __all__ = [
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
     "checkpoint", "Fp8Padding", "Fp8Unpadding",
-    "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention", "convert_linears",
+    "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention",
+    "convert_linears",
 ]
 
 

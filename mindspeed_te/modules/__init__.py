@@ -8,5 +8,6 @@ from mindspeed_te.modules.linear import Linear
 from mindspeed_te.modules.norm import LayerNorm, RMSNorm
 
 __all__ = [
-    "DotProductAttention", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm", "convert_linears",
+    "DotProductAttention", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm",
+    "convert_linears",
 ]

@@ -149,23 +149,15 @@ class FP8ModuleBase(torch.nn.Module):
             fwd, bwd = self.fp8_states
             meta.update(fwd_amax_history=fwd.amax_history.cpu(), fwd_scale=fwd.scale.cpu(),
                         bwd_amax_history=bwd.amax_history.cpu(), bwd_scale=bwd.scale.cpu())
-        buffer = io.BytesIO()
-        torch.save(meta, buffer)
-        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return encode_extra_state(meta)
 
     def set_extra_state(self, state: Any) -> None:
         name = type(self).__name__
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        meta = decode_extra_state(state, name)
+        if meta is None:
             warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8?); scales start fresh",
                           stacklevel=2)
             return
-        try:
-            raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
-            meta = torch.load(io.BytesIO(raw), weights_only=True)
-            if not isinstance(meta, dict) or meta.get("version") != 1 or "recipe_key" not in meta:
-                raise ValueError("unknown layout")
-        except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
-            raise RuntimeError(f"{name}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
         if meta["recipe_key"] is None:
             warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh",
                           stacklevel=2)
@@ -192,6 +184,28 @@ class FP8ModuleBase(torch.nn.Module):
                                    f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
             state.amax_history.copy_(history)
             state.scale.copy_(scale)
+
+
+def encode_extra_state(meta: dict[str, Any]) -> torch.Tensor:
+    """FP8 metadata as the uint8 tensor an `_extra_state` entry holds."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode_extra_state(state: Any, owner: str) -> Optional[dict[str, Any]]:
+    """The metadata of an `_extra_state` entry, None for an empty one (saved without FP8); a clear error naming
+    `owner` for anything unreadable."""
+    if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        return None
+    try:
+        raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
+        meta = torch.load(io.BytesIO(raw), weights_only=True)
+        if not isinstance(meta, dict) or meta.get("version") != 1 or "recipe_key" not in meta:
+            raise ValueError("unknown layout")
+    except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
+        raise RuntimeError(f"{owner}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
+    return meta
 
 
 @torch.no_grad()

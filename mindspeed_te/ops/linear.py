@@ -16,10 +16,10 @@ import torch
 
 from mindspeed_te.debug import numerics
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.state import FP8GlobalStateManager
-from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.tensor import QuantizedTensorStorage
 
 __all__ = ["LinearQuantizers", "WeightCache", "quantized_weight", "fp8_linear"]
