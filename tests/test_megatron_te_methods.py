@@ -11,8 +11,12 @@ import torch
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 pytest.importorskip("megatron.core")
-from megatron.core.quantization.quant_config import GlobMatcher, MatchContext, QuantizationConfig  # noqa: E402
-from megatron.core.quantization.quant_config import RecipeConfig  # noqa: E402
+from megatron.core.quantization.quant_config import (  # noqa: E402
+    GlobMatcher,
+    MatchContext,
+    QuantizationConfig,
+    RecipeConfig,  # noqa: E402
+)
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from mindspeed_te import (  # noqa: E402
@@ -81,7 +85,7 @@ def test_backward_dw_runs_the_skipped_wgrad_with_identical_results(recipe, fused
         for name, layer in layers.items():
             for p in layer.parameters():
                 p.main_grad = torch.zeros(p.shape)
-            layer.register_wgrad_accumulation_and_reduce_hooks(lambda name=name: hooked.append(name))
+            layer.register_wgrad_accumulation_and_reduce_hooks(lambda name=name, hooked=hooked: hooked.append(name))
         x = torch.randn(8, 2, 64, requires_grad=True)
         for microbatch in range(2):  # two micro-batches: gradients accumulate across them
             with fp8_autocast(enabled=make is not None, fp8_recipe=make() if make else None):
@@ -148,7 +152,8 @@ def _quant_config(training_recipe: dict, evaluation_recipe: dict | None = None) 
     config = {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": training_recipe}
     if evaluation_recipe is not None:
         config["evaluation_recipe"] = evaluation_recipe
-    return QuantizationConfig(config, MatchContext(module_path="decoder.layers.0.mlp.linear_fc1", layer_number=0), "override")
+    context = MatchContext(module_path="decoder.layers.0.mlp.linear_fc1", layer_number=0)
+    return QuantizationConfig(config, context, "override")
 
 
 def test_finish_init_override_forces_high_precision_inside_fp8_regions():
