@@ -35,16 +35,16 @@ def dataset_helpers():
                    check=True, capture_output=True)
 
 
-def _launch(*extra: str, nproc: int = 1, port: int = 29571,
-            env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _launch(*extra: str, nproc: int = 1, port: int = 29571, env_extra: dict | None = None,
+            launcher: str = "mindspeed_te.launch") -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
     script = os.path.join(MEGATRON, "pretrain_gpt.py")
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        cmd = [sys.executable, "-m", "mindspeed_te.launch", script]
+        cmd = [sys.executable, "-m", launcher, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
-               "-m", "mindspeed_te.launch", script]
+               "-m", launcher, script]
     return subprocess.run([*cmd, *TINY_GPT, *extra], env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -39,16 +39,7 @@ from mindspeed_te.megatron import (  # noqa: E402
 )
 from mindspeed_te.modules import LayerNormMLP  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-
-
-def _config(**kw):
-    base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
-    base.update(kw)
-    return TransformerConfig(**base)
-
-
-def _init(w):
-    torch.nn.init.normal_(w, std=0.05)
+from tests.test_megatron_linear import _config, _init  # noqa: E402
 
 
 def _te_linears(config):
