@@ -166,6 +166,15 @@ class FP8ModuleBase(torch.nn.Module):
         if self.fp8_states is not None:
             self._apply_loaded_fp8_meta()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """With quantized weights, take the FP8 metadata first (as TransformerEngine does): a weight loaded
+        from high-precision values (a distributed checkpoint) is then quantized with its saved scale, which
+        gives back its saved codes, not codes under the scale this module was initialised with."""
+        key = prefix + "_extra_state"
+        if key in state_dict and any(isinstance(p, QuantizedTensor) for p in self.parameters(recurse=False)):
+            self.set_extra_state(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def _apply_loaded_fp8_meta(self) -> None:
         meta, self._loaded_fp8_meta = self._loaded_fp8_meta, None
         if meta is None:
