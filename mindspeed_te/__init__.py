@@ -9,6 +9,7 @@ from mindspeed_te.modules import (
     GroupedLinear,
     LayerNorm,
     LayerNormLinear,
+    LayerNormMLP,
     Linear,
     RMSNorm,
     convert_linears,
@@ -31,7 +32,6 @@ from mindspeed_te.recipe import (
     MXFP8BlockScaling,
     QParams,
     Recipe,
-    get_default_recipe,
 )
 from mindspeed_te.recipe_state import (
     DelayedScalingRecipeState,
@@ -46,6 +46,7 @@ from mindspeed_te.state import (
     autocast,
     fp8_autocast,
     fp8_model_init,
+    get_default_recipe,
     is_fp8_available,
     is_fp8_block_scaling_available,
     is_mxfp8_available,
@@ -73,7 +74,8 @@ __all__ = [
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
     "checkpoint", "Fp8Padding", "Fp8Unpadding",
-    "Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention", "convert_linears",
+    "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention",
+    "convert_linears",
 ]
 
 

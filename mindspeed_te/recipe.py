@@ -25,7 +25,6 @@ __all__ = [
     "Float8BlockScaling",
     "MXFP8BlockScaling",
     "recipe_from_name",
-    "get_default_recipe",
 ]
 
 
@@ -369,11 +368,6 @@ _RECIPE_NAMES = {
     "blockwise": Float8BlockScaling,
     "mxfp8": MXFP8BlockScaling,
 }
-
-
-def get_default_recipe() -> Recipe:
-    """The recipe used when none is given: TransformerEngine's default on devices without MXFP8 GEMMs."""
-    return DelayedScaling()
 
 
 def recipe_from_name(name: str, fp8_format: Union[Format, str], **kwargs) -> Recipe:

@@ -26,10 +26,11 @@ import torch.distributed as dist
 from mindspeed_te.distributed import check_same_on_all_ranks
 from mindspeed_te.kernels import get_backend, reset_backend
 from mindspeed_te.recipe import (
+    DelayedScaling,
     Float8BlockScaling,
+    Float8CurrentScaling,
     MXFP8BlockScaling,
     Recipe,
-    get_default_recipe,
 )
 from mindspeed_te.recipe_state import (
     DelayedScalingRecipeState,
@@ -50,6 +51,7 @@ __all__ = [
     "is_fp8_available",
     "is_mxfp8_available",
     "is_fp8_block_scaling_available",
+    "get_default_recipe",
 ]
 
 CheckpointPhase = Literal["forward", "recompute"]
@@ -141,6 +143,27 @@ def _mxfp8_support() -> tuple[bool, str]:
     if not hasattr(torch, "float8_e8m0fnu"):
         return False, f"torch {torch.__version__} has no float8_e8m0fnu dtype for MX scales (need torch >= 2.7)"
     return _fp8_support()
+
+
+def get_default_recipe() -> Recipe:
+    """The recipe used when none is given, by TransformerEngine's rule: MXFP8BlockScaling on a device with
+    MXFP8 GEMMs, Float8CurrentScaling on CUDA devices of compute capability 12.x (FP8 GEMMs, but MXFP8 not for
+    every layout), DelayedScaling everywhere else. Here the device is the current accelerator and its kernel
+    backend: an NPU whose kernels run FP8 (the Ascend 950 series, which has MX matmuls) gets MXFP8; the CPU,
+    where every format is emulated and none has native GEMMs, keeps DelayedScaling, as do NPUs without FP8."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    if device_type == "cuda":
+        capability = torch.cuda.get_device_capability()
+        if capability >= (12, 0):
+            return Float8CurrentScaling()
+        return MXFP8BlockScaling() if capability >= (10, 0) else DelayedScaling()
+    from mindspeed_te.kernels import get_backend
+
+    backend = get_backend(device_type)
+    if backend.name == "npu" and backend.available()[0]:
+        return MXFP8BlockScaling()
+    return DelayedScaling()
 
 
 class FP8GlobalStateManager:
@@ -654,17 +677,22 @@ def fp8_model_init(
 ) -> Iterator[None]:
     """Modules created inside keep their weights only in quantized form (as Megatron's --fp8-param-gather
     wants). With `preserve_high_precision_init_val`, each parameter keeps its initial high-precision value
-    on the CPU, reachable through `param.get_high_precision_init_val()` (e.g. to seed fp32 master weights)."""
+    on the CPU, reachable through `param.get_high_precision_init_val()` (e.g. to seed fp32 master weights).
+    As in TransformerEngine, the region's recipe (default `get_default_recipe()`) is also the active one:
+    `FP8GlobalStateManager.get_fp8_recipe()` returns it inside, until an autocast region says otherwise."""
     checked = _check_recipe(recipe, "recipe")
     qstate = FP8GlobalStateManager.quantization_state
-    saved = (qstate.fp8_parameters, qstate.fp8_model_init_recipe, qstate.high_precision_init_val)
+    saved = (qstate.fp8_parameters, qstate.fp8_model_init_recipe, qstate.high_precision_init_val,
+             qstate.fp8_recipe)
     qstate.fp8_parameters = bool(enabled)
     qstate.fp8_model_init_recipe = checked
     qstate.high_precision_init_val = bool(preserve_high_precision_init_val)
+    qstate.fp8_recipe = checked
     try:
         yield
     finally:
-        qstate.fp8_parameters, qstate.fp8_model_init_recipe, qstate.high_precision_init_val = saved
+        (qstate.fp8_parameters, qstate.fp8_model_init_recipe, qstate.high_precision_init_val,
+         qstate.fp8_recipe) = saved
 
 
 @contextmanager

@@ -171,3 +171,28 @@ def _broadcast(rank, world_size):
 def test_broadcast_moves_codes_and_scales():
     (data0, s0), (data1, s1) = run_distributed(_broadcast, 2)
     assert torch.equal(data0, data1) and torch.equal(s0, s1)
+
+
+def test_loading_high_precision_values_restores_the_saved_codes():
+    """A distributed checkpoint hands an FP8 weight back as high-precision values. Loading them into a module
+    built under fp8_model_init with delayed scaling gives back the saved codes exactly: the module's FP8
+    metadata (the weight's scale) is applied before the weight, as in TransformerEngine."""
+    recipe = DelayedScaling(fp8_format=Format.E4M3, amax_history_len=2)
+    torch.manual_seed(0)
+    with fp8_model_init(recipe=recipe):
+        source = Linear(64, 32)
+    optimizer = torch.optim.SGD(source.parameters(), lr=0.3)
+    for _ in range(3):  # the weight's delayed scale moves away from its initial one
+        with fp8_autocast(fp8_recipe=recipe):
+            source(torch.randn(16, 64)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = source.state_dict()
+    state["weight"] = state["weight"].dequantize()  # what torch_dist gives back: values, not codes
+    torch.manual_seed(1)
+    with fp8_model_init(recipe=recipe):
+        target = Linear(64, 32)
+    assert not torch.equal(target.fp8_states[0].scale, source.fp8_states[0].scale)
+    target.load_state_dict(state)
+    assert torch.equal(target.weight._data, source.weight._data)
+    assert torch.equal(target.weight.dequantize(), source.weight.dequantize())

@@ -2,10 +2,12 @@
 import pytest
 import torch
 
+import mindspeed_te
 from mindspeed_te import (
     DelayedScaling,
     Float8CurrentScaling,
     FP8GlobalStateManager,
+    MXFP8BlockScaling,
     RecipeState,
     autocast,
     fp8_autocast,
@@ -159,3 +161,58 @@ def test_model_init_flags_and_high_precision_init_val():
     assert torch.equal(p.get_high_precision_init_val(), init)
     p.clear_high_precision_init_val()
     assert p.get_high_precision_init_val() is None
+
+
+def test_model_init_recipe_is_the_active_recipe_inside():
+    """TE's quantized_model_init sets the state's recipe: get_fp8_recipe() returns the init recipe inside the
+    region (the default recipe when none is given), an autocast region nested inside overrides it, and the
+    previous recipe is back after the region."""
+    init, inner = Float8CurrentScaling(), DelayedScaling(amax_history_len=3)
+    default = FP8GlobalStateManager.get_fp8_recipe()
+    for context in (fp8_model_init, quantized_model_init):
+        with context(recipe=init):
+            assert FP8GlobalStateManager.get_fp8_recipe() is init
+            assert not FP8GlobalStateManager.is_fp8_enabled()  # model init does not enable FP8 compute
+            with fp8_autocast(fp8_recipe=inner):
+                assert FP8GlobalStateManager.get_fp8_recipe() is inner
+            assert FP8GlobalStateManager.get_fp8_recipe() is init
+        assert FP8GlobalStateManager.get_fp8_recipe() == default
+    with fp8_autocast(fp8_recipe=inner):
+        with quantized_model_init(recipe=init):
+            assert FP8GlobalStateManager.get_fp8_recipe() is init
+        assert FP8GlobalStateManager.get_fp8_recipe() is inner
+    with quantized_model_init():
+        assert type(FP8GlobalStateManager.get_fp8_recipe()) is type(mindspeed_te.get_default_recipe())
+
+
+class _Device:
+    def __init__(self, kind: str) -> None:
+        self.type = kind
+
+
+@pytest.mark.parametrize("capability,expected", [((8, 9), DelayedScaling), ((9, 0), DelayedScaling),
+                                                 ((10, 0), MXFP8BlockScaling), ((12, 0), Float8CurrentScaling)])
+def test_default_recipe_follows_te_on_cuda(monkeypatch, capability, expected):
+    """TE's get_default_recipe: MXFP8 where MXFP8 GEMMs exist for all layouts (compute capability 10.x),
+    Float8CurrentScaling on 12.x (FP8 but not MXFP8 for all layouts), DelayedScaling before Blackwell."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: _Device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability)
+    assert type(mindspeed_te.get_default_recipe()) is expected
+    assert type(FP8GlobalStateManager.get_fp8_recipe()) is expected  # the recipe outside any region
+
+
+@pytest.mark.parametrize("chip,expected", [("Ascend950PR", MXFP8BlockScaling), ("Ascend910B3", DelayedScaling)])
+def test_default_recipe_on_npus_and_cpu(monkeypatch, chip, expected):
+    """The CPU emulates every format and has no native FP8 GEMM: DelayedScaling, TE's default for such
+    devices. An NPU whose kernels include MX matmuls (the Ascend 950 series) gets MXFP8, as a Blackwell GPU
+    does in TE; an NPU without FP8 keeps DelayedScaling (and fp8_autocast then refuses it)."""
+    from mindspeed_te.kernels.npu import NpuBackend
+    from mindspeed_te.testing.npu_sim import make_simulator
+
+    assert type(mindspeed_te.get_default_recipe()) is DelayedScaling
+    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(make_simulator(chip)))
+    assert type(mindspeed_te.get_default_recipe()) is expected
+    if expected is MXFP8BlockScaling:
+        with fp8_autocast():
+            assert type(FP8GlobalStateManager.get_fp8_recipe()) is MXFP8BlockScaling

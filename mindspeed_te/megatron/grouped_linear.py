@@ -4,12 +4,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from mindspeed_te.distributed import group_rank, group_size
+from mindspeed_te.distributed import group_size
 from mindspeed_te.megatron.common import condition_init_method, megatron_device
+from mindspeed_te.megatron.grouped_extra_state import GroupedExtraStateMixin
 from mindspeed_te.megatron.linear import TEModuleMixin
 from mindspeed_te.modules.grouped_linear import GroupedLinear
 from mindspeed_te.modules.linear import divide
@@ -27,19 +26,7 @@ def _expert_tp_group(pg_collection: Optional[object]) -> Optional[torch.distribu
     return None
 
 
-def _expert_parallel_coords(pg_collection: Optional[object]) -> tuple[int, int]:
-    """(size, rank) of the expert-parallel group."""
-    group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
-    if group is None:
-        from megatron.core import parallel_state
-
-        if not parallel_state.model_parallel_is_initialized():
-            return 1, 0
-        group = parallel_state.get_expert_model_parallel_group()
-    return group_size(group), group_rank(group)
-
-
-class TEGroupedLinear(TEModuleMixin, GroupedLinear):
+class TEGroupedLinear(TEModuleMixin, GroupedExtraStateMixin, GroupedLinear):
     """Megatron's `TEGroupedLinear`: forward(x, m_splits) -> (output, biases or None). The MoE token
     dispatcher does the expert communication, so under expert TP or EP each rank holds its local shard and
     the layer itself communicates nothing. `config.use_gmm_fp8` (MindSpeed's --no-use-gmm-fp8 turns it off)
@@ -98,38 +85,11 @@ class TEGroupedLinear(TEModuleMixin, GroupedLinear):
             parallel_mode=parallel_mode,
             device=megatron_device(config),
             use_fp8_gemm=getattr(config, "use_gmm_fp8", True),
+            delay_wgrad_compute=getattr(config, "delay_wgrad_compute", False),
         )
         for param in self.parameters():
             param.allreduce = not expert_parallel
 
-    def _sharded_grouped(self, weight_axis: int, bias_axis: Optional[int], prefix: str, sharded_offsets: tuple,
-                         metadata: Optional[dict]) -> dict:
-        """Each local expert's weight/bias as ShardedTensors of the global expert stack (expert index along a
-        new leading axis, Megatron's layout) and the module's FP8 metadata as one ShardedObject per EP rank."""
-        ep_size, ep_rank = _expert_parallel_coords(self._pg_collection)
-        ep_axis = len(sharded_offsets)
-        full = self.state_dict(prefix="", keep_vars=True)
-        dp_cp_group = (metadata or {}).get("dp_cp_group")
-        result = {}
-        for i in range(self.num_gemms):
-            local = {f"{i}.weight": full[f"weight{i}"]}
-            axes = {f"{i}.weight": weight_axis}
-            if self.use_bias:
-                local[f"{i}.bias"] = full[f"bias{i}"]
-                if bias_axis is not None:
-                    axes[f"{i}.bias"] = bias_axis
-            offsets = (*sharded_offsets, (ep_axis, ep_rank * self.num_gemms + i, ep_size * self.num_gemms))
-            sub = make_sharded_tensors_for_checkpoint(local, "", axes, offsets, tp_group=self._tp_group,
-                                                      dp_cp_group=dp_cp_group)
-            replace_prefix_for_sharding(sub, f"{i}.", prefix)
-            result[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
-            if self.use_bias:
-                result[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
-        extra = make_sharded_tensors_for_checkpoint(
-            {"_extra_state": full["_extra_state"]}, prefix, None, (*sharded_offsets, (ep_axis, ep_rank, ep_size)),
-            tp_group=self._tp_group, dp_cp_group=dp_cp_group)
-        result.update(extra)
-        return result
 
 
 class _ExpertParallelGroupedLinear(TEGroupedLinear):
@@ -146,7 +106,12 @@ class _ExpertParallelGroupedLinear(TEGroupedLinear):
                          tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        return self._sharded_grouped(*self._sharded_axes, prefix, sharded_offsets, metadata)
+        """Per expert: the weight (and a split bias) sharded along its expert-TP axis."""
+        weight_axis, bias_axis = self._sharded_axes
+        tp_axis_map = {f"{i}.weight": weight_axis for i in range(self.num_gemms)}
+        if bias_axis is not None:
+            tp_axis_map.update({f"{i}.bias": bias_axis for i in range(self.num_gemms)})
+        return self._sharded_state_dict_grouped(tp_axis_map, prefix, sharded_offsets, metadata)
 
 
 class TEColumnParallelGroupedLinear(_ExpertParallelGroupedLinear):

@@ -11,16 +11,17 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from mindspeed_te.distributed import group_size
 from mindspeed_te.megatron.common import megatron_device, parallel_init_method
+from mindspeed_te.megatron.te_methods import MegatronTEMethods
 from mindspeed_te.modules.linear import Linear, divide
 from mindspeed_te.recipe import DelayedScaling, Format
 
 __all__ = ["TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TEDelayedScaling"]
 
 
-class TEModuleMixin:
+class TEModuleMixin(MegatronTEMethods):
     """Megatron's calling convention on top of a mindspeed_te linear: forward(x) -> (output, bias or None),
     weights quantized once per step (Megatron sets `is_first_microbatch` at each step's first micro-batch),
-    and sharded checkpoints."""
+    the per-module quantization override, delayed wgrad, and sharded checkpoints."""
 
     def _init_megatron(self, config: ModelParallelConfig, bias: bool, skip_bias_add: bool) -> bool:
         """Record what forward reads from Megatron's arguments; returns whether forward returns the bias."""
@@ -33,7 +34,8 @@ class TEModuleMixin:
     def forward(self, x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, Any]:
         """(output, bias or None); grouped layers take `m_splits` after x."""
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
-        out = super().forward(x, *args, is_first_microbatch=first)
+        with self.quantization_override_context():
+            out = super().forward(x, *args, is_first_microbatch=first)
         self.is_first_microbatch = False
         if self.te_return_bias:
             return out
@@ -123,6 +125,7 @@ class TELinear(TEModuleMixin, Linear):
             parallel_mode=local_mode,
             device=megatron_device(config),
             use_ascend_mc2=getattr(config, "use_ascend_mc2", False),
+            delay_wgrad_compute=getattr(config, "delay_wgrad_compute", False),
         )
         for param in self.parameters():
             if is_expert:

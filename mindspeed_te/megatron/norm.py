@@ -84,6 +84,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             parallel_mode="column",
             zero_centered_gamma=config.layernorm_zero_centered_gamma,
             device=megatron_device(config),
+            delay_wgrad_compute=getattr(config, "delay_wgrad_compute", False),
         )
         for name in ("weight", "bias"):
             param = getattr(self, name)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
+from mindspeed_te.ops.wgrad_store import WeightGradStore
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.recipe import Recipe
@@ -28,6 +29,42 @@ class FP8ModuleBase(torch.nn.Module):
         self.fp8_states: Optional[tuple[RecipeState, RecipeState]] = None
         self._fp8_recipe_key: Optional[str] = None
         self._loaded_fp8_meta: Optional[dict[str, Any]] = None  # from a checkpoint, applied to matching states
+        self.wgrad_store = WeightGradStore(False)
+        self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
+        self._wgrad_computations_per_backward = 1
+
+    # Delayed weight gradients (TE's delay_wgrad_compute, for Megatron's 1F1B overlap) -----------------------
+    def init_wgrad_store(self, delay_wgrad_compute: bool, params: Iterable[torch.nn.Parameter],
+                         computations_per_backward: int = 1) -> None:
+        """Set up delayed wgrad compute for the linear `params` (weights and biases). As in TE they are marked
+        `skip_backward_post_hook`: Megatron's DDP then registers its gradient hooks through
+        `register_wgrad_accumulation_and_reduce_hooks`, to run at the end of `backward_dw()`."""
+        self.wgrad_store = WeightGradStore(delay_wgrad_compute)
+        self._wgrad_computations_per_backward = computations_per_backward
+        if delay_wgrad_compute:
+            for param in params:
+                if param is not None:
+                    param.skip_backward_post_hook = True
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """A callable run at the end of every `backward_dw()` (Megatron's gradient accumulate/reduce hook)."""
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        return self.wgrad_store.delay_wgrad_compute()
+
+    def backward_dw(self) -> None:
+        """Run the weight-gradient GEMMs the last backward of this module left for later (a no-op unless built
+        with delay_wgrad_compute=True). Gradients land where the backward would have put them: added to
+        `.grad`, or into `main_grad` with fused accumulation; then the registered hooks run."""
+        if not self.need_backward_dw():
+            return
+        for _ in range(self._wgrad_computations_per_backward):
+            for param, grad in self.wgrad_store.pop():
+                if grad is not None:
+                    param.grad = grad if param.grad is None else param.grad + grad
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
 
     def _states_for_current_recipe(self, device: torch.device,
                                    recipe: Optional[Recipe] = None) -> tuple[RecipeState, RecipeState]:
@@ -112,23 +149,15 @@ class FP8ModuleBase(torch.nn.Module):
             fwd, bwd = self.fp8_states
             meta.update(fwd_amax_history=fwd.amax_history.cpu(), fwd_scale=fwd.scale.cpu(),
                         bwd_amax_history=bwd.amax_history.cpu(), bwd_scale=bwd.scale.cpu())
-        buffer = io.BytesIO()
-        torch.save(meta, buffer)
-        return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return encode_extra_state(meta)
 
     def set_extra_state(self, state: Any) -> None:
         name = type(self).__name__
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        meta = decode_extra_state(state, name)
+        if meta is None:
             warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8?); scales start fresh",
                           stacklevel=2)
             return
-        try:
-            raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
-            meta = torch.load(io.BytesIO(raw), weights_only=True)
-            if not isinstance(meta, dict) or meta.get("version") != 1 or "recipe_key" not in meta:
-                raise ValueError("unknown layout")
-        except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
-            raise RuntimeError(f"{name}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
         if meta["recipe_key"] is None:
             warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh",
                           stacklevel=2)
@@ -136,6 +165,15 @@ class FP8ModuleBase(torch.nn.Module):
         self._loaded_fp8_meta = meta
         if self.fp8_states is not None:
             self._apply_loaded_fp8_meta()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """With quantized weights, take the FP8 metadata first (as TransformerEngine does): a weight loaded
+        from high-precision values (a distributed checkpoint) is then quantized with its saved scale, which
+        gives back its saved codes, not codes under the scale this module was initialised with."""
+        key = prefix + "_extra_state"
+        if key in state_dict and any(isinstance(p, QuantizedTensor) for p in self.parameters(recurse=False)):
+            self.set_extra_state(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _apply_loaded_fp8_meta(self) -> None:
         meta, self._loaded_fp8_meta = self._loaded_fp8_meta, None
@@ -155,6 +193,28 @@ class FP8ModuleBase(torch.nn.Module):
                                    f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
             state.amax_history.copy_(history)
             state.scale.copy_(scale)
+
+
+def encode_extra_state(meta: dict[str, Any]) -> torch.Tensor:
+    """FP8 metadata as the uint8 tensor an `_extra_state` entry holds."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode_extra_state(state: Any, owner: str) -> Optional[dict[str, Any]]:
+    """The metadata of an `_extra_state` entry, None for an empty one (saved without FP8); a clear error naming
+    `owner` for anything unreadable."""
+    if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        return None
+    try:
+        raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
+        meta = torch.load(io.BytesIO(raw), weights_only=True)
+        if not isinstance(meta, dict) or meta.get("version") != 1 or "recipe_key" not in meta:
+            raise ValueError("unknown layout")
+    except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
+        raise RuntimeError(f"{owner}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
+    return meta
 
 
 @torch.no_grad()

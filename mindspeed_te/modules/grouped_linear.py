@@ -34,6 +34,7 @@ class GroupedLinear(FP8ModuleBase):
         parallel_mode: None, "column" or "row" (see above)
         device: where the parameters are created (None: torch's default device)
         use_fp8_gemm: quantized expert GEMMs inside FP8 regions (see above)
+        delay_wgrad_compute: backward leaves the weight-gradient grouped GEMM to a later `backward_dw()` call
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class GroupedLinear(FP8ModuleBase):
         parallel_mode: Optional[str] = None,
         device: Union[torch.device, str, None] = None,
         use_fp8_gemm: bool = True,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__(num_gemms=num_gemms)
         check_parallel_mode(parallel_mode)
@@ -71,6 +73,7 @@ class GroupedLinear(FP8ModuleBase):
                 bias_param.allreduce = False
                 self.register_parameter(f"bias{i}", bias_param)
         self._weight_caches = [WeightCache() for _ in range(num_gemms)]
+        self.init_wgrad_store(delay_wgrad_compute, [*self.weights, *(self.biases or ())])
 
     @property
     def weights(self) -> list[torch.nn.Parameter]:
@@ -111,6 +114,7 @@ class GroupedLinear(FP8ModuleBase):
             is_first_microbatch=is_first_microbatch,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             reduce_amax_in_backward=first and quantizers is not None,
+            wgrad_store=self.wgrad_store,
         )
         if self.parallel_mode == "row":
             out = reduce_from_tensor_parallel_region(out, self.tp_group)

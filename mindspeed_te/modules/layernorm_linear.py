@@ -12,9 +12,7 @@ import torch
 
 from mindspeed_te.distributed import ProcessGroup
 from mindspeed_te.modules.linear import Linear
-from mindspeed_te.modules.norm import layer_norm, norm_parameters, rms_norm
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+from mindspeed_te.modules.norm import NORMALIZATIONS, norm_parameters, normalize
 
 LayerNormLinearOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
@@ -41,6 +39,7 @@ class LayerNormLinear(Linear):
         return_layernorm_output: forward also returns the norm output
         zero_centered_gamma: the norm scales by 1 + weight (weight starts at 0)
         device: where the parameters are created (None: torch's default device)
+        delay_wgrad_compute: backward leaves the weight-gradient GEMM to a later `backward_dw()` call
     """
 
     def __init__(
@@ -61,6 +60,7 @@ class LayerNormLinear(Linear):
         return_layernorm_output: bool = False,
         zero_centered_gamma: bool = False,
         device: Union[torch.device, str, None] = None,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"LayerNormLinear: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
@@ -78,6 +78,7 @@ class LayerNormLinear(Linear):
             params_dtype=params_dtype,
             parallel_mode=parallel_mode,
             device=device,
+            delay_wgrad_compute=delay_wgrad_compute,
         )
         self.eps = eps
         self.normalization = normalization
@@ -96,13 +97,9 @@ class LayerNormLinear(Linear):
         for name in ("weight", "bias"):
             self._parameters[name] = self._parameters.pop(name)
 
-    def _norm(self, inp: torch.Tensor) -> torch.Tensor:
-        if self.normalization == "RMSNorm":
-            return rms_norm(inp, self.layer_norm_weight, self.eps, self.zero_centered_gamma)
-        return layer_norm(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> LayerNormLinearOutput:
-        ln_out = self._norm(inp)
+        ln_out = normalize(inp, self.normalization, self.layer_norm_weight, getattr(self, "layer_norm_bias", None),
+                           self.eps, self.zero_centered_gamma)
         out = super().forward(ln_out, is_first_microbatch=is_first_microbatch)
         if not self.return_layernorm_output:
             return out

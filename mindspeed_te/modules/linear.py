@@ -101,6 +101,7 @@ class Linear(FP8ModuleBase):
         name: label used in NaN/Inf reports (None: the class name and id)
         use_ascend_mc2: fused matmul + communication kernels on the NPU under TP (--use-ascend-mc2); elsewhere, or
             where they do not apply, separate collectives with one warning
+        delay_wgrad_compute: backward leaves the weight-gradient GEMM to a later `backward_dw()` call
     """
 
     def __init__(
@@ -120,8 +121,11 @@ class Linear(FP8ModuleBase):
         gather_output: bool = False,
         name: Optional[str] = None,
         use_ascend_mc2: bool = False,
+        delay_wgrad_compute: bool = False,
     ) -> None:
         super().__init__(num_gemms=1)
+        if delay_wgrad_compute and use_ascend_mc2:
+            raise ValueError("delay_wgrad_compute=True cannot be combined with use_ascend_mc2 (--use-ascend-mc2)")
         check_parallel_mode(parallel_mode)
         if gather_output and parallel_mode != "column":
             raise ValueError("gather_output=True needs parallel_mode='column'")
@@ -138,6 +142,7 @@ class Linear(FP8ModuleBase):
         if bias_param is not None and parallel_mode == "row":
             bias_param.sequence_parallel = self.sequence_parallel
         self._weight_cache = WeightCache()
+        self.init_wgrad_store(delay_wgrad_compute, (self.weight, self.bias))
 
     def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], object]] = None) -> None:
         """Re-initialize: the weight by `init_method` (Kaiming-uniform when None), the bias to zero."""
@@ -214,6 +219,7 @@ class Linear(FP8ModuleBase):
             is_first_microbatch=is_first_microbatch,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             reduce_amax_in_backward=first and quantizers is not None,
+            wgrad_store=self.wgrad_store,
         )
         if self.parallel_mode == "row":
             out = (reduce_scatter_to_sequence_parallel_region(out, self.tp_group) if self.sequence_parallel

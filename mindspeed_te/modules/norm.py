@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from mindspeed_te.kernels import get_backend
 
-__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "norm_parameters", "rms_norm"]
+__all__ = ["NORMALIZATIONS", "LayerNorm", "RMSNorm", "layer_norm", "norm_parameters", "normalize", "rms_norm"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 ShapeLike = Union[int, Sequence[int]]
 
@@ -47,6 +49,14 @@ def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool = False) -> torch.Tensor:
     """RMSNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype."""
     return _rms_norm(x, _gamma(weight, zero_centered_gamma, _compute_dtype(x)), eps)
+
+
+def normalize(x: torch.Tensor, normalization: str, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+              zero_centered_gamma: bool = False) -> torch.Tensor:
+    """`layer_norm` or `rms_norm` by name (the fused norm-then-GEMM modules' front end)."""
+    if normalization == "RMSNorm":
+        return rms_norm(x, weight, eps, zero_centered_gamma)
+    return layer_norm(x, weight, bias, eps, zero_centered_gamma)
 
 
 def norm_parameters(

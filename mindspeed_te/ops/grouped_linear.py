@@ -8,6 +8,7 @@ tokens, K). Each expert keeps its own quantizers, as in TransformerEngine's Grou
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -15,6 +16,7 @@ import torch
 
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad, quantized_weight
+from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
@@ -50,6 +52,7 @@ class _GroupedArgs:
     fuse_wgrad_accumulation: bool
     reduce_amax_in_backward: bool
     num_biases: int
+    wgrad_store: Optional[WeightGradStore] = None
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -125,20 +128,35 @@ class _GroupedLinear(torch.autograd.Function):
         dws: list[Optional[torch.Tensor]] = [None] * n
         if need_dw:
             wgrad_a = grads if q is None or ctx.fp8_wgrad else [dys[i] for i in active]
-            fused = args.fuse_wgrad_accumulation
-            main_grads = [_main_grad(weights[i]) for i in active] if fused else None
-            results = backend.grouped_gemm(wgrad_a, saved_x, a_columnwise=True, b_columnwise=True,
-                                           out_dtype=weights[0].dtype, out=main_grads)
-            for i, dw in zip(active, results):
-                dws[i] = _finish_fused_wgrad(weights[i]) if fused else dw.to(weights[i].dtype)
-            if not fused:  # experts that received no rows get an explicit zero gradient
-                dws = [torch.zeros_like(w) if dw is None else dw for w, dw in zip(weights, dws)]
+            store = args.wgrad_store
+            if store is not None and store.delay_wgrad_compute():
+                # backward_dw() runs the wgrad grouped GEMM later on the same operands.
+                store.put((wgrad_a, saved_x), functools.partial(_grouped_wgrad, weights, active,
+                                                                args.fuse_wgrad_accumulation, backend))
+            else:
+                dws = [dw for _, dw in _grouped_wgrad(weights, active, args.fuse_wgrad_accumulation, backend,
+                                                      wgrad_a, saved_x)]
         dbs = [dys[i].sum(dim=0).to(weights[i].dtype) for i in range(args.num_biases)]
         if q is not None and args.reduce_amax_in_backward:
             # The step's first FP8 module runs backward last: every expert's amax is recorded by now.
             FP8GlobalStateManager.reduce_backward_amaxes(ctx)
         ctx.saved = None
         return (dx, None, *dws, *dbs)
+
+
+def _grouped_wgrad(weights: Sequence[torch.Tensor], active: list[int], fused: bool, backend,
+                   wgrad_a: list[Operand], saved_x: list[Operand]) -> WgradResult:
+    """Every expert's dW = dYᵀ·X as one grouped GEMM (K split by the experts' rows); with fused accumulation
+    added into each `main_grad` (gradient None). Experts that received no rows get an explicit zero."""
+    main_grads = [_main_grad(weights[i]) for i in active] if fused else None
+    results = backend.grouped_gemm(wgrad_a, saved_x, a_columnwise=True, b_columnwise=True,
+                                   out_dtype=weights[0].dtype, out=main_grads)
+    dws: list[Optional[torch.Tensor]] = [None] * len(weights)
+    for i, dw in zip(active, results):
+        dws[i] = _finish_fused_wgrad(weights[i]) if fused else dw.to(weights[i].dtype)
+    if not fused:
+        dws = [torch.zeros_like(w) if dw is None else dw for w, dw in zip(weights, dws)]
+    return list(zip(weights, dws))
 
 
 def grouped_linear(
@@ -153,6 +171,7 @@ def grouped_linear(
     is_first_microbatch: Optional[bool] = None,
     fuse_wgrad_accumulation: bool = False,
     reduce_amax_in_backward: bool = False,
+    wgrad_store: Optional[WeightGradStore] = None,
 ) -> torch.Tensor:
     """Rows of `inp` (sum(m_splits), K) split along dim 0, expert i's GEMMs on its rows; high precision when
     `quantizers` (one LinearQuantizers per expert) is None, Megatron's --no-use-gmm-fp8 path. Experts with no
@@ -164,5 +183,6 @@ def grouped_linear(
                          f"in_features, got {tuple(inp.shape)}")
     splits = check_m_splits(inp, m_splits, len(weights))
     args = _GroupedArgs(splits, quantizers, fp8_wgrad, weight_caches, is_first_microbatch,
-                        fuse_wgrad_accumulation, reduce_amax_in_backward, len(biases) if biases else 0)
+                        fuse_wgrad_accumulation, reduce_amax_in_backward, len(biases) if biases else 0,
+                        wgrad_store)
     return _GroupedLinear.apply(inp, args, *weights, *(biases or ()))

@@ -10,17 +10,20 @@ wgrad stays in high precision, which needs the real input).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
 
 __all__ = ["LinearQuantizers", "WeightCache", "quantized_weight", "fp8_linear"]
+
+Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
 
 @dataclass
@@ -89,6 +92,7 @@ class _LinearArgs:
     is_first_microbatch: Optional[bool]
     fuse_wgrad_accumulation: bool
     reduce_amax_in_backward: bool
+    wgrad_store: Optional[WeightGradStore] = None
 
 
 class _Linear(torch.autograd.Function):
@@ -144,7 +148,7 @@ class _Linear(torch.autograd.Function):
             if need_dx:
                 dx = dy @ saved_w.to(dy.dtype)
             if need_dw:
-                dw = wgrad_high_precision(dy, saved_x, weight, args.fuse_wgrad_accumulation)
+                dw = _wgrad_now_or_later(args, weight, dy, saved_x, backend)
         else:
             fp8_wgrad = need_dw and isinstance(saved_x, QuantizedTensorStorage)
             q.grad_output.set_usage(rowwise=need_dx, columnwise=fp8_wgrad)
@@ -155,13 +159,7 @@ class _Linear(torch.autograd.Function):
             if need_dx:
                 dx = backend.gemm(qdy, saved_w, b_columnwise=True, out_dtype=ctx.input_dtype)
             if need_dw:
-                if fp8_wgrad:
-                    main_grad = _main_grad(weight) if args.fuse_wgrad_accumulation else None
-                    dw = backend.gemm(qdy, saved_x, a_columnwise=True, b_columnwise=True,
-                                      out_dtype=weight.dtype, out=main_grad)
-                    dw = _finish_fused_wgrad(weight) if main_grad is not None else dw
-                else:
-                    dw = wgrad_high_precision(dy, saved_x, weight, args.fuse_wgrad_accumulation)
+                dw = _wgrad_now_or_later(args, weight, qdy if fp8_wgrad else dy, saved_x, backend)
             if args.reduce_amax_in_backward:
                 # This is the first FP8 module of the step, so its backward is the last one to run.
                 FP8GlobalStateManager.reduce_backward_amaxes(ctx)
@@ -171,6 +169,32 @@ class _Linear(torch.autograd.Function):
         if dx is not None and dx.shape != ctx.input_shape:
             dx = dx.reshape(ctx.input_shape)
         return dx, dw, db, None
+
+
+def _wgrad(weight: torch.Tensor, dy: Operand, x: Operand, fuse_wgrad_accumulation: bool,
+           backend) -> Optional[torch.Tensor]:
+    """dW = dYᵀ·X: an FP8 GEMM on quantized operands, else in high precision; with fused accumulation added
+    into `weight.main_grad` (returning None)."""
+    if not isinstance(x, QuantizedTensorStorage):
+        return wgrad_high_precision(dy, x, weight, fuse_wgrad_accumulation)
+    main_grad = _main_grad(weight) if fuse_wgrad_accumulation else None
+    dw = backend.gemm(dy, x, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype, out=main_grad)
+    return _finish_fused_wgrad(weight) if main_grad is not None else dw
+
+
+def _wgrad_now_or_later(args: _LinearArgs, weight: torch.Tensor, dy: Operand, x: Operand,
+                        backend) -> Optional[torch.Tensor]:
+    """The weight gradient for autograd, or None after putting its GEMM in the module's WeightGradStore
+    (delay_wgrad_compute: `backward_dw()` runs it later, with the same operands, so the same result)."""
+    store = args.wgrad_store
+    if store is None or not store.delay_wgrad_compute():
+        return _wgrad(weight, dy, x, args.fuse_wgrad_accumulation, backend)
+
+    def compute(dy: Operand, x: Operand) -> WgradResult:
+        return [(weight, _wgrad(weight, dy, x, args.fuse_wgrad_accumulation, backend))]
+
+    store.put((dy, x), compute)
+    return None
 
 
 def _main_grad(weight: torch.Tensor) -> torch.Tensor:
@@ -207,6 +231,7 @@ def fp8_linear(
     is_first_microbatch: Optional[bool] = None,
     fuse_wgrad_accumulation: bool = False,
     reduce_amax_in_backward: bool = False,
+    wgrad_store: Optional[WeightGradStore] = None,
 ) -> torch.Tensor:
     """y = inp · weightᵀ + bias with quantized GEMMs (high precision when `quantizers` is None).
 
@@ -214,9 +239,11 @@ def fp8_linear(
     weight_cache / is_first_microbatch: quantize the weight once per step and reuse it across micro-batches.
     fuse_wgrad_accumulation: add the weight gradient into `weight.main_grad` (float32) instead of returning it.
     reduce_amax_in_backward: set for the step's first FP8 module; its backward reduces the backward amaxes.
+    wgrad_store: the module's WeightGradStore; when it delays wgrad compute, backward leaves the weight's
+        gradient to `backward_dw()`.
     """
     if inp.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fp8_linear: input's last dim {inp.shape[-1]} != weight in_features {weight.shape[-1]}")
     args = _LinearArgs(quantizers, fp8_wgrad, weight_cache, is_first_microbatch, fuse_wgrad_accumulation,
-                       reduce_amax_in_backward)
+                       reduce_amax_in_backward, wgrad_store)
     return _Linear.apply(inp, weight, bias, args)
