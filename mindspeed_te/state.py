@@ -161,7 +161,7 @@ def get_default_recipe() -> Recipe:
     from mindspeed_te.kernels import get_backend
 
     backend = get_backend(device_type)
-    if backend.name == "npu" and backend.available()[0]:
+    if backend.capabilities.native_mx_gemm and backend.available()[0]:
         return MXFP8BlockScaling()
     return DelayedScaling()
 

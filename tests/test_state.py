@@ -202,7 +202,7 @@ def test_default_recipe_follows_te_on_cuda(monkeypatch, capability, expected):
 
 
 @pytest.mark.parametrize("chip,expected", [("Ascend950PR", MXFP8BlockScaling), ("Ascend910B3", DelayedScaling)])
-def test_default_recipe_on_npus_and_cpu(monkeypatch, chip, expected):
+def test_default_recipe_on_npus_and_cpu(monkeypatch, use_backend, chip, expected):
     """The CPU emulates every format and has no native FP8 GEMM: DelayedScaling, TE's default for such
     devices. An NPU whose kernels include MX matmuls (the Ascend 950 series) gets MXFP8, as a Blackwell GPU
     does in TE; an NPU without FP8 keeps DelayedScaling (and fp8_autocast then refuses it)."""
@@ -210,7 +210,7 @@ def test_default_recipe_on_npus_and_cpu(monkeypatch, chip, expected):
     from mindspeed_te.testing.npu_sim import make_simulator
 
     assert type(mindspeed_te.get_default_recipe()) is DelayedScaling
-    monkeypatch.setenv("MINDSPEED_TE_BACKEND", "npu")
+    use_backend("npu")
     monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(make_simulator(chip)))
     assert type(mindspeed_te.get_default_recipe()) is expected
     if expected is MXFP8BlockScaling:

@@ -26,10 +26,12 @@ class Capabilities:
         kernels (`--use-ascend-mc2`), in high precision and MXFP8.
     fused_communication_k_range: the contraction sizes [low, high) the all-gather + matmul and matmul +
         reduce-scatter kernels take.
+    native_mx_gemm: MXFP8 GEMMs run as device kernels (what makes MXFP8 TE's default recipe on a device).
     """
 
     fused_communication_gemm: bool = False
     fused_communication_k_range: tuple[int, int] = (0, 0)
+    native_mx_gemm: bool = False
 
 
 class KernelBackend(ABC):

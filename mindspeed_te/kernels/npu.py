@@ -100,7 +100,8 @@ class NpuBackend(ReferenceBackend):
 
     name = "npu"
     # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"
-    capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535))
+    capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
+                                native_mx_gemm=True)
 
     def __init__(self, torch_npu: Any) -> None:
         self.npu = torch_npu
