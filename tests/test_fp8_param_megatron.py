@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
 
 DP2 = ("--bf16", "--use-distributed-optimizer")
-PROBE = "tests.fp8_param_probe"
+PROBE = ("-m", "tests.fp8_param_probe")  # the launcher with a probe of the parameters and collectives
 
 
 def _probe(run: subprocess.CompletedProcess) -> dict:
