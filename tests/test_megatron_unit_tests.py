@@ -5,11 +5,13 @@ MEGATRON_LM_PATH; skipped without it.
 The selection covers attention (sbhd, packed thd with fused RoPE, checkpointed), the transformer layer, the
 TE MoE layer (grouped GEMMs, all-gather / all-to-all dispatchers, recompute, fp16), multi-token prediction
 in FP8 and FP8 inference padding. Tests in these files that need more ranks than one (world size 2-8) are left
-out of the verdict; every other selected test must pass. Megatron's test_fp8_param.py and
+out of the verdict; every other selected test must pass. Distributed checkpointing of GPT models built from
+the TE spec runs on the 8 ranks Megatron's harness asks for. Megatron's test_fp8_param.py and
 dist_checkpointing/test_fp8.py import TransformerEngine itself and are not run."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -67,3 +69,23 @@ def test_megatrons_te_path_unit_tests_pass_on_cpu(tmp_path):
     print(f"Megatron TE-path unit tests on CPU: {counts}")
     assert not failures, "\n".join(failures)
     assert counts["passed"] >= 60, counts  # the selection really ran
+
+
+# Save, load and compare GPT models built from the TE spec (and from the local and op-fuser specs) through
+# Megatron's distributed checkpointing, on the 8 ranks (gloo) Megatron's harness asks for.
+DIST_SELECTION = ["tests/unit_tests/dist_checkpointing/models/test_gpt_model.py::TestGPTModel"]
+RANKS = 8
+
+
+def test_megatrons_te_dist_checkpointing_tests_pass_on_8_cpu_ranks():
+    env = dict(os.environ, PYTHONPATH=ROOT,
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--master-port=29733", "-m",
+         "pytest", "-p", PLUGIN, "-o", "addopts=", "-p", "no:cacheprovider", "-q", "--timeout", "600",
+         *DIST_SELECTION],
+        cwd=MEGATRON, env=env, capture_output=True, text=True, timeout=1800)
+    summaries = re.findall(r"^=*\s*(\d+ passed.*?) in [\d.]+s", run.stdout, re.M)
+    print(f"Megatron TE-spec dist_checkpointing tests on {RANKS} CPU ranks: {summaries}")
+    assert run.returncode == 0 and len(summaries) == RANKS, run.stdout[-3000:] + run.stderr[-3000:]
+    assert not any("failed" in s or "error" in s for s in summaries), summaries
