@@ -10,6 +10,7 @@ the TE spec runs on the 8 ranks Megatron's harness asks for. Megatron's test_fp8
 dist_checkpointing/test_fp8.py import TransformerEngine itself and are not run."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -21,8 +22,12 @@ import pytest
 MEGATRON = os.environ.get("MEGATRON_LM_PATH")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN = "mindspeed_te.patches.megatron_tests"  # named, not imported: importing it applies the patches
+# Megatron-LM's unit-test harness (tests/unit_tests/conftest.py) imports these beyond its training code.
+HARNESS_MISSING = [name for name in ("click", "requests") if importlib.util.find_spec(name) is None]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600),
-              pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
+              pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)"),
+              pytest.mark.skipif(bool(HARNESS_MISSING), reason=f"Megatron-LM's unit-test harness needs "
+                                 f"{' and '.join(HARNESS_MISSING)}: pip install click requests")]
 
 UNIT = "tests/unit_tests/transformer/"
 SELECTION = [
