@@ -180,26 +180,34 @@ typedef struct { RangeFn fn; Job *job; } Task;
 
 static void *run_task(void *arg) { Task *t = (Task *)arg; t->fn(t->job); return NULL; }
 
+/* Runs worker on each of the t jobs (job_size bytes apart): jobs 1.. on new threads (here when no thread can
+ * be started), job 0 on the caller's thread; returns when all are done. */
+static void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t) {
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    char *job = (char *)jobs;
+    for (int64_t i = 1; i < t; ++i) {
+        started[i] = pthread_create(&ids[i], NULL, worker, job + i * job_size) == 0;
+        if (!started[i]) worker(job + i * job_size);
+    }
+    worker(job);
+    for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+}
+
 /* Splits [0, n) over up to `threads` threads (the caller's thread takes the first range). */
 static void parallel(RangeFn fn, const Job *proto, int64_t n, int threads, Job *jobs, int *used) {
     int64_t by_size = n / MIN_PER_THREAD;
     int t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (by_size < t) t = by_size < 1 ? 1 : (int)by_size;
     int64_t step = ((n + t - 1) / t + 63) & ~(int64_t)63;
-    pthread_t ids[MAX_THREADS];
     Task tasks[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int k = 0; k < t; ++k) {
         jobs[k] = *proto;
         jobs[k].begin = k * step < n ? k * step : n;
         jobs[k].end = (k + 1) * step < n ? (k + 1) * step : n;
-        tasks[k].fn = fn;
-        tasks[k].job = &jobs[k];
-        if (k > 0) started[k] = pthread_create(&ids[k], NULL, run_task, &tasks[k]) == 0;
-        if (k > 0 && !started[k]) fn(&jobs[k]); /* no thread available: do it here */
+        tasks[k] = (Task){fn, &jobs[k]};
     }
-    fn(&jobs[0]);
-    for (int k = 1; k < t; ++k) if (started[k]) pthread_join(ids[k], NULL);
+    run_jobs(run_task, tasks, sizeof(Task), t);
     *used = t;
 }
 
@@ -702,19 +710,14 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     if (t > MAX_THREADS) t = MAX_THREADS;
     if (t < 1) t = 1;
     TileJob jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (strips + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = proto;
         jobs[i].strip_begin = i * step < strips ? i * step : strips;
         jobs[i].strip_end = (i + 1) * step < strips ? (i + 1) * step : strips;
-        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_tile, &jobs[i]) == 0;
-        if (i > 0 && !started[i]) tile_range(&jobs[i]);
     }
-    tile_range(&jobs[0]);
-    for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+    run_jobs(run_tile, jobs, sizeof(TileJob), t);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -761,18 +764,13 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     t = t > m ? m : t;
     t = t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
     DequantJob jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const float *)scales, (float *)out,
                                k, scale_cols, rows, cols, i * step < m ? i * step : m, (i + 1) * step < m ? (i + 1) * step : m};
-        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_dequant, &jobs[i]) == 0;
-        if (i > 0 && !started[i]) dequant_rows(&jobs[i]);
     }
-    dequant_rows(&jobs[0]);
-    for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+    run_jobs(run_dequant, jobs, sizeof(DequantJob), t);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
