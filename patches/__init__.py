@@ -28,6 +28,10 @@ def build_registry() -> PatchRegistry:
         from mindspeed_te.patches.megatron_te import register_megatron_te
 
         register_megatron_te(registry)
+    with _building("megatron.core.optimizer.distrib_optimizer"):
+        from mindspeed_te.patches.optimizer import register_optimizer
+
+        register_optimizer(registry)
     with _building("torch.cuda"):
         from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
 

@@ -1,0 +1,76 @@
+"""Megatron's distributed optimizer over torch's Adam (the optimizer Megatron falls back to without Apex or
+TransformerEngine, as on a machine where mindspeed_te stands in for TE) saved and resumed exactly.
+
+Three faults of megatron-core 0.16's `DistributedOptimizer` on that path, fixed here:
+- `state_dict()` reads the Adam step from the per-parameter state, which torch creates at the first step, so a
+  checkpoint cannot be loaded (nor saved) before one: it fails on `assert len(steps) == 1`. Loading always asks
+  for it first. The state is created here as torch's Adam creates it at its first step (step 0, zero moments),
+  which leaves the first step's update unchanged.
+- `load_state_dict()` loses the step: it gives every parameter's state one shared `step` tensor (torch's Adam
+  increments each parameter's step in place, so it would advance once per parameter per iteration), and the
+  parameter state loaded after it copies back the step tensors captured when the load was prepared (the
+  `dp_reshardable` format keeps `step` as a non-persistent object), so a resumed run restarted Adam's bias
+  correction at step 0. Each parameter gets its own step, the checkpoint's, after the load here.
+- `load_parameter_state_from_dp_reshardable()` (the format Megatron's training saves by default) copies into
+  the main parameters with autograd on; with fp32 model parameters those are views of the parameters, and the
+  copy fails ("a view of a leaf Variable that requires grad"). It runs under `torch.no_grad()` here, as its
+  `fully_sharded_model_space` counterpart already does.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from mindspeed_te.patches.registry import resolve
+
+MODULE = "megatron.core.optimizer.distrib_optimizer"
+
+
+def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """The per-parameter state torch's Adam/AdamW creates lazily in its first step, created now."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or len(optimizer.state) > 0:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _state_dict_before_first_step(state_dict: Callable) -> Callable:
+    @functools.wraps(state_dict)
+    def wrapped(self: Any) -> Any:
+        _create_adam_state(self.optimizer)
+        return state_dict(self)
+    return wrapped
+
+
+def _own_step_per_parameter(load_state_dict: Callable) -> Callable:
+    @functools.wraps(load_state_dict)
+    def wrapped(self: Any, state_dict: Any) -> Any:
+        _create_adam_state(self.optimizer)
+        result = load_state_dict(self, state_dict)
+        steps = {group.get("step") for group in state_dict.get("optimizer", {}).get("param_groups", ())}
+        if len(steps) == 1 and None not in steps:
+            step = float(steps.pop())
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = torch.tensor(step, dtype=torch.float32)
+        return result
+    return wrapped
+
+
+def register_optimizer(registry) -> None:
+    """Patch the torch-Adam branch of the distributed optimizer when Megatron takes it (no Apex, no TE)."""
+    if resolve(f"{MODULE}.HAVE_APEX_OR_TE"):
+        return
+    target = f"{MODULE}.DistributedOptimizer.load_parameter_state_from_dp_reshardable"
+    registry.register(target, torch.no_grad()(resolve(target)))
+    for name, wrap in (("state_dict", _state_dict_before_first_step), ("load_state_dict", _own_step_per_parameter)):
+        target = f"{MODULE}.DistributedOptimizer.{name}"
+        registry.register(target, wrap(resolve(target)))
