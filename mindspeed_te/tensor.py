@@ -10,7 +10,7 @@ every stored form the scaled dimension is the last one.
 """
 from __future__ import annotations
 
-import dataclasses
+from copy import copy as shallow_copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,7 +59,7 @@ class QuantizedTensorStorage:
     def columnwise_only(self) -> QuantizedTensorStorage:
         """This tensor without the rowwise form that backward never reads: a shallow copy, so that the
         original (e.g. a weight cached across micro-batches) stays whole; `self` when nothing would go."""
-        copy = dataclasses.replace(self)
+        copy = shallow_copy(self)  # the same fields, read as stored (dataclasses.replace would compute lazy ones)
         copy.update_usage(rowwise=False, columnwise=True)
         return copy
 
@@ -211,11 +211,26 @@ class MXFP8TensorStorage(_TiledTensor):
 
     Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32). `columnwise_scale_pairs`, when a kernel made
     both layouts in one pass (then `columnwise_data` is the transposed view of its (M, K) output), holds the
-    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is.
+    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is;
+    `columnwise_scale_inv` is then made from them (one copy) only when something reads it.
     """
 
     block_len: int = 32
     columnwise_scale_pairs: Optional[torch.Tensor] = None
+
+    @property  # type: ignore[override]
+    def columnwise_scale_inv(self) -> Optional[torch.Tensor]:
+        scale = self.__dict__.get("_columnwise_scale_inv")
+        pairs = self.columnwise_scale_pairs
+        if scale is None and pairs is not None:
+            blocks = -(-_as_2d(self.shape)[0] // self.block_len)
+            scale = pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
+            self.__dict__["_columnwise_scale_inv"] = scale
+        return scale
+
+    @columnwise_scale_inv.setter
+    def columnwise_scale_inv(self, value: Optional[torch.Tensor]) -> None:
+        self.__dict__["_columnwise_scale_inv"] = value
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len

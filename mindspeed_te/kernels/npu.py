@@ -41,7 +41,7 @@ from mindspeed_te.quantizers import (
     Float8Quantizer,
     MXFP8Quantizer,
     Quantizer,
-    record_nonfinite,
+    record_nonfinite_many,
 )
 from mindspeed_te.scaling import FLT_MAX, e8m0_decode
 from mindspeed_te.tensor import (
@@ -93,6 +93,24 @@ def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.
         return t.columnwise_pair()
     t._require(False)
     return t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
+
+
+def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(data (rows, k), E8M0 scales in the layout npu_quant_matmul wants) of an MXFP8 operand form, None when
+    k is not a multiple of 64 (the scales travel in pairs along k): as x1 (rows, k/64, 2); as x2, which the
+    GEMM takes transposed, (k/64, rows, 2). A columnwise form made by the dual-axis kernel is a transposed
+    view whose scales are already the kernel's (M/64, K, 2) pairs: the layout the GEMM wants for that view as
+    x2 (its (M, K) self, contiguous), permuted as x1."""
+    pairs = t.columnwise_scale_pairs if columnwise else None
+    if pairs is not None:
+        t._require(True)
+        data = t.columnwise_data
+        return None if data.shape[1] % 64 else (data, pairs if as_x2 else pairs.permute(1, 0, 2))
+    data, scale_inv = _tiled_pair(t, columnwise)
+    if data.shape[1] % 64:
+        return None
+    pairs = scale_inv.reshape(scale_inv.shape[0], -1, 2)
+    return data, pairs.transpose(0, 1) if as_x2 else pairs
 
 
 class NpuBackend(ReferenceBackend):
@@ -164,8 +182,8 @@ class NpuBackend(ReferenceBackend):
         for q, x, x2d in zip(quantizers, tensors, x2ds):
             kernel = _QUANTIZE_KERNELS.get(type(q))
             out = kernel(self, q, x, x2d) if kernel is not None else None
-            outs.append(record_nonfinite(q, out if out is not None else q.quantize(x)))
-        return outs
+            outs.append(out if out is not None else q.quantize(x))
+        return list(record_nonfinite_many(quantizers, outs))
 
     def _npu_quantize(self, q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, divisor: torch.Tensor,
                       scale_inv: torch.Tensor) -> Float8TensorStorage:
@@ -207,10 +225,7 @@ class NpuBackend(ReferenceBackend):
                     for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds))]
         else:
             return None
-        flagged = [(q.nonfinite, out.scale_inv) for q, out in zip(qs, outs) if q.nonfinite is not None]
-        if flagged:
-            torch._foreach_maximum_(*map(list, zip(*flagged)))
-        return outs
+        return list(record_nonfinite_many(qs, outs))
 
     def _quantize_delayed(self, qs: Sequence[Float8Quantizer], xs: Sequence[torch.Tensor],
                           x2ds: Sequence[torch.Tensor]) -> list[Float8TensorStorage]:
@@ -326,12 +341,11 @@ class NpuBackend(ReferenceBackend):
         if q.rowwise_usage and q.columnwise_usage and self._dual_axis_mx(x2d):
             # Both layouts from one read of x: y2 is quantized along the rows of x, (M, K), its scales
             # (M/64, K, 2) with block pairs interleaved; the storage keeps y2 as the (K, M) transposed view and
-            # the scales also in its (K, M/32) form (one small copy; the GEMM takes the kernel's layout).
+            # the scales in the kernel's layout, which the GEMM takes (their (K, M/32) form is made on demand).
             y1, s1, y2, s2 = self.npu.npu_dynamic_mx_quant_with_dual_axis(x2d, **kwargs)
             m, k = x2d.shape
             out.rowwise_data, out.rowwise_scale_inv = y1.reshape(x.shape), s1.reshape(m, -1)[:, : k // 32]
             out.columnwise_data, out.columnwise_scale_pairs = y2.t(), s2
-            out.columnwise_scale_inv = s2.permute(1, 0, 2).contiguous().view(k, -1)[:, : m // 32]
             return out
         if q.rowwise_usage:
             y, out.rowwise_scale_inv = run(x2d)
@@ -453,27 +467,20 @@ class NpuBackend(ReferenceBackend):
             x1 = a.columnwise_data if a_col else a.data.reshape(-1, a.shape[-1])
             b2d = b.columnwise_data if b_col else b.data.reshape(-1, b.shape[-1])
             return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
+        if isinstance(a, MXFP8TensorStorage):
+            x1_pair, x2_pair = _mx_pair(a, a_col, as_x2=False), _mx_pair(b, b_col, as_x2=True)
+            if x1_pair is None or x2_pair is None:
+                return None
+            (x1, s1), (b2d, s2) = x1_pair, x2_pair
+            e8m0 = self.npu.float8_e8m0fnu
+            return x1, b2d.t(), dict(scale=s2, pertoken_scale=s1, scale_dtype=e8m0, pertoken_scale_dtype=e8m0,
+                                     group_sizes=[1, 1, 32])
         (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
-        if isinstance(a, Float8BlockwiseQTensorStorage):
-            if s1.shape[0] == x1.shape[0] and s2.shape[0] == b2d.shape[0]:
-                return self._pow2_tiles_as_mx(a, b, x1, s1, b2d, s2)
-            if s1.shape[0] != x1.shape[0]:
-                return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
-            return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
-        if x1.shape[1] % 64:
-            return None  # E8M0 scales travel in pairs along k
-        e8m0 = self.npu.float8_e8m0fnu
-        # A columnwise form made by the dual-axis kernel is a transposed view with its scales in the kernel's
-        # (M/64, K, 2) layout, which is the layout the GEMM wants for that view (as x1: transposed, as x2 = its
-        # (M, K) self: contiguous).
-        a_pairs = a.columnwise_scale_pairs if a_col else None
-        b_pairs = b.columnwise_scale_pairs if b_col else None
-        return x1, b2d.t(), dict(
-            scale=b_pairs if b_pairs is not None else s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
-            pertoken_scale=(a_pairs.permute(1, 0, 2) if a_pairs is not None
-                            else s1.reshape(s1.shape[0], -1, 2)),
-            scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
-        )
+        if s1.shape[0] == x1.shape[0] and s2.shape[0] == b2d.shape[0]:
+            return self._pow2_tiles_as_mx(a, b, x1, s1, b2d, s2)
+        if s1.shape[0] != x1.shape[0]:
+            return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
+        return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
 
     def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage,
                           x1: torch.Tensor, s1: torch.Tensor, b2d: torch.Tensor, s2: torch.Tensor
