@@ -166,18 +166,44 @@ class _TiledTensor(QuantizedTensorStorage):
         return _nbytes(self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
 
 
+class _KernelFormScale:
+    """`columnwise_scale_inv` of a storage that may hold the columnwise scales as a kernel returned them
+    (another layout or E8M0 bytes), which is what the GEMM kernels take: the storage's own form is made from
+    it (one small op) only when something reads it, then kept. Written, it is stored as given."""
+
+    def __get__(self, obj: Optional[_TiledTensor], owner: type) -> Optional[torch.Tensor]:
+        if obj is None:
+            return None  # the class attribute: the field's default
+        scale = obj.__dict__.get("_columnwise_scale_inv")
+        if scale is None:
+            scale = obj.__dict__["_columnwise_scale_inv"] = obj._columnwise_scale_inv_from_kernel()
+        return scale
+
+    def __set__(self, obj: _TiledTensor, value: Optional[torch.Tensor]) -> None:
+        obj.__dict__["_columnwise_scale_inv"] = value
+
+
 @dataclass
 class Float8BlockwiseQTensorStorage(_TiledTensor):
     """Blockwise scaling: float32 scale_inv per 1x128 tile (block_scaling_dim=1) or 128x128 tile (=2).
 
     Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
     with 128x128 tiles the columnwise form is a transposed view of the rowwise one. `power_2_scale`: every
-    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents).
+    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents). `columnwise_scale_e8m0`,
+    when a kernel made the power-of-2 columnwise scales as E8M0 bytes, holds them as made (the wgrad GEMM takes
+    them so); `columnwise_scale_inv` is then decoded from them only when something reads it.
     """
 
     block_scaling_dim: int = 1
     block_len: int = 128
     power_2_scale: bool = False
+    columnwise_scale_e8m0: Optional[torch.Tensor] = None
+
+    columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
+
+    def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
+        codes = self.columnwise_scale_e8m0
+        return None if codes is None else e8m0_decode(codes)
 
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
@@ -203,6 +229,8 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
                 self.rowwise_data = self.rowwise_scale_inv = None
             return
         super().update_usage(rowwise, columnwise)
+        if columnwise is False:
+            self.columnwise_scale_e8m0 = None
 
 
 @dataclass
@@ -218,19 +246,14 @@ class MXFP8TensorStorage(_TiledTensor):
     block_len: int = 32
     columnwise_scale_pairs: Optional[torch.Tensor] = None
 
-    @property  # type: ignore[override]
-    def columnwise_scale_inv(self) -> Optional[torch.Tensor]:
-        scale = self.__dict__.get("_columnwise_scale_inv")
-        pairs = self.columnwise_scale_pairs
-        if scale is None and pairs is not None:
-            blocks = -(-_as_2d(self.shape)[0] // self.block_len)
-            scale = pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
-            self.__dict__["_columnwise_scale_inv"] = scale
-        return scale
+    columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
 
-    @columnwise_scale_inv.setter
-    def columnwise_scale_inv(self, value: Optional[torch.Tensor]) -> None:
-        self.__dict__["_columnwise_scale_inv"] = value
+    def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
+        pairs = self.columnwise_scale_pairs
+        if pairs is None:
+            return None
+        blocks = -(-_as_2d(self.shape)[0] // self.block_len)
+        return pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len

@@ -95,6 +95,12 @@ def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.
     return t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
 
 
+def _tiled_data(t: _TiledTensor, columnwise: bool) -> torch.Tensor:
+    """The (rows, k) data of the requested form of a tiled tensor, its scales left unread."""
+    t._require(columnwise)
+    return t.columnwise_data if columnwise else t.rowwise_data.reshape(-1, t.shape[-1])
+
+
 def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(data (rows, k), E8M0 scales in the layout npu_quant_matmul wants) of an MXFP8 operand form, None when
     k is not a multiple of 64 (the scales travel in pairs along k): as x1 (rows, k/64, 2); as x2, which the
@@ -294,11 +300,17 @@ class NpuBackend(ReferenceBackend):
             out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv, 128).reshape(x.shape)
             return out
         if q.rowwise_usage:
-            y, out.rowwise_scale_inv = self._pow2_rows(q, x2d)
-            out.rowwise_data = y.reshape(x.shape)
+            y, codes = self._pow2_block_codes(q, x2d)
+            out.rowwise_scale_inv = e8m0_decode(codes)  # the [1, 128, 128] GEMMs take float32 scales
+            out.rowwise_data = (y if y is not None else self._pow2_cast(q, x2d, out.rowwise_scale_inv, 1)
+                                ).reshape(x.shape)
         if q.columnwise_usage:
-            t = x2d.t() if x2d.dtype in _HALF else x2d.t().contiguous()
-            out.columnwise_data, out.columnwise_scale_inv = self._pow2_rows(q, t)
+            # Kept as E8M0 bytes: the one GEMM that reads this form (wgrad, in the MX mode) takes them so.
+            y, out.columnwise_scale_e8m0 = self._pow2_block_codes(q, x2d.t())
+            if y is None:
+                out.columnwise_scale_inv = e8m0_decode(out.columnwise_scale_e8m0)
+                y = self._pow2_cast(q, x2d.t(), out.columnwise_scale_inv, 1)
+            out.columnwise_data = y
         return out
 
     def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor
@@ -313,19 +325,15 @@ class NpuBackend(ReferenceBackend):
             return y, pairs.reshape(rows, -1)[:, : -(-k // 128)]
         return None, pairs.reshape(rows, -1)[:, : k // 32].reshape(rows, k // 128, 4).amax(dim=-1)
 
-    def _pow2_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, float32 scale_inv) of 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
-        y, codes = self._pow2_block_codes(q, t)
-        scale_inv = e8m0_decode(codes)
-        return (y if y is not None else self._pow2_cast(q, t, scale_inv, 1)), scale_inv
-
     @staticmethod
     def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
         """t / scale_inv per rows x 128 tile, cast to the format: exact (a power-of-2 division), and within the
-        format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles."""
+        format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles. The
+        quotient is written row-major whatever t's layout (a transposed view gives the columnwise codes)."""
         m, k = t.shape
         tiles = t.reshape(m // rows, rows, k // 128, 128)
-        scaled = torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1))
+        scaled = torch.empty(tiles.shape, dtype=t.dtype, device=t.device)
+        torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1), out=scaled)
         return scaled.to(q.fp8_dtype.storage_dtype).reshape(m, k)
 
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
@@ -475,32 +483,39 @@ class NpuBackend(ReferenceBackend):
             e8m0 = self.npu.float8_e8m0fnu
             return x1, b2d.t(), dict(scale=s2, pertoken_scale=s1, scale_dtype=e8m0, pertoken_scale_dtype=e8m0,
                                      group_sizes=[1, 1, 32])
-        (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
-        if s1.shape[0] == x1.shape[0] and s2.shape[0] == b2d.shape[0]:
-            return self._pow2_tiles_as_mx(a, b, x1, s1, b2d, s2)
-        if s1.shape[0] != x1.shape[0]:
+        if a.block_scaling_dim == b.block_scaling_dim == 1:
+            return self._pow2_tiles_as_mx(a, b, a_col, b_col)
+        if a.block_scaling_dim != 1:
             return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
+        (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
         return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
 
-    def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage,
-                          x1: torch.Tensor, s1: torch.Tensor, b2d: torch.Tensor, s2: torch.Tensor
-                          ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
+    def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage, a_col: bool,
+                          b_col: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
         """1x128 x 1x128 tiles (the blockwise wgrad), which no blockwise mode takes ([1, 128, 128] wants
         128x128 tiles on x2), in the MX mode when every scale is a power of two: a 128-tile is four 32-blocks
         with the same E8M0 exponent, so the kernel's sum of per-block products is the blockwise product."""
+        x1, b2d = _tiled_data(a, a_col), _tiled_data(b, b_col)
         k = x1.shape[1]
         if not (a.power_2_scale and b.power_2_scale) or a.fp8_dtype is FP8Dtype.HIF8 or k % 64:
             return None
 
-        def e8m0_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
-            # A power-of-2 float32 (2^-127 included, a subnormal) has its E8M0 byte in bits 23..30; NaN -> 0xFF.
-            # Shift, repeat each 128-tile's byte for its four 32-blocks, cast the (sliced) view contiguous.
-            exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
-            return exponents[:, : k // 32].to(torch.uint8).reshape(scale_inv.shape[0], -1, 2)
+        def e8m0_pairs(t: Float8BlockwiseQTensorStorage, columnwise: bool) -> torch.Tensor:
+            # Each 128-tile's E8M0 byte repeated for its four 32-blocks, contiguous, as (rows, k / 64, 2) pairs:
+            # the bytes the quantize kernel made, or those of the float32 scales (a power-of-2 float32, 2^-127
+            # included, a subnormal, has its E8M0 byte in bits 23..30; NaN -> 0xFF), cast from the sliced view.
+            codes = t.columnwise_scale_e8m0 if columnwise else None
+            if codes is not None:
+                pairs = codes.repeat_interleave(4, dim=1)[:, : k // 32].contiguous()
+            else:
+                scale_inv = t.columnwise_scale_inv if columnwise else t.rowwise_scale_inv
+                exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
+                pairs = exponents[:, : k // 32].to(torch.uint8)
+            return pairs.reshape(pairs.shape[0], -1, 2)
 
         e8m0 = self.npu.float8_e8m0fnu
         return x1, b2d.t(), dict(
-            scale=e8m0_pairs(s2).transpose(0, 1), pertoken_scale=e8m0_pairs(s1),
+            scale=e8m0_pairs(b, b_col).transpose(0, 1), pertoken_scale=e8m0_pairs(a, a_col),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )
 
