@@ -302,8 +302,12 @@ class NpuBackend(ReferenceBackend):
         if q.rowwise_usage:
             y, codes = self._pow2_block_codes(q, x2d)
             out.rowwise_scale_inv = e8m0_decode(codes)  # the [1, 128, 128] GEMMs take float32 scales
-            out.rowwise_data = (y if y is not None else self._pow2_cast(q, x2d, out.rowwise_scale_inv, 1)
-                                ).reshape(x.shape)
+            if y is None:
+                # float32: each 1x128 tile is a row of the (m * k / 128, 128) view, its scale_inv that row's
+                # divisor: one npu_quantize along axis 0 (x / scale_inv, exact for powers of two, then the cast).
+                y = self.npu.npu_quantize(x2d.reshape(-1, 128), out.rowwise_scale_inv.reshape(-1), None,
+                                          self._npu_dtype(q.fp8_dtype), 0, True)
+            out.rowwise_data = y.reshape(x.shape)
         if q.columnwise_usage:
             # Kept as E8M0 bytes: the one GEMM that reads this form (wgrad, in the MX mode) takes them so.
             y, out.columnwise_scale_e8m0 = self._pow2_block_codes(q, x2d.t())
