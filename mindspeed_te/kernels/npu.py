@@ -392,6 +392,11 @@ class NpuBackend(ReferenceBackend):
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
         return {name: self.npu.hifloat8 for name in names} if fp8_dtype is FP8Dtype.HIF8 else {}
 
+    def gemm_bias(self, bias: torch.Tensor, weight: Operand) -> torch.Tensor:
+        """float32, the quantized GEMMs' only bias dtype (aclnnQuantMatmulV5's FP8/HiF8/MX tables; the same sum
+        in the reference fallback), except with a blockwise weight, whose GEMM adds the bias afterwards."""
+        return bias if isinstance(weight, Float8BlockwiseQTensorStorage) else bias.float()
+
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -407,7 +412,8 @@ class NpuBackend(ReferenceBackend):
         late_bias = bias is not None and kwargs.get("group_sizes") == [1, 128, 128]
         mm_dtype = torch.float32 if out is not None or late_bias else out_dtype
         result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
-                                           bias=None if bias is None or late_bias else bias.float(), **kwargs)
+                                           bias=None if bias is None or late_bias else bias.float(),
+                                           **kwargs)
         if late_bias:  # one add into the output dtype: float32 sum, rounded once
             return torch.add(result, bias, out=torch.empty_like(result, dtype=out_dtype))
         return out.add_(result) if out is not None else result
