@@ -208,8 +208,8 @@ class NpuBackend(ReferenceBackend):
                           x2ds: Sequence[torch.Tensor]) -> Optional[list[Float8TensorStorage]]:
         """bfloat16/float16: one npu_dynamic_quant per tensor (its pertensor scale is NaN for NaN/Inf data).
         float32, which that kernel does not take ("x: 数据类型支持float16、bfloat16"): one multi-tensor amax,
-        scale_inv = max(amax, 0 -> target) / target (one IEEE division, at least 1/FLT_MAX; it stays
-        non-finite for NaN/Inf data, so those codes and the stored scale are non-finite), npu_quantize.
+        scale_inv = amax / target (one IEEE division; 1 for amax 0, at least 1/FLT_MAX; it stays non-finite
+        for NaN/Inf data, so those codes and the stored scale are non-finite) in three ops, npu_quantize.
         Then one flag update for all. None (the quantizer's torch ops) for what neither form covers."""
         q0 = qs[0]
         dst_max = self._dst_type_max(q0.fp8_dtype, q0.target_max)
@@ -229,8 +229,11 @@ class NpuBackend(ReferenceBackend):
             amax = torch.empty(len(xs), dtype=torch.float32, device=xs[0].device)
             torch.ops.aten._foreach_norm.Scalar_out(list(x2ds), float("inf"), torch.float32,
                                                     out=list(amax.unbind(0)))
-            target = self._constant(q0.target_max, amax.device)
-            scale_inv = torch.where(amax == 0, target, amax).div_(target).clamp_(min=1.0 / FLT_MAX)
+            # [amax == 0] + amax / target: addcdiv divides (value 1: exactly amax / target) and adds 1 only
+            # where amax is 0 (0 / target = 0), so an all-zero tensor gets scale_inv 1, as the reference.
+            zero = torch.eq(amax, 0, out=torch.empty_like(amax))
+            scale_inv = torch.addcdiv(zero, amax, self._constant(q0.target_max, amax.device))
+            scale_inv.clamp_(min=1.0 / FLT_MAX)
             outs = [self._npu_quantize(q, x, x2d, scale_inv[i : i + 1], scale_inv[i : i + 1])
                     for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds))]
         else:
