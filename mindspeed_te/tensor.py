@@ -163,7 +163,8 @@ class _TiledTensor(QuantizedTensorStorage):
             self.columnwise_data = self.columnwise_scale_inv = None
 
     def nbytes(self) -> int:
-        return _nbytes(self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
+        """Every tensor held, as stored (a kernel's own scale form included; nothing is made to count it)."""
+        return _nbytes(*(v for v in vars(self).values() if isinstance(v, torch.Tensor)))
 
 
 class _KernelFormScale:
