@@ -159,6 +159,24 @@ def test_blockwise_power_2_linear_launches(fmt):
         assert "aten.bitwise_right_shift" not in backward.counts  # the wgrad takes the kernel's bytes
 
 
+def test_blockwise_power_2_hif8_linear_launches():
+    """HiF8 with TE's default power-of-2 tiles, which no kernel makes. Per layout: the tile amaxes in one vector
+    norm; the scales in 8 ops (NaN/Inf to 0, > 0, where, target / amax, FLT_MAX clamp, power-of-2 floor,
+    reciprocal, NaN mark); one npu_quantize with a tile per row (+ the divisor cast to bf16 for a bf16 input):
+    10 float32, 11 bf16; + 1 for the columnwise layout's transposed copy and for the 128x128 weight's divisors
+    repeated per row. Forward: input rowwise and columnwise, weight, flags (2), fprop GEMM, bias add. Backward:
+    the gradient's two layouts, flags (2), dgrad GEMM, the 1x128 x 1x128 HiF8 wgrad (no MX mode for HiF8: both
+    operands dequantized, 12 ops, and one matmul), the bias gradient's sum."""
+    from mindspeed_te.recipe import Float8BlockScaling, Format
+
+    for dtype in (torch.bfloat16, torch.float32):
+        layout = 10 + (dtype == torch.bfloat16)
+        forward, backward = _per_recipe_counts(Float8BlockScaling(fp8_format=Format.HIF8), dtype)
+        assert forward.total == layout + (layout + 1) + (layout + 1) + 2 + 1 + 1, dict(forward.counts)
+        assert backward.total == layout + (layout + 1) + 2 + 1 + 13 + 1, dict(backward.counts)
+        assert forward.counts["torch_npu.npu_quantize"] == 3 and backward.counts["torch_npu.npu_quantize"] == 2
+
+
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
 def test_mxfp8_linear_launches(chip):
     """MXFP8: two layouts per quantizer, each one npu_dynamic_mx_quant; on the 950DT with a bf16 input one

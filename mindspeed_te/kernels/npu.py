@@ -12,9 +12,10 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                or amax + 2 small ops + npu_quantize         kernel takes): see _quantize_current. Power-of-2
                                                             scales, amax_epsilon, an amax reduction group or a
                                                             non-kernel target use torch ops
-  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; HiF8 and
-               partial float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize);
-               columnwise 1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; other scales:
+  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; partial
+               float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize); columnwise
+               1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; HiF8 (whole tiles, bf16/fp32):
+               tile amaxes + scales in torch ops, the cast one npu_quantize per layout; other scales:
                npu_dynamic_block_quant (not with amax_epsilon)
   mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
                Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
@@ -47,7 +48,7 @@ from mindspeed_te.quantizers import (
     Quantizer,
     record_nonfinite_many,
 )
-from mindspeed_te.scaling import FLT_MAX, e8m0_decode
+from mindspeed_te.scaling import FLT_MAX, e8m0_decode, mark_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -292,8 +293,10 @@ class NpuBackend(ReferenceBackend):
     def _quantize_blocks_pow2(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
                               ) -> Optional[Float8BlockwiseQTensorStorage]:
         m, k = x2d.shape
-        if q.fp8_dtype is FP8Dtype.HIF8 or m == 0 or k == 0:
-            return None  # the MX kernel has no HiF8 output
+        if m == 0 or k == 0:
+            return None
+        if q.fp8_dtype is FP8Dtype.HIF8:
+            return self._quantize_blocks_hif8(q, x, x2d)  # the MX kernel has no HiF8 output
         if x.dtype not in _HALF and (k % 128 or (q.columnwise_usage and m % 128)):
             return None  # float32 takes 32-blocks: whole 128-tiles only
         if q.block_scaling_dim == 2 and (m % 128 or k % 128):
@@ -309,11 +312,8 @@ class NpuBackend(ReferenceBackend):
         if q.rowwise_usage:
             y, codes = self._pow2_block_codes(q, x2d)
             out.rowwise_scale_inv = e8m0_decode(codes)  # the [1, 128, 128] GEMMs take float32 scales
-            if y is None:
-                # float32: each 1x128 tile is a row of the (m * k / 128, 128) view, its scale_inv that row's
-                # divisor: one npu_quantize along axis 0 (x / scale_inv, exact for powers of two, then the cast).
-                y = self.npu.npu_quantize(x2d.reshape(-1, 128), out.rowwise_scale_inv.reshape(-1), None,
-                                          self._npu_dtype(q.fp8_dtype), 0, True)
+            if y is None:  # float32: the kernel's codes are of 32-blocks; cast again with the 128-tile scales
+                y = self._quantize_tile_rows(q, x2d, out.rowwise_scale_inv)
             out.rowwise_data = y.reshape(x.shape)
         if q.columnwise_usage:
             # Kept as E8M0 bytes: the one GEMM that reads this form (wgrad, in the MX mode) takes them so.
@@ -323,6 +323,56 @@ class NpuBackend(ReferenceBackend):
                 y = self._pow2_cast(q, x2d.t(), out.columnwise_scale_inv, 1)
             out.columnwise_data = y
         return out
+
+    def _quantize_blocks_hif8(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
+                              ) -> Optional[Float8BlockwiseQTensorStorage]:
+        """HiF8 with power-of-2 tile scales, which no kernel makes (the MX kernels have no HiF8 output, the
+        block kernel's scale is amax / dst_max): the tile amaxes from one vector norm, the scales by the
+        reference rule (Float8BlockQuantizer's), and each layout's cast one npu_quantize. bfloat16 and float32
+        (a float16 divisor could underflow) in whole 128-tiles; None (the quantizer's torch ops) otherwise."""
+        m, k = x2d.shape
+        if x.dtype == torch.float16 or k % 128 or (m % 128 and (q.block_scaling_dim == 2 or q.columnwise_usage)):
+            return None
+        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim,
+                                            power_2_scale=True)
+        if q.block_scaling_dim == 2:
+            amax = torch.linalg.vector_norm(x2d.reshape(m // 128, 128, k // 128, 128), float("inf"), dim=(1, 3),
+                                            dtype=torch.float32)
+            divisor, out.rowwise_scale_inv = self._pow2_tile_scales(q, amax)
+            out.rowwise_data = self._quantize_tile_rows(q, x2d, divisor.repeat_interleave(128, dim=0)).reshape(x.shape)
+            return out
+        if q.rowwise_usage:
+            data, out.rowwise_scale_inv = self._hif8_rows(q, x2d)
+            out.rowwise_data = data.reshape(x.shape)
+        if q.columnwise_usage:
+            out.columnwise_data, out.columnwise_scale_inv = self._hif8_rows(q, x2d.t().contiguous())
+        return out
+
+    def _hif8_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(HiF8 codes, stored scale_inv) of the 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
+        rows, k = t.shape
+        amax = torch.linalg.vector_norm(t.reshape(rows, k // 128, 128), float("inf"), dim=-1, dtype=torch.float32)
+        divisor, stored = self._pow2_tile_scales(q, amax)
+        return self._quantize_tile_rows(q, t, divisor), stored
+
+    def _pow2_tile_scales(self, q: Float8BlockQuantizer, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(divisor, stored scale_inv) of power-of-2 tiles from their amaxes, the reference rule
+        (scaling.current_scale_inv with power_2_scale, then mark_nonfinite) in 8 ops instead of 10: scale =
+        target / amax (one IEEE division, at most FLT_MAX) rounded down to a power of 2, divisor 1 / scale;
+        tiles whose amax is 0, NaN or Inf divide by target / target = 1; the stored copy is NaN for NaN/Inf."""
+        target = self._constant(q.target_max, amax.device)
+        finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
+        scale = torch.div(target, torch.where(finite > 0, finite, target)).clamp_(max=FLT_MAX)
+        divisor = torch.bitwise_and(scale.view(torch.int32), 0x7F800000).view(torch.float32).reciprocal_()
+        return divisor, mark_nonfinite(divisor, amax)
+
+    def _quantize_tile_rows(self, q: Float8BlockQuantizer, t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        """t / divisor per 1x128 tile, cast: one npu_quantize along axis 0 of the (rows * k / 128, 128) view,
+        each tile a row and its divisor (rows, k / 128) that row's scale ("如果x的dtype不是FLOAT32，scales的
+        dtype需要和x的dtype一致": a bfloat16 input takes its powers of two in bfloat16, exactly)."""
+        y = self.npu.npu_quantize(t.reshape(-1, 128), divisor.reshape(-1).to(t.dtype), None,
+                                  self._npu_dtype(q.fp8_dtype), 0, True)
+        return y.view(torch.uint8).reshape(t.shape) if q.fp8_dtype is FP8Dtype.HIF8 else y.reshape(t.shape)
 
     def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor
                           ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
