@@ -6,7 +6,7 @@ stateless apart from their configuration.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -14,7 +14,6 @@ from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
 from mindspeed_te.scaling import (
     current_scale_inv,
-    e8m0_decode,
     e8m0_encode,
     mark_nonfinite,
     mx_scale_exponent,
@@ -31,6 +30,7 @@ from mindspeed_te.tensor import (
 
 __all__ = [
     "record_nonfinite",
+    "record_nonfinite_many",
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
@@ -64,8 +64,9 @@ class Quantizer:
         self.fp8_dtype = fp8_dtype
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
-        # A one-element float32 flag (set by the module's recipe state) that becomes NaN once a tensor
-        # holding NaN/Inf is quantized here; FP8GlobalStateManager.check_nonfinite reports and clears it.
+        # A one-element flag (set by the module's recipe state) that becomes NaN (float32; for MX the uint8
+        # E8M0 NaN byte 0xFF) once a tensor holding NaN/Inf is quantized here; FP8GlobalStateManager.
+        # check_nonfinite reports and clears it.
         self.nonfinite: Optional[torch.Tensor] = None
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
@@ -322,18 +323,34 @@ class MXFP8Quantizer(Quantizer):
 
 
 def record_nonfinite(quantizer: Quantizer, out: QuantizedTensorStorage) -> QuantizedTensorStorage:
-    """Fold `out`'s decode scales into the quantizer's non-finite flag (if it has one) and return `out`.
-    NaN/Inf data gives NaN decode scales (`scaling.mark_nonfinite`, E8M0's NaN code for MX), and MAX keeps a
-    NaN: one small device op per quantize, no host sync."""
-    flag = quantizer.nonfinite
-    if flag is None:
-        return out
-    if isinstance(out, Float8TensorStorage):
-        scales = out.scale_inv
-    else:
+    """Fold `out`'s decode scales into the quantizer's non-finite flag (if it has one) and return `out`."""
+    return record_nonfinite_many([quantizer], [out])[0]
+
+
+def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[QuantizedTensorStorage]
+                          ) -> Sequence[QuantizedTensorStorage]:
+    """Fold the decode scales of several quantized tensors into their quantizers' non-finite flags (those
+    that have one) and return `outs`. NaN/Inf data gives NaN decode scales (`scaling.mark_nonfinite`), or
+    E8M0's NaN byte 0xFF for MX, whose flags are uint8 and keep the largest scale byte seen (see
+    `MXFP8BlockScalingRecipeState`); MAX keeps either. No host sync, and the same launches for one tensor as
+    for several: one multi-tensor max over the block-scaled tensors' scales, one multi-tensor maximum into
+    the flags per flag dtype."""
+    pairs = []
+    for q, out in zip(quantizers, outs):
+        if q.nonfinite is None:
+            continue
+        if isinstance(out, Float8TensorStorage):
+            pairs.append((q.nonfinite, out.scale_inv, False))
+            continue
         scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
-        if scales.numel() == 0:  # an empty tensor (an expert without tokens)
-            return out
-        scales = (e8m0_decode(scales) if isinstance(out, MXFP8TensorStorage) else scales).amax()
-    torch.maximum(flag, scales.reshape(flag.shape), out=flag)
-    return out
+        if scales.numel():  # an empty tensor (an expert without tokens) has none
+            pairs.append((q.nonfinite, scales, True))
+    reduced = iter(torch._foreach_max([s for _, s, reduce in pairs if reduce]) if any(r for *_, r in pairs) else ())
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+    for flag, scales, reduce in pairs:
+        flags, values = by_dtype.setdefault(flag.dtype, ([], []))
+        flags.append(flag)
+        values.append((next(reduced) if reduce else scales).reshape(flag.shape))
+    for flags, values in by_dtype.values():
+        torch._foreach_maximum_(flags, values)
+    return outs

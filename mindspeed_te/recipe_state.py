@@ -153,11 +153,14 @@ class Float8BlockScalingRecipeState(RecipeState):
 
 
 class MXFP8BlockScalingRecipeState(RecipeState):
-    """MXFP8 keeps no state: one MXFP8 quantizer per slot."""
+    """MXFP8 keeps no state: one MXFP8 quantizer per slot. Its non-finite flags are uint8 and keep the largest
+    E8M0 scale byte seen (0xFF, E8M0's NaN, for NaN/Inf data): max-accumulating the scale bytes as they are
+    takes no decode to float32."""
 
     def __init__(self, recipe: MXFP8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None) -> None:
         super().__init__(recipe, mode, num_quantizers, device)
+        self.nonfinite = torch.zeros(num_quantizers, dtype=torch.uint8, device=device)
 
     def make_quantizers(self) -> list[Quantizer]:
         return self._watched([MXFP8Quantizer(self.fp8_dtype, rounding=self.recipe.scale_rounding)

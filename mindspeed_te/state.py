@@ -38,6 +38,7 @@ from mindspeed_te.recipe_state import (
     RecipeState,
     update_delayed_states,
 )
+from mindspeed_te.scaling import e8m0_decode
 from mindspeed_te.tensor import QuantizedTensorStorage
 
 __all__ = [
@@ -333,10 +334,17 @@ class FP8GlobalStateManager:
         if not watched:
             return []
         flags = [state.nonfinite for _, state in watched]
-        bad = torch.cat(flags).isfinite().logical_not_().tolist()  # NaN, or Inf (a current-scaling scale_inv)
+        # Float flags hold NaN, or Inf (a current-scaling scale_inv); MX flags the largest E8M0 byte, decoded
+        # here once for all (0xFF, the NaN byte, decodes to NaN). Float states first, then MX states.
+        order = sorted(range(len(watched)), key=lambda i: not flags[i].is_floating_point())
+        groups = [[flags[i] for i in order if flags[i].is_floating_point() == floating] for floating in (True, False)]
+        values = [torch.cat(groups[0])] if groups[0] else []
+        if groups[1]:
+            values.append(e8m0_decode(torch.cat(groups[1])))
+        bad = torch.cat(values).isfinite().logical_not_().tolist()
         torch._foreach_zero_(flags)
         found, offset = [], 0
-        for name, state in watched:
+        for name, state in (watched[i] for i in order):
             per_gemm = 3 if state.forward else 2
             for i, role in enumerate(state.roles):
                 if bad[offset + i]:

@@ -10,7 +10,7 @@ every stored form the scaled dimension is the last one.
 """
 from __future__ import annotations
 
-import dataclasses
+from copy import copy as shallow_copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,7 +59,7 @@ class QuantizedTensorStorage:
     def columnwise_only(self) -> QuantizedTensorStorage:
         """This tensor without the rowwise form that backward never reads: a shallow copy, so that the
         original (e.g. a weight cached across micro-batches) stays whole; `self` when nothing would go."""
-        copy = dataclasses.replace(self)
+        copy = shallow_copy(self)  # the same fields, read as stored (dataclasses.replace would compute lazy ones)
         copy.update_usage(rowwise=False, columnwise=True)
         return copy
 
@@ -163,7 +163,25 @@ class _TiledTensor(QuantizedTensorStorage):
             self.columnwise_data = self.columnwise_scale_inv = None
 
     def nbytes(self) -> int:
-        return _nbytes(self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
+        """Every tensor held, as stored (a kernel's own scale form included; nothing is made to count it)."""
+        return _nbytes(*(v for v in vars(self).values() if isinstance(v, torch.Tensor)))
+
+
+class _KernelFormScale:
+    """`columnwise_scale_inv` of a storage that may hold the columnwise scales as a kernel returned them
+    (another layout or E8M0 bytes), which is what the GEMM kernels take: the storage's own form is made from
+    it (one small op) only when something reads it, then kept. Written, it is stored as given."""
+
+    def __get__(self, obj: Optional[_TiledTensor], owner: type) -> Optional[torch.Tensor]:
+        if obj is None:
+            return None  # the class attribute: the field's default
+        scale = obj.__dict__.get("_columnwise_scale_inv")
+        if scale is None:
+            scale = obj.__dict__["_columnwise_scale_inv"] = obj._columnwise_scale_inv_from_kernel()
+        return scale
+
+    def __set__(self, obj: _TiledTensor, value: Optional[torch.Tensor]) -> None:
+        obj.__dict__["_columnwise_scale_inv"] = value
 
 
 @dataclass
@@ -172,12 +190,21 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
 
     Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
     with 128x128 tiles the columnwise form is a transposed view of the rowwise one. `power_2_scale`: every
-    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents).
+    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents). `columnwise_scale_e8m0`,
+    when a kernel made the power-of-2 columnwise scales as E8M0 bytes, holds them as made (the wgrad GEMM takes
+    them so); `columnwise_scale_inv` is then decoded from them only when something reads it.
     """
 
     block_scaling_dim: int = 1
     block_len: int = 128
     power_2_scale: bool = False
+    columnwise_scale_e8m0: Optional[torch.Tensor] = None
+
+    columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
+
+    def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
+        codes = self.columnwise_scale_e8m0
+        return None if codes is None else e8m0_decode(codes)
 
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
@@ -203,6 +230,8 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
                 self.rowwise_data = self.rowwise_scale_inv = None
             return
         super().update_usage(rowwise, columnwise)
+        if columnwise is False:
+            self.columnwise_scale_e8m0 = None
 
 
 @dataclass
@@ -211,11 +240,21 @@ class MXFP8TensorStorage(_TiledTensor):
 
     Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32). `columnwise_scale_pairs`, when a kernel made
     both layouts in one pass (then `columnwise_data` is the transposed view of its (M, K) output), holds the
-    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is.
+    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is;
+    `columnwise_scale_inv` is then made from them (one copy) only when something reads it.
     """
 
     block_len: int = 32
     columnwise_scale_pairs: Optional[torch.Tensor] = None
+
+    columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
+
+    def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
+        pairs = self.columnwise_scale_pairs
+        if pairs is None:
+            return None
+        blocks = -(-_as_2d(self.shape)[0] // self.block_len)
+        return pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len

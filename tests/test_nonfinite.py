@@ -109,6 +109,28 @@ def test_each_faulty_step_is_warned_naming_module_and_tensor_and_counted(name):
     assert FP8GlobalStateManager.get_nonfinite_counts() == {"steps": 2, "fc1 input": 1, "fc1 grad_output": 1}
 
 
+@pytest.mark.parametrize("backend_name", ["reference", "npu"])
+def test_faults_are_named_in_a_step_mixing_mx_and_float_flags(backend_name, use_backend):
+    """MXFP8 flags keep E8M0 bytes (uint8), the others float32: one check reads both kinds and names the
+    right module and tensor. Three layers in a chain, each under its own recipe (MXFP8, tensorwise, MXFP8);
+    an Inf put into the middle layer's input makes its output, and so the last layer's input, non-finite,
+    and nothing before it."""
+    use_backend(backend_name)
+    layers = [Linear(64, 64, name=f"fc{i}") for i in range(3)]
+    recipes = [RECIPES["mxfp8/hybrid"](), RECIPES["tensorwise/hybrid"](), RECIPES["mxfp8/hybrid"]()]
+    h, dy = _clean(0)
+    for i, (layer, recipe) in enumerate(zip(layers, recipes)):
+        h = h.detach().clone()
+        if i == 1:
+            h[2, 5] = math.inf
+        with fp8_autocast(fp8_recipe=recipe):
+            h = layer(h)
+    with pytest.warns(RuntimeWarning):  # each region is checked at the next one's entry, the last one here
+        h.backward(dy)
+    counts = FP8GlobalStateManager.get_nonfinite_counts()
+    assert {k: v for k, v in counts.items() if k != "steps"} == {"fc1 input": 1, "fc2 input": 1}, counts
+
+
 def test_fault_in_an_evaluation_pass_is_reported_at_its_exit():
     layer = Linear(64, 64, name="fc1")
     x, _ = _clean(0)

@@ -1,5 +1,7 @@
 """The NPU backend, run on CPU through the torch_npu simulator (which enforces the kernels' contract), must
 give the reference backend's results bit for bit, launch few kernels and never synchronize the host."""
+import math
+
 import pytest
 import torch
 
@@ -318,9 +320,45 @@ def test_blockwise_power_2_quantize_equals_reference(dtype, fmt, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, monkeypatch, use_backend):
+@pytest.mark.parametrize("target", [15.0, 224.0])
+@pytest.mark.parametrize("dim", [1, 2])
+def test_blockwise_power_2_hif8_quantize_equals_reference(dtype, target, dim):
+    """HiF8 with power-of-2 tile scales (no kernel makes them): whole 128-tiles are cast by npu_quantize, one
+    tile per row of the (rows * k / 128, 128) view, and give the reference quantizer's codes and scales bit for
+    bit, all-zero tiles and tiles holding NaN/Inf included; other shapes stay on the quantizer's torch ops."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    g = torch.Generator().manual_seed(5)
+    for shape in ((256, 384), (384, 128), (128, 200), (100, 256)):
+        x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-40, 40, (shape[0], 1), generator=g).float())
+        x[:, -1] = target * 2.0**-3  # tiles whose amax is exactly target * 2^k
+        x[5] = 0.0  # all-zero tiles
+        x[9, 3], x[70, 1], x[3, 100] = math.nan, math.inf, -math.inf
+        x = x.to(dtype)
+        q = Float8BlockQuantizer(FP8Dtype.HIF8, target, block_scaling_dim=dim)
+        sim.reset_counts()
+        got, want = backend.quantize(q, x), q.quantize(x)
+        whole_tiles = shape[0] % 128 == 0 and shape[1] % 128 == 0
+        assert (sim.launch_counts.get("npu_quantize", 0) > 0) == whole_tiles, shape
+        got_f, want_f = _fields(got), _fields(want)
+        assert got_f.keys() == want_f.keys()
+        for name, g_t in got_f.items():
+            w_t = want_f[name]
+            if g_t.dtype == torch.float32:
+                assert torch.equal(g_t.nan_to_num(-1.0), w_t.nan_to_num(-1.0)), name
+                assert torch.equal(g_t.isnan(), w_t.isnan()), name
+            else:
+                assert torch.equal(g_t.view(torch.uint8), w_t.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("fmt", ["HYBRID", "HIF8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, fmt, monkeypatch, use_backend):
     """Whole tiles everywhere, so the weight's 128x128 tiles and float32 inputs take the kernel path too; the
-    1x128 x 1x128 wgrad runs in the MX mode of npu_quant_matmul."""
+    1x128 x 1x128 wgrad runs in the MX mode of npu_quant_matmul (HiF8, which the MX mode lacks: dequantized)."""
     sim = make_simulator()
     calls = []
     real = sim.npu_quant_matmul
@@ -333,12 +371,12 @@ def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dt
         x = (torch.randn(256, 256, generator=g) * 3).to(dtype).requires_grad_()
         w = (torch.randn(128, 256, generator=g) * 0.05).to(dtype).requires_grad_()
         b = torch.randn(128, generator=g).to(dtype).requires_grad_()
-        y = fp8_linear(x, w, b, quantizers=_quantizers(Float8BlockScaling(fp8_format=Format.HYBRID)))
+        y = fp8_linear(x, w, b, quantizers=_quantizers(Float8BlockScaling(fp8_format=Format[fmt])))
         y.backward(torch.randn(256, 128, generator=g).to(dtype))
         results.append((y.detach(), x.grad, w.grad, b.grad))
     for g_t, w_t in zip(*results):
         assert torch.equal(g_t, w_t)
-    assert calls == [[1, 128, 128], [1, 128, 128], [1, 1, 32]]  # fprop, dgrad, wgrad
+    assert calls == [[1, 128, 128], [1, 128, 128]] + [[1, 1, 32]] * (fmt != "HIF8")  # fprop, dgrad, wgrad
 
 
 @pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor"])

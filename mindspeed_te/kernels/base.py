@@ -54,6 +54,11 @@ class KernelBackend(ABC):
         small per-tensor ops into multi-tensor launches."""
         return [self.quantize(q, x) for q, x in zip(quantizers, tensors)]
 
+    def gemm_bias(self, bias: torch.Tensor, weight: Operand) -> torch.Tensor:
+        """The bias in the form this backend's quantized `gemm` with `weight` takes, made once so that a caller
+        may keep it while the bias does not change (across the micro-batches of a step, as the weight)."""
+        return bias
+
     @abstractmethod
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,

@@ -12,11 +12,16 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                or amax + 2 small ops + npu_quantize         kernel takes): see _quantize_current. Power-of-2
                                                             scales, amax_epsilon, an amax reduction group or a
                                                             non-kernel target use torch ops
-  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; HiF8 and
-               partial float32 / 128x128 tiles use torch ops); other scales: npu_dynamic_block_quant
-               (not with amax_epsilon)
+  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; partial
+               float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize); columnwise
+               1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; HiF8 (whole tiles, bf16/fp32):
+               tile amaxes + scales in torch ops, the cast one npu_quantize per layout; other scales:
+               npu_dynamic_block_quant (not with amax_epsilon)
   mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
-               Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis
+               Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
+               them out, which the GEMM takes)
+  flags        the non-finite flags of a quantize pass: one multi-tensor max of the block scales + one
+               multi-tensor maximum into the flags (quantizers.record_nonfinite_many)
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
                blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
                take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
@@ -41,9 +46,9 @@ from mindspeed_te.quantizers import (
     Float8Quantizer,
     MXFP8Quantizer,
     Quantizer,
-    record_nonfinite,
+    record_nonfinite_many,
 )
-from mindspeed_te.scaling import FLT_MAX, e8m0_decode
+from mindspeed_te.scaling import FLT_MAX, e8m0_decode, mark_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
@@ -93,6 +98,30 @@ def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.
         return t.columnwise_pair()
     t._require(False)
     return t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
+
+
+def _tiled_data(t: _TiledTensor, columnwise: bool) -> torch.Tensor:
+    """The (rows, k) data of the requested form of a tiled tensor, its scales left unread."""
+    t._require(columnwise)
+    return t.columnwise_data if columnwise else t.rowwise_data.reshape(-1, t.shape[-1])
+
+
+def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(data (rows, k), E8M0 scales in the layout npu_quant_matmul wants) of an MXFP8 operand form, None when
+    k is not a multiple of 64 (the scales travel in pairs along k): as x1 (rows, k/64, 2); as x2, which the
+    GEMM takes transposed, (k/64, rows, 2). A columnwise form made by the dual-axis kernel is a transposed
+    view whose scales are already the kernel's (M/64, K, 2) pairs: the layout the GEMM wants for that view as
+    x2 (its (M, K) self, contiguous), permuted as x1."""
+    pairs = t.columnwise_scale_pairs if columnwise else None
+    if pairs is not None:
+        t._require(True)
+        data = t.columnwise_data
+        return None if data.shape[1] % 64 else (data, pairs if as_x2 else pairs.permute(1, 0, 2))
+    data, scale_inv = _tiled_pair(t, columnwise)
+    if data.shape[1] % 64:
+        return None
+    pairs = scale_inv.reshape(scale_inv.shape[0], -1, 2)
+    return data, pairs.transpose(0, 1) if as_x2 else pairs
 
 
 class NpuBackend(ReferenceBackend):
@@ -164,8 +193,8 @@ class NpuBackend(ReferenceBackend):
         for q, x, x2d in zip(quantizers, tensors, x2ds):
             kernel = _QUANTIZE_KERNELS.get(type(q))
             out = kernel(self, q, x, x2d) if kernel is not None else None
-            outs.append(record_nonfinite(q, out if out is not None else q.quantize(x)))
-        return outs
+            outs.append(out if out is not None else q.quantize(x))
+        return list(record_nonfinite_many(quantizers, outs))
 
     def _npu_quantize(self, q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, divisor: torch.Tensor,
                       scale_inv: torch.Tensor) -> Float8TensorStorage:
@@ -180,8 +209,8 @@ class NpuBackend(ReferenceBackend):
                           x2ds: Sequence[torch.Tensor]) -> Optional[list[Float8TensorStorage]]:
         """bfloat16/float16: one npu_dynamic_quant per tensor (its pertensor scale is NaN for NaN/Inf data).
         float32, which that kernel does not take ("x: 数据类型支持float16、bfloat16"): one multi-tensor amax,
-        scale_inv = max(amax, 0 -> target) / target (one IEEE division, at least 1/FLT_MAX; it stays
-        non-finite for NaN/Inf data, so those codes and the stored scale are non-finite), npu_quantize.
+        scale_inv = amax / target (one IEEE division; 1 for amax 0, at least 1/FLT_MAX; it stays non-finite
+        for NaN/Inf data, so those codes and the stored scale are non-finite) in three ops, npu_quantize.
         Then one flag update for all. None (the quantizer's torch ops) for what neither form covers."""
         q0 = qs[0]
         dst_max = self._dst_type_max(q0.fp8_dtype, q0.target_max)
@@ -201,16 +230,16 @@ class NpuBackend(ReferenceBackend):
             amax = torch.empty(len(xs), dtype=torch.float32, device=xs[0].device)
             torch.ops.aten._foreach_norm.Scalar_out(list(x2ds), float("inf"), torch.float32,
                                                     out=list(amax.unbind(0)))
-            target = self._constant(q0.target_max, amax.device)
-            scale_inv = torch.where(amax == 0, target, amax).div_(target).clamp_(min=1.0 / FLT_MAX)
+            # [amax == 0] + amax / target: addcdiv divides (value 1: exactly amax / target) and adds 1 only
+            # where amax is 0 (0 / target = 0), so an all-zero tensor gets scale_inv 1, as the reference.
+            zero = torch.eq(amax, 0, out=torch.empty_like(amax))
+            scale_inv = torch.addcdiv(zero, amax, self._constant(q0.target_max, amax.device))
+            scale_inv.clamp_(min=1.0 / FLT_MAX)
             outs = [self._npu_quantize(q, x, x2d, scale_inv[i : i + 1], scale_inv[i : i + 1])
                     for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds))]
         else:
             return None
-        flagged = [(q.nonfinite, out.scale_inv) for q, out in zip(qs, outs) if q.nonfinite is not None]
-        if flagged:
-            torch._foreach_maximum_(*map(list, zip(*flagged)))
-        return outs
+        return list(record_nonfinite_many(qs, outs))
 
     def _quantize_delayed(self, qs: Sequence[Float8Quantizer], xs: Sequence[torch.Tensor],
                           x2ds: Sequence[torch.Tensor]) -> list[Float8TensorStorage]:
@@ -264,8 +293,10 @@ class NpuBackend(ReferenceBackend):
     def _quantize_blocks_pow2(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
                               ) -> Optional[Float8BlockwiseQTensorStorage]:
         m, k = x2d.shape
-        if q.fp8_dtype is FP8Dtype.HIF8 or m == 0 or k == 0:
-            return None  # the MX kernel has no HiF8 output
+        if m == 0 or k == 0:
+            return None
+        if q.fp8_dtype is FP8Dtype.HIF8:
+            return self._quantize_blocks_hif8(q, x, x2d)  # the MX kernel has no HiF8 output
         if x.dtype not in _HALF and (k % 128 or (q.columnwise_usage and m % 128)):
             return None  # float32 takes 32-blocks: whole 128-tiles only
         if q.block_scaling_dim == 2 and (m % 128 or k % 128):
@@ -279,12 +310,69 @@ class NpuBackend(ReferenceBackend):
             out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv, 128).reshape(x.shape)
             return out
         if q.rowwise_usage:
-            y, out.rowwise_scale_inv = self._pow2_rows(q, x2d)
+            y, codes = self._pow2_block_codes(q, x2d)
+            out.rowwise_scale_inv = e8m0_decode(codes)  # the [1, 128, 128] GEMMs take float32 scales
+            if y is None:  # float32: the kernel's codes are of 32-blocks; cast again with the 128-tile scales
+                y = self._quantize_tile_rows(q, x2d, out.rowwise_scale_inv)
             out.rowwise_data = y.reshape(x.shape)
         if q.columnwise_usage:
-            t = x2d.t() if x2d.dtype in _HALF else x2d.t().contiguous()
-            out.columnwise_data, out.columnwise_scale_inv = self._pow2_rows(q, t)
+            # Kept as E8M0 bytes: the one GEMM that reads this form (wgrad, in the MX mode) takes them so.
+            y, out.columnwise_scale_e8m0 = self._pow2_block_codes(q, x2d.t())
+            if y is None:
+                out.columnwise_scale_inv = e8m0_decode(out.columnwise_scale_e8m0)
+                y = self._pow2_cast(q, x2d.t(), out.columnwise_scale_inv, 1)
+            out.columnwise_data = y
         return out
+
+    def _quantize_blocks_hif8(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
+                              ) -> Optional[Float8BlockwiseQTensorStorage]:
+        """HiF8 with power-of-2 tile scales, which no kernel makes (the MX kernels have no HiF8 output, the
+        block kernel's scale is amax / dst_max): the tile amaxes from one vector norm, the scales by the
+        reference rule (Float8BlockQuantizer's), and each layout's cast one npu_quantize. bfloat16 and float32
+        (a float16 divisor could underflow) in whole 128-tiles; None (the quantizer's torch ops) otherwise."""
+        m, k = x2d.shape
+        if x.dtype == torch.float16 or k % 128 or (m % 128 and (q.block_scaling_dim == 2 or q.columnwise_usage)):
+            return None
+        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim,
+                                            power_2_scale=True)
+        if q.block_scaling_dim == 2:
+            amax = torch.linalg.vector_norm(x2d.reshape(m // 128, 128, k // 128, 128), float("inf"), dim=(1, 3),
+                                            dtype=torch.float32)
+            divisor, out.rowwise_scale_inv = self._pow2_tile_scales(q, amax)
+            out.rowwise_data = self._quantize_tile_rows(q, x2d, divisor.repeat_interleave(128, dim=0)).reshape(x.shape)
+            return out
+        if q.rowwise_usage:
+            data, out.rowwise_scale_inv = self._hif8_rows(q, x2d)
+            out.rowwise_data = data.reshape(x.shape)
+        if q.columnwise_usage:
+            out.columnwise_data, out.columnwise_scale_inv = self._hif8_rows(q, x2d.t().contiguous())
+        return out
+
+    def _hif8_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(HiF8 codes, stored scale_inv) of the 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
+        rows, k = t.shape
+        amax = torch.linalg.vector_norm(t.reshape(rows, k // 128, 128), float("inf"), dim=-1, dtype=torch.float32)
+        divisor, stored = self._pow2_tile_scales(q, amax)
+        return self._quantize_tile_rows(q, t, divisor), stored
+
+    def _pow2_tile_scales(self, q: Float8BlockQuantizer, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(divisor, stored scale_inv) of power-of-2 tiles from their amaxes, the reference rule
+        (scaling.current_scale_inv with power_2_scale, then mark_nonfinite) in 8 ops instead of 10: scale =
+        target / amax (one IEEE division, at most FLT_MAX) rounded down to a power of 2, divisor 1 / scale;
+        tiles whose amax is 0, NaN or Inf divide by target / target = 1; the stored copy is NaN for NaN/Inf."""
+        target = self._constant(q.target_max, amax.device)
+        finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
+        scale = torch.div(target, torch.where(finite > 0, finite, target)).clamp_(max=FLT_MAX)
+        divisor = torch.bitwise_and(scale.view(torch.int32), 0x7F800000).view(torch.float32).reciprocal_()
+        return divisor, mark_nonfinite(divisor, amax)
+
+    def _quantize_tile_rows(self, q: Float8BlockQuantizer, t: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        """t / divisor per 1x128 tile, cast: one npu_quantize along axis 0 of the (rows * k / 128, 128) view,
+        each tile a row and its divisor (rows, k / 128) that row's scale ("如果x的dtype不是FLOAT32，scales的
+        dtype需要和x的dtype一致": a bfloat16 input takes its powers of two in bfloat16, exactly)."""
+        y = self.npu.npu_quantize(t.reshape(-1, 128), divisor.reshape(-1).to(t.dtype), None,
+                                  self._npu_dtype(q.fp8_dtype), 0, True)
+        return y.view(torch.uint8).reshape(t.shape) if q.fp8_dtype is FP8Dtype.HIF8 else y.reshape(t.shape)
 
     def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor
                           ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -298,19 +386,15 @@ class NpuBackend(ReferenceBackend):
             return y, pairs.reshape(rows, -1)[:, : -(-k // 128)]
         return None, pairs.reshape(rows, -1)[:, : k // 32].reshape(rows, k // 128, 4).amax(dim=-1)
 
-    def _pow2_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, float32 scale_inv) of 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
-        y, codes = self._pow2_block_codes(q, t)
-        scale_inv = e8m0_decode(codes)
-        return (y if y is not None else self._pow2_cast(q, t, scale_inv, 1)), scale_inv
-
     @staticmethod
     def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
         """t / scale_inv per rows x 128 tile, cast to the format: exact (a power-of-2 division), and within the
-        format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles."""
+        format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles. The
+        quotient is written row-major whatever t's layout (a transposed view gives the columnwise codes)."""
         m, k = t.shape
         tiles = t.reshape(m // rows, rows, k // 128, 128)
-        scaled = torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1))
+        scaled = torch.empty(tiles.shape, dtype=t.dtype, device=t.device)
+        torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1), out=scaled)
         return scaled.to(q.fp8_dtype.storage_dtype).reshape(m, k)
 
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
@@ -326,12 +410,11 @@ class NpuBackend(ReferenceBackend):
         if q.rowwise_usage and q.columnwise_usage and self._dual_axis_mx(x2d):
             # Both layouts from one read of x: y2 is quantized along the rows of x, (M, K), its scales
             # (M/64, K, 2) with block pairs interleaved; the storage keeps y2 as the (K, M) transposed view and
-            # the scales also in its (K, M/32) form (one small copy; the GEMM takes the kernel's layout).
+            # the scales in the kernel's layout, which the GEMM takes (their (K, M/32) form is made on demand).
             y1, s1, y2, s2 = self.npu.npu_dynamic_mx_quant_with_dual_axis(x2d, **kwargs)
             m, k = x2d.shape
             out.rowwise_data, out.rowwise_scale_inv = y1.reshape(x.shape), s1.reshape(m, -1)[:, : k // 32]
             out.columnwise_data, out.columnwise_scale_pairs = y2.t(), s2
-            out.columnwise_scale_inv = s2.permute(1, 0, 2).contiguous().view(k, -1)[:, : m // 32]
             return out
         if q.rowwise_usage:
             y, out.rowwise_scale_inv = run(x2d)
@@ -366,6 +449,11 @@ class NpuBackend(ReferenceBackend):
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
         return {name: self.npu.hifloat8 for name in names} if fp8_dtype is FP8Dtype.HIF8 else {}
 
+    def gemm_bias(self, bias: torch.Tensor, weight: Operand) -> torch.Tensor:
+        """float32, the quantized GEMMs' only bias dtype (aclnnQuantMatmulV5's FP8/HiF8/MX tables; the same sum
+        in the reference fallback), except with a blockwise weight, whose GEMM adds the bias afterwards."""
+        return bias if isinstance(weight, Float8BlockwiseQTensorStorage) else bias.float()
+
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -381,7 +469,8 @@ class NpuBackend(ReferenceBackend):
         late_bias = bias is not None and kwargs.get("group_sizes") == [1, 128, 128]
         mm_dtype = torch.float32 if out is not None or late_bias else out_dtype
         result = self.npu.npu_quant_matmul(x1, x2, kwargs.pop("scale"), output_dtype=mm_dtype,
-                                           bias=None if bias is None or late_bias else bias.float(), **kwargs)
+                                           bias=None if bias is None or late_bias else bias.float(),
+                                           **kwargs)
         if late_bias:  # one add into the output dtype: float32 sum, rounded once
             return torch.add(result, bias, out=torch.empty_like(result, dtype=out_dtype))
         return out.add_(result) if out is not None else result
@@ -453,47 +542,47 @@ class NpuBackend(ReferenceBackend):
             x1 = a.columnwise_data if a_col else a.data.reshape(-1, a.shape[-1])
             b2d = b.columnwise_data if b_col else b.data.reshape(-1, b.shape[-1])
             return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
+        if isinstance(a, MXFP8TensorStorage):
+            x1_pair, x2_pair = _mx_pair(a, a_col, as_x2=False), _mx_pair(b, b_col, as_x2=True)
+            if x1_pair is None or x2_pair is None:
+                return None
+            (x1, s1), (b2d, s2) = x1_pair, x2_pair
+            e8m0 = self.npu.float8_e8m0fnu
+            return x1, b2d.t(), dict(scale=s2, pertoken_scale=s1, scale_dtype=e8m0, pertoken_scale_dtype=e8m0,
+                                     group_sizes=[1, 1, 32])
+        if a.block_scaling_dim == b.block_scaling_dim == 1:
+            return self._pow2_tiles_as_mx(a, b, a_col, b_col)
+        if a.block_scaling_dim != 1:
+            return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
         (x1, s1), (b2d, s2) = _tiled_pair(a, a_col), _tiled_pair(b, b_col)
-        if isinstance(a, Float8BlockwiseQTensorStorage):
-            if s1.shape[0] == x1.shape[0] and s2.shape[0] == b2d.shape[0]:
-                return self._pow2_tiles_as_mx(a, b, x1, s1, b2d, s2)
-            if s1.shape[0] != x1.shape[0]:
-                return None  # the kernel wants 1x128 tiles on x1 and 128x128 tiles on x2
-            return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
-        if x1.shape[1] % 64:
-            return None  # E8M0 scales travel in pairs along k
-        e8m0 = self.npu.float8_e8m0fnu
-        # A columnwise form made by the dual-axis kernel is a transposed view with its scales in the kernel's
-        # (M/64, K, 2) layout, which is the layout the GEMM wants for that view (as x1: transposed, as x2 = its
-        # (M, K) self: contiguous).
-        a_pairs = a.columnwise_scale_pairs if a_col else None
-        b_pairs = b.columnwise_scale_pairs if b_col else None
-        return x1, b2d.t(), dict(
-            scale=b_pairs if b_pairs is not None else s2.reshape(s2.shape[0], -1, 2).transpose(0, 1),
-            pertoken_scale=(a_pairs.permute(1, 0, 2) if a_pairs is not None
-                            else s1.reshape(s1.shape[0], -1, 2)),
-            scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
-        )
+        return x1, b2d.t(), dict(scale=s2.t(), pertoken_scale=s1, group_sizes=[1, 128, 128], **hif8)
 
-    def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage,
-                          x1: torch.Tensor, s1: torch.Tensor, b2d: torch.Tensor, s2: torch.Tensor
-                          ) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
+    def _pow2_tiles_as_mx(self, a: Float8BlockwiseQTensorStorage, b: Float8BlockwiseQTensorStorage, a_col: bool,
+                          b_col: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
         """1x128 x 1x128 tiles (the blockwise wgrad), which no blockwise mode takes ([1, 128, 128] wants
         128x128 tiles on x2), in the MX mode when every scale is a power of two: a 128-tile is four 32-blocks
         with the same E8M0 exponent, so the kernel's sum of per-block products is the blockwise product."""
+        x1, b2d = _tiled_data(a, a_col), _tiled_data(b, b_col)
         k = x1.shape[1]
         if not (a.power_2_scale and b.power_2_scale) or a.fp8_dtype is FP8Dtype.HIF8 or k % 64:
             return None
 
-        def e8m0_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
-            # A power-of-2 float32 (2^-127 included, a subnormal) has its E8M0 byte in bits 23..30; NaN -> 0xFF.
-            # Shift, repeat each 128-tile's byte for its four 32-blocks, cast the (sliced) view contiguous.
-            exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
-            return exponents[:, : k // 32].to(torch.uint8).reshape(scale_inv.shape[0], -1, 2)
+        def e8m0_pairs(t: Float8BlockwiseQTensorStorage, columnwise: bool) -> torch.Tensor:
+            # Each 128-tile's E8M0 byte repeated for its four 32-blocks, contiguous, as (rows, k / 64, 2) pairs:
+            # the bytes the quantize kernel made, or those of the float32 scales (a power-of-2 float32, 2^-127
+            # included, a subnormal, has its E8M0 byte in bits 23..30; NaN -> 0xFF), cast from the sliced view.
+            codes = t.columnwise_scale_e8m0 if columnwise else None
+            if codes is not None:
+                pairs = codes.repeat_interleave(4, dim=1)[:, : k // 32].contiguous()
+            else:
+                scale_inv = t.columnwise_scale_inv if columnwise else t.rowwise_scale_inv
+                exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
+                pairs = exponents[:, : k // 32].to(torch.uint8)
+            return pairs.reshape(pairs.shape[0], -1, 2)
 
         e8m0 = self.npu.float8_e8m0fnu
         return x1, b2d.t(), dict(
-            scale=e8m0_pairs(s2).transpose(0, 1), pertoken_scale=e8m0_pairs(s1),
+            scale=e8m0_pairs(b, b_col).transpose(0, 1), pertoken_scale=e8m0_pairs(a, a_col),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )
 

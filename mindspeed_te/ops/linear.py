@@ -36,11 +36,23 @@ class LinearQuantizers:
 
 
 class WeightCache:
-    """Holds a weight's quantized form between micro-batches of one step (TE's `is_first_microbatch`):
-    True quantizes and stores, False reuses, None always quantizes and stores nothing."""
+    """Holds a weight's quantized form, and the bias in the form the backend's GEMM takes, between
+    micro-batches of one step (TE's `is_first_microbatch`): True makes and stores, False reuses, None always
+    makes and stores nothing."""
 
     def __init__(self) -> None:
         self.quantized: Optional[QuantizedTensorStorage] = None
+        self.bias: Optional[torch.Tensor] = None
+
+    def gemm_bias(self, bias: torch.Tensor, weight: QuantizedTensorStorage, is_first_microbatch: Optional[bool],
+                  backend) -> torch.Tensor:
+        """`backend.gemm_bias(bias, weight)`, made now or (is_first_microbatch False) taken from this step's
+        store."""
+        if is_first_microbatch is False and self.bias is not None:
+            return self.bias
+        converted = backend.gemm_bias(bias, weight)
+        self.bias = converted if is_first_microbatch is not None else None
+        return converted
 
     def cached(self, is_first_microbatch: Optional[bool]) -> Optional[QuantizedTensorStorage]:
         """The stored form when this micro-batch reuses it, else None (quantize now and `keep` it)."""
@@ -115,6 +127,9 @@ class _Linear(torch.autograd.Function):
             if observe is not None:
                 observe(weight, "input", x2d, qx)
                 observe(weight, "weight", dequantize_if_quantized(weight), qw)
+            if bias is not None:
+                bias = (args.weight_cache.gemm_bias(bias, qw, args.is_first_microbatch, backend)
+                        if args.weight_cache is not None else backend.gemm_bias(bias, qw))
             out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
             # Keep only what backward reads: the columnwise input (or the real input for a bf16 wgrad).
             if fp8_wgrad:
