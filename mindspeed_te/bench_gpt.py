@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspeed_te.bench import best_time
+
 __all__ = ["bench_gpt", "gpt_step"]
 
 # label -> (Megatron's --fp8 format, --fp8-recipe); None: the bf16 baseline
@@ -78,6 +80,24 @@ def _interleaved_best(steps: dict[str, Callable[[], float]], repeats: int) -> di
     return best
 
 
+def gemm_floor(repeats: int, tokens: int = 512, hidden: int = 256, vocab: int = 1024) -> tuple[float, float]:
+    """(float32, bf16) time of the step's linear GEMMs (each layer's qkv, proj, fc1, fc2 and the output
+    layer; forward, dgrad and wgrad). The emulation computes a quantized GEMM exactly, products of decoded
+    codes summed in float32, so its GEMMs cost the float32 time where the baseline pays the bf16 one."""
+    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)] * 4
+    shapes.append((hidden, vocab))
+    times = []
+    for dtype in (torch.float32, torch.bfloat16):
+        mats = [(torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype),
+                 torch.randn(tokens, n, dtype=dtype)) for k, n in shapes]
+
+        def gemms(mats=mats) -> None:
+            for x, w, dy in mats:
+                torch.mm(x, w), torch.mm(dy, w.t()), torch.mm(x.t(), dy)
+        times.append(best_time(gemms, repeats))
+    return times[0], times[1]
+
+
 def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
     """Per recipe: best FP8 step time / best bf16 step time."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
@@ -106,5 +126,10 @@ def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
         registry.revert()
         FP8GlobalStateManager.reset()
     base = times.pop("bf16")
-    return [(f"GPT step {label} / bf16", t / base, f"{t * 1e3:.0f} ms vs {base * 1e3:.0f} ms (4 layers, hidden 256, "
-             "seq 256, batch 2)") for label, t in times.items()]
+    fp32_gemms, bf16_gemms = gemm_floor(repeats)
+    floor = [("GPT step floor, exact float32 GEMMs / bf16", (base - bf16_gemms + fp32_gemms) / base,
+              f"the bf16 step with its linear GEMMs at float32 cost ({fp32_gemms * 1e3:.0f} ms vs "
+              f"{bf16_gemms * 1e3:.0f} ms in bf16)")]
+    return floor + [(f"GPT step {label} / bf16", t / base,
+                     f"{t * 1e3:.0f} ms vs {base * 1e3:.0f} ms (4 layers, hidden 256, seq 256, batch 2)")
+                    for label, t in times.items()]
