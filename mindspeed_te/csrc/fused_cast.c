@@ -394,20 +394,27 @@ static inline uint32_t abs_bits(const TileJob *j, int64_t i) {
 /* 2^e for -127 <= e <= 127 (2^-127 is a float32 subnormal). */
 static inline float exp2_int(int e) { return e > -127 ? float_of((uint32_t)(e + 127) << 23) : float_of(0x00400000u); }
 
-/* The MX scale exponent of a finite amax > 0 (mindspeed_te.scaling.mx_scale_exponent), from bits instead
- * of frexp. ceil: ceil(log2(amax / fp8_max)) of the float64 quotient (a normal double: its exponent, one
- * more unless the fraction is zero); floor: floor(log2(amax)) - emax. */
-static inline int mx_exponent(const TileJob *j, uint32_t amax_bits) {
-    if (j->mode == MODE_MX_CEIL) {
-        const double q = (double)float_of(amax_bits) / (double)j->fp8_max;
-        uint64_t b;
-        memcpy(&b, &q, 8);
-        const int e = (int)((b >> 52) & 0x7FF) - 1023;
-        return (b & 0xFFFFFFFFFFFFFull) ? e + 1 : e;
+/* floor(log2(x)) of a float32 x > 0 given by its bits, and in *fraction the 23 fraction bits of x / 2^that. */
+static inline int log2_floor_bits(uint32_t bits, uint32_t *fraction) {
+    if (bits >= 0x00800000u) {
+        *fraction = bits & 0x7FFFFFu;
+        return (int)(bits >> 23) - 127;
     }
-    const int log2_floor = amax_bits >= 0x00800000u ? (int)(amax_bits >> 23) - 127
-                                                    : (31 - __builtin_clz(amax_bits)) - 149;
-    return log2_floor - j->emax;
+    const int top = 31 - __builtin_clz(bits); /* a subnormal: its leading one becomes the implicit bit */
+    *fraction = (bits << (23 - top)) & 0x7FFFFFu;
+    return top - 149;
+}
+
+/* The MX scale exponent of a finite amax > 0 (mindspeed_te.scaling.mx_scale_exponent), from bits instead
+ * of frexp. floor: floor(log2(amax)) - emax. ceil: ceil(log2(amax / fp8_max)); with amax = a 2^ea and
+ * fp8_max = f 2^ef (a, f in [1, 2)), a / f lies in (1/2, 2), so that is ea - ef, one more when a > f. The
+ * reference's float64 quotient gives the same: a / f of two 24-bit significands is 1 or at least 2^-25
+ * away from 1, 1/2 and 2, far beyond a float64 rounding. */
+static inline int mx_exponent(const TileJob *j, uint32_t amax_bits) {
+    uint32_t fa, ff;
+    const int ea = log2_floor_bits(amax_bits, &fa);
+    if (j->mode == MODE_MX_CEIL) return ea - log2_floor_bits(bits_of(j->fp8_max), &ff) + (fa > ff);
+    return ea - j->emax;
 }
 
 /* The block's cast factor from its amax bits (|x| as float32 bits, above 0x7F800000 for NaN): 2^-e to
