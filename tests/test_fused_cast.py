@@ -281,6 +281,24 @@ def test_mx_scale_exponents_at_binade_edges(monkeypatch, fmt):
         monkeypatch.setattr(fused_cast, "enabled", True)
 
 
+@pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
+def test_mx_scale_exponents_of_random_amaxes(monkeypatch, fmt):
+    """Block amaxes drawn uniformly from the positive finite float32 bit patterns (subnormals included):
+    the kernel's exponents, scales and codes equal the torch path's in both layouts, both rules."""
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    g = torch.Generator().manual_seed(7)
+    amaxes = torch.randint(1, 0x7F800000, (4096,), generator=g, dtype=torch.int32).view(torch.float32)
+    signs = torch.where(torch.rand(4096, 31, generator=g) < 0.5, -1.0, 1.0)
+    x = torch.cat([amaxes[:, None], amaxes[:, None] * torch.rand(4096, 31, generator=g) * signs], dim=1)
+    for rounding in ("ceil", "floor"):
+        q = MXFP8Quantizer(fmt, rounding=rounding, rowwise=True, columnwise=True)
+        fused = q(x)
+        monkeypatch.setattr(fused_cast, "enabled", False)
+        _fields_equal(fused, q(x))
+        monkeypatch.setattr(fused_cast, "enabled", True)
+
+
 @pytest.mark.parametrize("fmt", list(FP8Dtype))
 @pytest.mark.parametrize("shape,rows,cols", [((130, 300), 1, 128), ((130, 300), 128, 128), ((64, 96), 1, 32),
                                              ((600, 512), 1, 128)])

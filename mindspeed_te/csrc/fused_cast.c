@@ -15,6 +15,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { IN_F32 = 0, IN_BF16 = 1 };
@@ -344,19 +345,20 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
 
 /* ---- Block scaling (1xB / 128x128 tiles) and MX (1x32 blocks, E8M0 scales) ---------------------------
  * One call quantizes the rowwise layout (blocks along the last dim) and, when asked, the columnwise one
- * (blocks of the 2-D transpose, i.e. along the first dim). The input is walked in strips of one block of rows,
- * each strip in chunks of at most CHUNK columns (at most 128 KiB, so it stays in L2): both layouts are made
- * from a chunk while it is in cache, so main memory is read once. Amax and E4M3/E5M2 casts run 8 lanes wide
+ * (blocks of the 2-D transpose, i.e. along the first dim). The input is walked in strips of rows, each strip
+ * in chunks of columns that fit in L2 (tile_range): both layouts are made from a chunk while it is in cache,
+ * so main memory is read once. Amax and E4M3/E5M2 casts run 8 lanes wide
  * with AVX2 when the CPU has it (scalar loops otherwise, and for HiF8's table encode). The block scale rules
  * are those of mindspeed_te.scaling (current_scale_inv for blockwise, mx_scale_exponent for MX);
  * power-of-two scales are applied as a multiplication by 2^-e, which rounds exactly as the division by 2^e
  * does. */
 enum { MODE_BLOCK = 0, MODE_MX_CEIL = 1, MODE_MX_FLOOR = 2 };
-#define CHUNK 256 /* columns per pass of the columnwise loops */
+#define CHUNK 128 /* columns per pass of the columnwise loops (their code tile: STRIP_ROWS x CHUNK bytes) */
 #define MAX_BLOCK 128
 #define MAX_CHUNK 4096 /* columns per chunk at most */
 #define STRIP_BLOCKS 16 /* blocks of rows per strip at most */
-#define STRIP_ROWS 128
+#define STRIP_ROWS 256
+#define TILE_BYTES (1 << 20) /* input bytes per chunk: half of a core's L2 on current x86 */
 
 typedef struct {
     const void *in;
@@ -371,7 +373,10 @@ typedef struct {
     uint8_t *row_data, *col_data;
     void *row_scale, *col_scale; /* float32 (blockwise) or uint8 E8M0 codes (MX) */
     int64_t strip_begin, strip_end;
+    int64_t ld, r_org, c_org; /* input (r, c) is in[(r - r_org) * ld + c - c_org]: the tensor or a tile's copy */
 } TileJob;
+
+static inline int64_t at(const TileJob *j, int64_t r, int64_t c) { return (r - j->r_org) * j->ld + c - j->c_org; }
 
 static inline float load_elem(const TileJob *j, int64_t i) {
     return j->in_dtype == IN_F32 ? ((const float *)j->in)[i] : float_of((uint32_t)((const uint16_t *)j->in)[i] << 16);
@@ -389,20 +394,27 @@ static inline uint32_t abs_bits(const TileJob *j, int64_t i) {
 /* 2^e for -127 <= e <= 127 (2^-127 is a float32 subnormal). */
 static inline float exp2_int(int e) { return e > -127 ? float_of((uint32_t)(e + 127) << 23) : float_of(0x00400000u); }
 
-/* The MX scale exponent of a finite amax > 0 (mindspeed_te.scaling.mx_scale_exponent), from bits instead
- * of frexp. ceil: ceil(log2(amax / fp8_max)) of the float64 quotient (a normal double: its exponent, one
- * more unless the fraction is zero); floor: floor(log2(amax)) - emax. */
-static inline int mx_exponent(const TileJob *j, uint32_t amax_bits) {
-    if (j->mode == MODE_MX_CEIL) {
-        const double q = (double)float_of(amax_bits) / (double)j->fp8_max;
-        uint64_t b;
-        memcpy(&b, &q, 8);
-        const int e = (int)((b >> 52) & 0x7FF) - 1023;
-        return (b & 0xFFFFFFFFFFFFFull) ? e + 1 : e;
+/* floor(log2(x)) of a float32 x > 0 given by its bits, and in *fraction the 23 fraction bits of x / 2^that. */
+static inline int log2_floor_bits(uint32_t bits, uint32_t *fraction) {
+    if (bits >= 0x00800000u) {
+        *fraction = bits & 0x7FFFFFu;
+        return (int)(bits >> 23) - 127;
     }
-    const int log2_floor = amax_bits >= 0x00800000u ? (int)(amax_bits >> 23) - 127
-                                                    : (31 - __builtin_clz(amax_bits)) - 149;
-    return log2_floor - j->emax;
+    const int top = 31 - __builtin_clz(bits); /* a subnormal: its leading one becomes the implicit bit */
+    *fraction = (bits << (23 - top)) & 0x7FFFFFu;
+    return top - 149;
+}
+
+/* The MX scale exponent of a finite amax > 0 (mindspeed_te.scaling.mx_scale_exponent), from bits instead
+ * of frexp. floor: floor(log2(amax)) - emax. ceil: ceil(log2(amax / fp8_max)); with amax = a 2^ea and
+ * fp8_max = f 2^ef (a, f in [1, 2)), a / f lies in (1/2, 2), so that is ea - ef, one more when a > f. The
+ * reference's float64 quotient gives the same: a / f of two 24-bit significands is 1 or at least 2^-25
+ * away from 1, 1/2 and 2, far beyond a float64 rounding. */
+static inline int mx_exponent(const TileJob *j, uint32_t amax_bits) {
+    uint32_t fa, ff;
+    const int ea = log2_floor_bits(amax_bits, &fa);
+    if (j->mode == MODE_MX_CEIL) return ea - log2_floor_bits(bits_of(j->fp8_max), &ff) + (fa > ff);
+    return ea - j->emax;
 }
 
 /* The block's cast factor from its amax bits (|x| as float32 bits, above 0x7F800000 for NaN): 2^-e to
@@ -421,37 +433,37 @@ static inline float block_scale(const TileJob *j, uint32_t amax_bits, void *scal
     return exp2_int(-e);
 }
 
-/* Scalar forms of the four loops (and the tails of the AVX2 ones). */
+/* Scalar forms of the loops (and the tails of the AVX2 ones). */
 static uint32_t span_amax_scalar(const TileJob *j, int64_t i, int64_t n) {
     uint32_t m = 0;
     for (int64_t t = i; t < i + n; ++t) { const uint32_t a = abs_bits(j, t); m = a > m ? a : m; }
     return m;
 }
 
-static void span_cast_scalar(const TileJob *j, int64_t i, int64_t n, float f, uint8_t *restrict out) {
+/* Codes of elements [i, i + n) into out, element t scaled by f[t * fstep]: fstep 0 for one factor (a rowwise
+ * block), 1 for a factor per column (the columnwise blocks crossing a row). */
+static void span_cast_scalar(const TileJob *j, int64_t i, int64_t n, const float *f, int fstep,
+                             uint8_t *restrict out) {
     for (int64_t t = 0; t < n; ++t) {
-        const float x = load_elem(j, i + t);
-        out[t] = encode(j, j->use_mul ? x * f : x / f);
+        const float x = load_elem(j, i + t), ft = f[t * fstep];
+        out[t] = encode(j, j->use_mul ? x * ft : x / ft);
     }
 }
 
-/* max |x| down columns [c0, c0 + w) of rows [r0, r1) into m[0, w). */
+/* max |x| down columns [c0, c0 + w) of rows [r0, r1) into m[0, w), row by row so that reads are contiguous. */
 static void col_amax_scalar(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t w, uint32_t *m) {
     for (int64_t c = 0; c < w; ++c) m[c] = 0;
     for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < w; ++c) { const uint32_t a = abs_bits(j, r * j->k + c0 + c); m[c] = a > m[c] ? a : m[c]; }
+        for (int64_t c = 0; c < w; ++c) { const uint32_t a = abs_bits(j, at(j, r, c0 + c)); m[c] = a > m[c] ? a : m[c]; }
 }
 
-/* Columnwise codes of rows [r0, r1) x columns [c0, c0 + w) into the (K, M) output; f[b * fstride + c]: the
- * factor of column c in the strip's b-th block of rows. */
-static void col_cast_scalar(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t w, const float *f,
-                            int64_t fstride) {
-    for (int64_t c = 0; c < w; ++c) {
-        uint8_t *restrict out = j->col_data + (c0 + c) * j->m;
-        for (int64_t r = r0; r < r1; ++r) {
-            const float x = load_elem(j, r * j->k + c0 + c), fc = f[((r - r0) / j->block) * fstride + c];
-            out[r] = encode(j, j->use_mul ? x * fc : x / fc);
-        }
+/* Rows [r0, r1) x columns [c0, c1) of a tile of codes (buf, w bytes a row) into the columnwise output, where
+ * the tile's row r and column c (input row t0 + r, column s0 + c) land at output row s0 + c, column t0 + r. */
+static void transpose_scalar(const TileJob *j, const uint8_t *buf, int64_t w, int64_t r0, int64_t r1, int64_t c0,
+                             int64_t c1, int64_t t0, int64_t s0) {
+    for (int64_t c = c0; c < c1; ++c) {
+        uint8_t *restrict out = j->col_data + (s0 + c) * j->m + t0;
+        for (int64_t r = r0; r < r1; ++r) out[r] = buf[r * w + c];
     }
 }
 
@@ -479,99 +491,98 @@ __attribute__((target("avx2"))) static inline void store8_avx2(uint8_t *out, __m
     _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(w, w));
 }
 
+/* The largest of 8 non-negative int32 lanes (|x| bits: the signed max orders them). */
+__attribute__((target("avx2"))) static inline uint32_t hmax_avx2(__m256i m) {
+    __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    return (uint32_t)_mm_cvtsi128_si32(h);
+}
+
 __attribute__((target("avx2"))) static uint32_t span_amax_avx2(const TileJob *j, int64_t i, int64_t n) {
     __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) { /* |x| bits are non-negative int32: the signed max orders them */
+    for (; t + 16 <= n; t += 16) {
         m0 = _mm256_max_epi32(m0, abs8_avx2(j, i + t));
         m1 = _mm256_max_epi32(m1, abs8_avx2(j, i + t + 8));
     }
     for (; t + 8 <= n; t += 8) m0 = _mm256_max_epi32(m0, abs8_avx2(j, i + t));
-    m0 = _mm256_max_epi32(m0, m1);
-    __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m0), _mm256_extracti128_si256(m0, 1));
-    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
-    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
-    const uint32_t m = (uint32_t)_mm_cvtsi128_si32(h), rest = t < n ? span_amax_scalar(j, i + t, n - t) : 0;
+    const uint32_t m = hmax_avx2(_mm256_max_epi32(m0, m1)), rest = t < n ? span_amax_scalar(j, i + t, n - t) : 0;
     return m > rest ? m : rest;
 }
 
-__attribute__((target("avx2"))) static void span_cast_avx2(const TileJob *j, int64_t i, int64_t n, float f,
-                                                           uint8_t *out) {
-    const __m256 fv = _mm256_set1_ps(f);
+__attribute__((target("avx2"))) static inline __m256 factors8_avx2(const float *f, int fstep, int64_t t) {
+    return fstep ? _mm256_loadu_ps(f + t) : _mm256_set1_ps(f[0]);
+}
+
+__attribute__((target("avx2"))) static void span_cast_avx2(const TileJob *j, int64_t i, int64_t n, const float *f,
+                                                           int fstep, uint8_t *out) {
     int64_t t = 0;
     for (; t + 32 <= n; t += 32)
-        store32_avx2(out + t, codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t), fv),
-                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 8), fv),
-                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 16), fv),
-                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 24), fv));
-    for (; t + 8 <= n; t += 8) store8_avx2(out + t, codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t), fv));
-    if (t < n) span_cast_scalar(j, i + t, n - t, f, out + t);
+        store32_avx2(out + t, codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t), factors8_avx2(f, fstep, t)),
+                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 8), factors8_avx2(f, fstep, t + 8)),
+                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 16), factors8_avx2(f, fstep, t + 16)),
+                     codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t + 24), factors8_avx2(f, fstep, t + 24)));
+    for (; t + 8 <= n; t += 8)
+        store8_avx2(out + t, codes8_avx2(j, load8_avx2(j->in, j->in_dtype, i + t), factors8_avx2(f, fstep, t)));
+    if (t < n) span_cast_scalar(j, i + t, n - t, f + t * fstep, fstep, out + t);
 }
 
-/* Column maxima 32 columns at a time (four accumulators) down the rows, then 8, then the scalar tail. */
+/* A rowwise block of n <= MAX_BLOCK elements read once: its vectors stay in registers from the amax to the
+ * cast. The scale goes to scale[slot]. */
+__attribute__((target("avx2"))) static void span_quantize_avx2(const TileJob *j, int64_t i, int64_t n, void *scale,
+                                                               int64_t slot, uint8_t *out) {
+    __m256 v[MAX_BLOCK / 8];
+    const int64_t n8 = n / 8, rest = n - 8 * n8;
+    __m256i m = _mm256_setzero_si256();
+    for (int64_t t = 0; t < n8; ++t) {
+        v[t] = load8_avx2(j->in, j->in_dtype, i + 8 * t);
+        m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(v[t]), _mm256_set1_epi32(0x7FFFFFFF)));
+    }
+    const uint32_t head = hmax_avx2(m), tail = rest ? span_amax_scalar(j, i + 8 * n8, rest) : 0;
+    const float f = block_scale(j, head > tail ? head : tail, scale, slot);
+    const __m256 fv = _mm256_set1_ps(f);
+    int64_t t = 0;
+    for (; t + 4 <= n8; t += 4)
+        store32_avx2(out + 8 * t, codes8_avx2(j, v[t], fv), codes8_avx2(j, v[t + 1], fv), codes8_avx2(j, v[t + 2], fv),
+                     codes8_avx2(j, v[t + 3], fv));
+    for (; t < n8; ++t) store8_avx2(out + 8 * t, codes8_avx2(j, v[t], fv));
+    if (rest) span_cast_scalar(j, i + 8 * n8, rest, &f, 0, out + 8 * n8);
+}
+
+/* col_amax 8 columns a vector, the running maxima in m (L1) while the rows stream by. */
 __attribute__((target("avx2"))) static void col_amax_avx2(const TileJob *j, int64_t r0, int64_t r1, int64_t c0,
                                                           int64_t w, uint32_t *m) {
-    const int64_t k = j->k;
-    int64_t c = 0;
-    for (; c + 32 <= w; c += 32) {
-        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t i = r * k + c0 + c;
-            a0 = _mm256_max_epi32(a0, abs8_avx2(j, i));
-            a1 = _mm256_max_epi32(a1, abs8_avx2(j, i + 8));
-            a2 = _mm256_max_epi32(a2, abs8_avx2(j, i + 16));
-            a3 = _mm256_max_epi32(a3, abs8_avx2(j, i + 24));
+    const int64_t w8 = w & ~(int64_t)7;
+    for (int64_t c = 0; c < w8; c += 8) _mm256_storeu_si256((__m256i *)(m + c), _mm256_setzero_si256());
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < w8; c += 8) {
+            __m256i *acc = (__m256i *)(m + c);
+            _mm256_storeu_si256(acc, _mm256_max_epi32(_mm256_loadu_si256(acc), abs8_avx2(j, at(j, r, c0 + c))));
         }
-        _mm256_storeu_si256((__m256i *)(m + c), a0);
-        _mm256_storeu_si256((__m256i *)(m + c + 8), a1);
-        _mm256_storeu_si256((__m256i *)(m + c + 16), a2);
-        _mm256_storeu_si256((__m256i *)(m + c + 24), a3);
-    }
-    for (; c + 8 <= w; c += 8) {
-        __m256i a = _mm256_setzero_si256();
-        for (int64_t r = r0; r < r1; ++r) a = _mm256_max_epi32(a, abs8_avx2(j, r * k + c0 + c));
-        _mm256_storeu_si256((__m256i *)(m + c), a);
-    }
-    if (c < w) col_amax_scalar(j, r0, r1, c0 + c, w - c, m + c);
+    if (w8 < w) col_amax_scalar(j, r0, r1, c0 + w8, w - w8, m + w8);
 }
 
-/* Columnwise codes straight into the (K, M) output: 8 rows x 8 columns at a time are loaded, transposed
- * in registers (so a vector holds 8 rows of one column), scaled by that column's factor, cast and stored
- * as 8 bytes of the column's output row. f[b * fstride + c]: the factor of column c in the strip's b-th
- * block of rows. Rows and columns beyond whole 8x8 squares go through the scalar loop. */
-__attribute__((target("avx2"))) static void col_cast_avx2(const TileJob *j, int64_t r0, int64_t r1, int64_t c0,
-                                                          int64_t w, const float *f, int64_t fstride) {
-    const int64_t k = j->k, m_all = j->m, h8 = (r1 - r0) & ~(int64_t)7, w8 = w & ~(int64_t)7;
-    for (int64_t c = 0; c < w8; c += 8) /* down the strip, so each column's output bytes are written in order */
-        for (int64_t r = 0; r < h8; r += 8) {
-            const float *fr = f + (r / j->block) * fstride;
-            const int64_t i = (r0 + r) * k + c0 + c;
-            __m256 v[8], t[8];
-            for (int q = 0; q < 8; ++q) v[q] = load8_avx2(j->in, j->in_dtype, i + q * k);
-            for (int q = 0; q < 8; q += 2) {
-                t[q] = _mm256_unpacklo_ps(v[q], v[q + 1]);
-                t[q + 1] = _mm256_unpackhi_ps(v[q], v[q + 1]);
+/* transpose_tile 16 x 16 bytes at a time (SSE2, in every x86-64). Interleaving the bytes of registers q and
+ * q + 8 into registers 2q, 2q + 1 rotates the 8-bit (register, byte) index of each byte left by one; after
+ * four rounds register c holds column c, so a square's rows become its columns. */
+static void transpose_sse2(const TileJob *j, const uint8_t *buf, int64_t h, int64_t w, int64_t t0, int64_t s0) {
+    const int64_t h16 = h & ~(int64_t)15, w16 = w & ~(int64_t)15;
+    for (int64_t c = 0; c < w16; c += 16)
+        for (int64_t r = 0; r < h16; r += 16) {
+            __m128i a[16], b[16];
+            for (int q = 0; q < 16; ++q) a[q] = _mm_loadu_si128((const __m128i *)(buf + (r + q) * w + c));
+            for (int round = 0; round < 4; ++round) {
+                for (int q = 0; q < 8; ++q) {
+                    b[2 * q] = _mm_unpacklo_epi8(a[q], a[q + 8]);
+                    b[2 * q + 1] = _mm_unpackhi_epi8(a[q], a[q + 8]);
+                }
+                memcpy(a, b, sizeof a);
             }
-            for (int q = 0; q < 8; q += 4) {
-                v[q] = _mm256_shuffle_ps(t[q], t[q + 2], _MM_SHUFFLE(1, 0, 1, 0));
-                v[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], _MM_SHUFFLE(3, 2, 3, 2));
-                v[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], _MM_SHUFFLE(1, 0, 1, 0));
-                v[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], _MM_SHUFFLE(3, 2, 3, 2));
-            }
-            for (int q = 0; q < 4; ++q) {
-                t[q] = _mm256_permute2f128_ps(v[q], v[q + 4], 0x20);
-                t[q + 4] = _mm256_permute2f128_ps(v[q], v[q + 4], 0x31);
-            }
-            /* t[q] now holds rows r..r+7 of column c + q */
-            for (int q = 0; q < 8; ++q)
-                store8_avx2(j->col_data + (c0 + c + q) * m_all + r0 + r,
-                            codes8_avx2(j, t[q], _mm256_set1_ps(fr[c + q])));
+            for (int q = 0; q < 16; ++q) _mm_storeu_si128((__m128i *)(j->col_data + (s0 + c + q) * j->m + t0 + r), a[q]);
         }
-    for (int64_t r = 0; r < r1 - r0; ++r)
-        for (int64_t c = r < h8 ? w8 : 0; c < w; ++c) {
-            const float x = load_elem(j, (r0 + r) * k + c0 + c), fc = f[(r / j->block) * fstride + c];
-            j->col_data[(c0 + c) * m_all + r0 + r] = encode(j, j->use_mul ? x * fc : x / fc);
-        }
+    transpose_scalar(j, buf, w, h16, h, 0, w16, t0, s0);
+    transpose_scalar(j, buf, w, 0, h, w16, w, t0, s0);
 }
 #endif
 
@@ -582,30 +593,70 @@ static inline uint32_t span_amax(const TileJob *j, int64_t i, int64_t n) {
     return span_amax_scalar(j, i, n);
 }
 
-static inline void span_cast(const TileJob *j, int64_t i, int64_t n, float f, uint8_t *out) {
+static inline void span_cast(const TileJob *j, int64_t i, int64_t n, const float *f, int fstep, uint8_t *out) {
 #if defined(__x86_64__)
-    if (j->avx2_cast) { span_cast_avx2(j, i, n, f, out); return; }
+    if (j->avx2_cast) { span_cast_avx2(j, i, n, f, fstep, out); return; }
 #endif
-    span_cast_scalar(j, i, n, f, out);
+    span_cast_scalar(j, i, n, f, fstep, out);
 }
 
-/* Rowwise blocks of rows [r0, r1) x columns [c0, c1) (c0 and the chunk width whole blocks), row by row. */
-static void chunk_rowwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+/* One rowwise 1xB block: amax, scale (stored at scale[slot]), codes. */
+static inline void span_quantize(const TileJob *j, int64_t i, int64_t n, void *scale, int64_t slot, uint8_t *out) {
+#if defined(__x86_64__)
+    if (j->avx2_cast) { span_quantize_avx2(j, i, n, scale, slot, out); return; }
+#endif
+    const float f = block_scale(j, span_amax(j, i, n), scale, slot);
+    span_cast(j, i, n, &f, 0, out);
+}
+
+static inline void col_amax(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t w, uint32_t *m) {
+#if defined(__x86_64__)
+    if (j->avx2) { col_amax_avx2(j, r0, r1, c0, w, m); return; }
+#endif
+    col_amax_scalar(j, r0, r1, c0, w, m);
+}
+
+/* A tile of h x w codes (buf, row-major; input rows t0.., columns s0..) into the columnwise output. */
+static inline void transpose_tile(const TileJob *j, const uint8_t *buf, int64_t h, int64_t w, int64_t t0, int64_t s0) {
+#if defined(__x86_64__)
+    transpose_sse2(j, buf, h, w, t0, s0);
+#else
+    transpose_scalar(j, buf, w, 0, h, 0, w, t0, s0);
+#endif
+}
+
+/* Asks for elements [i, i + n) in cache ahead of use: the strips are read in row segments too short for the
+ * hardware prefetcher to ramp up. */
+static inline void prefetch_span(const TileJob *j, int64_t i, int64_t n) {
+    const int64_t elem = j->in_dtype == IN_F32 ? 4 : 2;
+    const char *p = (const char *)j->in + i * elem;
+    for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(p + b);
+}
+
+/* Copies rows [r0, r1) x columns [c0, c1) of the input to `tile` (row-major, c1 - c0 elements a row), with
+ * the rowwise 1xB blocks quantized on the way when asked (quantize): the input is then read once. */
+static void copy_chunk(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1, char *tile, int quantize) {
+    const int64_t k = j->k, bl = j->block, nb = (k + bl - 1) / bl, elem = j->in_dtype == IN_F32 ? 4 : 2;
+    const int64_t step = quantize ? bl : c1 - c0;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b0 = c0; b0 < c1; b0 += step) {
+            const int64_t n = b0 + step < c1 ? step : c1 - b0;
+            if (r + 1 < r1) prefetch_span(j, at(j, r + 1, b0), n);
+            if (quantize) span_quantize(j, at(j, r, b0), n, j->row_scale, r * nb + b0 / bl, j->row_data + r * k + b0);
+            if (tile)
+                memcpy(tile + ((r - r0) * (c1 - c0) + b0 - c0) * elem, (const char *)j->in + at(j, r, b0) * elem,
+                       (size_t)(n * elem));
+        }
+}
+
+/* Rowwise tiles of tile_rows > 1 rows: rows [r0, r1) (one tile) x columns [c0, c1) (whole blocks). */
+static void chunk_tiles(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     const int64_t k = j->k, bl = j->block, nb = (k + bl - 1) / bl;
-    if (j->tile_rows == 1) {
-        for (int64_t r = r0; r < r1; ++r)
-            for (int64_t b0 = c0; b0 < c1; b0 += bl) {
-                const int64_t n = b0 + bl < c1 ? bl : c1 - b0;
-                const float f = block_scale(j, span_amax(j, r * k + b0, n), j->row_scale, r * nb + b0 / bl);
-                span_cast(j, r * k + b0, n, f, j->row_data + r * k + b0);
-            }
-        return;
-    }
     uint32_t amax[MAX_CHUNK]; /* one tile of all the rows per block of columns */
     for (int64_t b = 0; b < (c1 - c0 + bl - 1) / bl; ++b) amax[b] = 0;
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t b0 = c0; b0 < c1; b0 += bl) {
-            const uint32_t a = span_amax(j, r * k + b0, b0 + bl < c1 ? bl : c1 - b0);
+            const uint32_t a = span_amax(j, at(j, r, b0), b0 + bl < c1 ? bl : c1 - b0);
             uint32_t *m = &amax[(b0 - c0) / bl];
             *m = a > *m ? a : *m;
         }
@@ -614,58 +665,65 @@ static void chunk_rowwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, 
         f[(b0 - c0) / bl] = block_scale(j, amax[(b0 - c0) / bl], j->row_scale, (r0 / j->tile_rows) * nb + b0 / bl);
     for (int64_t r = r0; r < r1; ++r)
         for (int64_t b0 = c0; b0 < c1; b0 += bl)
-            span_cast(j, r * k + b0, b0 + bl < c1 ? bl : c1 - b0, f[(b0 - c0) / bl], j->row_data + r * k + b0);
+            span_cast(j, at(j, r, b0), b0 + bl < c1 ? bl : c1 - b0, &f[(b0 - c0) / bl], 0, j->row_data + r * k + b0);
 }
 
-/* Columnwise: each block of rows in [r0, r1) is one block of every column in [c0, c1); output (K, M) rows. */
+/* Columnwise: each block of rows in [r0, r1) is one block of every column in [c0, c1); output (K, M) rows.
+ * CHUNK columns at a time, everything along the input's rows (contiguous reads): the column maxima, then the
+ * codes, gathered row-major in buf and transposed into the output, so that each output row (an input
+ * column) is written as one run of the strip's length. */
 static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
     const int64_t m_all = j->m, bl = j->block, nb = (m_all + bl - 1) / bl;
     uint32_t amax[CHUNK];
-    float f[STRIP_BLOCKS * CHUNK];
+    float f[CHUNK];
+    uint8_t buf[STRIP_ROWS * CHUNK];
     for (int64_t s0 = c0; s0 < c1; s0 += CHUNK) {
         const int64_t w = s0 + CHUNK < c1 ? CHUNK : c1 - s0;
-        int64_t b = 0;
-        for (int64_t b0 = r0; b0 < r1; b0 += bl, ++b) {
+        for (int64_t b0 = r0; b0 < r1; b0 += bl) {
             const int64_t b1 = b0 + bl < r1 ? b0 + bl : r1;
-#if defined(__x86_64__)
-            if (j->avx2) col_amax_avx2(j, b0, b1, s0, w, amax);
-            else
-#endif
-                col_amax_scalar(j, b0, b1, s0, w, amax);
-            for (int64_t c = 0; c < w; ++c)
-                f[b * CHUNK + c] = block_scale(j, amax[c], j->col_scale, (s0 + c) * nb + b0 / bl);
+            col_amax(j, b0, b1, s0, w, amax);
+            for (int64_t c = 0; c < w; ++c) f[c] = block_scale(j, amax[c], j->col_scale, (s0 + c) * nb + b0 / bl);
+            for (int64_t r = b0; r < b1; ++r) span_cast(j, at(j, r, s0), w, f, 1, buf + (r - r0) * w);
         }
-#if defined(__x86_64__)
-        if (j->avx2_cast && bl % 8 == 0) { col_cast_avx2(j, r0, r1, s0, w, f, CHUNK); continue; }
-#endif
-        col_cast_scalar(j, r0, r1, s0, w, f, CHUNK);
+        transpose_tile(j, buf, r1 - r0, w, r0, s0);
     }
 }
 
-/* Rows per strip: one tile, or up to 512 rows of 1xB blocks (at most STRIP_BLOCKS blocks), so that the
- * columnwise output, one page per column for 4096 tokens, is written in runs of up to 512 bytes. */
+/* Rows per strip: one tile, or up to STRIP_ROWS rows of 1xB blocks (at most STRIP_BLOCKS blocks), so that the
+ * columnwise output, one page per column for 4096 tokens, is written in runs of STRIP_ROWS bytes. */
 static int64_t strip_rows(int tile_rows, int block) {
     if (tile_rows > 1) return tile_rows;
     const int64_t blocks = STRIP_ROWS / block < STRIP_BLOCKS ? STRIP_ROWS / block : STRIP_BLOCKS;
     return blocks * block;
 }
 
-/* A strip of rows in chunks of columns sized
- * to stay in L2 (about 512 KiB) and long enough per row for the hardware prefetcher. */
+/* A strip of rows in chunks of columns (TILE_BYTES of input at most). The tensor is read once: the rowwise
+ * 1xB blocks are quantized as they are read, and for the columnwise layout the chunk is copied to `tile` on
+ * the way, from where the columnwise loops read it again in cache (in the tensor its rows are often a power
+ * of two apart, which maps them onto a few cache sets, so they would be evicted before that second read).
+ * Without the copy (no memory for it) the columnwise loops read the tensor: same codes, slower. */
 static void tile_range(TileJob *j) {
     const int64_t bl = j->block, strip = strip_rows(j->tile_rows, j->block);
     const int64_t elem = j->in_dtype == IN_F32 ? 4 : 2;
-    int64_t chunk = (512 << 10) / (strip * elem);
+    int64_t chunk = TILE_BYTES / (strip * elem);
     chunk = (chunk < MAX_CHUNK ? chunk : MAX_CHUNK) / bl * bl;
     chunk = chunk < bl ? bl : chunk;
+    const int64_t tile_elems = (strip < j->m ? strip : j->m) * (chunk < j->k ? chunk : j->k);
+    char *tile = j->col_data ? malloc((size_t)(tile_elems * elem)) : NULL;
+    const int blocks_1xb = j->row_data && j->tile_rows == 1;
     for (int64_t s = j->strip_begin; s < j->strip_end; ++s) {
         const int64_t r0 = s * strip, r1 = r0 + strip < j->m ? r0 + strip : j->m;
         for (int64_t c0 = 0; c0 < j->k; c0 += chunk) {
             const int64_t c1 = c0 + chunk < j->k ? c0 + chunk : j->k;
-            if (j->row_data) chunk_rowwise(j, r0, r1, c0, c1);
-            if (j->col_data) chunk_columnwise(j, r0, r1, c0, c1);
+            if (blocks_1xb || tile) copy_chunk(j, r0, r1, c0, c1, tile, blocks_1xb);
+            if (j->row_data && !blocks_1xb) chunk_tiles(j, r0, r1, c0, c1);
+            if (!j->col_data) continue;
+            TileJob t = *j;
+            if (tile) t.in = tile, t.ld = c1 - c0, t.r_org = r0, t.c_org = c0;
+            chunk_columnwise(&t, r0, r1, c0, c1);
         }
     }
+    free(tile);
 }
 
 static void *run_tile(void *arg) { tile_range((TileJob *)arg); return NULL; }
@@ -697,6 +755,7 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     proto.row_scale = (void *)row_scale;
     proto.col_data = (uint8_t *)col_data;
     proto.col_scale = (void *)col_scale;
+    proto.ld = k;
     proto.use_mul = proto.mode != MODE_BLOCK || proto.pow2;
 #if defined(__x86_64__)
     proto.avx2 = has_avx2();
