@@ -30,6 +30,17 @@ _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_FORMATS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2), "hif8": (2, torch.uint8)}
 
 
+# Below this many elements a kernel runs on the calling thread only. A thread started by the extension
+# competes for a core with torch's OpenMP workers, which keep spinning for a while after each torch op; for
+# the tensors of a layer's GEMM that costs more than the split gains (after a torch.mm on 2 cores, decoding
+# 2^20 codes took 0.5 ms on one thread and 1 ms on two; the two break even near 2^23).
+SPLIT_MIN_ELEMENTS = 1 << 22
+
+
+def _threads(numel: int) -> int:
+    return torch.get_num_threads() if numel >= SPLIT_MIN_ELEMENTS else 1
+
+
 def available() -> bool:
     """Whether the extension is built and switched on."""
     return enabled and _ext is not None
@@ -44,7 +55,7 @@ def amax(x: torch.Tensor) -> Optional[torch.Tensor]:
     if not _applies(x):
         return None
     out = torch.empty((), dtype=torch.float32)
-    _ext.amax(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), out.data_ptr(), torch.get_num_threads())
+    _ext.amax(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), out.data_ptr(), _threads(x.numel()))
     return out
 
 
@@ -59,7 +70,7 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str,
     out = torch.empty_like(x, dtype=storage)
     table = hif8_table.data_ptr() if hif8_table is not None else 0
     _ext.scaled_cast(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), scale_inv.data_ptr(), out.data_ptr(),
-                     code, table, torch.get_num_threads())
+                     code, table, _threads(x.numel()))
     return out
 
 
@@ -69,7 +80,7 @@ def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
     if not (available() and codes.is_cpu and codes.element_size() == 1 and codes.is_contiguous()):
         return None
     out = torch.empty_like(codes, dtype=torch.float32)
-    _ext.decode(codes.data_ptr(), codes.numel(), values.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    _ext.decode(codes.data_ptr(), codes.numel(), values.data_ptr(), out.data_ptr(), _threads(codes.numel()))
     return out
 
 
@@ -88,7 +99,7 @@ def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Te
     if out.numel() == 0:  # an expert without tokens: nothing to read (and no buffer to point at)
         return out
     _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
-                          out.data_ptr(), torch.get_num_threads())
+                          out.data_ptr(), _threads(out.numel()))
     return out
 
 
@@ -113,7 +124,7 @@ def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Op
     data = torch.empty_like(x, dtype=storage)
     scale_inv = torch.empty(1, dtype=torch.float32)
     _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), code,
-                  table.data_ptr() if table is not None else 0, torch.get_num_threads(),
+                  table.data_ptr() if table is not None else 0, _threads(x.numel()),
                   amax.data_ptr() if amax is not None else 0, scale.data_ptr() if scale is not None else 0,
                   scale_inv.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
     return data, scale_inv
@@ -168,5 +179,5 @@ def quantize_tiles(x2d: torch.Tensor, fmt: str, table: Optional[torch.Tensor], *
 
     _ext.quantize_tiles(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, code, ptr(table), _TILE_MODES[mode], tile_rows,
                         block, emax, fp8_max, amax_epsilon, power_2_scale, ptr(row_data), ptr(row_scale),
-                        ptr(col_data), ptr(col_scale), torch.get_num_threads())
+                        ptr(col_data), ptr(col_scale), _threads(x2d.numel()))
     return row_data, row_scale, col_data, col_scale

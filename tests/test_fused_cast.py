@@ -15,7 +15,16 @@ from tests.oracles import current_scale_inv as oracle_scale_inv
 
 @pytest.fixture(autouse=True)
 def _switched_on(monkeypatch):
+    """The extension on, and tensors split over threads from the kernels' own granularity (64 Ki elements)
+    rather than the default of several million, so that these sizes cover the thread splits."""
     monkeypatch.setattr(fused_cast, "enabled", True)
+    monkeypatch.setattr(fused_cast, "SPLIT_MIN_ELEMENTS", 0)
+
+
+def test_small_tensors_run_on_the_calling_thread(monkeypatch):
+    monkeypatch.setattr(fused_cast, "SPLIT_MIN_ELEMENTS", 1 << 22)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert fused_cast._threads((1 << 22) - 1) == 1 and fused_cast._threads(1 << 22) == 2
 
 FORMATS = {"e4m3": "E4M3", "e5m2": "E5M2", "hif8": "HIF8"}
 
