@@ -15,8 +15,6 @@ from typing import Callable, Optional
 
 import torch
 
-from mindspeed_te.bench import best_time
-
 __all__ = ["bench_gpt", "gpt_step"]
 
 # label -> (Megatron's --fp8 format, --fp8-recipe); None: the bf16 baseline
@@ -65,7 +63,7 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
     return step
 
 
-def _interleaved_best(steps: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+def _interleaved_best(steps: dict, repeats: int) -> dict:
     """Best wall time of each step over `repeats` rounds that run every step once in turn, so that a load
     change on a shared machine hits all of them alike."""
     for step in steps.values():  # warm-up: the first steps create FP8 metadata and delayed scales
@@ -86,7 +84,7 @@ def gemm_floor(repeats: int, tokens: int = 512, hidden: int = 256, vocab: int = 
     codes summed in float32, so its GEMMs cost the float32 time where the baseline pays the bf16 one."""
     shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)] * 4
     shapes.append((hidden, vocab))
-    times = []
+    steps = {}
     for dtype in (torch.float32, torch.bfloat16):
         mats = [(torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype),
                  torch.randn(tokens, n, dtype=dtype)) for k, n in shapes]
@@ -94,8 +92,9 @@ def gemm_floor(repeats: int, tokens: int = 512, hidden: int = 256, vocab: int = 
         def gemms(mats=mats) -> None:
             for x, w, dy in mats:
                 torch.mm(x, w), torch.mm(dy, w.t()), torch.mm(x.t(), dy)
-        times.append(best_time(gemms, repeats))
-    return times[0], times[1]
+        steps[dtype] = gemms
+    times = _interleaved_best(steps, 3 * repeats)
+    return times[torch.float32], times[torch.bfloat16]
 
 
 def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
