@@ -263,6 +263,27 @@ def _with_gloo(create: Callable) -> Callable:
     return wrapped
 
 
+def _destroying_forgotten_groups(destroy_model_parallel: Callable) -> Callable:
+    """Megatron's `destroy_model_parallel` frees only its gloo groups and forgets the NCCL ones, which cost
+    nothing until first used. Served by gloo, every forgotten group keeps its connections and its polling
+    threads (about 50 threads per rank per `initialize_model_parallel`), until re-initialising many times, as
+    Megatron's unit tests do, stalls the machine: destroy every group Megatron created, as it drops them."""
+
+    @functools.wraps(destroy_model_parallel)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        from megatron.core import parallel_state
+
+        created = [group for group in parallel_state._global_process_group_list or () if group is not None]
+        result = destroy_model_parallel(*args, **kwargs)
+        live = torch.distributed.distributed_c10d._world.pg_map
+        for group in created:
+            if group in live:  # Megatron destroyed its gloo groups itself
+                torch.distributed.destroy_process_group(group)
+        return result
+
+    return wrapped
+
+
 def _wgrad_gemm_accum(inp: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad += grad_outputᵀ · input, computed in fp32 and rounded once into main_grad's dtype: what
     apex's fused_weight_gradient_mlp_cuda kernels do (a GEMM with beta=1 into the gradient buffer)."""
@@ -332,6 +353,8 @@ def register_device_cpu(registry) -> None:
     registry.register("torch.distributed.init_process_group", _with_gloo(torch.distributed.init_process_group))
     registry.register("torch.distributed.new_group", _with_gloo(torch.distributed.new_group))
     registry.register("megatron.core.distributed.param_and_grad_buffer._coalescing_manager", _uncoalesced)
+    target = "megatron.core.parallel_state.destroy_model_parallel"
+    registry.register(target, _destroying_forgotten_groups(resolve(target)))
     layers = "megatron.core.tensor_parallel.layers"
     registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
     registry.register(f"{layers}._grad_accum_fusion_available", True)

@@ -100,3 +100,30 @@ def test_nccl_requests_get_gloo_and_device_properties_answer(tmp_path):
             torch.distributed.destroy_process_group()
     finally:
         registry.revert()
+
+
+def test_destroy_model_parallel_frees_every_group_megatron_created(tmp_path):
+    """Megatron forgets its NCCL groups on destroy; served by gloo they would keep their sockets and threads."""
+    from megatron.core import parallel_state
+
+    registry = PatchRegistry()
+    register_device_cpu(registry)
+    registry.apply()
+    try:
+        torch.distributed.init_process_group(backend="nccl", init_method=f"file://{tmp_path}/init", rank=0,
+                                             world_size=1)
+        try:
+            live = torch.distributed.distributed_c10d._world.pg_map
+            for _ in range(2):  # re-initialising after a destroy works
+                parallel_state.initialize_model_parallel(1, 1)
+                created = [g for g in parallel_state._global_process_group_list if g is not None]
+                x = torch.ones(2)
+                torch.distributed.all_reduce(x, group=parallel_state.get_tensor_model_parallel_group())
+                assert len(created) > 5 and all(g in live for g in created) and torch.equal(x, torch.ones(2))
+                parallel_state.destroy_model_parallel()
+                assert not any(g in live for g in created)
+                assert list(live) == [torch.distributed.group.WORLD]
+        finally:
+            torch.distributed.destroy_process_group()
+    finally:
+        registry.revert()
