@@ -187,6 +187,18 @@ _FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
               "randperm", "eye", "linspace", "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like")
 
 
+def _init_data_on_cpu(init_data: Callable) -> Callable:
+    """ShardedTensor.init_data(device, init_fn=torch.empty): its default `init_fn` is the torch.empty bound
+    when Megatron was imported, which the factory patches above do not reach; the CUDA device it is given
+    (for the checkpoint exchange buffers) becomes the CPU here."""
+
+    @functools.wraps(init_data)
+    def wrapped(self: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        return init_data(self, "cpu" if _is_cuda(device) else device, *args, **kwargs)
+
+    return wrapped
+
+
 def _tensor_to(original: Callable) -> Callable:
     @functools.wraps(original)
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -353,6 +365,8 @@ def register_device_cpu(registry) -> None:
     registry.register("torch.distributed.init_process_group", _with_gloo(torch.distributed.init_process_group))
     registry.register("torch.distributed.new_group", _with_gloo(torch.distributed.new_group))
     registry.register("megatron.core.distributed.param_and_grad_buffer._coalescing_manager", _uncoalesced)
+    target = "megatron.core.dist_checkpointing.mapping.ShardedTensor.init_data"
+    registry.register(target, _init_data_on_cpu(resolve(target)))
     target = "megatron.core.parallel_state.destroy_model_parallel"
     registry.register(target, _destroying_forgotten_groups(resolve(target)))
     layers = "megatron.core.tensor_parallel.layers"

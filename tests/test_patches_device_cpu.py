@@ -127,3 +127,20 @@ def test_destroy_model_parallel_frees_every_group_megatron_created(tmp_path):
             torch.distributed.destroy_process_group()
     finally:
         registry.revert()
+
+
+def test_checkpoint_exchange_buffers_asked_on_cuda_land_on_the_cpu():
+    """ShardedTensor.init_data's default init_fn is the torch.empty bound at Megatron's import."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    registry = PatchRegistry()
+    register_device_cpu(registry)
+    registry.apply()
+    try:
+        sharded = ShardedTensor.from_rank_offsets("w", torch.ones(2, 3, dtype=torch.bfloat16))
+        sharded.data = None
+        sharded.init_data("cuda")
+        assert sharded.data.device.type == "cpu" and sharded.data.shape == (2, 3)
+        assert sharded.data.dtype == torch.bfloat16
+    finally:
+        registry.revert()
