@@ -199,9 +199,22 @@ def _init_data_on_cpu(init_data: Callable) -> Callable:
     return wrapped
 
 
+def _is_host(device: Any) -> bool:
+    return (isinstance(device, torch.device) and device.type == "cpu") or \
+        (isinstance(device, str) and device.split(":")[0] == "cpu")
+
+
 def _tensor_to(original: Callable) -> Callable:
+    """CUDA targets become the CPU. A quantized tensor moved explicitly to the host (`.to("cpu")`, e.g. the
+    copy Megatron's checkpoint writer makes before writing) becomes its dequantized values, as the
+    device-to-host copy of one does on a device (the copy runs through the tensor's dispatch), instead of
+    the no-op a CPU tensor's `.to("cpu")` is."""
+    from mindspeed_te.quantized_tensor import QuantizedTensor
+
     @functools.wraps(original)
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(self, QuantizedTensor) and _is_host(args[0] if args else kwargs.get("device")):
+            return original(self.dequantize(), *args, **kwargs)
         if args and _is_cuda(args[0]):
             args = ("cpu", *args[1:])
         if _is_cuda(kwargs.get("device")):
@@ -296,6 +309,26 @@ def _destroying_forgotten_groups(destroy_model_parallel: Callable) -> Callable:
     return wrapped
 
 
+def _uneven_all_gather(all_gather: Callable) -> Callable:
+    """all_gather into tensors of different sizes, which NCCL serves (as one broadcast per rank) and gloo
+    refuses ("invalid tensor size"): Megatron's checkpoint exchange (gather_rounds) sends empty tensors from
+    ranks with nothing left. Same-size gathers go to gloo's all_gather unchanged."""
+
+    @functools.wraps(all_gather)
+    def wrapped(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        if len({tuple(t.shape) for t in tensor_list}) <= 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        me = torch.distributed.get_rank(group)
+        for rank, out in enumerate(tensor_list):
+            if rank == me:
+                out.copy_(tensor)
+            src = torch.distributed.get_global_rank(group, rank) if group is not None else rank
+            torch.distributed.broadcast(out, src=src, group=group)
+        return _EagerCollectives() if async_op else None
+
+    return wrapped
+
+
 def _wgrad_gemm_accum(inp: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad += grad_outputᵀ · input, computed in fp32 and rounded once into main_grad's dtype: what
     apex's fused_weight_gradient_mlp_cuda kernels do (a GEMM with beta=1 into the gradient buffer)."""
@@ -364,6 +397,7 @@ def register_device_cpu(registry) -> None:
     registry.register("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_megatron_rng_state)
     registry.register("torch.distributed.init_process_group", _with_gloo(torch.distributed.init_process_group))
     registry.register("torch.distributed.new_group", _with_gloo(torch.distributed.new_group))
+    registry.register("torch.distributed.all_gather", _uneven_all_gather(torch.distributed.all_gather))
     registry.register("megatron.core.distributed.param_and_grad_buffer._coalescing_manager", _uncoalesced)
     target = "megatron.core.dist_checkpointing.mapping.ShardedTensor.init_data"
     registry.register(target, _init_data_on_cpu(resolve(target)))

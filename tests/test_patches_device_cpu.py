@@ -144,3 +144,42 @@ def test_checkpoint_exchange_buffers_asked_on_cuda_land_on_the_cpu():
         assert sharded.data.dtype == torch.bfloat16
     finally:
         registry.revert()
+
+
+def test_host_copy_of_a_quantized_tensor_is_its_dequantized_values():
+    """On a device the D2H copy goes through the tensor's dispatch and gives plain values; Megatron's
+    checkpoint writer relies on it (its files load with weights_only=True)."""
+    from mindspeed_te import Float8Quantizer, FP8Dtype, QuantizedTensor
+
+    quantizer = Float8Quantizer(torch.ones(1), torch.zeros(1), FP8Dtype.E4M3)
+    x = torch.tensor([0.5, -3.0, 448.0, 1000.0])
+    quantized = QuantizedTensor.from_storage(quantizer.quantize(x), quantizer)
+    registry = PatchRegistry()
+    register_device_cpu(registry)
+    registry.apply()
+    try:
+        host = quantized.to("cpu", non_blocking=True)
+        assert type(host) is torch.Tensor and torch.equal(host, torch.tensor([0.5, -3.0, 448.0, 448.0]))
+        assert quantized.to("cuda") is quantized  # a device tensor stays where it is
+    finally:
+        registry.revert()
+
+
+def _uneven_gather_worker(rank: int, world: int) -> list:
+    registry = PatchRegistry()
+    register_device_cpu(registry)
+    registry.apply()
+    try:
+        mine = torch.full((2 * rank,), float(rank + 1))  # rank 0 sends an empty tensor, as NCCL allows
+        out = [torch.empty(2 * r) for r in range(world)]
+        torch.distributed.all_gather(out, mine)
+        return out
+    finally:
+        registry.revert()
+
+
+def test_all_gather_into_tensors_of_different_sizes_as_nccl_allows():
+    from tests.dist_utils import run_distributed
+
+    for result in run_distributed(_uneven_gather_worker, 3):
+        assert [t.tolist() for t in result] == [[], [2.0, 2.0], [3.0, 3.0, 3.0, 3.0]]
