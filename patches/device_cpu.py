@@ -187,9 +187,34 @@ _FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange",
               "randperm", "eye", "linspace", "empty_strided", "zeros_like", "ones_like", "empty_like", "full_like")
 
 
+def _init_data_on_cpu(init_data: Callable) -> Callable:
+    """ShardedTensor.init_data(device, init_fn=torch.empty): its default `init_fn` is the torch.empty bound
+    when Megatron was imported, which the factory patches above do not reach; the CUDA device it is given
+    (for the checkpoint exchange buffers) becomes the CPU here."""
+
+    @functools.wraps(init_data)
+    def wrapped(self: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        return init_data(self, "cpu" if _is_cuda(device) else device, *args, **kwargs)
+
+    return wrapped
+
+
+def _is_host(device: Any) -> bool:
+    return (isinstance(device, torch.device) and device.type == "cpu") or \
+        (isinstance(device, str) and device.split(":")[0] == "cpu")
+
+
 def _tensor_to(original: Callable) -> Callable:
+    """CUDA targets become the CPU. A quantized tensor moved explicitly to the host (`.to("cpu")`, e.g. the
+    copy Megatron's checkpoint writer makes before writing) becomes its dequantized values, as the
+    device-to-host copy of one does on a device (the copy runs through the tensor's dispatch), instead of
+    the no-op a CPU tensor's `.to("cpu")` is."""
+    from mindspeed_te.quantized_tensor import QuantizedTensor
+
     @functools.wraps(original)
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(self, QuantizedTensor) and _is_host(args[0] if args else kwargs.get("device")):
+            return original(self.dequantize(), *args, **kwargs)
         if args and _is_cuda(args[0]):
             args = ("cpu", *args[1:])
         if _is_cuda(kwargs.get("device")):
@@ -263,6 +288,47 @@ def _with_gloo(create: Callable) -> Callable:
     return wrapped
 
 
+def _destroying_forgotten_groups(destroy_model_parallel: Callable) -> Callable:
+    """Megatron's `destroy_model_parallel` frees only its gloo groups and forgets the NCCL ones, which cost
+    nothing until first used. Served by gloo, every forgotten group keeps its connections and its polling
+    threads (about 50 threads per rank per `initialize_model_parallel`), until re-initialising many times, as
+    Megatron's unit tests do, stalls the machine: destroy every group Megatron created, as it drops them."""
+
+    @functools.wraps(destroy_model_parallel)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        from megatron.core import parallel_state
+
+        created = [group for group in parallel_state._global_process_group_list or () if group is not None]
+        result = destroy_model_parallel(*args, **kwargs)
+        live = torch.distributed.distributed_c10d._world.pg_map
+        for group in created:
+            if group in live:  # Megatron destroyed its gloo groups itself
+                torch.distributed.destroy_process_group(group)
+        return result
+
+    return wrapped
+
+
+def _uneven_all_gather(all_gather: Callable) -> Callable:
+    """all_gather into tensors of different sizes, which NCCL serves (as one broadcast per rank) and gloo
+    refuses ("invalid tensor size"): Megatron's checkpoint exchange (gather_rounds) sends empty tensors from
+    ranks with nothing left. Same-size gathers go to gloo's all_gather unchanged."""
+
+    @functools.wraps(all_gather)
+    def wrapped(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        if len({tuple(t.shape) for t in tensor_list}) <= 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        me = torch.distributed.get_rank(group)
+        for rank, out in enumerate(tensor_list):
+            if rank == me:
+                out.copy_(tensor)
+            src = torch.distributed.get_global_rank(group, rank) if group is not None else rank
+            torch.distributed.broadcast(out, src=src, group=group)
+        return _EagerCollectives() if async_op else None
+
+    return wrapped
+
+
 def _wgrad_gemm_accum(inp: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad += grad_outputᵀ · input, computed in fp32 and rounded once into main_grad's dtype: what
     apex's fused_weight_gradient_mlp_cuda kernels do (a GEMM with beta=1 into the gradient buffer)."""
@@ -331,7 +397,12 @@ def register_device_cpu(registry) -> None:
     registry.register("megatron.core.tensor_parallel.random._set_cuda_rng_state", _set_megatron_rng_state)
     registry.register("torch.distributed.init_process_group", _with_gloo(torch.distributed.init_process_group))
     registry.register("torch.distributed.new_group", _with_gloo(torch.distributed.new_group))
+    registry.register("torch.distributed.all_gather", _uneven_all_gather(torch.distributed.all_gather))
     registry.register("megatron.core.distributed.param_and_grad_buffer._coalescing_manager", _uncoalesced)
+    target = "megatron.core.dist_checkpointing.mapping.ShardedTensor.init_data"
+    registry.register(target, _init_data_on_cpu(resolve(target)))
+    target = "megatron.core.parallel_state.destroy_model_parallel"
+    registry.register(target, _destroying_forgotten_groups(resolve(target)))
     layers = "megatron.core.tensor_parallel.layers"
     registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
     registry.register(f"{layers}._grad_accum_fusion_available", True)

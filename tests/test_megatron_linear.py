@@ -180,6 +180,36 @@ def test_sharded_state_dict_layout():
         assert res["col"]["col._extra_state"][0] == "ShardedObject"
 
 
+def _replica_worker(rank: int, world: int) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)  # data parallel over `world`
+    cfg = _config()
+    fc1 = TELayerNormColumnParallelLinear(64, 96, config=cfg, init_method=_init, gather_output=False, bias=True,
+                                          skip_bias_add=False, is_expert=False)
+    fc2 = TERowParallelLinear(96, 64, config=cfg, init_method=_init, bias=True, input_is_parallel=True,
+                              skip_bias_add=False, is_expert=False)
+    metadata = {"singleton_local_shards": False}  # what Megatron's MLP passes when saved on its own
+    out = {key: value.replica_id for name, layer in (("fc1.", fc1), ("fc2.", fc2))
+           for key, value in layer.sharded_state_dict(prefix=name, metadata=metadata).items()}
+    out["metadata has dp_cp_group"] = "dp_cp_group" in metadata
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_sharded_state_dict_counts_data_parallel_replicas_without_a_dp_group_in_metadata():
+    """Megatron's replica_id is (0, TP rank, DP rank): a dp_cp_group missing from `metadata` is Megatron's
+    data-parallel group (recorded in `metadata`, as Megatron's TE layers do), not one replica per DP rank."""
+    from tests.dist_utils import run_distributed
+
+    for rank, res in enumerate(run_distributed(_replica_worker, 2)):
+        assert res.pop("metadata has dp_cp_group")
+        assert set(res) == {f"fc1.{name}" for name in ("layer_norm_weight", "layer_norm_bias", "weight", "bias",
+                                                        "_extra_state")} | {"fc2.weight", "fc2.bias",
+                                                                            "fc2._extra_state"}
+        assert all(replica_id == (0, 0, rank) for replica_id in res.values()), res
+
+
 def test_te_norm_follows_config():
     norm = TENorm(_config(normalization="RMSNorm", layernorm_zero_centered_gamma=True, sequence_parallel=False),
                   hidden_size=64, eps=1e-6)

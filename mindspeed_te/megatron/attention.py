@@ -7,7 +7,11 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from mindspeed_te.megatron.common import megatron_device
 from mindspeed_te.modules.attention import DotProductAttention
@@ -111,7 +115,7 @@ class TEDotProductAttention(DotProductAttention):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """The learnable softmax offset, sharded over TP by head (nothing else to save)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
         return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
-                                                   tp_group=self._tp_group,
-                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+                                                   tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])

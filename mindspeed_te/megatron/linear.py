@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from mindspeed_te.distributed import group_size
@@ -42,10 +42,14 @@ class TEModuleMixin(MegatronTEMethods):
         return out, None
 
     def _sharded(self, prefix: str, axis_map: Optional[dict], sharded_offsets: tuple, metadata: Optional[dict]):
+        """Replicas counted over TP and data parallelism: without a `dp_cp_group` in `metadata` (a module
+        saved on its own, outside a MegatronModule), Megatron's data-parallel group, recorded in `metadata`
+        as Megatron's TE layers do, so that every DP rank does not claim replica 0."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(
             state_dict, prefix, axis_map, sharded_offsets,
-            tp_group=self._tp_group, dp_cp_group=(metadata or {}).get("dp_cp_group"),
+            tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"],
         )
 
 
