@@ -241,6 +241,7 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
     losses = []
     for _ in range(2):
         optimizer.zero_grad()
+        model.set_is_first_microbatch()  # as Megatron's schedules do: the TE linears quantize their weights anew
         loss = model(tokens, positions, mask, labels=tokens).mean()
         loss.backward()
         optimizer.step()
