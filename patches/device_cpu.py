@@ -163,12 +163,17 @@ TORCH_CUDA = {
 }
 
 
-def _is_cuda(device: Any) -> bool:
+def _device_type(device: Any) -> Optional[str]:
+    """The type ("cuda", "cpu", ...) a device argument names; a bare index is a CUDA device's."""
     if isinstance(device, torch.device):
-        return device.type == "cuda"
+        return device.type
     if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return isinstance(device, int) and not isinstance(device, bool)  # a CUDA device index
+        return device.split(":")[0]
+    return "cuda" if isinstance(device, int) and not isinstance(device, bool) else None
+
+
+def _is_cuda(device: Any) -> bool:
+    return _device_type(device) == "cuda"
 
 
 def _on_cpu(factory: Callable) -> Callable:
@@ -199,11 +204,6 @@ def _init_data_on_cpu(init_data: Callable) -> Callable:
     return wrapped
 
 
-def _is_host(device: Any) -> bool:
-    return (isinstance(device, torch.device) and device.type == "cpu") or \
-        (isinstance(device, str) and device.split(":")[0] == "cpu")
-
-
 def _tensor_to(original: Callable) -> Callable:
     """CUDA targets become the CPU. A quantized tensor moved explicitly to the host (`.to("cpu")`, e.g. the
     copy Megatron's checkpoint writer makes before writing) becomes its dequantized values, as the
@@ -213,7 +213,7 @@ def _tensor_to(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if isinstance(self, QuantizedTensor) and _is_host(args[0] if args else kwargs.get("device")):
+        if isinstance(self, QuantizedTensor) and _device_type(args[0] if args else kwargs.get("device")) == "cpu":
             return original(self.dequantize(), *args, **kwargs)
         if args and _is_cuda(args[0]):
             args = ("cpu", *args[1:])

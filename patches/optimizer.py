@@ -53,7 +53,6 @@ def _state_dict_before_first_step(state_dict: Callable) -> Callable:
 def _own_step_per_parameter(load_state_dict: Callable) -> Callable:
     @functools.wraps(load_state_dict)
     def wrapped(self: Any, state_dict: Any) -> Any:
-        _create_adam_state(self.optimizer)
         result = load_state_dict(self, state_dict)
         steps = {group.get("step") for group in state_dict.get("optimizer", {}).get("param_groups", ())}
         if len(steps) == 1 and None not in steps:
