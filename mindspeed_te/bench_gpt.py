@@ -66,7 +66,7 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
 def _interleaved_best(steps: dict, repeats: int) -> dict:
     """Best wall time of each step over `repeats` rounds that run every step once in turn, so that a load
     change on a shared machine hits all of them alike."""
-    for step in steps.values():  # warm-up: the first steps create FP8 metadata and delayed scales
+    for step in steps.values():  # warm-up: FP8 metadata and delayed scales, oneDNN kernels for new shapes
         step()
         step()
     best = dict.fromkeys(steps, float("inf"))
