@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -18,6 +19,12 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callabl
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization: there, gloo worker threads that still hold tensors can abort the
+    # process ("terminate called without an active exception", seen once in CI after a rank had finished; see
+    # pytorch/pytorch#179291). A failing rank raised above and is reported by mp.spawn as usual.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
