@@ -25,7 +25,10 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
                blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
                take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
-               dequantize + matmul.
+               dequantize + matmul. The power-of-2 fprop and dgrad stay in [1,128,128] (measured: the MX mode
+               is no fewer launches): MX wants each operand's bytes repeated per 32-block (one op each, as the
+               float32 decode is), a float32 bias (one cast of a bf16 bias, as the late add is), and the
+               float32 scales are made anyway (the non-finite flags read them; the dgrad's weight takes them).
 """
 from __future__ import annotations
 
@@ -304,9 +307,7 @@ class NpuBackend(ReferenceBackend):
         out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim,
                                             power_2_scale=True)
         if q.block_scaling_dim == 2:
-            codes = self._pow2_block_codes(q, x2d)[1]
-            tile_codes = codes.reshape(m // 128, 128, codes.shape[1]).amax(dim=1)
-            out.rowwise_scale_inv = e8m0_decode(tile_codes)
+            out.rowwise_scale_inv = e8m0_decode(self._pow2_block_codes(q, x2d, rows=128)[1])
             out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv, 128).reshape(x.shape)
             return out
         if q.rowwise_usage:
@@ -374,17 +375,20 @@ class NpuBackend(ReferenceBackend):
                                   self._npu_dtype(q.fp8_dtype), 0, True)
         return y.view(torch.uint8).reshape(t.shape) if q.fp8_dtype is FP8Dtype.HIF8 else y.reshape(t.shape)
 
-    def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor
+    def _pow2_block_codes(self, q: Float8BlockQuantizer, t: torch.Tensor, rows: int = 1
                           ) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """(codes cast with the 128-block scales or None, E8M0 exponent bytes (rows, ceil(k / 128))) of
-        1x128 blocks along the last dim of a 2-D tensor."""
-        rows, k = t.shape
-        half = t.dtype in _HALF
+        """(codes cast with the tile scales or None, E8M0 exponent bytes (m / rows, ceil(k / 128))) of
+        rows x 128 tiles of a 2-D tensor: the kernel's blocks along the last dim (128 long for float16/bfloat16,
+        32 for float32), whose exponents one max folds into a tile's (over its rows and its 32-blocks at once);
+        the kernel's codes are the tiles' only for 1x128 tiles of 128-blocks."""
+        m, k = t.shape
+        block = 128 if t.dtype in _HALF else 32
         y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, dst_type=self._npu_dtype(q.fp8_dtype),
-                                                 block_size=128 if half else 32, scale_alg=1)
-        if half:
-            return y, pairs.reshape(rows, -1)[:, : -(-k // 128)]
-        return None, pairs.reshape(rows, -1)[:, : k // 32].reshape(rows, k // 128, 4).amax(dim=-1)
+                                                 block_size=block, scale_alg=1)
+        codes = pairs.reshape(m, -1)[:, : -(-k // block)]
+        if rows == 1 and block == 128:
+            return y, codes
+        return None, codes.reshape(m // rows, rows, k // 128, 128 // block).amax(dim=(1, 3))
 
     @staticmethod
     def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
