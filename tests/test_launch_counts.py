@@ -141,8 +141,8 @@ def test_blockwise_power_2_linear_launches(fmt):
     the kernel's E8M0 bytes, which only the wgrad GEMM reads: bf16 the kernel alone (1); float32 kernel + max
     of four + decode + division + cast (5). The 128x128 weight: the kernel + one max over the tile's 128 rows
     (and, float32, their four 32-blocks) + decode + div + cast (5). The non-finite flags of a pass: one
-    multi-tensor max, one multi-tensor maximum (2). Forward: fprop GEMM ([1, 128, 128], no bias) + one add of the bias into
-    the output dtype. Backward: dgrad GEMM; the 1x128 x 1x128 wgrad in the MX mode, each operand's bytes
+    multi-tensor max, one multi-tensor maximum (2). Forward: fprop GEMM ([1, 128, 128], no bias) + one add of
+    the bias into the output dtype. Backward: dgrad GEMM; the 1x128 x 1x128 wgrad in the MX mode, each operand's bytes
     repeated for the 32-blocks (1 each); the bias gradient's sum."""
     from mindspeed_te.recipe import Float8BlockScaling, Format
 
