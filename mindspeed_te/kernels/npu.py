@@ -25,10 +25,11 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
                blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
                take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
-               dequantize + matmul. The power-of-2 fprop and dgrad stay in [1,128,128] (measured: the MX mode
-               is no fewer launches): MX wants each operand's bytes repeated per 32-block (one op each, as the
-               float32 decode is), a float32 bias (one cast of a bf16 bias, as the late add is), and the
-               float32 scales are made anyway (the non-finite flags read them; the dgrad's weight takes them).
+               dequantize + matmul. The power-of-2 fprop and dgrad stay in [1,128,128] (an MX-mode fprop
+               measured 2 more forward launches for bf16, 1 for float32): MX wants each operand's bytes
+               repeated per 32-block (one op each), a float32 bias (one cast of a bf16 bias, as the late add
+               is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
+               takes the weight's).
 """
 from __future__ import annotations
 
