@@ -63,7 +63,7 @@ class GroupedExtraStateMixin:
         meta = self._upgrade_extra_state(meta)
         pieces = []
         for i in range(self.num_gemms):
-            piece = {"version": meta["version"], "recipe_key": meta["recipe_key"], "recipe": meta.get("recipe")}
+            piece = {key: value for key, value in meta.items() if key not in EXTRA_STATE_SLOTS}
             for key, (forward, dim) in EXTRA_STATE_SLOTS.items():
                 if key in meta:
                     slots = [self.fp8_meta_index(role, i) for role in (FORWARD_ROLES if forward else BACKWARD_ROLES)]
@@ -81,8 +81,8 @@ class GroupedExtraStateMixin:
         metas = [self._decode_extra_state(s) for s in states]
         if any(m is None or m["recipe_key"] is None for m in metas):
             return  # saved before (or without) FP8: the first entry says so
-        merged = {"version": EXTRA_STATE_VERSION, "recipe_key": metas[0]["recipe_key"],
-                  "recipe": metas[0].get("recipe")}
+        merged = {key: value for key, value in metas[0].items() if key not in EXTRA_STATE_SLOTS}
+        merged["version"] = EXTRA_STATE_VERSION
         for key, (forward, dim) in EXTRA_STATE_SLOTS.items():
             if key in metas[0]:  # experts one after another (per GEMM), then in this module's layout
                 per_gemm = torch.cat([m[key] for m in metas], dim=dim)

@@ -229,6 +229,8 @@ class FP8ModuleBase(torch.nn.Module):
             fwd, bwd = self.fp8_states
             meta.update(fwd_amax_history=fwd.amax_history.cpu(), fwd_scale=fwd.scale.cpu(),
                         bwd_amax_history=bwd.amax_history.cpu(), bwd_scale=bwd.scale.cpu())
+            meta.update({f"{prefix}_steps": state.steps for state, prefix in ((fwd, "fwd"), (bwd, "bwd"))
+                         if hasattr(state, "steps")})  # HIF8DelayedScaling: where warm-up and updates stand
         return encode_extra_state(meta)
 
     def set_extra_state(self, state: Any) -> None:
@@ -296,6 +298,8 @@ class FP8ModuleBase(torch.nn.Module):
                                    f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
             state.amax_history.copy_(history)
             state.scale.copy_(scale)
+            if hasattr(state, "steps") and f"{prefix}_steps" in meta:
+                state.steps = int(meta[f"{prefix}_steps"])
 
 
 def encode_extra_state(meta: dict[str, Any]) -> torch.Tensor:
