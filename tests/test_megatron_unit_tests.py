@@ -133,4 +133,4 @@ def test_megatrons_te_dist_checkpointing_tests_pass_on_8_cpu_ranks(tmp_path):
 def test_megatrons_fp8_dist_checkpointing_tests_pass_through_the_te_import_facade(tmp_path):
     summaries = _run_on_ranks(tmp_path, FP8_FACADE_SELECTION, "--te-import-facade", "-k", FP8_FACADE_CASES)
     print(f"Megatron dist_checkpointing test_fp8.py and TE expert layers on {RANKS} CPU ranks: {summaries}")
-    assert all(int(s.split()[0]) >= 45 for s in summaries), summaries
+    assert all(int(s.split()[0]) >= 55 for s in summaries), summaries
