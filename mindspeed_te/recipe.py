@@ -25,6 +25,8 @@ __all__ = [
     "Float8BlockScaling",
     "MXFP8BlockScaling",
     "recipe_from_name",
+    "recipe_to_config",
+    "recipe_from_config",
 ]
 
 
@@ -376,3 +378,43 @@ def recipe_from_name(name: str, fp8_format: Union[Format, str], **kwargs) -> Rec
         raise ValueError(f"--fp8-recipe {name!r} is not supported; allowed: {', '.join(_RECIPE_NAMES)}")
     fmt = fp8_format if isinstance(fp8_format, Format) else Format.from_name(fp8_format)
     return _RECIPE_NAMES[name](fp8_format=fmt, **kwargs)
+
+
+_RECIPE_TYPES = {cls.__name__: cls for cls in _RECIPE_NAMES.values()}
+_FIELD_TYPES = {cls.__name__: cls for cls in (QParams, MMParams)}
+
+
+def recipe_to_config(recipe: Recipe) -> Optional[dict]:
+    """The recipe as plain values (a checkpoint reads them back without unpickling classes), or None when it
+    cannot be rebuilt from them: a callable field, or a recipe class of the caller's own."""
+    if _RECIPE_TYPES.get(type(recipe).__name__) is not type(recipe):
+        return None
+    fields = {}
+    for f in dataclasses.fields(recipe):
+        if not f.init:
+            continue
+        value = getattr(recipe, f.name)
+        if isinstance(value, Format):
+            value = {"Format": value.name}
+        elif type(value).__name__ in _FIELD_TYPES:
+            value = {type(value).__name__: dataclasses.asdict(value)}
+        elif callable(value):
+            return None
+        fields[f.name] = value
+    return {"type": type(recipe).__name__, "fields": fields}
+
+
+def recipe_from_config(config: dict) -> Recipe:
+    """The recipe `recipe_to_config` described; ValueError for a description it did not write."""
+    try:
+        fields = {}
+        for name, value in config["fields"].items():
+            if isinstance(value, dict) and "Format" in value:
+                value = Format[value["Format"]]
+            elif isinstance(value, dict):
+                (kind, params), = value.items()
+                value = _FIELD_TYPES[kind](**params)
+            fields[name] = value
+        return _RECIPE_TYPES[config["type"]](**fields)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"not a recipe description written by recipe_to_config: {config!r} ({err})") from err

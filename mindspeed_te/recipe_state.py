@@ -1,12 +1,13 @@
 """Per-module quantization state for one direction (forward or backward), built from a recipe.
 
 A module that runs `num_gemms` GEMMs asks for a forward state with 3 * num_gemms quantizers (input,
-weight, output of each GEMM) and a backward state with 2 * num_gemms (grad_output, grad_input), the
-ordering TransformerEngine uses. `make_quantizers()` returns the quantizers in that order.
+weight, output of each GEMM) and a backward state with 2 * num_gemms (grad_output, grad_input). By default
+the slots go GEMM by GEMM (input, weight, output of GEMM 0, then of GEMM 1, ...); a module that orders them
+otherwise passes each slot's role (`roles`). `make_quantizers()` returns the quantizers in slot order.
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -44,9 +45,15 @@ FORWARD_ROLES = ("input", "weight", "output")
 BACKWARD_ROLES = ("grad_output", "grad_input")
 
 
-def _roles(forward: bool, num_quantizers: int) -> list[str]:
+def _roles(forward: bool, num_quantizers: int, roles: Optional[Sequence[str]] = None) -> list[str]:
+    """Each slot's role: `roles` checked, or GEMM by GEMM."""
     base = FORWARD_ROLES if forward else BACKWARD_ROLES
-    return [base[i % len(base)] for i in range(num_quantizers)]
+    if roles is None:
+        return [base[i % len(base)] for i in range(num_quantizers)]
+    roles = list(roles)
+    if len(roles) != num_quantizers or any(role not in base for role in roles):
+        raise ValueError(f"roles must be {num_quantizers} entries (num_quantizers) out of {base}, got {roles!r}")
+    return roles
 
 
 Mode = Literal["forward", "backward"]
@@ -56,7 +63,7 @@ class RecipeState:
     """State and quantizer factory for one module, one direction. Build it with `RecipeState.create`."""
 
     def __init__(self, recipe: Recipe, mode: Mode, num_quantizers: int = 1,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
         if mode not in ("forward", "backward"):
             raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
         if not isinstance(num_quantizers, int) or num_quantizers < 1:
@@ -65,7 +72,7 @@ class RecipeState:
         self.mode = mode
         self.forward = mode == "forward"
         self.num_quantizers = num_quantizers
-        self.roles = _roles(self.forward, num_quantizers)
+        self.roles = _roles(self.forward, num_quantizers, roles)
         self.fp8_dtype = recipe.fp8_dtype(self.forward)
         # Per slot: non-finite once a tensor holding NaN/Inf was quantized there since the last check (set by
         # quantizers.record_nonfinite, or for delayed scaling by the per-step update; read and cleared by
@@ -80,17 +87,18 @@ class RecipeState:
         num_quantizers: int = 1,
         device: Optional[torch.device] = None,
         forward: Optional[bool] = None,
+        roles: Optional[Sequence[str]] = None,
     ) -> RecipeState:
         """The state class that matches the recipe, TransformerEngine's factory: `mode` is "forward" (3
         quantizers per GEMM: input, weight, output) or "backward" (grad_output, grad_input). `forward=True/
-        False` is accepted in place of `mode`."""
+        False` is accepted in place of `mode`. `roles`: each slot's role when not GEMM by GEMM."""
         if (mode is None) == (forward is None):
             raise ValueError("RecipeState.create takes exactly one of mode='forward'|'backward' and forward=bool")
         if mode is None:
             mode = "forward" if forward else "backward"
         for recipe_type, state_type in _STATE_TYPES.items():
             if isinstance(recipe, recipe_type):
-                return state_type(recipe, mode=mode, num_quantizers=num_quantizers, device=device)
+                return state_type(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
         raise TypeError(f"unsupported recipe type {type(recipe).__name__}")
 
     def frozen_copy(self) -> RecipeState:
@@ -118,8 +126,8 @@ class Float8CurrentScalingRecipeState(RecipeState):
     """Current ("tensorwise") scaling keeps no state: one quantizer per slot with the role's QParams."""
 
     def __init__(self, recipe: Float8CurrentScaling, *, mode: Mode, num_quantizers: int = 1,
-                 device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers, device)
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device, roles)
 
     def make_quantizers(self) -> list[Quantizer]:
         target = self.recipe.target_max(self.forward)
@@ -133,8 +141,8 @@ class Float8BlockScalingRecipeState(RecipeState):
     `x_block_scaling_dim`, gradients `grad_block_scaling_dim`."""
 
     def __init__(self, recipe: Float8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
-                 device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers, device)
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device, roles)
 
     def _block_dim(self, role: str) -> int:
         recipe = self.recipe
@@ -158,8 +166,8 @@ class MXFP8BlockScalingRecipeState(RecipeState):
     takes no decode to float32."""
 
     def __init__(self, recipe: MXFP8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
-                 device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers, device)
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device, roles)
         self.nonfinite = torch.zeros(num_quantizers, dtype=torch.uint8, device=device)
 
     def make_quantizers(self) -> list[Quantizer]:
@@ -269,8 +277,8 @@ class DelayedScalingRecipeState(RecipeState):
     updates are done in place."""
 
     def __init__(self, recipe: DelayedScaling, *, mode: Mode, num_quantizers: int = 1,
-                 device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode, num_quantizers, device)
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device, roles)
         self.fp8_max = recipe.target_max(self.forward)
         self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
@@ -285,7 +293,7 @@ class DelayedScalingRecipeState(RecipeState):
 
     def frozen_copy(self) -> DelayedScalingRecipeState:
         copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
-                                         device=self.scale.device)
+                                         device=self.scale.device, roles=self.roles)
         copy.scale.copy_(self.scale)
         return copy
 
@@ -321,8 +329,8 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     fills the history, then delayed scales updated every `scale_update_interval` steps."""
 
     def __init__(self, recipe: HIF8DelayedScaling, *, mode: Mode, num_quantizers: int = 1,
-                 device: Optional[torch.device] = None) -> None:
-        super().__init__(recipe, mode=mode, num_quantizers=num_quantizers, device=device)
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
         self.targets = torch.tensor([recipe.role_target(role) for role in self.roles], device=device)
         self.steps = 0  # updates seen, i.e. completed steps
 
@@ -337,7 +345,7 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
 
     def frozen_copy(self) -> HIF8DelayedScalingRecipeState:
         copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
-                                             device=self.scale.device)
+                                             device=self.scale.device, roles=self.roles)
         copy.scale.copy_(self.scale)
         copy.steps = self.steps
         return copy

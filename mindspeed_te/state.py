@@ -347,8 +347,8 @@ class FP8GlobalStateManager:
         for name, state in (watched[i] for i in order):
             per_gemm = 3 if state.forward else 2
             for i, role in enumerate(state.roles):
-                if bad[offset + i]:
-                    gemm = f"[{i // per_gemm}]" if state.num_quantizers > per_gemm else ""
+                if bad[offset + i]:  # the GEMM: how many slots of this role come before (any slot layout)
+                    gemm = f"[{state.roles[:i].count(role)}]" if state.num_quantizers > per_gemm else ""
                     found.append(f"{name} {role}{gemm}")
             offset += state.num_quantizers
         if found:

@@ -4,7 +4,9 @@ A GroupedLinear keeps one `_extra_state` for all its local experts. megatron-cor
 checkpoints it per expert, so that a checkpoint saved with one expert-parallel layout loads with another:
 `_split_extra_state` cuts it into one entry per expert, `_sharded_state_dict_grouped` stores expert i's as
 `_extra_state` of that expert's shard (`_extra_state{i}` in the module's sharded state dict), and on load
-the entries are merged back (`_extra_state1..n-1` into `_extra_state`) before the module reads them.
+the entries are merged back (`_extra_state1..n-1` into `_extra_state`) before the module reads them. An
+expert's entry is that of a one-GEMM module (a sequential expert's linear), so the two kinds of expert
+layers load each other's checkpoints.
 """
 from __future__ import annotations
 
@@ -15,13 +17,10 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from mindspeed_te.distributed import group_rank, group_size
-from mindspeed_te.modules.base import decode_extra_state, encode_extra_state
+from mindspeed_te.modules.base import EXTRA_STATE_SLOTS, EXTRA_STATE_VERSION, decode_extra_state, encode_extra_state
+from mindspeed_te.recipe_state import BACKWARD_ROLES, FORWARD_ROLES
 
 __all__ = ["GroupedExtraStateMixin"]
-
-# metadata key -> (quantizers per GEMM, dim along which the module's quantizers run)
-_PER_GEMM = {"fwd_amax_history": (3, 1), "fwd_scale": (3, 0), "bwd_amax_history": (2, 1), "bwd_scale": (2, 0)}
-
 
 def _ep_group(pg_collection: Optional[object]):
     group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
@@ -45,7 +44,7 @@ def _expert_dp_rank(pg_collection: Optional[object]) -> int:
 
 
 class GroupedExtraStateMixin:
-    """Mixed into TEGroupedLinear (needs `num_gemms`, `use_bias`, `_tp_group`, `_pg_collection`)."""
+    """Mixed into TEGroupedLinear (needs FP8ModuleBase's slot layout, `use_bias`, `_tp_group`, `_pg_collection`)."""
 
     def _encode_extra_state(self, state: dict[str, Any]) -> torch.Tensor:
         return encode_extra_state(state)
@@ -55,17 +54,20 @@ class GroupedExtraStateMixin:
         return decode_extra_state(state, type(self).__name__)
 
     def _split_extra_state(self, state: Any) -> list[Any]:
-        """One `_extra_state` per local expert: expert i's quantizers (forward 3i..3i+2, backward 2i, 2i+1).
-        Without FP8 metadata every expert gets the entry as it is."""
+        """One `_extra_state` per local expert: expert i's quantizers (its input, weight and output, its
+        grad_output and grad_input) as a one-GEMM module keeps them. Without FP8 metadata every expert gets
+        the entry as it is."""
         meta = self._decode_extra_state(state)
         if meta is None or meta["recipe_key"] is None:
             return [state] * self.num_gemms
+        meta = self._upgrade_extra_state(meta)
         pieces = []
         for i in range(self.num_gemms):
-            piece = {"version": meta["version"], "recipe_key": meta["recipe_key"]}
-            for key, (per_gemm, dim) in _PER_GEMM.items():
+            piece = {key: value for key, value in meta.items() if key not in EXTRA_STATE_SLOTS}
+            for key, (forward, dim) in EXTRA_STATE_SLOTS.items():
                 if key in meta:
-                    piece[key] = meta[key].narrow(dim, per_gemm * i, per_gemm).clone()
+                    slots = [self.fp8_meta_index(role, i) for role in (FORWARD_ROLES if forward else BACKWARD_ROLES)]
+                    piece[key] = meta[key].index_select(dim, torch.tensor(slots))
             pieces.append(self._encode_extra_state(piece))
         return pieces
 
@@ -79,10 +81,12 @@ class GroupedExtraStateMixin:
         metas = [self._decode_extra_state(s) for s in states]
         if any(m is None or m["recipe_key"] is None for m in metas):
             return  # saved before (or without) FP8: the first entry says so
-        merged = {"version": metas[0]["version"], "recipe_key": metas[0]["recipe_key"]}
-        for key, (_, dim) in _PER_GEMM.items():
-            if key in metas[0]:
-                merged[key] = torch.cat([m[key] for m in metas], dim=dim)
+        merged = {key: value for key, value in metas[0].items() if key not in EXTRA_STATE_SLOTS}
+        merged["version"] = EXTRA_STATE_VERSION
+        for key, (forward, dim) in EXTRA_STATE_SLOTS.items():
+            if key in metas[0]:  # experts one after another (per GEMM), then in this module's layout
+                per_gemm = torch.cat([m[key] for m in metas], dim=dim)
+                merged[key] = per_gemm.index_select(dim, torch.tensor(self.per_gemm_order(forward)))
         state_dict[f"{prefix}_extra_state"] = self._encode_extra_state(merged)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -1,34 +1,56 @@
 """What every FP8 module shares: recipe states that follow the active recipe, registration for the
-once-per-step amax reduction, and the module's FP8 metadata in `_extra_state`."""
+once-per-step amax reduction, and the module's FP8 metadata, TransformerEngine's `fp8_meta` dict, saved in
+`_extra_state`."""
 from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, ClassVar, Iterable, Literal, Optional, Union
 
 import torch
 
 from mindspeed_te.ops.wgrad_store import WeightGradStore
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import Quantizer
-from mindspeed_te.recipe import Recipe
-from mindspeed_te.recipe_state import DelayedScalingRecipeState, RecipeState
+from mindspeed_te.recipe import Recipe, recipe_from_config, recipe_to_config
+from mindspeed_te.recipe_state import BACKWARD_ROLES, FORWARD_ROLES, DelayedScalingRecipeState, RecipeState
 from mindspeed_te.scaling import current_scale, tensor_amax
 from mindspeed_te.state import FP8GlobalStateManager, preserve_high_precision_init_val
 
 InitMethod = Optional[Callable[[torch.Tensor], object]]
 
 
+EXTRA_STATE_VERSION = 2  # 2: slots in the module's fp8_meta_layout, the recipe stored; 1: per GEMM, no recipe
+# extra-state entry -> (forward?, dim along which its slots run)
+EXTRA_STATE_SLOTS = {"fwd_amax_history": (True, 1), "fwd_scale": (True, 0),
+                     "bwd_amax_history": (False, 1), "bwd_scale": (False, 0)}
+
+
 class FP8ModuleBase(torch.nn.Module):
     """Base of the TE-style modules. A module running `num_gemms` GEMMs owns one forward state
-    (3 quantizers per GEMM: input, weight, output) and one backward state (grad_output, grad_input)."""
+    (3 quantizers per GEMM: input, weight, output) and one backward state (grad_output, grad_input).
+
+    They live in `fp8_meta`, TransformerEngine's dict of a module's FP8 metadata, so code written for TE
+    reads and writes the very objects the forward quantizes with: "scaling_fwd" / "scaling_bwd" (the
+    RecipeStates; delayed scaling's `amax_history` [L, n] and `scale` [n]), "recipe", "num_gemms",
+    "fp8_max_fwd" / "fp8_max_bwd", "fp8_group" and "fp8_checkpoint". As in TE the states appear at the first
+    FP8 (or calibration) forward, under fp8_model_init, or when a checkpoint's FP8 metadata is loaded.
+    `fp8_meta_index(role, gemm)` says where a tensor's slot is."""
+
+    # TransformerEngine's slot layouts: "per_gemm" puts GEMM g's input, weight, output at 3g, 3g+1, 3g+2 and
+    # its grad_output, grad_input at 2g, 2g+1; "per_role" (TE's GroupedLinear before TE 2.3, and what
+    # megatron-core 0.16.1's grouped-expert checkpoint conversion expects) puts all inputs first, then all
+    # weights, then all outputs (grad_outputs, then grad_inputs).
+    fp8_meta_layout: ClassVar[Literal["per_gemm", "per_role"]] = "per_gemm"
 
     def __init__(self, num_gemms: int = 1) -> None:
         super().__init__()
         self.num_gemms = num_gemms
-        self.fp8_states: Optional[tuple[RecipeState, RecipeState]] = None
-        self._fp8_recipe_key: Optional[str] = None
+        self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
+        self._keyed_recipe: Optional[Recipe] = None  # fp8_meta["recipe"] whose key() is cached below
+        self._keyed_recipe_key: Optional[str] = None
         self._loaded_fp8_meta: Optional[dict[str, Any]] = None  # from a checkpoint, applied to matching states
+        self._fp8_meta_from_checkpoint = False  # states made by a load, not yet used by a forward
         self.wgrad_store = WeightGradStore(False)
         self.wgrad_accumulation_and_reduce_hooks: list[Callable[[], None]] = []
         self._wgrad_computations_per_backward = 1
@@ -66,20 +88,72 @@ class FP8ModuleBase(torch.nn.Module):
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
 
+    @property
+    def fp8_states(self) -> Optional[tuple[RecipeState, RecipeState]]:
+        """(fp8_meta["scaling_fwd"], fp8_meta["scaling_bwd"]), or None before they exist."""
+        fwd, bwd = self.fp8_meta.get("scaling_fwd"), self.fp8_meta.get("scaling_bwd")
+        return None if fwd is None or bwd is None else (fwd, bwd)
+
+    @property
+    def _fp8_recipe_key(self) -> Optional[str]:
+        """key() of fp8_meta["recipe"] as it was when that recipe object was put there (once per object)."""
+        recipe = self.fp8_meta.get("recipe")
+        if recipe is not self._keyed_recipe:
+            self._keyed_recipe, self._keyed_recipe_key = recipe, None if recipe is None else recipe.key()
+        return self._keyed_recipe_key
+
+    def fp8_meta_index(self, role: str, gemm: int = 0) -> int:
+        """Slot of GEMM `gemm`'s tensor `role` ("input", "weight", "output" in fp8_meta["scaling_fwd"];
+        "grad_output", "grad_input" in fp8_meta["scaling_bwd"]), in this module's `fp8_meta_layout`."""
+        roles = FORWARD_ROLES if role in FORWARD_ROLES else BACKWARD_ROLES
+        if role not in roles:
+            raise ValueError(f"role must be one of {FORWARD_ROLES + BACKWARD_ROLES}, got {role!r}")
+        if not 0 <= gemm < self.num_gemms:
+            raise ValueError(f"gemm must be in [0, {self.num_gemms}) (num_gemms), got {gemm}")
+        if self.fp8_meta_layout == "per_role":
+            return roles.index(role) * self.num_gemms + gemm
+        return len(roles) * gemm + roles.index(role)
+
+    def per_gemm_order(self, forward: bool) -> list[int]:
+        """For each slot of this module's layout, the slot of the same tensor in the "per_gemm" layout: a
+        per-GEMM-ordered tensor indexed by it (`index_select`) is in this module's layout."""
+        roles = FORWARD_ROLES if forward else BACKWARD_ROLES
+        order = [0] * (len(roles) * self.num_gemms)
+        for gemm in range(self.num_gemms):
+            for position, role in enumerate(roles):
+                order[self.fp8_meta_index(role, gemm)] = len(roles) * gemm + position
+        return order
+
     def _states_for_current_recipe(self, device: torch.device,
                                    recipe: Optional[Recipe] = None) -> tuple[RecipeState, RecipeState]:
         recipe = recipe or FP8GlobalStateManager.get_fp8_recipe()
         if self.fp8_states is None or self._fp8_recipe_key != recipe.key():
-            self.fp8_states = (
-                RecipeState.create(recipe, forward=True, num_quantizers=3 * self.num_gemms, device=device),
-                RecipeState.create(recipe, forward=False, num_quantizers=2 * self.num_gemms, device=device),
-            )
-            self._fp8_recipe_key = recipe.key()
-            self._apply_loaded_fp8_meta()
-            name = getattr(self, "name", None) or f"{type(self).__name__}@{id(self):x}"
-            for state in self.fp8_states:
-                FP8GlobalStateManager.watch_nonfinite(name, state)
+            self._init_fp8_meta_tensors(recipe, device)
         return self.fp8_states
+
+    def _init_fp8_meta_tensors(self, recipe: Recipe, device: torch.device) -> None:
+        """New states for `recipe` in fp8_meta (TE's init_fp8_meta_tensors), then any checkpoint metadata
+        that waited for them."""
+        if self._fp8_meta_from_checkpoint and self.fp8_states is not None:
+            warnings.warn(f"{type(self).__name__}: checkpoint FP8 metadata was made with {self._fp8_recipe_key}, "
+                          f"the active recipe is {recipe.key()}; scales start fresh", stacklevel=4)
+        self._fp8_meta_from_checkpoint = False
+        self.fp8_meta.update(
+            scaling_fwd=RecipeState.create(recipe, forward=True, num_quantizers=3 * self.num_gemms, device=device,
+                                           roles=self._slot_roles(True)),
+            scaling_bwd=RecipeState.create(recipe, forward=False, num_quantizers=2 * self.num_gemms, device=device,
+                                           roles=self._slot_roles(False)),
+            recipe=recipe, num_gemms=self.num_gemms, fp8_checkpoint=True,
+            fp8_max_fwd=recipe.target_max(True), fp8_max_bwd=recipe.target_max(False))
+        self._apply_loaded_fp8_meta()
+        name = getattr(self, "name", None) or f"{type(self).__name__}@{id(self):x}"
+        for state in self.fp8_states:
+            FP8GlobalStateManager.watch_nonfinite(name, state)
+
+    def _slot_roles(self, forward: bool) -> list[str]:
+        roles = FORWARD_ROLES if forward else BACKWARD_ROLES
+        order = self.per_gemm_order(forward)
+        return [roles[slot % len(roles)] for slot in order]
 
     # Weights: created in high precision, or under fp8_model_init only in quantized form --------------------
     def create_weight(self, shape: tuple[int, ...], dtype: torch.dtype, device: Union[torch.device, str, None],
@@ -99,7 +173,7 @@ class FP8ModuleBase(torch.nn.Module):
     def _quantize_weight(self, weight: torch.Tensor, gemm: int) -> QuantizedTensor:
         recipe = FP8GlobalStateManager.get_fp8_model_init_recipe()
         fwd, _ = self._states_for_current_recipe(weight.device, recipe)
-        index = 3 * gemm + 1  # TE's forward layout: input, weight, output per GEMM
+        index = self.fp8_meta_index("weight", gemm)
         if isinstance(fwd, DelayedScalingRecipeState):
             # Seed the weight's scale from its initial amax: the first forward then runs on well-scaled codes
             # (TransformerEngine starts from scale 1 and corrects it after the first step).
@@ -115,6 +189,7 @@ class FP8ModuleBase(torch.nn.Module):
         if not (FP8GlobalStateManager.is_fp8_enabled() or FP8GlobalStateManager.is_fp8_calibration()):
             return None
         fwd, bwd = self._states_for_current_recipe(device)
+        self._fp8_meta_from_checkpoint = False
         phase = FP8GlobalStateManager.get_checkpoint_phase()
         if phase == "recompute":
             # Recompute with the forward scales of the first pass; its amaxes go to a throw-away copy.
@@ -122,7 +197,7 @@ class FP8ModuleBase(torch.nn.Module):
             # never reduces backward amaxes.
             frozen = FP8GlobalStateManager.pop_forward_state_for_recompute()
             return frozen.make_quantizers(), bwd.make_quantizers(), False
-        group = FP8GlobalStateManager.get_fp8_group()
+        group = self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(fwd, group)
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(bwd, group)
         first = FP8GlobalStateManager.is_first_fp8_module()
@@ -142,16 +217,25 @@ class FP8ModuleBase(torch.nn.Module):
 
     # Checkpointing: the FP8 metadata travels in the module's `_extra_state` entry ---------------------------
     def get_extra_state(self) -> torch.Tensor:
-        """Serialized FP8 metadata (recipe identity, amax histories and scales) as a uint8 tensor, the form
-        torch.distributed.checkpoint and Megatron's sharded checkpoints carry as an opaque object."""
-        meta: dict[str, Any] = {"version": 1, "recipe_key": self._fp8_recipe_key}
+        """Serialized FP8 metadata (the recipe, amax histories and scales, slots in `fp8_meta_layout`) as a
+        uint8 tensor, the form torch.distributed.checkpoint and Megatron's sharded checkpoints carry as an
+        opaque object. Metadata loaded but not yet matched to states is saved as it was loaded."""
+        if self.fp8_states is None and self._loaded_fp8_meta is not None:
+            return encode_extra_state(self._loaded_fp8_meta)
+        recipe = self.fp8_meta.get("recipe")
+        meta: dict[str, Any] = {"version": EXTRA_STATE_VERSION, "recipe_key": self._fp8_recipe_key,
+                                "recipe": None if recipe is None else recipe_to_config(recipe)}
         if self.has_delayed_state():
             fwd, bwd = self.fp8_states
             meta.update(fwd_amax_history=fwd.amax_history.cpu(), fwd_scale=fwd.scale.cpu(),
                         bwd_amax_history=bwd.amax_history.cpu(), bwd_scale=bwd.scale.cpu())
+            meta.update({f"{prefix}_steps": state.steps for state, prefix in ((fwd, "fwd"), (bwd, "bwd"))
+                         if hasattr(state, "steps")})  # HIF8DelayedScaling: where warm-up and updates stand
         return encode_extra_state(meta)
 
     def set_extra_state(self, state: Any) -> None:
+        """Load FP8 metadata. As in TE, the checkpoint's recipe and states are in fp8_meta at once, before any
+        forward; a recipe with callables (not stored) has its states filled at the first forward under it."""
         name = type(self).__name__
         meta = decode_extra_state(state, name)
         if meta is None:
@@ -162,9 +246,30 @@ class FP8ModuleBase(torch.nn.Module):
             warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh",
                           stacklevel=2)
             return
-        self._loaded_fp8_meta = meta
+        self._loaded_fp8_meta = self._upgrade_extra_state(meta)
+        if meta.get("recipe") is not None:
+            try:
+                recipe = recipe_from_config(meta["recipe"])
+            except ValueError as err:
+                raise RuntimeError(f"{name}: corrupt _extra_state in checkpoint, cannot read its recipe ({err})") \
+                    from err
+            self._fp8_meta_from_checkpoint = False  # replaced by the checkpoint's, no warning
+            device = next((p.device for p in self.parameters()), torch.device("cpu"))
+            self._states_for_current_recipe(device, recipe)
+            self._fp8_meta_from_checkpoint = True
         if self.fp8_states is not None:
             self._apply_loaded_fp8_meta()
+
+    def _upgrade_extra_state(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """Version 1 kept every module's slots GEMM by GEMM; version 2 keeps them in `fp8_meta_layout`."""
+        if meta["version"] == EXTRA_STATE_VERSION:
+            return meta
+        meta = dict(meta, version=EXTRA_STATE_VERSION)
+        for key, (forward, dim) in EXTRA_STATE_SLOTS.items():
+            order = self.per_gemm_order(forward)
+            if key in meta and meta[key].shape[dim] == len(order):
+                meta[key] = meta[key].index_select(dim, torch.tensor(order))
+        return meta
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """With quantized weights, take the FP8 metadata first (as TransformerEngine does): a weight loaded
@@ -193,6 +298,8 @@ class FP8ModuleBase(torch.nn.Module):
                                    f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
             state.amax_history.copy_(history)
             state.scale.copy_(scale)
+            if hasattr(state, "steps") and f"{prefix}_steps" in meta:
+                state.steps = int(meta[f"{prefix}_steps"])
 
 
 def encode_extra_state(meta: dict[str, Any]) -> torch.Tensor:
@@ -210,7 +317,8 @@ def decode_extra_state(state: Any, owner: str) -> Optional[dict[str, Any]]:
     try:
         raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
         meta = torch.load(io.BytesIO(raw), weights_only=True)
-        if not isinstance(meta, dict) or meta.get("version") != 1 or "recipe_key" not in meta:
+        if not isinstance(meta, dict) or meta.get("version") not in (1, EXTRA_STATE_VERSION) \
+                or "recipe_key" not in meta:
             raise ValueError("unknown layout")
     except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
         raise RuntimeError(f"{owner}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err

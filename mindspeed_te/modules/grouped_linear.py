@@ -17,6 +17,11 @@ class GroupedLinear(FP8ModuleBase):
     """`num_gemms` experts; forward(inp, m_splits) applies expert i to the next m_splits[i] rows. Expert
     tensor parallelism: "column" splits out_features, "row" splits in_features and all-reduces the output.
 
+    FP8 metadata in TE's grouped layout ("per_role"): fp8_meta["scaling_fwd"] holds every expert's input
+    (slots 0..n-1), then every weight (n..2n-1), then every output; "scaling_bwd" every grad_output, then
+    every grad_input. megatron-core converts expert checkpoints between grouped and sequential experts in
+    this layout.
+
     `use_fp8_gemm=False` (MindSpeed's --no-use-gmm-fp8) keeps the expert GEMMs in high precision inside FP8
     regions. `sequence_parallel` is recorded for Megatron: the MoE token dispatcher, not this layer, moves
     expert tokens between sequence-parallel ranks.
@@ -36,6 +41,8 @@ class GroupedLinear(FP8ModuleBase):
         use_fp8_gemm: quantized expert GEMMs inside FP8 regions (see above)
         delay_wgrad_compute: backward leaves the weight-gradient grouped GEMM to a later `backward_dw()` call
     """
+
+    fp8_meta_layout = "per_role"
 
     def __init__(
         self,
@@ -100,11 +107,14 @@ class GroupedLinear(FP8ModuleBase):
         if fp8 is not None:
             fwd, bwd, first = fp8
             if FP8GlobalStateManager.is_fp8_enabled():
-                quantizers = [LinearQuantizers(fwd[3 * i], fwd[3 * i + 1], bwd[2 * i]) for i in range(self.num_gemms)]
+                index = self.fp8_meta_index
+                quantizers = [LinearQuantizers(fwd[index("input", i)], fwd[index("weight", i)],
+                                               bwd[index("grad_output", i)]) for i in range(self.num_gemms)]
             else:
                 for i, rows in enumerate(torch.split(x, splits)):
                     if rows.shape[0]:
-                        self.calibrate(fwd[3 * i: 3 * i + 2], rows, self.weights[i])
+                        self.calibrate([fwd[self.fp8_meta_index("input", i)], fwd[self.fp8_meta_index("weight", i)]],
+                                       rows, self.weights[i])
         add_bias = self.use_bias and not self.return_bias and self.parallel_mode != "row"
         out = grouped_linear(
             x, splits, self.weights, self.biases if add_bias else None,
