@@ -145,6 +145,10 @@ class _TiledTensor(QuantizedTensorStorage):
         if fused is not None:
             return fused
         values = cast_from_fp8(data, self.fp8_dtype)
+        if m % rows == 0 and k % cols == 0 and scales.shape == (m // rows, k // cols):
+            # Whole tiles: each tile's scale broadcast over it in the one multiply, no expanded copy of the scales.
+            tiles = values.reshape(m // rows, rows, k // cols, cols)
+            return (tiles * scales.reshape(m // rows, 1, k // cols, 1)).reshape(m, k)
         scales = scales.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
         return values * scales
 

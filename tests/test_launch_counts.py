@@ -160,22 +160,25 @@ def test_blockwise_power_2_linear_launches(fmt):
 
 
 def test_blockwise_power_2_hif8_linear_launches():
-    """HiF8 with TE's default power-of-2 tiles, which no kernel makes. Per layout: the tile amaxes in one vector
-    norm; the scales in 8 ops (NaN/Inf to 0, > 0, where, target / amax, FLT_MAX clamp, power-of-2 floor,
-    reciprocal, NaN mark); one npu_quantize with a tile per row (+ the divisor cast to bf16 for a bf16 input):
-    10 float32, 11 bf16; + 1 for the columnwise layout's transposed copy and for the 128x128 weight's divisors
-    repeated per row. Forward: input rowwise and columnwise, weight, flags (2), fprop GEMM, bias add. Backward:
-    the gradient's two layouts, flags (2), dgrad GEMM, the 1x128 x 1x128 HiF8 wgrad (no MX mode for HiF8: both
-    operands dequantized and one matmul, 11 ops, + the cast of a bf16 result), the bias gradient's sum."""
+    """HiF8 with TE's default power-of-2 tiles, which no kernel makes. All layouts of a quantize pass share the
+    small ops: one vector norm per layout writes its tile amaxes into one buffer; the scales of the whole buffer
+    in 7 ops (NaN/Inf to the target, 0 to the target, target / amax, FLT_MAX clamp, power-of-2 floor,
+    reciprocal, NaN mark) + one cast of the divisors for a bf16 input; one npu_quantize per layout with a tile
+    per row, + 1 for the columnwise layout's transposed copy and for the 128x128 weight's divisors repeated per
+    row. The non-finite flags (2). Forward: input rowwise and columnwise, weight (3 layouts), fprop GEMM, bias
+    add. Backward: the gradient's two layouts, dgrad GEMM, the 1x128 x 1x128 HiF8 wgrad (no MX mode for HiF8:
+    each operand decoded (index cast + table gather) and multiplied by its tile scales broadcast, one matmul: 7,
+    + the cast of a bf16 result), the bias gradient's sum."""
     from mindspeed_te.recipe import Float8BlockScaling, Format
 
     for dtype in (torch.bfloat16, torch.float32):
-        layout = 10 + (dtype == torch.bfloat16)
+        bf16 = dtype == torch.bfloat16
         forward, backward = _per_recipe_counts(Float8BlockScaling(fp8_format=Format.HIF8), dtype)
-        assert forward.total == layout + (layout + 1) + (layout + 1) + 2 + 1 + 1, dict(forward.counts)
-        wgrad = 11 + (dtype == torch.bfloat16)
-        assert backward.total == layout + (layout + 1) + 2 + 1 + wgrad + 1, dict(backward.counts)
+        scales = 7 + bf16
+        assert forward.total == 3 + scales + 3 + 1 + 1 + 2 + 1 + 1, dict(forward.counts)
+        assert backward.total == 2 + scales + 2 + 1 + 2 + 1 + 7 + bf16 + 1, dict(backward.counts)
         assert forward.counts["torch_npu.npu_quantize"] == 3 and backward.counts["torch_npu.npu_quantize"] == 2
+        assert forward.counts["aten.linalg_vector_norm"] == 3 and forward.counts["aten.div"] == 1
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])

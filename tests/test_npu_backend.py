@@ -354,6 +354,53 @@ def test_blockwise_power_2_hif8_quantize_equals_reference(dtype, target, dim):
                 assert torch.equal(g_t.view(torch.uint8), w_t.view(torch.uint8)), name
 
 
+def _edge_amaxes(target: float, dtype: torch.dtype) -> torch.Tensor:
+    """Tile amaxes at the edges of the power-of-2 rule, as `dtype` values: 0, the smallest subnormals, around
+    target * 2^-128 (where target / amax leaves float32), the neighbours of target * 2^k (where the power of 2
+    changes), 1, the largest finite values."""
+    f32 = torch.float32
+    tiny = torch.finfo(dtype).smallest_normal
+    values = [0.0, 2.0**-149, 2.0**-133, tiny, tiny / 3, 1.0, torch.finfo(dtype).max, torch.finfo(f32).max]
+    for k in (-128, -127, -126, -40, -3, 0, 5, 100, 112):
+        values.append(target * 2.0**k)
+    base = torch.tensor(values, dtype=torch.float64).to(f32)
+    up, down = torch.nextafter(base, torch.tensor(math.inf)), torch.nextafter(base, torch.tensor(0.0))
+    edges = torch.cat([base, up, down]).to(dtype)
+    return edges[torch.isfinite(edges)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("target", [15.0, 224.0, 100.0])
+def test_blockwise_power_2_hif8_scales_at_the_rule_edges(dtype, target):
+    """The NPU path's scale rule for HiF8 power-of-2 tiles (NaN/Inf and 0 replaced by the target before the one
+    division) equals the reference quantizer's at every edge of the rule: tiles whose amax is 0, subnormal,
+    makes target / amax overflow, sits next to target * 2^k, or is the largest finite value; in all three
+    layouts (1x128 rowwise and columnwise, 128x128), for a target no quantize kernel takes (100) too."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    g = torch.Generator().manual_seed(11)
+    edges = _edge_amaxes(target, dtype)
+    rows = -(-len(edges) // 128) * 128
+    amax = torch.cat([edges, edges[torch.randint(len(edges), (rows - len(edges),), generator=g)]])
+    x = torch.rand(rows, 256, generator=g) * 1.8 - 0.9  # |x| < amax within each row
+    x = (x.double() * amax.double()[:, None]).to(dtype)
+    x[:, 0], x[:, 200] = amax, -amax  # the amax of each row's two 1x128 tiles, exactly
+    x[:, 128:][amax == 0] = 0.0
+    for dim in (1, 2):
+        q = Float8BlockQuantizer(FP8Dtype.HIF8, target, block_scaling_dim=dim)
+        sim.reset_counts()
+        got, want = backend.quantize(q, x), q.quantize(x)
+        assert sim.launch_counts["npu_quantize"] == (1 if dim == 2 else 2)
+        got_f, want_f = _fields(got), _fields(want)
+        assert got_f.keys() == want_f.keys()
+        for name, g_t in got_f.items():
+            assert torch.equal(g_t.view(torch.uint8) if g_t.dtype != torch.float32 else g_t,
+                               want_f[name].view(torch.uint8) if g_t.dtype != torch.float32 else want_f[name]), name
+
+
 @pytest.mark.parametrize("fmt", ["HYBRID", "HIF8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, fmt, monkeypatch, use_backend):

@@ -15,8 +15,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; partial
                float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize); columnwise
                1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; HiF8 (whole tiles, bf16/fp32):
-               tile amaxes + scales in torch ops, the cast one npu_quantize per layout; other scales:
-               npu_dynamic_block_quant (not with amax_epsilon)
+               tile amaxes of all the pass's layouts into one buffer, its scales in one chain of torch ops, the
+               cast one npu_quantize per layout; other scales: npu_dynamic_block_quant (not with amax_epsilon)
   mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
                Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
                them out, which the GEMM takes)
@@ -193,11 +193,12 @@ class NpuBackend(ReferenceBackend):
                 out = self._quantize_current(quantizers, tensors, x2ds)
                 if out is not None:
                     return out
-        outs = []
-        for q, x, x2d in zip(quantizers, tensors, x2ds):
-            kernel = _QUANTIZE_KERNELS.get(type(q))
-            out = kernel(self, q, x, x2d) if kernel is not None else None
-            outs.append(out if out is not None else q.quantize(x))
+        outs: list = self._quantize_hif8_tiles(quantizers, tensors, x2ds)  # all the pass's HiF8 tiles at once
+        for i, (q, x, x2d) in enumerate(zip(quantizers, tensors, x2ds)):
+            if outs[i] is None:
+                kernel = _QUANTIZE_KERNELS.get(type(q))
+                out = kernel(self, q, x, x2d) if kernel is not None else None
+                outs[i] = out if out is not None else q.quantize(x)
         return list(record_nonfinite_many(quantizers, outs))
 
     def _npu_quantize(self, q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, divisor: torch.Tensor,
@@ -328,43 +329,80 @@ class NpuBackend(ReferenceBackend):
 
     def _quantize_blocks_hif8(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
                               ) -> Optional[Float8BlockwiseQTensorStorage]:
-        """HiF8 with power-of-2 tile scales, which no kernel makes (the MX kernels have no HiF8 output, the
-        block kernel's scale is amax / dst_max): the tile amaxes from one vector norm, the scales by the
-        reference rule (Float8BlockQuantizer's), and each layout's cast one npu_quantize. bfloat16 and float32
-        (a float16 divisor could underflow) in whole 128-tiles; None (the quantizer's torch ops) otherwise."""
+        """One tensor through `_quantize_hif8_tiles` (quantize_many sends the tensors it takes there first)."""
+        return self._quantize_hif8_tiles([q], [x], [x2d])[0]
+
+    @staticmethod
+    def _hif8_tiles_apply(q: Quantizer, x2d: torch.Tensor) -> bool:
+        """Whether `_quantize_hif8_tiles` takes this quantizer and tensor: HiF8 power-of-2 128-tiles without
+        amax_epsilon, bfloat16 or float32 (a float16 divisor could underflow), whole tiles."""
+        if not (isinstance(q, Float8BlockQuantizer) and q.fp8_dtype is FP8Dtype.HIF8 and q.power_2_scale
+                and q.amax_epsilon == 0 and q.block_len == 128 and x2d.dtype in (torch.bfloat16, torch.float32)):
+            return False
         m, k = x2d.shape
-        if x.dtype == torch.float16 or k % 128 or (m % 128 and (q.block_scaling_dim == 2 or q.columnwise_usage)):
-            return None
-        out = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, block_scaling_dim=q.block_scaling_dim,
-                                            power_2_scale=True)
-        if q.block_scaling_dim == 2:
-            amax = torch.linalg.vector_norm(x2d.reshape(m // 128, 128, k // 128, 128), float("inf"), dim=(1, 3),
-                                            dtype=torch.float32)
-            divisor, out.rowwise_scale_inv = self._pow2_tile_scales(q, amax)
-            out.rowwise_data = self._quantize_tile_rows(q, x2d, divisor.repeat_interleave(128, dim=0)).reshape(x.shape)
-            return out
-        if q.rowwise_usage:
-            data, out.rowwise_scale_inv = self._hif8_rows(q, x2d)
-            out.rowwise_data = data.reshape(x.shape)
-        if q.columnwise_usage:
-            out.columnwise_data, out.columnwise_scale_inv = self._hif8_rows(q, x2d.t().contiguous())
-        return out
+        return m > 0 and k > 0 and k % 128 == 0 and not (m % 128 and (q.block_scaling_dim == 2 or q.columnwise_usage))
 
-    def _hif8_rows(self, q: Float8BlockQuantizer, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(HiF8 codes, stored scale_inv) of the 1x128 power-of-2 tiles along the last dim of a 2-D tensor."""
-        rows, k = t.shape
-        amax = torch.linalg.vector_norm(t.reshape(rows, k // 128, 128), float("inf"), dim=-1, dtype=torch.float32)
-        divisor, stored = self._pow2_tile_scales(q, amax)
-        return self._quantize_tile_rows(q, t, divisor), stored
+    def _quantize_hif8_tiles(self, qs: Sequence[Quantizer], xs: Sequence[torch.Tensor],
+                             x2ds: Sequence[torch.Tensor]) -> list[Optional[Float8BlockwiseQTensorStorage]]:
+        """HiF8 with power-of-2 tile scales, which no kernel makes (the MX kernels have no HiF8 output, the block
+        kernel's scale is amax / dst_max). Every layout of every tensor of the pass shares the small ops: each
+        layout's tile amaxes come from one vector norm written into one float32 buffer per target, whose scales
+        take the reference rule in 7 ops (`_pow2_tile_scales`) and, for bfloat16 inputs, one cast of the
+        divisors; then each layout is one npu_quantize (the 128x128 weight + its divisors repeated per row, a
+        1x128 columnwise layout + its transposed copy). None for the tensors `_hif8_tiles_apply` refuses."""
+        outs: list[Optional[Float8BlockwiseQTensorStorage]] = [None] * len(qs)
+        groups: dict[float, list] = {}  # target -> [(storage, quantizer, layout, data (rows, k), amax view, dims)]
+        for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds)):
+            if not self._hif8_tiles_apply(q, x2d):
+                continue
+            m, k = x2d.shape
+            out = outs[i] = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, power_2_scale=True,
+                                                          block_scaling_dim=q.block_scaling_dim)
+            layouts = groups.setdefault(q.target_max, [])
+            if q.block_scaling_dim == 2:
+                layouts.append((out, q, "tiles", x2d, x2d.reshape(m // 128, 128, k // 128, 128), (1, 3)))
+                continue
+            if q.rowwise_usage:
+                layouts.append((out, q, "rowwise", x2d, x2d.reshape(m, k // 128, 128), -1))
+            if q.columnwise_usage:
+                t = x2d.t().contiguous()
+                layouts.append((out, q, "columnwise", t, t.reshape(k, m // 128, 128), -1))
+        for target, layouts in groups.items():
+            shapes = [view.shape[:2] if dims == -1 else view.shape[0:3:2]
+                      for *_, view, dims in layouts]
+            offsets = [0]
+            for shape in shapes:
+                offsets.append(offsets[-1] + shape.numel())
+            amax = torch.empty(offsets[-1], dtype=torch.float32, device=layouts[0][3].device)
+            for (*_, view, dims), shape, start, stop in zip(layouts, shapes, offsets, offsets[1:]):
+                torch.linalg.vector_norm(view, float("inf"), dim=dims, dtype=torch.float32,
+                                         out=amax[start:stop].view(shape))
+            divisor, stored = self._pow2_tile_scales(target, amax)
+            if any(data.dtype == torch.bfloat16 for *_, data, _, _ in layouts):
+                divisors = {torch.float32: divisor, torch.bfloat16: divisor.to(torch.bfloat16)}
+            else:
+                divisors = {torch.float32: divisor}
+            for (out, q, layout, data, _, _), shape, start, stop in zip(layouts, shapes, offsets, offsets[1:]):
+                div = divisors[data.dtype][start:stop].view(shape)
+                scale_inv = stored[start:stop].view(shape)
+                if layout == "tiles":
+                    div = div.repeat_interleave(128, dim=0)
+                codes = self._quantize_tile_rows(q, data, div)
+                if layout == "columnwise":
+                    out.columnwise_data, out.columnwise_scale_inv = codes, scale_inv
+                else:
+                    out.rowwise_data, out.rowwise_scale_inv = codes.reshape(out.shape), scale_inv
+        return outs
 
-    def _pow2_tile_scales(self, q: Float8BlockQuantizer, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pow2_tile_scales(self, target: float, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(divisor, stored scale_inv) of power-of-2 tiles from their amaxes, the reference rule
-        (scaling.current_scale_inv with power_2_scale, then mark_nonfinite) in 8 ops instead of 10: scale =
-        target / amax (one IEEE division, at most FLT_MAX) rounded down to a power of 2, divisor 1 / scale;
-        tiles whose amax is 0, NaN or Inf divide by target / target = 1; the stored copy is NaN for NaN/Inf."""
-        target = self._constant(q.target_max, amax.device)
-        finite = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
-        scale = torch.div(target, torch.where(finite > 0, finite, target)).clamp_(max=FLT_MAX)
+        (scaling.current_scale_inv with power_2_scale, then mark_nonfinite) in 7 ops: tiles whose amax is NaN,
+        Inf or 0 take amax = target (nan_to_num, threshold), so their scale is target / target = 1; scale =
+        target / amax (one IEEE division, at most FLT_MAX) rounded down to a power of 2 (its exponent bits),
+        divisor 1 / scale (exact); the stored copy is NaN for NaN/Inf."""
+        finite = torch.nan_to_num(amax, nan=target, posinf=target)
+        finite = torch.threshold_(finite, 0.0, target)  # amax <= 0 (an all-zero tile) -> target
+        scale = torch.div(self._constant(target, amax.device), finite).clamp_(max=FLT_MAX)
         divisor = torch.bitwise_and(scale.view(torch.int32), 0x7F800000).view(torch.float32).reciprocal_()
         return divisor, mark_nonfinite(divisor, amax)
 
