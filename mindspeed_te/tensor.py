@@ -144,7 +144,13 @@ class _TiledTensor(QuantizedTensorStorage):
             fused = fused_cast.dequantize_tiles(data, table, scales, rows, cols)
         if fused is not None:
             return fused
-        values = cast_from_fp8(data, self.fp8_dtype)
+        return self.scale_tiles(cast_from_fp8(data, self.fp8_dtype), scales)
+
+    def scale_tiles(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """Decoded (rows, k) data times its float32 per-tile multipliers (ceil(rows / tile rows), ceil(k / tile
+        cols)): the dequantized values."""
+        rows, cols = self._tile()
+        m, k = values.shape
         if m % rows == 0 and k % cols == 0 and scales.shape == (m // rows, k // cols):
             # Whole tiles: each tile's scale broadcast over it in the one multiply, no expanded copy of the scales.
             tiles = values.reshape(m // rows, rows, k // cols, cols)

@@ -25,7 +25,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
                blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
                take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
-               dequantize + matmul. The power-of-2 fprop and dgrad stay in [1,128,128] (an MX-mode fprop
+               dequantize + matmul (HiF8 tiles decoded by one npu_dtype_cast, scaled by one broadcast
+               multiply). The power-of-2 fprop and dgrad stay in [1,128,128] (an MX-mode fprop
                measured 2 more forward launches for bf16, 1 for float32): MX wants each operand's bytes
                repeated per 32-block (one op each), a float32 bias (one cast of a bf16 bias, as the late add
                is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
@@ -496,6 +497,17 @@ class NpuBackend(ReferenceBackend):
         """float32, the quantized GEMMs' only bias dtype (aclnnQuantMatmulV5's FP8/HiF8/MX tables; the same sum
         in the reference fallback), except with a blockwise weight, whose GEMM adds the bias afterwards."""
         return bias if isinstance(weight, Float8BlockwiseQTensorStorage) else bias.float()
+
+    def gemm_operand(self, t: Operand, columnwise: bool) -> torch.Tensor:
+        """A HiF8 tiled operand of the dequantize + matmul fallback (the 1x128 x 1x128 blockwise wgrad: no
+        npu_quant_matmul mode takes 1x128 tiles on x2, and the MX mode has no HiF8 row) decoded by one
+        npu_dtype_cast from torch_npu.hifloat8 and multiplied by its tile scales; other operands as the
+        reference."""
+        if isinstance(t, Float8BlockwiseQTensorStorage) and t.fp8_dtype is FP8Dtype.HIF8:
+            data, scale_inv = _tiled_pair(t, columnwise)
+            return t.scale_tiles(self.npu.npu_dtype_cast(data, torch.float32, input_dtype=self.npu.hifloat8),
+                                 scale_inv)
+        return super().gemm_operand(t, columnwise)
 
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,

@@ -83,12 +83,16 @@ class ReferenceBackend(KernelBackend):
             result = torch.mm(a_values.t() if a_columnwise else a_values, b_values if b_columnwise else b_values.t())
             result = result.mul_(as_float32(b.scale_inv)).mul_(as_float32(a.scale_inv))
         else:
-            result = operand_2d(a, a_columnwise) @ operand_2d(b, b_columnwise).t()
+            result = self.gemm_operand(a, a_columnwise) @ self.gemm_operand(b, b_columnwise).t()
         if out is not None:
             return out.add_(result)
         if bias is not None:
             result = result + bias.float()
         return result if result.dtype == out_dtype else result.to(out_dtype)
+
+    def gemm_operand(self, t: Operand, columnwise: bool) -> torch.Tensor:
+        """A GEMM operand as the float32 (rows, k) matrix that `gemm`'s dequantize + matmul multiplies."""
+        return operand_2d(t, columnwise)
 
     def grouped_gemm(
         self,
