@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -129,6 +129,23 @@ def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[t
     return data, pairs.transpose(0, 1) if as_x2 else pairs
 
 
+class _TileLayout(NamedTuple):
+    """One layout of a tensor in NpuBackend._quantize_hif8_tiles: `data` (rows, k) is cast one tile per row,
+    `tiles` is the view whose `dims` reduce to the tile amaxes."""
+
+    out: Float8BlockwiseQTensorStorage
+    quantizer: Float8BlockQuantizer
+    kind: str  # "tiles" (128x128, rowwise), "rowwise" or "columnwise" (1x128)
+    data: torch.Tensor
+    tiles: torch.Tensor
+    dims: Union[int, tuple[int, int]]
+
+    @property
+    def scales_shape(self) -> torch.Size:
+        """(tile rows, tile cols) of the scales: the tiles view without its reduced dims."""
+        return self.tiles.shape[:2] if self.dims == -1 else self.tiles.shape[0:3:2]
+
+
 class NpuBackend(ReferenceBackend):
     """Dispatches quantize and GEMM to torch_npu kernels; everything else is the reference emulation."""
 
@@ -184,7 +201,8 @@ class NpuBackend(ReferenceBackend):
     def quantize_many(self, quantizers: Sequence[Quantizer], tensors: Sequence[torch.Tensor]
                       ) -> list[QuantizedTensorStorage]:
         """Per-tensor delayed and current scaling of several tensors share their small ops (one multi-tensor
-        amax, one history update, one non-finite mark or flag update for all); the rest one by one."""
+        amax, one history update, one non-finite mark for all), and so do the HiF8 power-of-2 tiles of the
+        pass (`_quantize_hif8_tiles`); the rest one by one."""
         x2ds = [x.detach().reshape(-1, x.shape[-1]) for x in tensors]
         kind = type(quantizers[0])
         if all(type(q) is kind for q in quantizers) and all(t.numel() for t in x2ds):
@@ -352,7 +370,7 @@ class NpuBackend(ReferenceBackend):
         divisors; then each layout is one npu_quantize (the 128x128 weight + its divisors repeated per row, a
         1x128 columnwise layout + its transposed copy). None for the tensors `_hif8_tiles_apply` refuses."""
         outs: list[Optional[Float8BlockwiseQTensorStorage]] = [None] * len(qs)
-        groups: dict[float, list] = {}  # target -> [(storage, quantizer, layout, data (rows, k), amax view, dims)]
+        groups: dict[float, list[_TileLayout]] = {}  # by target
         for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds)):
             if not self._hif8_tiles_apply(q, x2d):
                 continue
@@ -361,35 +379,33 @@ class NpuBackend(ReferenceBackend):
                                                           block_scaling_dim=q.block_scaling_dim)
             layouts = groups.setdefault(q.target_max, [])
             if q.block_scaling_dim == 2:
-                layouts.append((out, q, "tiles", x2d, x2d.reshape(m // 128, 128, k // 128, 128), (1, 3)))
+                layouts.append(_TileLayout(out, q, "tiles", x2d, x2d.reshape(m // 128, 128, k // 128, 128), (1, 3)))
                 continue
             if q.rowwise_usage:
-                layouts.append((out, q, "rowwise", x2d, x2d.reshape(m, k // 128, 128), -1))
+                layouts.append(_TileLayout(out, q, "rowwise", x2d, x2d.reshape(m, k // 128, 128), -1))
             if q.columnwise_usage:
                 t = x2d.t().contiguous()
-                layouts.append((out, q, "columnwise", t, t.reshape(k, m // 128, 128), -1))
+                layouts.append(_TileLayout(out, q, "columnwise", t, t.reshape(k, m // 128, 128), -1))
         for target, layouts in groups.items():
-            shapes = [view.shape[:2] if dims == -1 else view.shape[0:3:2]
-                      for *_, view, dims in layouts]
-            offsets = [0]
-            for shape in shapes:
-                offsets.append(offsets[-1] + shape.numel())
-            amax = torch.empty(offsets[-1], dtype=torch.float32, device=layouts[0][3].device)
-            for (*_, view, dims), shape, start, stop in zip(layouts, shapes, offsets, offsets[1:]):
-                torch.linalg.vector_norm(view, float("inf"), dim=dims, dtype=torch.float32,
-                                         out=amax[start:stop].view(shape))
+            bounds = [0]
+            for layout in layouts:
+                bounds.append(bounds[-1] + layout.scales_shape.numel())
+            amax = torch.empty(bounds[-1], dtype=torch.float32, device=layouts[0].data.device)
+            for layout, start, stop in zip(layouts, bounds, bounds[1:]):
+                torch.linalg.vector_norm(layout.tiles, float("inf"), dim=layout.dims, dtype=torch.float32,
+                                         out=amax[start:stop].view(layout.scales_shape))
             divisor, stored = self._pow2_tile_scales(target, amax)
-            if any(data.dtype == torch.bfloat16 for *_, data, _, _ in layouts):
-                divisors = {torch.float32: divisor, torch.bfloat16: divisor.to(torch.bfloat16)}
-            else:
-                divisors = {torch.float32: divisor}
-            for (out, q, layout, data, _, _), shape, start, stop in zip(layouts, shapes, offsets, offsets[1:]):
-                div = divisors[data.dtype][start:stop].view(shape)
-                scale_inv = stored[start:stop].view(shape)
-                if layout == "tiles":
+            divisors = {torch.float32: divisor}
+            if any(layout.data.dtype == torch.bfloat16 for layout in layouts):
+                divisors[torch.bfloat16] = divisor.to(torch.bfloat16)  # exact: powers of 2 in bfloat16's range
+            for layout, start, stop in zip(layouts, bounds, bounds[1:]):
+                div = divisors[layout.data.dtype][start:stop].view(layout.scales_shape)
+                scale_inv = stored[start:stop].view(layout.scales_shape)
+                if layout.kind == "tiles":
                     div = div.repeat_interleave(128, dim=0)
-                codes = self._quantize_tile_rows(q, data, div)
-                if layout == "columnwise":
+                codes = self._quantize_tile_rows(layout.quantizer, layout.data, div)
+                out = layout.out
+                if layout.kind == "columnwise":
                     out.columnwise_data, out.columnwise_scale_inv = codes, scale_inv
                 else:
                     out.rowwise_data, out.rowwise_scale_inv = codes.reshape(out.shape), scale_inv
