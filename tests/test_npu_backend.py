@@ -354,6 +354,34 @@ def test_blockwise_power_2_hif8_quantize_equals_reference(dtype, target, dim):
                 assert torch.equal(g_t.view(torch.uint8), w_t.view(torch.uint8)), name
 
 
+@pytest.mark.parametrize("fmt,target", [("E4M3", 448.0), ("HIF8", 15.0), ("HIF8", 224.0)])
+@pytest.mark.parametrize("dim", [1, 2])
+def test_blockwise_kernel_scales_float32_equal_reference(fmt, target, dim):
+    """Block scales amax / target (power_2_scale off: the rule npu_dynamic_block_quant computes) for a float32
+    input go through that kernel too (aclnnDynamicBlockQuantV2 takes FLOAT32 x) and give the reference
+    quantizer's codes and scales bit for bit, partial and all-zero tiles included."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    g = torch.Generator().manual_seed(7)
+    for shape in ((256, 384), (200, 130)):
+        x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-60, 60, (shape[0], 1), generator=g).float())
+        x[5] = 0.0
+        q = Float8BlockQuantizer(FP8Dtype[fmt], target, block_scaling_dim=dim, power_2_scale=False)
+        sim.reset_counts()
+        got, want = backend.quantize(q, x), q.quantize(x)
+        assert sim.launch_counts == {"npu_dynamic_block_quant": 1 if dim == 2 else 2}
+        got_f, want_f = _fields(got), _fields(want)
+        assert got_f.keys() == want_f.keys()
+        for name, g_t in got_f.items():
+            w_t = want_f[name]
+            if g_t.dtype != torch.float32:
+                g_t, w_t = g_t.view(torch.uint8), w_t.view(torch.uint8)
+            assert torch.equal(g_t, w_t), name
+
+
 def _edge_amaxes(target: float, dtype: torch.dtype) -> torch.Tensor:
     """Tile amaxes at the edges of the power-of-2 rule, as `dtype` values: 0, the smallest subnormals, around
     target * 2^-128 (where target / amax leaves float32), the neighbours of target * 2^k (where the power of 2
