@@ -31,7 +31,6 @@ from mindspeed_te.tensor import (
 __all__ = [
     "record_nonfinite",
     "record_nonfinite_many",
-    "fold_nonfinite",
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
@@ -69,9 +68,6 @@ class Quantizer:
         # E8M0 NaN byte 0xFF) once a tensor holding NaN/Inf is quantized here; FP8GlobalStateManager.
         # check_nonfinite reports and clears it.
         self.nonfinite: Optional[torch.Tensor] = None
-        # Where the flag's updates wait to be folded in at the check (record_nonfinite_many), or None to fold
-        # them at once. A recipe state gives its quantizers its own list.
-        self.nonfinite_pending: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is not None:
@@ -337,49 +333,24 @@ def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[Quanti
     that have one) and return `outs`. NaN/Inf data gives NaN decode scales (`scaling.mark_nonfinite`), or
     E8M0's NaN byte 0xFF for MX, whose flags are uint8 and keep the largest scale byte seen (see
     `MXFP8BlockScalingRecipeState`); MAX keeps either. No host sync, and the same launches for one tensor as
-    for several: one multi-tensor max over the block-scaled tensors' scales gives one value per tensor. A
-    quantizer whose owner keeps a pending list (`nonfinite_pending`, a RecipeState's) appends its value
-    there and `fold_nonfinite` folds the owner's values when its flags are read (FP8GlobalStateManager.
-    check_nonfinite, once per step) or when the list grows long: the pass launches nothing more. Other
-    values are folded now, one multi-tensor maximum per flag dtype."""
+    for several: one multi-tensor max over the block-scaled tensors' scales, one multi-tensor maximum into
+    the flags per flag dtype."""
     pairs = []
     for q, out in zip(quantizers, outs):
         if q.nonfinite is None:
             continue
         if isinstance(out, Float8TensorStorage):
-            pairs.append((q, out.scale_inv, False))
+            pairs.append((q.nonfinite, out.scale_inv, False))
             continue
         scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
         if scales.numel():  # an empty tensor (an expert without tokens) has none
-            pairs.append((q, scales, True))
+            pairs.append((q.nonfinite, scales, True))
     reduced = iter(torch._foreach_max([s for _, s, reduce in pairs if reduce]) if any(r for *_, r in pairs) else ())
-    now: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for q, scales, reduce in pairs:
-        value = (next(reduced) if reduce else scales).reshape(q.nonfinite.shape)
-        pending = q.nonfinite_pending
-        if pending is None:
-            now.append((q.nonfinite, value))
-            continue
-        pending.append((q.nonfinite, value))
-        if len(pending) >= PENDING_NONFINITE_LIMIT:
-            fold_nonfinite(pending)
-    fold_nonfinite(now)
-    return outs
-
-
-# Values an owner's pending list holds before they are folded without waiting for the check (one-element
-# tensors each: the bound keeps a run whose checks are off from growing the list without end).
-PENDING_NONFINITE_LIMIT = 1024
-
-
-def fold_nonfinite(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Max-accumulate each (flag, one-element value) pair into its flag, one multi-tensor maximum per flag
-    dtype, and empty the list."""
     by_dtype: dict[torch.dtype, tuple[list, list]] = {}
-    for flag, value in pending:
+    for flag, scales, reduce in pairs:
         flags, values = by_dtype.setdefault(flag.dtype, ([], []))
         flags.append(flag)
-        values.append(value)
+        values.append((next(reduced) if reduce else scales).reshape(flag.shape))
     for flags, values in by_dtype.values():
         torch._foreach_maximum_(flags, values)
-    pending.clear()
+    return outs

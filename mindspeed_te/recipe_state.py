@@ -78,9 +78,6 @@ class RecipeState:
         # quantizers.record_nonfinite, or for delayed scaling by the per-step update; read and cleared by
         # FP8GlobalStateManager.check_nonfinite).
         self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
-        # The quantizers' flag updates not folded into `nonfinite` yet (quantizers.record_nonfinite_many); the
-        # check folds them first.
-        self.nonfinite_pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     def create(
@@ -114,10 +111,9 @@ class RecipeState:
         raise NotImplementedError
 
     def _watched(self, quantizers: list[Quantizer]) -> list[Quantizer]:
-        """Give each quantizer its slot of the non-finite flags and the state's list of pending updates."""
+        """Give each quantizer its slot of the non-finite flags."""
         for i, quantizer in enumerate(quantizers):
             quantizer.nonfinite = self.nonfinite[i : i + 1]
-            quantizer.nonfinite_pending = self.nonfinite_pending
         return quantizers
 
 

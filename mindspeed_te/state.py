@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from mindspeed_te.distributed import check_same_on_all_ranks
 from mindspeed_te.kernels import get_backend, reset_backend
-from mindspeed_te.quantizers import fold_nonfinite
 from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -334,10 +333,6 @@ class FP8GlobalStateManager:
         qstate.nonfinite_watch = [(name, weakref.ref(state)) for name, state in watched]
         if not watched:
             return []
-        pending = [update for _, state in watched for update in state.nonfinite_pending]
-        fold_nonfinite(pending)  # the quantize passes' deferred flag updates, all in one go
-        for _, state in watched:
-            state.nonfinite_pending.clear()
         flags = [state.nonfinite for _, state in watched]
         # Float flags hold NaN, or Inf (a current-scaling scale_inv); MX flags the largest E8M0 byte, decoded
         # here once for all (0xFF, the NaN byte, decodes to NaN). Float states first, then MX states.

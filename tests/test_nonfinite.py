@@ -193,32 +193,3 @@ def test_fault_with_one_region_per_layer_is_reported_once_at_the_end_of_its_step
             else:
                 y.backward(dy)
         assert dict(counter.counts) == {"tolist": 1}
-
-
-@pytest.mark.parametrize("name", ["tensorwise/hif8", "blockwise/hif8", "mxfp8/hybrid"])
-def test_flag_updates_wait_in_the_state_until_the_check(name, monkeypatch):
-    """A quantize pass appends its non-finite values to its recipe state's pending list instead of launching
-    the fold: the flags stay untouched until the check folds the list (then reads and clears them), and a list
-    reaching its bound is folded at once (a run whose checks are off keeps a bounded list)."""
-    import mindspeed_te.quantizers as quantizers
-    from mindspeed_te.kernels import get_backend
-    from mindspeed_te.recipe_state import RecipeState
-
-    state = RecipeState.create(RECIPES[name](), mode="forward", num_quantizers=3)
-    q = state.make_quantizers()[0]
-    x = torch.randn(64, 128)
-    x[3, 4] = math.nan
-    get_backend().quantize(q, x)
-    assert len(state.nonfinite_pending) == 1 and not state.nonfinite.any()  # not folded yet
-    FP8GlobalStateManager.reset()
-    FP8GlobalStateManager.watch_nonfinite("layer", state)
-    with pytest.warns(RuntimeWarning, match="layer input"):
-        assert FP8GlobalStateManager.check_nonfinite() == ["layer input"]
-    assert state.nonfinite_pending == [] and not state.nonfinite.any()  # folded, read, cleared
-
-    monkeypatch.setattr(quantizers, "PENDING_NONFINITE_LIMIT", 3)
-    for i in range(3):
-        get_backend().quantize(q, x)
-        assert len(state.nonfinite_pending) == (i + 1) % 3
-    assert torch.isnan(state.nonfinite[0].float()) or state.nonfinite[0] == 0xFF  # folded at the bound
-    FP8GlobalStateManager.reset()
