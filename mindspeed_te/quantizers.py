@@ -78,6 +78,11 @@ class Quantizer:
         self.nonfinite: Optional[torch.Tensor] = None
         self.nonfinite_pending: Optional[list[NonfinitePair]] = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (a saved FP8 parameter keeps its quantizer) leave out the pending notes: they are
+        the step's bookkeeping, holding other layers' tensors; a copy folds its own."""
+        return {**self.__dict__, "nonfinite_pending": None}
+
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is not None:
             self.rowwise_usage = rowwise

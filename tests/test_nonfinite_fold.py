@@ -1,6 +1,8 @@
 """Issue 9: the quantizes of a step only note their non-finite flag updates; the state manager folds the whole
 step's at once, before it reads the flags and at every step end (check on or off), and holds nothing past it."""
+import copy
 import gc
+import io
 import math
 import warnings
 import weakref
@@ -8,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from mindspeed_te import FP8GlobalStateManager, Float8CurrentScaling, MXFP8BlockScaling, fp8_autocast
+from mindspeed_te import Float8CurrentScaling, FP8GlobalStateManager, MXFP8BlockScaling, fp8_autocast
 from mindspeed_te.modules import Linear
 
 RECIPES = {"tensorwise": Float8CurrentScaling, "mxfp8": MXFP8BlockScaling}
@@ -87,3 +89,19 @@ def test_notes_of_a_deleted_module_are_released_at_the_step_end():
         pass
     gc.collect()
     assert _pending() == [] and all(ref() is None for ref in refs)
+
+
+def test_copies_and_pickles_of_a_quantizer_leave_the_step_notes_behind():
+    """A saved FP8 parameter pickles its quantizer: the step's notes (other layers' tensors) are not saved."""
+    layer = Linear(64, 64)
+    x, _ = _inputs()
+    with fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
+        layer(x)
+    quantizer = layer.fp8_states[0].make_quantizers()[0]
+    assert quantizer.nonfinite_pending is _pending() and _pending()
+    buffer = io.BytesIO()
+    torch.save(quantizer, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(quantizer), torch.load(buffer, weights_only=False)):
+        assert twin.nonfinite_pending is None and torch.equal(twin.nonfinite, quantizer.nonfinite)
+    assert quantizer.nonfinite_pending is _pending()
