@@ -56,6 +56,7 @@ TARGETS = {
     "NPU launches, linear backward, mxfp8": (6, False),
     "NPU launches, delayed update per step": (16, False),
     "NPU launches, HiF8 delayed update per step": (16, False),
+    "NPU launches, non-finite fold per step": (4, False),
     **{f"GPT step {label} / bf16": (1.3, False) for label in ("delayed HiF8", "delayed E4M3", "delayed HYBRID",
                                                             "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3")},
 }
@@ -207,8 +208,10 @@ def launch_recipes() -> dict[str, Recipe]:
 def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of one `Linear(256, 256, bias=True)` forward (weight quantization included) and backward in a
     training step, on 128 tokens. The measured layer is the second of two, so its backward does not carry
-    the step's backward amax update (counted by `update_launches`); the second step is measured, so
-    delayed scaling runs with real scales."""
+    what runs once per step for all layers at the step's end: the backward amax update (counted by
+    `update_launches`) and the fold of the non-finite flag updates its quantizes noted (counted by
+    `fold_launches`; here it runs at the next step's entry, outside both counts). The second step is
+    measured, so delayed scaling runs with real scales."""
     first, layer = (Linear(256, 256, bias=True, params_dtype=dtype) for _ in range(2))
     x = torch.randn(128, 256, dtype=dtype)
     for _ in range(2):
@@ -244,6 +247,29 @@ def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 
     return forward, backward
 
 
+def fold_launches(recipe: Recipe, layers: int, npu: Any) -> LaunchCounter:
+    """Launches of the per-step fold of the non-finite flag updates the quantizes of a bf16 training step
+    (forward and backward) of `layers` Linear(128, 128) noted (the count does not depend on the sizes: small
+    layers keep the simulator quick), measured where the step ends: the next outermost entry (the region's
+    first module is a separate layer whose graph is dropped, so no backward ends the step before). The
+    check is off, so that end is the fold alone (the check reads the folded flags with a few ops and one
+    host read of its own)."""
+    FP8GlobalStateManager.reset()
+    FP8GlobalStateManager.quantization_state.nonfinite_check = False
+    first = Linear(128, 128, bias=True, params_dtype=torch.bfloat16)
+    model = torch.nn.Sequential(*(Linear(128, 128, bias=True, params_dtype=torch.bfloat16) for _ in range(layers)))
+    with fp8_autocast(fp8_recipe=recipe):
+        h = first(torch.randn(128, 128, dtype=torch.bfloat16)).detach().requires_grad_()
+        out = model(h)
+    out.backward(torch.ones_like(out))
+    autocast = fp8_autocast(fp8_recipe=recipe)
+    with LaunchCounter(npu) as counter:
+        autocast.__enter__()
+    autocast.__exit__(None, None, None)
+    FP8GlobalStateManager.reset()
+    return counter
+
+
 # HIF8DelayedScaling with one warm-up step and scales updated every 2 steps (the counts do not depend on the
 # intervals, the run time does): step 3 updates the scales, step 2 only accumulates.
 HIF8_UPDATE_RECIPE = dict(amax_collect_interval=1, scale_update_interval=2)
@@ -275,6 +301,11 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                 for direction, counter in (("forward", forward), ("backward", backward)):
                     rows.append(("NPU launches, HiF8 delayed update per step", float(counter.total),
                                  f"{layers} layers, {direction}, step {step} ({kind})"))
+            for name, recipe in launch_recipes().items():
+                if name.startswith("delayed"):
+                    continue  # no flag updates to fold: delayed scaling's amaxes reach the flags at the update
+                rows.append(("NPU launches, non-finite fold per step", float(fold_launches(recipe, layers, npu).total),
+                             f"{name}, {layers} layers"))
     FP8GlobalStateManager.reset()
     return rows
 

@@ -31,6 +31,8 @@ from mindspeed_te.tensor import (
 __all__ = [
     "record_nonfinite",
     "record_nonfinite_many",
+    "fold_nonfinite_pairs",
+    "NonfinitePair",
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
@@ -38,6 +40,10 @@ __all__ = [
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
 ]
+
+# (a quantizer's non-finite flag, the decode scales of a tensor it quantized, whether those are block scales
+# to reduce to their max first): what `record_nonfinite_many` notes and `fold_nonfinite_pairs` folds.
+NonfinitePair = tuple[torch.Tensor, torch.Tensor, bool]
 
 # The largest exponent of a normal element, used by the OCP MX rule (floor(log2 amax) - emax).
 _EMAX = {FP8Dtype.E4M3: 8, FP8Dtype.E5M2: 15}
@@ -65,9 +71,17 @@ class Quantizer:
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
         # A one-element flag (set by the module's recipe state) that becomes NaN (float32; for MX the uint8
-        # E8M0 NaN byte 0xFF) once a tensor holding NaN/Inf is quantized here; FP8GlobalStateManager.
-        # check_nonfinite reports and clears it.
+        # E8M0 NaN byte 0xFF) once a tensor holding NaN/Inf was quantized here; FP8GlobalStateManager.
+        # check_nonfinite reports and clears it. `nonfinite_pending` (set with the flag for a watched module):
+        # where record_nonfinite_many notes the flag's updates until the state manager folds the step's at
+        # once; None: each quantize folds its own.
         self.nonfinite: Optional[torch.Tensor] = None
+        self.nonfinite_pending: Optional[list[NonfinitePair]] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles (a saved FP8 parameter keeps its quantizer) leave out the pending notes: they are
+        the step's bookkeeping, holding other layers' tensors; a copy folds its own."""
+        return {**self.__dict__, "nonfinite_pending": None}
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is not None:
@@ -323,34 +337,51 @@ class MXFP8Quantizer(Quantizer):
 
 
 def record_nonfinite(quantizer: Quantizer, out: QuantizedTensorStorage) -> QuantizedTensorStorage:
-    """Fold `out`'s decode scales into the quantizer's non-finite flag (if it has one) and return `out`."""
+    """`record_nonfinite_many` of one quantized tensor."""
     return record_nonfinite_many([quantizer], [out])[0]
 
 
 def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[QuantizedTensorStorage]
                           ) -> Sequence[QuantizedTensorStorage]:
-    """Fold the decode scales of several quantized tensors into their quantizers' non-finite flags (those
-    that have one) and return `outs`. NaN/Inf data gives NaN decode scales (`scaling.mark_nonfinite`), or
-    E8M0's NaN byte 0xFF for MX, whose flags are uint8 and keep the largest scale byte seen (see
-    `MXFP8BlockScalingRecipeState`); MAX keeps either. No host sync, and the same launches for one tensor as
-    for several: one multi-tensor max over the block-scaled tensors' scales, one multi-tensor maximum into
-    the flags per flag dtype."""
-    pairs = []
+    """Note each quantized tensor's decode scales for its quantizer's non-finite flag (those that have one)
+    and return `outs`. A quantizer with a `nonfinite_pending` list (a watched module's: the state manager's
+    list for the whole step) only appends (flag, scales) there, no device op; the state manager folds the
+    step's pairs at once (`FP8GlobalStateManager.fold_nonfinite`) before it reads the flags. Without one the
+    pairs are folded now."""
+    now: list[NonfinitePair] = []
     for q, out in zip(quantizers, outs):
         if q.nonfinite is None:
             continue
         if isinstance(out, Float8TensorStorage):
-            pairs.append((q.nonfinite, out.scale_inv, False))
-            continue
-        scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
-        if scales.numel():  # an empty tensor (an expert without tokens) has none
-            pairs.append((q.nonfinite, scales, True))
-    reduced = iter(torch._foreach_max([s for _, s, reduce in pairs if reduce]) if any(r for *_, r in pairs) else ())
-    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
-    for flag, scales, reduce in pairs:
-        flags, values = by_dtype.setdefault(flag.dtype, ([], []))
-        flags.append(flag)
-        values.append((next(reduced) if reduce else scales).reshape(flag.shape))
-    for flags, values in by_dtype.values():
-        torch._foreach_maximum_(flags, values)
+            pair = (q.nonfinite, out.scale_inv, False)
+        else:
+            scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
+            if not scales.numel():  # an empty tensor (an expert without tokens) has none
+                continue
+            pair = (q.nonfinite, scales, True)
+        (now if q.nonfinite_pending is None else q.nonfinite_pending).append(pair)
+    fold_nonfinite_pairs(now)
     return outs
+
+
+def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
+    """Max-accumulate decode scales into their non-finite flags. NaN/Inf data gives NaN decode scales
+    (`scaling.mark_nonfinite`), or E8M0's NaN byte 0xFF for MX, whose flags are uint8 and keep the largest
+    scale byte seen (see `MXFP8BlockScalingRecipeState`); MAX keeps either. No host sync, and the same
+    launches for one pair as for a whole step's: one multi-tensor max over the block scales and one
+    multi-tensor maximum into the flags, each per dtype (a multi-tensor op is one launch for one dtype)."""
+    values = [scales for _, scales, _ in pairs]
+    blocks: dict[torch.dtype, list[int]] = {}
+    for i, (_, scales, reduce) in enumerate(pairs):
+        if reduce:
+            blocks.setdefault(scales.dtype, []).append(i)
+    for indices in blocks.values():
+        for i, reduced in zip(indices, torch._foreach_max([values[i] for i in indices])):
+            values[i] = reduced
+    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+    for (flag, _, _), value in zip(pairs, values):
+        flags, maxima = by_dtype.setdefault(flag.dtype, ([], []))
+        flags.append(flag)
+        maxima.append(value.reshape(flag.shape))
+    for flags, maxima in by_dtype.values():
+        torch._foreach_maximum_(flags, maxima)

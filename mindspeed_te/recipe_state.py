@@ -17,6 +17,7 @@ from mindspeed_te.quantizers import (
     Float8Quantizer,
     Float8WarmupQuantizer,
     MXFP8Quantizer,
+    NonfinitePair,
     Quantizer,
 )
 from mindspeed_te.recipe import (
@@ -76,8 +77,10 @@ class RecipeState:
         self.fp8_dtype = recipe.fp8_dtype(self.forward)
         # Per slot: non-finite once a tensor holding NaN/Inf was quantized there since the last check (set by
         # quantizers.record_nonfinite, or for delayed scaling by the per-step update; read and cleared by
-        # FP8GlobalStateManager.check_nonfinite).
+        # FP8GlobalStateManager.check_nonfinite). `nonfinite_pending`: the state manager's list of the step's
+        # flag updates, given to this state's quantizers (set by FP8GlobalStateManager.watch_nonfinite).
         self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
+        self.nonfinite_pending: Optional[list[NonfinitePair]] = None
 
     @staticmethod
     def create(
@@ -111,9 +114,10 @@ class RecipeState:
         raise NotImplementedError
 
     def _watched(self, quantizers: list[Quantizer]) -> list[Quantizer]:
-        """Give each quantizer its slot of the non-finite flags."""
+        """Give each quantizer its slot of the non-finite flags, and where to note their updates."""
         for i, quantizer in enumerate(quantizers):
             quantizer.nonfinite = self.nonfinite[i : i + 1]
+            quantizer.nonfinite_pending = self.nonfinite_pending
         return quantizers
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mindspeed_te.distributed import check_same_on_all_ranks
 from mindspeed_te.kernels import get_backend, reset_backend
+from mindspeed_te.quantizers import NonfinitePair, fold_nonfinite_pairs
 from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -125,6 +126,9 @@ class FP8GlobalState:
     nonfinite_unchecked: bool = False  # an outermost region ran since the last check
     nonfinite_steps: int = 0
     nonfinite_counts: Counter = field(default_factory=Counter)
+    # The flag updates the watched states' quantizers noted since the last fold (quantizers.
+    # record_nonfinite_many), folded once per step for all layers (fold_nonfinite).
+    nonfinite_pending: list[NonfinitePair] = field(default_factory=list)
     # reduction groups (by id) whose ranks were checked to run the same recipe
     recipe_agreed_groups: set[int] = field(default_factory=set)
     # Sees every quantized GEMM operand when set (the numerics report of mindspeed_te.debug registers here,
@@ -177,7 +181,13 @@ class FP8GlobalStateManager:
     @classmethod
     def reset(cls) -> None:
         """Back to the state at import (for tests and for starting a new run in one process); the kernel
-        backend is chosen from the environment again at its next use."""
+        backend is chosen from the environment again at its next use. Watched states stop noting their flag
+        updates in the old state's list (no one would fold it): a module that outlives the reset folds its
+        own at each quantize until it is watched again."""
+        for _, ref in cls.quantization_state.nonfinite_watch:
+            state = ref()
+            if state is not None:
+                state.nonfinite_pending = None
         cls.quantization_state = FP8GlobalState()
         reset_backend()
 
@@ -307,8 +317,10 @@ class FP8GlobalStateManager:
     @classmethod
     def watch_nonfinite(cls, module_name: str, state: RecipeState) -> None:
         """Have `check_nonfinite` report NaN/Inf that `state`'s quantizers see, naming `module_name`. Watching a
-        watched state again renames it (e.g. once Megatron's model is built and its layers have paths)."""
+        watched state again renames it (e.g. once Megatron's model is built and its layers have paths). Its
+        quantizers made from now on note their flag updates for the per-step fold (`fold_nonfinite`)."""
         qstate = cls.quantization_state
+        state.nonfinite_pending = qstate.nonfinite_pending
         qstate.nonfinite_watch = [(name, ref) for name, ref in qstate.nonfinite_watch if ref() is not state]
         qstate.nonfinite_watch.append((module_name, weakref.ref(state)))
 
@@ -325,7 +337,8 @@ class FP8GlobalStateManager:
         warn once per check naming them, count them, tell the listeners, and clear the flags. One host read of
         all flags, at the end of each step: after the last backward amax reduction the step's regions owe, at
         the exit of a region run without gradients, else (backward never ran) at the next outermost entry.
-        `nonfinite_check` off turns these automatic checks off."""
+        `nonfinite_check` off turns these automatic checks off (the step end then only folds)."""
+        cls.fold_nonfinite()
         qstate = cls.quantization_state
         qstate.nonfinite_unchecked = False
         watched = [(name, ref()) for name, ref in qstate.nonfinite_watch]
@@ -362,10 +375,25 @@ class FP8GlobalStateManager:
         return found
 
     @classmethod
-    def _check_nonfinite_if_pending(cls) -> None:
+    def fold_nonfinite(cls) -> None:
+        """Fold the flag updates noted since the last fold into the flags, all layers' at once: one
+        multi-tensor max over their block scales and one multi-tensor maximum into the flags (per dtype,
+        `quantizers.fold_nonfinite_pairs`). Runs before the flags are read and at the end of every step, so
+        the list never outlives a step. The pairs are taken first: a failure cannot leave them behind."""
+        qstate = cls.quantization_state
+        pairs, qstate.nonfinite_pending[:] = list(qstate.nonfinite_pending), []
+        fold_nonfinite_pairs(pairs)
+
+    @classmethod
+    def _end_step_nonfinite(cls) -> None:
+        """The step is over: check the flags (which folds first), or with the check off, or nothing left to
+        check, still fold, so that the flags stay current for a later `check_nonfinite` and the pending
+        pairs never pile up."""
         qstate = cls.quantization_state
         if qstate.nonfinite_unchecked and qstate.nonfinite_check:
             cls.check_nonfinite()
+        else:
+            cls.fold_nonfinite()
 
     @classmethod
     def get_nonfinite_counts(cls) -> dict[str, int]:
@@ -466,7 +494,7 @@ class FP8GlobalStateManager:
         qstate.backward_reducers = {seq: ref for seq, ref in qstate.backward_reducers.items() if ref() is not ctx}
         cls.reduce_and_update_fp8_tensors(forward=False)
         if not qstate.backward_reducers:
-            cls._check_nonfinite_if_pending()
+            cls._end_step_nonfinite()
 
     @classmethod
     def take_used_autocast_keys(cls) -> set[str]:
@@ -526,7 +554,7 @@ class FP8GlobalStateManager:
         if qstate.autocast_depth == 0:
             cls._drop_stale_backward_registrations()
             if not qstate.backward_reducers:  # no backward to come that would end the step before
-                cls._check_nonfinite_if_pending()
+                cls._end_step_nonfinite()
             qstate.nonfinite_unchecked = True
             qstate.region_seq += 1
             # Set even when this outer region is disabled: an enabled region nested inside still has a
@@ -562,7 +590,7 @@ class FP8GlobalStateManager:
         if not failed and not torch.is_grad_enabled():
             slots = [] if calibrating else cls._flag_nonfinite_amaxes(qstate.registered_in_region)
             faults = qstate.nonfinite_steps
-            cls._check_nonfinite_if_pending()  # no backward follows: this region is the whole step
+            cls._end_step_nonfinite()  # no backward follows: this region is the whole step
             if slots and qstate.nonfinite_steps > faults:
                 # reported now: the next training update must neither count these amaxes again nor see them
                 for slot in slots:

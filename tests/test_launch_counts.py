@@ -68,6 +68,25 @@ def test_hif8_delayed_update_is_batched_too():
         assert totals[layers, "accumulating"] == [4, 4]
 
 
+@pytest.mark.parametrize("recipe_name", ["tensorwise", "blockwise", "mxfp8"])
+def test_nonfinite_fold_is_a_fixed_handful_of_launches_per_step(recipe_name):
+    """The non-finite flag updates every quantize of a step noted (forward and backward, all layers) are
+    folded once, at the step's end: one multi-tensor maximum of the per-tensor scales into the float32 flags
+    (tensorwise: 1); blockwise and MXFP8 first one multi-tensor max over each tensor's block scales (2), for
+    2 layers as for 32."""
+    from mindspeed_te.bench import fold_launches
+    from mindspeed_te.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+
+    recipe = {"tensorwise": Float8CurrentScaling(), "blockwise": Float8BlockScaling(),
+              "mxfp8": MXFP8BlockScaling()}[recipe_name]
+    with _simulated() as npu:
+        counts = {layers: dict(fold_launches(recipe, layers, npu).counts) for layers in (2, 32)}
+    expected = {"aten._foreach_maximum_": 1}
+    if recipe_name != "tensorwise":
+        expected["aten._foreach_max"] = 1
+    assert counts[2] == counts[32] == expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delayed_linear_launches(dtype):
     """Forward: one multi-tensor amax of input and weight, one max into their history slots, one NaN mark of
@@ -90,11 +109,10 @@ def test_delayed_linear_launches(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensorwise_linear_launches(dtype):
-    """bfloat16: npu_dynamic_quant per tensor, one non-finite flag update for the input and weight together,
-    the bias cast to float32 (the kernel's only bias dtype), the GEMM (5); backward quantize, flag, dgrad, wgrad,
-    bias gradient (5). float32, which npu_dynamic_quant
-    does not take: one multi-tensor amax, scale_inv from it in 3 ops (amax == 0, addcdiv, clamp), npu_quantize
-    per tensor, one flag update (8 forward, 9 backward)."""
+    """bfloat16: npu_dynamic_quant per tensor, the bias cast to float32 (the kernel's only bias dtype), the GEMM
+    (4); backward quantize, dgrad, wgrad, bias gradient (4). float32, which npu_dynamic_quant does not take: one
+    multi-tensor amax, scale_inv from it in 3 ops (amax == 0, addcdiv, clamp), npu_quantize per tensor (7
+    forward, 8 backward). The non-finite flag updates are folded once per step (test_nonfinite_fold_...)."""
     from mindspeed_te.bench import linear_launches
     from mindspeed_te.recipe import Float8CurrentScaling, Format
 
@@ -102,8 +120,9 @@ def test_tensorwise_linear_launches(dtype):
     with _simulated() as npu:
         for fmt in (Format.E4M3, Format.HYBRID, Format.HIF8):
             forward, backward = linear_launches(Float8CurrentScaling(fp8_format=fmt), dtype, npu)
-            assert forward.total == (5 if bf16 else 8), dict(forward.counts)
-            assert backward.total == (5 if bf16 else 9), dict(backward.counts)
+            assert forward.total == (4 if bf16 else 7), dict(forward.counts)
+            assert backward.total == (4 if bf16 else 8), dict(backward.counts)
+            assert "aten._foreach_maximum_" not in forward.counts and "aten._foreach_maximum_" not in backward.counts
             kernel = "torch_npu.npu_dynamic_quant" if bf16 else "torch_npu.npu_quantize"
             assert forward.counts[kernel] == 2 and backward.counts[kernel] == 1
 
@@ -140,10 +159,10 @@ def test_blockwise_power_2_linear_launches(fmt):
     decode + one npu_quantize of the (m * k / 128, 128) view along axis 0 (4). A columnwise 1x128 layout keeps
     the kernel's E8M0 bytes, which only the wgrad GEMM reads: bf16 the kernel alone (1); float32 kernel + max
     of four + decode + division + cast (5). The 128x128 weight: the kernel + one max over the tile's 128 rows
-    (and, float32, their four 32-blocks) + decode + div + cast (5). The non-finite flags of a pass: one
-    multi-tensor max, one multi-tensor maximum (2). Forward: fprop GEMM ([1, 128, 128], no bias) + one add of
-    the bias into the output dtype. Backward: dgrad GEMM; the 1x128 x 1x128 wgrad in the MX mode, each operand's bytes
-    repeated for the 32-blocks (1 each); the bias gradient's sum."""
+    (and, float32, their four 32-blocks) + decode + div + cast (5). The non-finite flags: none (folded once
+    per step). Forward: fprop GEMM ([1, 128, 128], no bias) + one add of the bias into the output dtype.
+    Backward: dgrad GEMM; the 1x128 x 1x128 wgrad in the MX mode, each operand's bytes repeated for the
+    32-blocks (1 each); the bias gradient's sum."""
     from mindspeed_te.recipe import Float8BlockScaling, Format
 
     recipe = Float8BlockScaling(fp8_format=Format[fmt])
@@ -152,8 +171,8 @@ def test_blockwise_power_2_linear_launches(fmt):
     weight = {torch.bfloat16: 5, torch.float32: 5}
     for dtype in (torch.bfloat16, torch.float32):
         forward, backward = _per_recipe_counts(recipe, dtype)
-        assert forward.total == rowwise[dtype] + columnwise[dtype] + weight[dtype] + 2 + 1 + 1, dict(forward.counts)
-        assert backward.total == rowwise[dtype] + columnwise[dtype] + 2 + 1 + 2 + 1 + 1, dict(backward.counts)
+        assert forward.total == rowwise[dtype] + columnwise[dtype] + weight[dtype] + 1 + 1, dict(forward.counts)
+        assert backward.total == rowwise[dtype] + columnwise[dtype] + 1 + 2 + 1 + 1, dict(backward.counts)
         assert forward.counts["torch_npu.npu_dynamic_mx_quant"] == 3
         assert backward.counts["torch_npu.npu_quant_matmul"] == 2 and "aten.mm" not in backward.counts
         assert "aten.bitwise_right_shift" not in backward.counts  # the wgrad takes the kernel's bytes
@@ -165,18 +184,19 @@ def test_blockwise_power_2_hif8_linear_launches():
     in 7 ops (NaN/Inf to the target, 0 to the target, target / amax, FLT_MAX clamp, power-of-2 floor,
     reciprocal, NaN mark) + one cast of the divisors for a bf16 input; one npu_quantize per layout with a tile
     per row, + 1 for the columnwise layout's transposed copy and for the 128x128 weight's divisors repeated per
-    row. The non-finite flags (2). Forward: input rowwise and columnwise, weight (3 layouts), fprop GEMM, bias
-    add. Backward: the gradient's two layouts, dgrad GEMM, the 1x128 x 1x128 HiF8 wgrad (no npu_quant_matmul
-    mode takes it: each operand decoded by one npu_dtype_cast and multiplied by its tile scales broadcast, one
-    matmul: 5, + the cast of a bf16 result), the bias gradient's sum."""
+    row (the non-finite flags are folded once per step, outside these counts). Forward: input rowwise and
+    columnwise, weight (3 layouts), fprop GEMM, bias add. Backward: the gradient's two layouts, dgrad GEMM, the
+    1x128 x 1x128 HiF8 wgrad (no npu_quant_matmul mode takes it: each operand decoded by one npu_dtype_cast and
+    multiplied by its tile scales broadcast, one matmul: 5, + the cast of a bf16 result), the bias gradient's
+    sum."""
     from mindspeed_te.recipe import Float8BlockScaling, Format
 
     for dtype in (torch.bfloat16, torch.float32):
         bf16 = dtype == torch.bfloat16
         forward, backward = _per_recipe_counts(Float8BlockScaling(fp8_format=Format.HIF8), dtype)
         scales = 7 + bf16
-        assert forward.total == 3 + scales + 3 + 1 + 1 + 2 + 1 + 1, dict(forward.counts)
-        assert backward.total == 2 + scales + 2 + 1 + 2 + 1 + 5 + bf16 + 1, dict(backward.counts)
+        assert forward.total == 3 + scales + 3 + 1 + 1 + 1 + 1, dict(forward.counts)
+        assert backward.total == 2 + scales + 2 + 1 + 1 + 5 + bf16 + 1, dict(backward.counts)
         assert backward.counts["torch_npu.npu_dtype_cast"] == 2 and "aten.gather" not in backward.counts
         assert forward.counts["torch_npu.npu_quantize"] == 3 and backward.counts["torch_npu.npu_quantize"] == 2
         assert forward.counts["aten.linalg_vector_norm"] == 3 and forward.counts["aten.div"] == 1
@@ -186,17 +206,17 @@ def test_blockwise_power_2_hif8_linear_launches():
 def test_mxfp8_linear_launches(chip):
     """MXFP8: two layouts per quantizer, each one npu_dynamic_mx_quant; on the 950DT with a bf16 input one
     npu_dynamic_mx_quant_with_dual_axis, whose columnwise scales the GEMM takes in the kernel's layout (no
-    copy). The non-finite flags of a pass: one multi-tensor max over the E8M0 scale bytes, one multi-tensor
-    maximum into the uint8 flags (2). The GEMM with its float32 bias inside (a bf16 bias is cast: the MX mode
-    takes float32 only). Backward: the gradient's two layouts, its flag (2), dgrad, wgrad, the bias gradient."""
+    copy). The non-finite flags: none (folded once per step). The GEMM with its float32 bias inside (a bf16
+    bias is cast: the MX mode takes float32 only). Backward: the gradient's two layouts, dgrad, wgrad, the
+    bias gradient."""
     from mindspeed_te.recipe import MXFP8BlockScaling
 
     for dtype in (torch.bfloat16, torch.float32):
         forward, backward = _per_recipe_counts(MXFP8BlockScaling(), dtype, chip)
         dual = chip == "Ascend950DT" and dtype == torch.bfloat16
         quantizes = 2 if dual else 4
-        assert forward.total == quantizes + 2 + 1 + (dtype == torch.bfloat16), dict(forward.counts)
-        assert backward.total == quantizes // 2 + 2 + 2 + 1, dict(backward.counts)
+        assert forward.total == quantizes + 1 + (dtype == torch.bfloat16), dict(forward.counts)
+        assert backward.total == quantizes // 2 + 2 + 1, dict(backward.counts)
         assert forward.counts["torch_npu.npu_dynamic_mx_quant_with_dual_axis"] == 2 * dual
         assert backward.counts["torch_npu.npu_dynamic_mx_quant_with_dual_axis"] == dual
         assert forward.counts["torch_npu.npu_dynamic_mx_quant"] == 4 * (not dual)
@@ -208,8 +228,8 @@ def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
     """is_first_microbatch=False (TE's micro-batch cache): the weight's quantized form and the bias in the
     GEMM's float32 form are kept from the step's first micro-batch, so a later bf16 forward quantizes only the
     input and casts nothing -- delayed: amax, history max, NaN mark, npu_quantize, GEMM (5); tensorwise:
-    npu_dynamic_quant, flag, GEMM (3); MXFP8: two layouts, flag max and maximum, GEMM (5) -- and gives the
-    same output as quantizing and casting again."""
+    npu_dynamic_quant, GEMM (2); MXFP8: two layouts, GEMM (3) -- and gives the same output as quantizing and
+    casting again."""
     from mindspeed_te import Linear, fp8_autocast
     from mindspeed_te.diagnostics import LaunchCounter
     from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
@@ -225,6 +245,6 @@ def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
         with LaunchCounter(npu) as counter:
             cached = layer(x, is_first_microbatch=False)
         fresh = layer(x, is_first_microbatch=None)
-    assert counter.total == {"delayed": 5, "tensorwise": 3, "mxfp8": 5}[recipe_name], dict(counter.counts)
+    assert counter.total == {"delayed": 5, "tensorwise": 2, "mxfp8": 3}[recipe_name], dict(counter.counts)
     assert "aten._to_copy" not in counter.counts
     assert torch.equal(cached, fresh)

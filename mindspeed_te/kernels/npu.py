@@ -21,8 +21,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
                Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
                them out, which the GEMM takes)
-  flags        the non-finite flags of a quantize pass: one multi-tensor max of the block scales + one
-               multi-tensor maximum into the flags (quantizers.record_nonfinite_many)
+  flags        a quantize pass only notes its non-finite flag updates (quantizers.record_nonfinite_many); the
+               state manager folds the whole step's once (FP8GlobalStateManager.fold_nonfinite)
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
                blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
                take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
