@@ -118,12 +118,29 @@ __attribute__((target("avx2"))) static int64_t cast_fp8_avx2(const Job *j, int64
     return i;
 }
 
-static int has_avx2(void) {
-    static int known = -1;
-    if (known < 0) known = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return known;
-}
 #endif
+
+/* The vector code a CPU runs: the widest it has, at most simd_limit (set_simd lowers the limit so that the
+ * tests also run the narrower paths, which machines without AVX-512 or AVX2 take). */
+enum { SIMD_NONE = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
+static int simd_limit = SIMD_AVX512;
+
+static int simd_level(void) {
+    static int cpu = -1;
+    if (cpu < 0) {
+        cpu = SIMD_NONE;
+#if defined(__x86_64__)
+        if (__builtin_cpu_supports("avx2")) cpu = SIMD_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512cd"))
+            cpu = SIMD_AVX512;
+#endif
+    }
+    return cpu < simd_limit ? cpu : simd_limit;
+}
+
+static int has_avx2(void) { return simd_level() >= SIMD_AVX2; }
 
 static void cast_range(Job *j) {
     const float s = j->scale_inv;
@@ -374,6 +391,8 @@ typedef struct {
     void *row_scale, *col_scale; /* float32 (blockwise) or uint8 E8M0 codes (MX) */
     int64_t strip_begin, strip_end;
     int64_t ld, r_org, c_org; /* input (r, c) is in[(r - r_org) * ld + c - c_org]: the tensor or a tile's copy */
+    int avx512;    /* the AVX-512 tiles take the job, with `work` (a Tile512) as their work space */
+    void *work;
 } TileJob;
 
 static inline int64_t at(const TileJob *j, int64_t r, int64_t c) { return (r - j->r_org) * j->ld + c - j->c_org; }
@@ -689,6 +708,305 @@ static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c
     }
 }
 
+#if defined(__x86_64__)
+/* ---- AVX-512 tiles (E4M3 / E5M2 out, block dividing 128, multiple of 16) -----------------------------
+ * A strip of 128 rows is walked in tiles of 128 x 128 elements, each holding whole blocks of both layouts.
+ * Pass 1 reads the tile from memory once: a float32 copy into a contiguous buffer (L2; the tensor's rows
+ * are often a power of two apart and would evict each other), the rowwise block maxima and the column
+ * maxima. The scales of all the tile's blocks are then computed 16 at a time, and pass 2 casts the buffer:
+ * rowwise codes straight to the output, columnwise codes into a byte tile that is transposed in registers
+ * (16 x 16 bytes in each 128-bit lane) into the (K, M) output. Same arithmetic as the scalar code (the
+ * tests compare every path with the torch ops), 16 lanes at a time. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd")))
+#define T512 128 /* rows and columns of a tile */
+#define PREFETCH_ROWS 8 /* rows ahead: the tile's short row segments do not wake the hardware prefetcher */
+
+/* to_fp8 of 16 lanes (format E4M3 when e4m3, else E5M2; a constant after inlining), codes in int32 lanes. */
+AVX512 static inline __m512i codes16(__m512 q, const int e4m3) {
+    const int mbits = e4m3 ? 3 : 2;
+    const __m512i min_e = _mm512_set1_epi32((e4m3 ? 121 : 113) << 23);
+    const __m512i u = _mm512_castps_si512(q);
+    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+    a = _mm512_min_epu32(a, _mm512_set1_epi32(e4m3 ? 0x43E00000 : 0x47600000));
+    a = _mm512_mask_or_epi32(a, nan, a, _mm512_set1_epi32(e4m3 ? 0x00100000 : 0x00800000));
+    const __m512i e = _mm512_max_epu32(_mm512_and_si512(a, _mm512_set1_epi32(0x7F800000)), min_e);
+    const __m512i magic = _mm512_add_epi32(e, _mm512_set1_epi32((23 - mbits) << 23));
+    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic));
+    const __m512i count = _mm512_sub_epi32(_mm512_castps_si512(sum), magic);
+    const __m512i binade = _mm512_srli_epi32(_mm512_sub_epi32(e, min_e), 23 - mbits);
+    /* code | (sign & 0x80): ternary-logic table A | (B & C) */
+    return _mm512_ternarylogic_epi32(_mm512_add_epi32(binade, count), _mm512_srli_epi32(u, 24),
+                                     _mm512_set1_epi32(0x80), 0xF8);
+}
+
+/* Four vectors of codes (int32 lanes, values < 256) as 64 bytes in element order. */
+AVX512 static inline __m512i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
+}
+
+/* The scale rules of block_scale on 16 amaxes (|x| bits) at once: the cast factors, and the stored scales
+ * (float32 bits for blockwise, E8M0 codes for MX) in int32 lanes. */
+AVX512 static inline __m512 scales16(const TileJob *j, __m512i amax_bits, __m512i *stored) {
+    const __mmask16 finite = _mm512_cmplt_epu32_mask(amax_bits, _mm512_set1_epi32(0x7F800000));
+    if (j->mode == MODE_BLOCK) {
+        __m512 amax = _mm512_castsi512_ps(amax_bits);
+        const __m512 eps = _mm512_set1_ps(j->eps);
+        if (j->eps > 0) amax = _mm512_mask_mov_ps(amax, _mm512_cmp_ps_mask(amax, eps, _CMP_LT_OQ), eps);
+        /* current_scale_inv returns 1 unless 0 < amax < Inf (a NaN fails both) */
+        const __mmask16 regular = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                                  _mm512_cmp_ps_mask(amax, _mm512_set1_ps(INFINITY), _CMP_NEQ_UQ);
+        const __m512 fp8_max = _mm512_set1_ps(j->fp8_max), one = _mm512_set1_ps(1.0f);
+        __m512 sinv;
+        if (j->pow2) {
+            const __m512 scale = _mm512_min_ps(_mm512_div_ps(fp8_max, amax), _mm512_set1_ps(FLT_MAX));
+            const __m512i pow = _mm512_and_si512(_mm512_castps_si512(scale), _mm512_set1_epi32(0x7F800000));
+            sinv = _mm512_div_ps(one, _mm512_castsi512_ps(pow));
+        } else {
+            sinv = _mm512_max_ps(_mm512_div_ps(amax, fp8_max), _mm512_set1_ps((float)(1.0 / FLT_MAX)));
+        }
+        sinv = _mm512_mask_mov_ps(one, regular, sinv);
+        *stored = _mm512_mask_mov_epi32(_mm512_castps_si512(_mm512_set1_ps(NAN)), finite, _mm512_castps_si512(sinv));
+        return j->use_mul ? _mm512_div_ps(one, sinv) : sinv;
+    }
+    /* mx_exponent from bits; a subnormal's leading one found by its leading-zero count */
+    const __mmask16 normal = _mm512_cmpge_epu32_mask(amax_bits, _mm512_set1_epi32(0x00800000));
+    const __m512i lz = _mm512_lzcnt_epi32(amax_bits); /* top = 31 - lz */
+    __m512i ea = _mm512_mask_sub_epi32(_mm512_sub_epi32(_mm512_set1_epi32(31 - 149), lz), normal,
+                                       _mm512_srli_epi32(amax_bits, 23), _mm512_set1_epi32(127));
+    __m512i e;
+    if (j->mode == MODE_MX_CEIL) {
+        uint32_t ff;
+        const int ef = log2_floor_bits(bits_of(j->fp8_max), &ff);
+        /* fraction: normal bits & 0x7FFFFF; subnormal (bits << (23 - top)) & 0x7FFFFF = bits << (lz - 8) */
+        const __m512i fa = _mm512_and_si512(
+            _mm512_mask_mov_epi32(_mm512_sllv_epi32(amax_bits, _mm512_sub_epi32(lz, _mm512_set1_epi32(8))), normal,
+                                  amax_bits),
+            _mm512_set1_epi32(0x7FFFFF));
+        e = _mm512_sub_epi32(ea, _mm512_set1_epi32(ef));
+        e = _mm512_mask_add_epi32(e, _mm512_cmpgt_epu32_mask(fa, _mm512_set1_epi32((int)ff)), e, _mm512_set1_epi32(1));
+    } else {
+        e = _mm512_sub_epi32(ea, _mm512_set1_epi32(j->emax));
+    }
+    e = _mm512_mask_mov_epi32(e, _mm512_cmpeq_epi32_mask(amax_bits, _mm512_setzero_si512()), _mm512_set1_epi32(-127));
+    e = _mm512_maskz_mov_epi32(finite, e);
+    e = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    *stored = _mm512_mask_mov_epi32(_mm512_set1_epi32(0xFF), finite, _mm512_add_epi32(e, _mm512_set1_epi32(127)));
+    /* exp2_int(-e): 2^-e as a normal float, or the subnormal 2^-127 when e = 127 */
+    const __m512i f = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), e), 23);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(f, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(127)),
+                                                     _mm512_set1_epi32(0x00400000)));
+}
+
+/* Factors and stored scales of n amaxes (n a multiple of 16). */
+AVX512 static void scales_of(const TileJob *j, const uint32_t *amax, int n, float *factor, uint32_t *stored) {
+    for (int i = 0; i < n; i += 16) {
+        __m512i s;
+        _mm512_storeu_ps(factor + i, scales16(j, _mm512_loadu_si512(amax + i), &s));
+        _mm512_storeu_si512(stored + i, s);
+    }
+}
+
+static inline void store_scale(const TileJob *j, void *scale, int64_t slot, uint32_t value) {
+    if (j->mode == MODE_BLOCK) ((uint32_t *)scale)[slot] = value;
+    else ((uint8_t *)scale)[slot] = (uint8_t)value;
+}
+
+/* Lanes of columns [16 i, 16 i + 16) that lie below w. */
+static inline __mmask16 lanes16(int w, int i) {
+    const int n = w - 16 * i;
+    return n >= 16 ? 0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
+static inline __mmask64 lanes64(int w, int i) {
+    const int n = w - 64 * i;
+    return n >= 64 ? ~(__mmask64)0 : n <= 0 ? 0 : (((__mmask64)1 << n) - 1);
+}
+
+AVX512 static inline __m512 load16(const TileJob *j, int64_t i, __mmask16 lanes, const int f32) {
+    if (f32) return _mm512_maskz_loadu_ps(lanes, (const float *)j->in + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)j->in + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Per-thread work space of the AVX-512 tiles. */
+typedef struct {
+    float buf[T512 * T512];          /* the tile, float32, row-major */
+    uint8_t codes[T512 * T512];      /* columnwise codes, row-major, before the transpose */
+    uint8_t codes_t[T512 * T512];    /* ... and after it: [column][row] */
+    uint32_t row_amax[T512 * 8];     /* rowwise 1xB: [row][block]; 128x128: [block of rows][block] */
+    uint32_t col_amax[8 * T512];     /* [block of rows][column]; for 128x128 tiles their maxima */
+    float row_f[T512 * 8], col_f[8 * T512];
+    uint32_t row_s[T512 * 8], col_s[8 * T512];
+} Tile512;
+
+/* Pass 1 over rows [r0, r0 + h) x columns [c0, c0 + w) of the input (float32 when f32, else bfloat16). */
+AVX512 static inline __attribute__((always_inline)) void tile_read(const TileJob *j, Tile512 *t, int64_t r0, int h,
+                                                                    int64_t c0, int w, const int f32) {
+    const int row_blocks = j->row_data && j->tile_rows == 1, col_max = j->col_data || j->tile_rows > 1;
+    const int bl = j->block, per = bl / 16, nbr = 8 / per, elem = f32 ? 4 : 2;
+    __mmask16 lanes[8];
+    for (int i = 0; i < 8; ++i) lanes[i] = lanes16(w, i);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    for (int b0 = 0; b0 < h; b0 += bl) {
+        __m512i cm[8];
+        for (int i = 0; i < 8; ++i) cm[i] = _mm512_setzero_si512();
+        const int b1 = b0 + bl < h ? b0 + bl : h;
+        for (int r = b0; r < b1; ++r) {
+            const int64_t i0 = (r0 + r) * j->k + c0;
+            if (r + PREFETCH_ROWS < h)
+                for (int b = 0; b < w * elem; b += 64)
+                    _mm_prefetch((const char *)j->in + (i0 + PREFETCH_ROWS * j->k) * elem + b, _MM_HINT_T0);
+            __m512i a[8];
+            for (int i = 0; i < 8; ++i) {
+                const __m512 v = load16(j, i0 + 16 * i, lanes[i], f32);
+                _mm512_store_ps(t->buf + r * T512 + 16 * i, v);
+                a[i] = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
+                if (col_max) cm[i] = _mm512_max_epu32(cm[i], a[i]);
+            }
+            if (row_blocks)
+                for (int b = 0; b < nbr; ++b) {
+                    __m512i m = a[b * per];
+                    for (int i = 1; i < per; ++i) m = _mm512_max_epu32(m, a[b * per + i]);
+                    t->row_amax[r * nbr + b] = _mm512_reduce_max_epu32(m);
+                }
+        }
+        if (col_max)
+            for (int i = 0; i < 8; ++i) _mm512_store_si512(t->col_amax + b0 / bl * T512 + 16 * i, cm[i]);
+    }
+}
+
+/* Pass 2: the codes of the buffered tile (format fixed per instantiation). */
+AVX512 static inline __attribute__((always_inline)) void tile_cast(const TileJob *j, Tile512 *t, int64_t r0, int h,
+                                                                    int64_t c0, int w, const int e4m3,
+                                                                    const int use_mul) {
+    const int bl = j->block, tiles = j->tile_rows > 1;
+    const int lg = __builtin_ctz((unsigned)bl / 16), nbr = 8 >> lg; /* vector i is in block i >> lg of its row */
+    const __mmask64 out_lanes0 = lanes64(w, 0), out_lanes1 = lanes64(w, 1);
+    for (int b0 = 0, cb = 0; b0 < h; b0 += bl, ++cb) {
+        const int b1 = b0 + bl < h ? b0 + bl : h;
+        __m512 cf[8];
+        if (j->col_data)
+            for (int i = 0; i < 8; ++i) cf[i] = _mm512_load_ps(t->col_f + cb * T512 + 16 * i);
+        for (int r = b0; r < b1; ++r) {
+            __m512 v[8];
+            for (int i = 0; i < 8; ++i) v[i] = _mm512_load_ps(t->buf + r * T512 + 16 * i);
+            if (j->row_data) {
+                __m512i c[8];
+                for (int i = 0; i < 8; ++i) {
+                    const float f = t->row_f[(tiles ? cb : r) * nbr + (i >> lg)];
+                    const __m512 fv = _mm512_set1_ps(f);
+                    c[i] = codes16(use_mul ? _mm512_mul_ps(v[i], fv) : _mm512_div_ps(v[i], fv), e4m3);
+                }
+                uint8_t *out = j->row_data + (r0 + r) * j->k + c0;
+                _mm512_mask_storeu_epi8(out, out_lanes0, pack64(c[0], c[1], c[2], c[3]));
+                _mm512_mask_storeu_epi8(out + 64, out_lanes1, pack64(c[4], c[5], c[6], c[7]));
+            }
+            if (j->col_data) {
+                __m512i c[8];
+                for (int i = 0; i < 8; ++i)
+                    c[i] = codes16(use_mul ? _mm512_mul_ps(v[i], cf[i]) : _mm512_div_ps(v[i], cf[i]), e4m3);
+                _mm512_store_si512(t->codes + r * T512, pack64(c[0], c[1], c[2], c[3]));
+                _mm512_store_si512(t->codes + r * T512 + 64, pack64(c[4], c[5], c[6], c[7]));
+            }
+        }
+    }
+}
+
+/* The passes with the input dtype, the format and mul-or-divide fixed at compile time. */
+typedef void (*TilePass)(const TileJob *, Tile512 *, int64_t, int, int64_t, int);
+#define TILE_PASS(NAME, CALL) \
+    AVX512 static void NAME(const TileJob *j, Tile512 *t, int64_t r0, int h, int64_t c0, int w) { CALL; }
+TILE_PASS(read_f32, tile_read(j, t, r0, h, c0, w, 1))
+TILE_PASS(read_bf16, tile_read(j, t, r0, h, c0, w, 0))
+TILE_PASS(cast_e5m2_div, tile_cast(j, t, r0, h, c0, w, 0, 0))
+TILE_PASS(cast_e5m2_mul, tile_cast(j, t, r0, h, c0, w, 0, 1))
+TILE_PASS(cast_e4m3_div, tile_cast(j, t, r0, h, c0, w, 1, 0))
+TILE_PASS(cast_e4m3_mul, tile_cast(j, t, r0, h, c0, w, 1, 1))
+static const TilePass tile_casts[2][2] = {{cast_e4m3_div, cast_e4m3_mul}, {cast_e5m2_div, cast_e5m2_mul}};
+
+/* The columnwise codes of the tile (h x w, row-major in t->codes) into the (K, M) output. The transpose runs
+ * 16 rows x 64 columns at a time, four 16 x 16 byte squares side by side in the 128-bit lanes (see
+ * transpose_sse2), into t->codes_t (column-major, in L1); each output row then gets its h bytes in whole
+ * cache lines (16-byte pieces straight to 128 output rows a page apart stall on the stores). */
+AVX512 static void tile_transpose(const TileJob *j, Tile512 *t, int64_t r0, int h, int64_t c0, int w) {
+    for (int rg = 0; rg < h; rg += 16)
+        for (int cg = 0; cg < w; cg += 64) {
+            __m512i a[16], b[16];
+            for (int q = 0; q < 16; ++q) a[q] = _mm512_load_si512(t->codes + (rg + q) * T512 + cg);
+            for (int round = 0; round < 4; ++round) {
+                for (int q = 0; q < 8; ++q) {
+                    b[2 * q] = _mm512_unpacklo_epi8(a[q], a[q + 8]);
+                    b[2 * q + 1] = _mm512_unpackhi_epi8(a[q], a[q + 8]);
+                }
+                memcpy(a, b, sizeof a);
+            }
+            uint8_t *out = t->codes_t + cg * T512 + rg;
+            for (int q = 0; q < 16; ++q) {
+                _mm_store_si128((__m128i *)(out + q * T512), _mm512_castsi512_si128(a[q]));
+                _mm_store_si128((__m128i *)(out + (q + 16) * T512), _mm512_extracti32x4_epi32(a[q], 1));
+                _mm_store_si128((__m128i *)(out + (q + 32) * T512), _mm512_extracti32x4_epi32(a[q], 2));
+                _mm_store_si128((__m128i *)(out + (q + 48) * T512), _mm512_extracti32x4_epi32(a[q], 3));
+            }
+        }
+    const __mmask64 lanes0 = lanes64(h, 0), lanes1 = lanes64(h, 1);
+    uint8_t *out = j->col_data + c0 * j->m + r0;
+    const int64_t m = j->m;
+    for (int c = 0; c < w; ++c) {
+        _mm512_mask_storeu_epi8(out + c * m, lanes0, _mm512_load_si512(t->codes_t + c * T512));
+        _mm512_mask_storeu_epi8(out + c * m + 64, lanes1, _mm512_load_si512(t->codes_t + c * T512 + 64));
+    }
+}
+
+/* One tile: read, scales, casts, transpose. */
+AVX512 static void tile512(const TileJob *j, Tile512 *t, int64_t r0, int h, int64_t c0, int w) {
+    const int bl = j->block, tiles = j->tile_rows > 1, row_blocks = j->row_data && !tiles;
+    const int64_t k_blocks = (j->k + bl - 1) / bl, m_blocks = (j->m + bl - 1) / bl;
+    const int nbw = (w + bl - 1) / bl, nbh = (h + bl - 1) / bl, nbr = T512 / bl;
+    (j->in_dtype == IN_F32 ? read_f32 : read_bf16)(j, t, r0, h, c0, w);
+    if (row_blocks) {
+        scales_of(j, t->row_amax, (h * nbr + 15) & ~15, t->row_f, t->row_s);
+        for (int r = 0; r < h; ++r)
+            for (int b = 0; b < nbw; ++b)
+                store_scale(j, j->row_scale, (r0 + r) * k_blocks + c0 / bl + b, t->row_s[r * nbr + b]);
+    }
+    if (tiles) { /* one amax per bl x bl tile: the maxima of its columns' maxima, [block of rows][block] */
+        const int per = bl / 16;
+        for (int cb = 0; cb < nbh; ++cb) {
+            uint32_t m[8];
+            for (int b = 0; b < 8 / per; ++b) {
+                __m512i v = _mm512_load_si512(t->col_amax + cb * T512 + b * bl);
+                for (int i = 1; i < per; ++i) v = _mm512_max_epu32(v, _mm512_load_si512(t->col_amax + cb * T512 + b * bl + 16 * i));
+                m[b] = _mm512_reduce_max_epu32(v);
+            }
+            memcpy(t->row_amax + cb * nbr, m, sizeof(uint32_t) * (size_t)nbr);
+        }
+        scales_of(j, t->row_amax, (nbh * nbr + 15) & ~15, t->row_f, t->row_s);
+        for (int cb = 0; cb < nbh; ++cb)
+            for (int b = 0; b < nbw; ++b)
+                store_scale(j, j->row_scale, (r0 / bl + cb) * k_blocks + c0 / bl + b, t->row_s[cb * nbr + b]);
+    } else if (j->col_data) {
+        scales_of(j, t->col_amax, nbh * T512, t->col_f, t->col_s); /* columns past w: amax 0, unused */
+        for (int cb = 0; cb < nbh; ++cb)
+            for (int c = 0; c < w; ++c)
+                store_scale(j, j->col_scale, (c0 + c) * m_blocks + r0 / bl + cb, t->col_s[cb * T512 + c]);
+    }
+    tile_casts[j->out_format][j->use_mul](j, t, r0, h, c0, w);
+    if (j->col_data && !tiles) tile_transpose(j, t, r0, h, c0, w);
+}
+
+/* tile_range on AVX-512: strips of 128 rows, tiles of 128 columns. */
+static void tile_range_avx512(TileJob *j) {
+    Tile512 *t = j->work;
+    for (int64_t s = j->strip_begin; s < j->strip_end; ++s) {
+        const int64_t r0 = s * T512;
+        const int h = (int)(j->m - r0 < T512 ? j->m - r0 : T512);
+        for (int64_t c0 = 0; c0 < j->k; c0 += T512) tile512(j, t, r0, h, c0, (int)(j->k - c0 < T512 ? j->k - c0 : T512));
+    }
+}
+#endif
+
 /* Rows per strip: one tile, or up to STRIP_ROWS rows of 1xB blocks (at most STRIP_BLOCKS blocks), so that the
  * columnwise output, one page per column for 4096 tokens, is written in runs of STRIP_ROWS bytes. */
 static int64_t strip_rows(int tile_rows, int block) {
@@ -703,6 +1021,9 @@ static int64_t strip_rows(int tile_rows, int block) {
  * of two apart, which maps them onto a few cache sets, so they would be evicted before that second read).
  * Without the copy (no memory for it) the columnwise loops read the tensor: same codes, slower. */
 static void tile_range(TileJob *j) {
+#if defined(__x86_64__)
+    if (j->avx512) { tile_range_avx512(j); return; }
+#endif
     const int64_t bl = j->block, strip = strip_rows(j->tile_rows, j->block);
     const int64_t elem = j->in_dtype == IN_F32 ? 4 : 2;
     int64_t chunk = TILE_BYTES / (strip * elem);
@@ -760,25 +1081,51 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     proto.avx2 = has_avx2();
     proto.avx2_cast = proto.avx2 && proto.out_format != OUT_HIF8;
+    proto.avx512 = simd_level() >= SIMD_AVX512 && proto.out_format != OUT_HIF8 && T512 % proto.block == 0 &&
+                   proto.block % 16 == 0;
 #endif
-    const int64_t strip = strip_rows(proto.tile_rows, proto.block);
-    const int64_t strips = (m + strip - 1) / strip;
+    int64_t strip = proto.avx512 ? 128 : strip_rows(proto.tile_rows, proto.block);
+    int64_t strips = (m + strip - 1) / strip;
     int64_t t = m * k / MIN_PER_THREAD;
     if (t > threads) t = threads;
     if (t > strips) t = strips;
     if (t > MAX_THREADS) t = MAX_THREADS;
     if (t < 1) t = 1;
     TileJob jobs[MAX_THREADS];
+    char *work = NULL;
+#if defined(__x86_64__)
+    if (proto.avx512 && !(work = aligned_alloc(64, (size_t)t * sizeof(Tile512)))) { /* no memory: the other path */
+        proto.avx512 = 0;
+        strip = strip_rows(proto.tile_rows, proto.block);
+        strips = (m + strip - 1) / strip;
+        t = t < strips ? t : strips;
+    }
+#endif
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (strips + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = proto;
+#if defined(__x86_64__)
+        if (work) jobs[i].work = work + i * sizeof(Tile512);
+#endif
         jobs[i].strip_begin = i * step < strips ? i * step : strips;
         jobs[i].strip_end = (i + 1) * step < strips ? (i + 1) * step : strips;
     }
     run_jobs(run_tile, jobs, sizeof(TileJob), t);
     Py_END_ALLOW_THREADS
+    free(work);
     Py_RETURN_NONE;
+}
+
+static PyObject *py_set_simd(PyObject *self, PyObject *args) {
+    int limit;
+    if (!PyArg_ParseTuple(args, "i", &limit)) return NULL;
+    if (limit < SIMD_NONE || limit > SIMD_AVX512) {
+        PyErr_SetString(PyExc_ValueError, "set_simd: limit must be 0 (scalar), 1 (AVX2) or 2 (AVX-512)");
+        return NULL;
+    }
+    simd_limit = limit;
+    return PyLong_FromLong(simd_level());
 }
 
 /* ---- Dequantize of block-scaled data: out[r, c] = values[code[r, c]] * scale[r / rows, c / cols] ----------
@@ -847,6 +1194,8 @@ static PyMethodDef methods[] = {
     {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
      "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads): out = values[codes] * "
      "scales[r / rows, c / cols]"},
+    {"set_simd", py_set_simd, METH_VARARGS,
+     "set_simd(limit): use vector code up to 0 (scalar), 1 (AVX2) or 2 (AVX-512); returns the level in effect"},
     {"current_scale_inv", py_current_scale_inv, METH_VARARGS,
      "current_scale_inv(amax, out, fp8_max, eps, pow2): *out = the current-scaling scale_inv of *amax"},
     {NULL, NULL, 0, NULL},
