@@ -319,7 +319,8 @@ def test_block_scales_at_edges(monkeypatch, simd, fmt):
     j = torch.arange(-140, 120, 10, dtype=torch.float64)
     edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
     amaxes = torch.cat([edge.float(), torch.tensor([1e-45, 3e-42, 1.1754942e-38, 1e-3, 3e38, 3.4028235e38])])
-    amaxes = torch.cat([amaxes, torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))])
+    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
+    amaxes = torch.cat([amaxes, up, down])
     amaxes = amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
     x = torch.zeros(256, 384)
     x.view(-1, 128)[: amaxes.numel(), 0] = amaxes  # one amax per 1x128 block, spread over the 128x128 tiles
