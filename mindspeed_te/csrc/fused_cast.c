@@ -133,7 +133,7 @@ static int simd_level(void) {
         if (__builtin_cpu_supports("avx2")) cpu = SIMD_AVX2;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-            __builtin_cpu_supports("avx512cd"))
+            __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512vbmi"))
             cpu = SIMD_AVX512;
 #endif
     }
@@ -717,33 +717,44 @@ static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c
  * rowwise codes straight to the output, columnwise codes into a byte tile that is transposed in registers
  * (16 x 16 bytes in each 128-bit lane) into the (K, M) output. Same arithmetic as the scalar code (the
  * tests compare every path with the torch ops), 16 lanes at a time. */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512vbmi")))
 #define T512 128 /* rows and columns of a tile */
 #define PREFETCH_ROWS 8 /* rows ahead: the tile's short row segments do not wake the hardware prefetcher */
 
-/* to_fp8 of 16 lanes (format E4M3 when e4m3, else E5M2; a constant after inlining), codes in int32 lanes. */
-AVX512 static inline __m512i codes16(__m512 q, const int e4m3) {
-    const int mbits = e4m3 ? 3 : 2;
-    const __m512i min_e = _mm512_set1_epi32((e4m3 ? 121 : 113) << 23);
-    const __m512i u = _mm512_castps_si512(q);
-    __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-    a = _mm512_min_epu32(a, _mm512_set1_epi32(e4m3 ? 0x43E00000 : 0x47600000));
-    a = _mm512_mask_or_epi32(a, nan, a, _mm512_set1_epi32(e4m3 ? 0x00100000 : 0x00800000));
-    const __m512i e = _mm512_max_epu32(_mm512_and_si512(a, _mm512_set1_epi32(0x7F800000)), min_e);
-    const __m512i magic = _mm512_add_epi32(e, _mm512_set1_epi32((23 - mbits) << 23));
-    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic));
-    const __m512i count = _mm512_sub_epi32(_mm512_castps_si512(sum), magic);
-    const __m512i binade = _mm512_srli_epi32(_mm512_sub_epi32(e, min_e), 23 - mbits);
-    /* code | (sign & 0x80): ternary-logic table A | (B & C) */
-    return _mm512_ternarylogic_epi32(_mm512_add_epi32(binade, count), _mm512_srli_epi32(u, 24),
-                                     _mm512_set1_epi32(0x80), 0xF8);
+/* to_fp8 of 16 lanes without the sign (format E4M3 when e4m3, else E5M2; constants after inlining): byte 0 of
+ * each lane is the code of |q|, the other bytes are not cleared. The scalar code's rounding, with two
+ * shortcuts: VRANGEPS takes min(|q|, max) in one instruction, and the magic number carries the binade's
+ * code in its fraction bits, so that the sum's low bits are the whole code (magic = 2^(e + 23 - mbits) +
+ * binade has the same ulp as the power of two and an even fraction, so the addition rounds |q| to the same
+ * count of ulps, ties to even included). Lanes holding NaN get 0x7F when `nan` (else garbage: callers pass
+ * nan = 0 only for tiles without NaN). */
+AVX512 static inline __m512i magnitude16(__m512 q, const int e4m3, const int nan) {
+    const int mbits = e4m3 ? 3 : 2, min_normal = e4m3 ? 121 : 113;
+    const __m512 m = _mm512_range_ps(q, _mm512_castsi512_ps(_mm512_set1_epi32(e4m3 ? 0x43E00000 : 0x47600000)),
+                                     0x0A); /* 0b10: the smaller magnitude; 0b10 << 2: sign cleared */
+    const __m512i e = _mm512_max_epu32(_mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(0x7F800000)),
+                                       _mm512_set1_epi32(min_normal << 23));
+    /* e + ((23 - mbits) << 23) + ((e - (min_normal << 23)) >> (23 - mbits)) */
+    const __m512i magic = _mm512_add_epi32(_mm512_add_epi32(e, _mm512_srli_epi32(e, 23 - mbits)),
+                                           _mm512_set1_epi32(((23 - mbits) << 23) - (min_normal << mbits)));
+    const __m512i sum = _mm512_castps_si512(_mm512_add_ps(m, _mm512_castsi512_ps(magic)));
+    return nan ? _mm512_mask_mov_epi32(sum, _mm512_cmp_ps_mask(q, q, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F)) : sum;
 }
 
-/* Four vectors of codes (int32 lanes, values < 256) as 64 bytes in element order. */
-AVX512 static inline __m512i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
-    const __m512i b = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
-    return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), b);
+/* Byte `byte` of every lane of four vectors: 64 bytes in element order. */
+AVX512 static inline __m512i bytes64(__m512i a, __m512i b, __m512i c, __m512i d, const int byte) {
+    const __m512i idx = _mm512_add_epi8(_mm512_setr_epi32(0x0C080400, 0x1C181410, 0x2C282420, 0x3C383430,
+                                                          0x4C484440, 0x5C585450, 0x6C686460, 0x7C787470,
+                                                          0, 0, 0, 0, 0, 0, 0, 0),
+                                        _mm512_set1_epi8((char)byte));
+    return _mm512_shuffle_i64x2(_mm512_permutex2var_epi8(a, idx, b), _mm512_permutex2var_epi8(c, idx, d),
+                                _MM_SHUFFLE(1, 0, 1, 0));
+}
+
+/* 64 codes: magnitudes from byte 0 of `codes`' lanes, signs (bit 7) from `signs` (bytes64 of the input's
+ * byte 3: q = x * f with f > 0 has x's sign). Ternary-logic table C ? A : B with C = 0x7F. */
+AVX512 static inline __m512i with_signs(__m512i magnitudes, __m512i signs) {
+    return _mm512_ternarylogic_epi32(magnitudes, signs, _mm512_set1_epi8(0x7F), 0xE4);
 }
 
 /* The scale rules of block_scale on 16 amaxes (|x| bits) at once: the cast factors, and the stored scales
@@ -841,11 +852,35 @@ typedef struct {
     uint32_t row_s[T512 * 8], col_s[8 * T512];
 } Tile512;
 
+/* The maxima of a row's nbr blocks (a: its 8 vectors of |x| bits) into out[0, nbr). Four blocks (MX) are
+ * reduced together, halving the lanes of two vectors at a time. */
+AVX512 static inline __attribute__((always_inline)) void row_block_max(const __m512i *a, int nbr, uint32_t *out) {
+#define MAX(x, y) _mm512_max_epu32(x, y)
+    const __m512i p0 = MAX(a[0], a[1]), p1 = MAX(a[2], a[3]), p2 = MAX(a[4], a[5]), p3 = MAX(a[6], a[7]);
+    if (nbr == 4) {
+        const __m512i t0 = MAX(_mm512_shuffle_i32x4(p0, p1, 0x44), _mm512_shuffle_i32x4(p0, p1, 0xEE));
+        const __m512i t1 = MAX(_mm512_shuffle_i32x4(p2, p3, 0x44), _mm512_shuffle_i32x4(p2, p3, 0xEE));
+        __m512i u = MAX(_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xDD)); /* lane b: block b */
+        u = MAX(u, _mm512_shuffle_epi32(u, (_MM_PERM_ENUM)0x4E));
+        u = MAX(u, _mm512_shuffle_epi32(u, (_MM_PERM_ENUM)0xB1));
+        const __m512i first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm_storeu_si128((__m128i *)out, _mm512_castsi512_si128(_mm512_permutexvar_epi32(first, u)));
+    } else if (nbr == 1) {
+        out[0] = _mm512_reduce_max_epu32(MAX(MAX(p0, p1), MAX(p2, p3)));
+    } else if (nbr == 2) {
+        out[0] = _mm512_reduce_max_epu32(MAX(p0, p1));
+        out[1] = _mm512_reduce_max_epu32(MAX(p2, p3));
+    } else {
+        for (int i = 0; i < 8; ++i) out[i] = _mm512_reduce_max_epu32(a[i]);
+    }
+#undef MAX
+}
+
 /* Pass 1 over rows [r0, r0 + h) x columns [c0, c0 + w) of the input (float32 when f32, else bfloat16). */
 AVX512 static inline __attribute__((always_inline)) void tile_read(const TileJob *j, Tile512 *t, int64_t r0, int h,
                                                                     int64_t c0, int w, const int f32) {
     const int row_blocks = j->row_data && j->tile_rows == 1, col_max = j->col_data || j->tile_rows > 1;
-    const int bl = j->block, per = bl / 16, nbr = 8 / per, elem = f32 ? 4 : 2;
+    const int bl = j->block, nbr = T512 / bl, elem = f32 ? 4 : 2;
     __mmask16 lanes[8];
     for (int i = 0; i < 8; ++i) lanes[i] = lanes16(w, i);
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
@@ -865,25 +900,21 @@ AVX512 static inline __attribute__((always_inline)) void tile_read(const TileJob
                 a[i] = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
                 if (col_max) cm[i] = _mm512_max_epu32(cm[i], a[i]);
             }
-            if (row_blocks)
-                for (int b = 0; b < nbr; ++b) {
-                    __m512i m = a[b * per];
-                    for (int i = 1; i < per; ++i) m = _mm512_max_epu32(m, a[b * per + i]);
-                    t->row_amax[r * nbr + b] = _mm512_reduce_max_epu32(m);
-                }
+            if (row_blocks) row_block_max(a, nbr, t->row_amax + r * nbr);
         }
         if (col_max)
             for (int i = 0; i < 8; ++i) _mm512_store_si512(t->col_amax + b0 / bl * T512 + 16 * i, cm[i]);
     }
 }
 
-/* Pass 2: the codes of the buffered tile (format fixed per instantiation). */
+/* Pass 2: the codes of the buffered tile (format, mul or divide and NaN handling fixed per instantiation). */
 AVX512 static inline __attribute__((always_inline)) void tile_cast(const TileJob *j, Tile512 *t, int64_t r0, int h,
                                                                     int64_t c0, int w, const int e4m3,
-                                                                    const int use_mul) {
+                                                                    const int use_mul, const int nan) {
     const int bl = j->block, tiles = j->tile_rows > 1;
     const int lg = __builtin_ctz((unsigned)bl / 16), nbr = 8 >> lg; /* vector i is in block i >> lg of its row */
     const __mmask64 out_lanes0 = lanes64(w, 0), out_lanes1 = lanes64(w, 1);
+#define SCALED(x, f) (use_mul ? _mm512_mul_ps(x, f) : _mm512_div_ps(x, f))
     for (int b0 = 0, cb = 0; b0 < h; b0 += bl, ++cb) {
         const int b1 = b0 + bl < h ? b0 + bl : h;
         __m512 cf[8];
@@ -891,40 +922,52 @@ AVX512 static inline __attribute__((always_inline)) void tile_cast(const TileJob
             for (int i = 0; i < 8; ++i) cf[i] = _mm512_load_ps(t->col_f + cb * T512 + 16 * i);
         for (int r = b0; r < b1; ++r) {
             __m512 v[8];
+            __m512i c[8];
             for (int i = 0; i < 8; ++i) v[i] = _mm512_load_ps(t->buf + r * T512 + 16 * i);
+#define V(i) _mm512_castps_si512(v[i])
+            const __m512i s0 = bytes64(V(0), V(1), V(2), V(3), 3), s1 = bytes64(V(4), V(5), V(6), V(7), 3);
+#undef V
             if (j->row_data) {
-                __m512i c[8];
-                for (int i = 0; i < 8; ++i) {
-                    const float f = t->row_f[(tiles ? cb : r) * nbr + (i >> lg)];
-                    const __m512 fv = _mm512_set1_ps(f);
-                    c[i] = codes16(use_mul ? _mm512_mul_ps(v[i], fv) : _mm512_div_ps(v[i], fv), e4m3);
-                }
+                for (int i = 0; i < 8; ++i)
+                    c[i] = magnitude16(SCALED(v[i], _mm512_set1_ps(t->row_f[(tiles ? cb : r) * nbr + (i >> lg)])),
+                                       e4m3, nan);
                 uint8_t *out = j->row_data + (r0 + r) * j->k + c0;
-                _mm512_mask_storeu_epi8(out, out_lanes0, pack64(c[0], c[1], c[2], c[3]));
-                _mm512_mask_storeu_epi8(out + 64, out_lanes1, pack64(c[4], c[5], c[6], c[7]));
+                _mm512_mask_storeu_epi8(out, out_lanes0, with_signs(bytes64(c[0], c[1], c[2], c[3], 0), s0));
+                _mm512_mask_storeu_epi8(out + 64, out_lanes1, with_signs(bytes64(c[4], c[5], c[6], c[7], 0), s1));
             }
             if (j->col_data) {
-                __m512i c[8];
-                for (int i = 0; i < 8; ++i)
-                    c[i] = codes16(use_mul ? _mm512_mul_ps(v[i], cf[i]) : _mm512_div_ps(v[i], cf[i]), e4m3);
-                _mm512_store_si512(t->codes + r * T512, pack64(c[0], c[1], c[2], c[3]));
-                _mm512_store_si512(t->codes + r * T512 + 64, pack64(c[4], c[5], c[6], c[7]));
+                for (int i = 0; i < 8; ++i) c[i] = magnitude16(SCALED(v[i], cf[i]), e4m3, nan);
+                _mm512_store_si512(t->codes + r * T512, with_signs(bytes64(c[0], c[1], c[2], c[3], 0), s0));
+                _mm512_store_si512(t->codes + r * T512 + 64, with_signs(bytes64(c[4], c[5], c[6], c[7], 0), s1));
             }
         }
     }
+#undef SCALED
 }
 
-/* The passes with the input dtype, the format and mul-or-divide fixed at compile time. */
+/* The passes with the input dtype, the format, mul or divide and NaN handling fixed at compile time. */
 typedef void (*TilePass)(const TileJob *, Tile512 *, int64_t, int, int64_t, int);
 #define TILE_PASS(NAME, CALL) \
     AVX512 static void NAME(const TileJob *j, Tile512 *t, int64_t r0, int h, int64_t c0, int w) { CALL; }
+#define TILE_CASTS(FMT, E4M3) \
+    TILE_PASS(cast_##FMT##_div, tile_cast(j, t, r0, h, c0, w, E4M3, 0, 0)) \
+    TILE_PASS(cast_##FMT##_mul, tile_cast(j, t, r0, h, c0, w, E4M3, 1, 0)) \
+    TILE_PASS(cast_##FMT##_div_nan, tile_cast(j, t, r0, h, c0, w, E4M3, 0, 1)) \
+    TILE_PASS(cast_##FMT##_mul_nan, tile_cast(j, t, r0, h, c0, w, E4M3, 1, 1))
 TILE_PASS(read_f32, tile_read(j, t, r0, h, c0, w, 1))
 TILE_PASS(read_bf16, tile_read(j, t, r0, h, c0, w, 0))
-TILE_PASS(cast_e5m2_div, tile_cast(j, t, r0, h, c0, w, 0, 0))
-TILE_PASS(cast_e5m2_mul, tile_cast(j, t, r0, h, c0, w, 0, 1))
-TILE_PASS(cast_e4m3_div, tile_cast(j, t, r0, h, c0, w, 1, 0))
-TILE_PASS(cast_e4m3_mul, tile_cast(j, t, r0, h, c0, w, 1, 1))
-static const TilePass tile_casts[2][2] = {{cast_e4m3_div, cast_e4m3_mul}, {cast_e5m2_div, cast_e5m2_mul}};
+TILE_CASTS(e4m3, 1)
+TILE_CASTS(e5m2, 0)
+/* [format][use_mul][the tile holds NaN] */
+static const TilePass tile_casts[2][2][2] = {{{cast_e4m3_div, cast_e4m3_div_nan}, {cast_e4m3_mul, cast_e4m3_mul_nan}},
+                                             {{cast_e5m2_div, cast_e5m2_div_nan}, {cast_e5m2_mul, cast_e5m2_mul_nan}}};
+
+/* Whether any of n amaxes (|x| bits) is a NaN. */
+static int any_nan(const uint32_t *amax, int n) {
+    uint32_t m = 0;
+    for (int i = 0; i < n; ++i) m = amax[i] > m ? amax[i] : m;
+    return m > 0x7F800000u;
+}
 
 /* The columnwise codes of the tile (h x w, row-major in t->codes) into the (K, M) output. The transpose runs
  * 16 rows x 64 columns at a time, four 16 x 16 byte squares side by side in the 128-bit lanes (see
@@ -992,7 +1035,8 @@ AVX512 static void tile512(const TileJob *j, Tile512 *t, int64_t r0, int h, int6
             for (int c = 0; c < w; ++c)
                 store_scale(j, j->col_scale, (c0 + c) * m_blocks + r0 / bl + cb, t->col_s[cb * T512 + c]);
     }
-    tile_casts[j->out_format][j->use_mul](j, t, r0, h, c0, w);
+    const int nan = j->col_data || tiles ? any_nan(t->col_amax, nbh * T512) : any_nan(t->row_amax, h * nbr);
+    tile_casts[j->out_format][j->use_mul][nan](j, t, r0, h, c0, w);
     if (j->col_data && !tiles) tile_transpose(j, t, r0, h, c0, w);
 }
 
