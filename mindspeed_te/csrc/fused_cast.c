@@ -392,6 +392,7 @@ typedef struct {
     int64_t strip_begin, strip_end;
     int64_t ld, r_org, c_org; /* input (r, c) is in[(r - r_org) * ld + c - c_org]: the tensor or a tile's copy */
     int avx512;    /* the AVX-512 tiles take the job, with `work` (a Tile512) as their work space */
+    int stream;    /* ... and write whole cache lines of codes past the caches (outputs too large to stay) */
     void *work;
 } TileJob;
 
@@ -719,6 +720,9 @@ static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c
  * tests compare every path with the torch ops), 16 lanes at a time. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512vbmi")))
 #define T512 128 /* rows and columns of a tile */
+/* From this many elements on the codes are written with streaming stores: an output of several MiB leaves
+ * the caches anyway, and a normal store first reads the line it writes, a third more memory traffic. */
+#define STREAM_MIN_ELEMENTS (1 << 22)
 #define PREFETCH_ROWS 8 /* rows ahead: the tile's short row segments do not wake the hardware prefetcher */
 
 /* to_fp8 of 16 lanes without the sign (format E4M3 when e4m3, else E5M2; constants after inlining): byte 0 of
@@ -824,6 +828,9 @@ static inline void store_scale(const TileJob *j, void *scale, int64_t slot, uint
     else ((uint8_t *)scale)[slot] = (uint8_t)value;
 }
 
+/* Whether rows of whole tiles from p on, `stride` bytes apart, start on cache lines (for streaming stores). */
+static inline int streamable(const uint8_t *p, int64_t stride) { return ((uintptr_t)p & 63) == 0 && stride % 64 == 0; }
+
 /* Lanes of columns [16 i, 16 i + 16) that lie below w. */
 static inline __mmask16 lanes16(int w, int i) {
     const int n = w - 16 * i;
@@ -914,6 +921,7 @@ AVX512 static inline __attribute__((always_inline)) void tile_cast(const TileJob
     const int bl = j->block, tiles = j->tile_rows > 1;
     const int lg = __builtin_ctz((unsigned)bl / 16), nbr = 8 >> lg; /* vector i is in block i >> lg of its row */
     const __mmask64 out_lanes0 = lanes64(w, 0), out_lanes1 = lanes64(w, 1);
+    const int stream_rows = j->stream && w == T512 && streamable(j->row_data + r0 * j->k + c0, j->k);
 #define SCALED(x, f) (use_mul ? _mm512_mul_ps(x, f) : _mm512_div_ps(x, f))
     for (int b0 = 0, cb = 0; b0 < h; b0 += bl, ++cb) {
         const int b1 = b0 + bl < h ? b0 + bl : h;
@@ -932,8 +940,15 @@ AVX512 static inline __attribute__((always_inline)) void tile_cast(const TileJob
                     c[i] = magnitude16(SCALED(v[i], _mm512_set1_ps(t->row_f[(tiles ? cb : r) * nbr + (i >> lg)])),
                                        e4m3, nan);
                 uint8_t *out = j->row_data + (r0 + r) * j->k + c0;
-                _mm512_mask_storeu_epi8(out, out_lanes0, with_signs(bytes64(c[0], c[1], c[2], c[3], 0), s0));
-                _mm512_mask_storeu_epi8(out + 64, out_lanes1, with_signs(bytes64(c[4], c[5], c[6], c[7], 0), s1));
+                const __m512i lo = with_signs(bytes64(c[0], c[1], c[2], c[3], 0), s0);
+                const __m512i hi = with_signs(bytes64(c[4], c[5], c[6], c[7], 0), s1);
+                if (stream_rows) {
+                    _mm512_stream_si512((void *)out, lo);
+                    _mm512_stream_si512((void *)(out + 64), hi);
+                } else {
+                    _mm512_mask_storeu_epi8(out, out_lanes0, lo);
+                    _mm512_mask_storeu_epi8(out + 64, out_lanes1, hi);
+                }
             }
             if (j->col_data) {
                 for (int i = 0; i < 8; ++i) c[i] = magnitude16(SCALED(v[i], cf[i]), e4m3, nan);
@@ -996,6 +1011,13 @@ AVX512 static void tile_transpose(const TileJob *j, Tile512 *t, int64_t r0, int 
     const __mmask64 lanes0 = lanes64(h, 0), lanes1 = lanes64(h, 1);
     uint8_t *out = j->col_data + c0 * j->m + r0;
     const int64_t m = j->m;
+    if (j->stream && h == T512 && streamable(out, m)) {
+        for (int c = 0; c < w; ++c) {
+            _mm512_stream_si512((void *)(out + c * m), _mm512_load_si512(wk->codes_t + c * T512));
+            _mm512_stream_si512((void *)(out + c * m + 64), _mm512_load_si512(wk->codes_t + c * T512 + 64));
+        }
+        return;
+    }
     for (int c = 0; c < w; ++c) {
         _mm512_mask_storeu_epi8(out + c * m, lanes0, _mm512_load_si512(t->codes_t + c * T512));
         _mm512_mask_storeu_epi8(out + c * m + 64, lanes1, _mm512_load_si512(t->codes_t + c * T512 + 64));
@@ -1048,6 +1070,7 @@ static void tile_range_avx512(TileJob *j) {
         const int h = (int)(j->m - r0 < T512 ? j->m - r0 : T512);
         for (int64_t c0 = 0; c0 < j->k; c0 += T512) tile512(j, t, r0, h, c0, (int)(j->k - c0 < T512 ? j->k - c0 : T512));
     }
+    if (j->stream) _mm_sfence(); /* the streamed codes are visible to the thread that joins this one */
 }
 #endif
 
@@ -1127,6 +1150,7 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     proto.avx2_cast = proto.avx2 && proto.out_format != OUT_HIF8;
     proto.avx512 = simd_level() >= SIMD_AVX512 && proto.out_format != OUT_HIF8 && T512 % proto.block == 0 &&
                    proto.block % 16 == 0;
+    proto.stream = m * k >= STREAM_MIN_ELEMENTS;
 #endif
     int64_t strip = proto.avx512 ? 128 : strip_rows(proto.tile_rows, proto.block);
     int64_t strips = (m + strip - 1) / strip;
