@@ -857,7 +857,10 @@ typedef struct {
     uint32_t col_amax[8 * T512];     /* [block of rows][column]; for 128x128 tiles their maxima */
     float row_f[T512 * 8], col_f[8 * T512];
     uint32_t row_s[T512 * 8], col_s[8 * T512];
-} Tile512;
+    const char *next;                /* the next tile's first row in the input (NULL: none), prefetched by pass 2 */
+    int64_t next_stride;             /* its rows' distance in bytes */
+    int next_bytes;                  /* and length */
+} __attribute__((aligned(64))) Tile512; /* one per thread, side by side: each on a cache line */
 
 /* The maxima of a row's nbr blocks (a: its 8 vectors of |x| bits) into out[0, nbr). Four blocks (MX) are
  * reduced together, halving the lanes of two vectors at a time. */
@@ -926,9 +929,10 @@ AVX512 static inline __attribute__((always_inline)) void tile_cast(const TileJob
     for (int b0 = 0, cb = 0; b0 < h; b0 += bl, ++cb) {
         const int b1 = b0 + bl < h ? b0 + bl : h;
         __m512 cf[8];
-        if (j->col_data)
-            for (int i = 0; i < 8; ++i) cf[i] = _mm512_load_ps(t->col_f + cb * T512 + 16 * i);
+        for (int i = 0; i < 8; ++i) cf[i] = j->col_data ? _mm512_load_ps(t->col_f + cb * T512 + 16 * i) : _mm512_setzero_ps();
         for (int r = b0; r < b1; ++r) {
+            if (t->next) /* the casts are compute-bound: the memory system can fetch the next tile meanwhile */
+                for (int b = 0; b < t->next_bytes; b += 64) _mm_prefetch(t->next + r * t->next_stride + b, _MM_HINT_T1);
             __m512 v[8];
             __m512i c[8];
             for (int i = 0; i < 8; ++i) v[i] = _mm512_load_ps(t->buf + r * T512 + 16 * i);
@@ -1013,8 +1017,8 @@ AVX512 static void tile_transpose(const TileJob *j, Tile512 *t, int64_t r0, int 
     const int64_t m = j->m;
     if (j->stream && h == T512 && streamable(out, m)) {
         for (int c = 0; c < w; ++c) {
-            _mm512_stream_si512((void *)(out + c * m), _mm512_load_si512(wk->codes_t + c * T512));
-            _mm512_stream_si512((void *)(out + c * m + 64), _mm512_load_si512(wk->codes_t + c * T512 + 64));
+            _mm512_stream_si512((void *)(out + c * m), _mm512_load_si512(t->codes_t + c * T512));
+            _mm512_stream_si512((void *)(out + c * m + 64), _mm512_load_si512(t->codes_t + c * T512 + 64));
         }
         return;
     }
@@ -1057,6 +1061,17 @@ AVX512 static void tile512(const TileJob *j, Tile512 *t, int64_t r0, int h, int6
             for (int c = 0; c < w; ++c)
                 store_scale(j, j->col_scale, (c0 + c) * m_blocks + r0 / bl + cb, t->col_s[cb * T512 + c]);
     }
+    const int64_t elem = j->in_dtype == IN_F32 ? 4 : 2;
+    t->next = NULL;
+    if (c0 + T512 < j->k) { /* the strip's next tile */
+        t->next = (const char *)j->in + (r0 * j->k + c0 + T512) * elem;
+        t->next_bytes = (int)((j->k - c0 - T512 < T512 ? j->k - c0 - T512 : T512) * elem);
+    } else if (r0 + h < j->m && h == T512) { /* the next strip's first tile (its rows past m not read) */
+        t->next = (const char *)j->in + (r0 + T512) * j->k * elem;
+        t->next_bytes = (int)((j->k < T512 ? j->k : T512) * elem);
+        if (j->m - r0 - T512 < T512) t->next = NULL; /* a short last strip: no row-count bookkeeping */
+    }
+    t->next_stride = j->k * elem;
     const int nan = j->col_data || tiles ? any_nan(t->col_amax, nbh * T512) : any_nan(t->row_amax, h * nbr);
     tile_casts[j->out_format][j->use_mul][nan](j, t, r0, h, c0, w);
     if (j->col_data && !tiles) tile_transpose(j, t, r0, h, c0, w);
