@@ -285,6 +285,20 @@ def test_block_and_mx_kernels_equal_torch_path_across_chunks_strips_and_threads(
             monkeypatch.setattr(fused_cast, "enabled", True)
 
 
+def test_block_and_mx_kernels_equal_torch_path_on_a_large_tensor(monkeypatch, simd):
+    """2^22 elements: the size from which the AVX-512 tiles write their codes with streaming stores."""
+    from mindspeed_te.quantizers import Float8BlockQuantizer, MXFP8Quantizer
+
+    x = _tiled_input(2048, 2048, torch.float32)
+    for q in (Float8BlockQuantizer(FP8Dtype.E4M3, FP8Dtype.E4M3.max, rowwise=True, columnwise=True),
+              Float8BlockQuantizer(FP8Dtype.E4M3, FP8Dtype.E4M3.max, block_scaling_dim=2),
+              MXFP8Quantizer(FP8Dtype.E4M3, rowwise=True, columnwise=True)):
+        fused = q(x)
+        monkeypatch.setattr(fused_cast, "enabled", False)
+        _fields_equal(fused, q(x))
+        monkeypatch.setattr(fused_cast, "enabled", True)
+
+
 @pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
 def test_mx_scale_exponents_at_binade_edges(monkeypatch, simd, fmt):
     """Block amaxes exactly at fp8_max * 2^j, one float32 ulp either side, powers of two and float32
