@@ -365,7 +365,8 @@ static PyObject *py_quantize(PyObject *self, PyObject *args) {
  * (blocks of the 2-D transpose, i.e. along the first dim). The input is walked in strips of rows, each strip
  * in chunks of columns that fit in L2 (tile_range): both layouts are made from a chunk while it is in cache,
  * so main memory is read once. Amax and E4M3/E5M2 casts run 8 lanes wide
- * with AVX2 when the CPU has it (scalar loops otherwise, and for HiF8's table encode). The block scale rules
+ * with AVX2 when the CPU has it (scalar loops otherwise, and for HiF8's table encode); with AVX-512 the
+ * E4M3/E5M2 quantizes take the tiles further below instead (the code chosen at run time: simd_level). The block scale rules
  * are those of mindspeed_te.scaling (current_scale_inv for blockwise, mx_scale_exponent for MX);
  * power-of-two scales are applied as a multiplication by 2^-e, which rounds exactly as the division by 2^e
  * does. */
