@@ -140,7 +140,9 @@ static int simd_level(void) {
     return cpu < simd_limit ? cpu : simd_limit;
 }
 
+#if defined(__x86_64__)
 static int has_avx2(void) { return simd_level() >= SIMD_AVX2; }
+#endif
 
 static void cast_range(Job *j) {
     const float s = j->scale_inv;
