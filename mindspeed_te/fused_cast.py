@@ -22,7 +22,7 @@ except ImportError:  # not built (no compiler at install time, or a source tree 
     _ext = None
 
 __all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "quantize_current",
-           "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd"]
+           "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd", "simd_level"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -42,6 +42,7 @@ def _threads(numel: int) -> int:
 
 
 SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_simd_limit = "avx512"
 
 
 def set_simd(limit: str) -> str:
@@ -50,10 +51,17 @@ def set_simd(limit: str) -> str:
     the cap lets one machine run the paths that CPUs without AVX-512 or AVX2 take."""
     if limit not in SIMD_LEVELS:
         raise ValueError(f"limit must be one of {sorted(SIMD_LEVELS)}, got {limit!r}")
+    global _simd_limit
+    _simd_limit = limit
     if _ext is None:
         return "scalar"
     level = _ext.set_simd(SIMD_LEVELS[limit])
     return next(name for name, value in SIMD_LEVELS.items() if value == level)
+
+
+def simd_level() -> str:
+    """The vector level the kernels use now (the widest the CPU has, up to the `set_simd` cap)."""
+    return set_simd(_simd_limit)
 
 
 def available() -> bool:

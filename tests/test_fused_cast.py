@@ -35,8 +35,9 @@ def simd(request):
 def test_set_simd_names_the_levels():
     with pytest.raises(ValueError, match="limit must be one of"):
         fused_cast.set_simd("sse9")
-    assert fused_cast.set_simd("scalar") == "scalar"
+    assert fused_cast.set_simd("scalar") == "scalar" == fused_cast.simd_level()
     assert fused_cast.set_simd("avx512") in fused_cast.SIMD_LEVELS
+    assert fused_cast.simd_level() == fused_cast.set_simd("avx512")
 
 
 def test_small_tensors_run_on_the_calling_thread(monkeypatch):
