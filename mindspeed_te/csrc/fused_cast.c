@@ -719,8 +719,9 @@ static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c
  * are often a power of two apart and would evict each other), the rowwise block maxima and the column
  * maxima. The scales of all the tile's blocks are then computed 16 at a time, and pass 2 casts the buffer:
  * rowwise codes straight to the output, columnwise codes into a byte tile that is transposed in registers
- * (16 x 16 bytes in each 128-bit lane) into the (K, M) output. Same arithmetic as the scalar code (the
- * tests compare every path with the torch ops), 16 lanes at a time. */
+ * (16 x 16 bytes in each 128-bit lane) into the (K, M) output. Pass 1 waits on memory and pass 2 on the
+ * vector units, so pass 2 prefetches the next tile. Same arithmetic as the scalar code (the tests compare
+ * every path with the torch ops), 16 lanes at a time. */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512vbmi")))
 #define T512 128 /* rows and columns of a tile */
 /* From this many elements on the codes are written with streaming stores: an output of several MiB leaves
@@ -857,7 +858,7 @@ typedef struct {
     uint8_t codes[T512 * T512];      /* columnwise codes, row-major, before the transpose */
     uint8_t codes_t[T512 * T512];    /* ... and after it: [column][row] */
     uint32_t row_amax[T512 * 8];     /* rowwise 1xB: [row][block]; 128x128: [block of rows][block] */
-    uint32_t col_amax[8 * T512];     /* [block of rows][column]; for 128x128 tiles their maxima */
+    uint32_t col_amax[8 * T512];     /* [block of rows][column] */
     float row_f[T512 * 8], col_f[8 * T512];
     uint32_t row_s[T512 * 8], col_s[8 * T512];
     const char *next;                /* the next tile's first row in the input (NULL: none), prefetched by pass 2 */
