@@ -233,6 +233,22 @@ def _fields_equal(a, b) -> None:
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 
+def _fused_equals_torch_path(monkeypatch, q, x: torch.Tensor) -> None:
+    fused = q(x)
+    monkeypatch.setattr(fused_cast, "enabled", False)
+    _fields_equal(fused, q(x))
+    monkeypatch.setattr(fused_cast, "enabled", True)
+
+
+def _amaxes_at_edges(fmt: FP8Dtype, j: torch.Tensor, extra: list[float]) -> torch.Tensor:
+    """fp8_max * 2^j and `extra`, each also one float32 ulp up and down; the positive finite ones."""
+    edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
+    amaxes = torch.cat([edge.float(), torch.tensor(extra)])
+    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
+    amaxes = torch.cat([amaxes, up, down])
+    return amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
+
+
 def _block_quantizers(fmt: FP8Dtype, m: int, k: int) -> list:
     from mindspeed_te.quantizers import Float8BlockQuantizer, MXFP8Quantizer
 
@@ -255,10 +271,7 @@ def test_block_and_mx_kernels_equal_torch_path(monkeypatch, simd, dtype, shape, 
     for q in _block_quantizers(fmt, *shape):
         for rowwise, columnwise in ((True, False), (False, True), (True, True)):
             q.set_usage(rowwise=rowwise, columnwise=columnwise)
-            fused = q(x)
-            monkeypatch.setattr(fused_cast, "enabled", False)
-            _fields_equal(fused, q(x))
-            monkeypatch.setattr(fused_cast, "enabled", True)
+            _fused_equals_torch_path(monkeypatch, q, x)
 
 
 def test_block_kernel_used_when_available(monkeypatch):
@@ -294,10 +307,7 @@ def test_block_and_mx_kernels_equal_torch_path_on_a_large_tensor(monkeypatch, si
     for q in (Float8BlockQuantizer(FP8Dtype.E4M3, FP8Dtype.E4M3.max, rowwise=True, columnwise=True),
               Float8BlockQuantizer(FP8Dtype.E4M3, FP8Dtype.E4M3.max, block_scaling_dim=2),
               MXFP8Quantizer(FP8Dtype.E4M3, rowwise=True, columnwise=True)):
-        fused = q(x)
-        monkeypatch.setattr(fused_cast, "enabled", False)
-        _fields_equal(fused, q(x))
-        monkeypatch.setattr(fused_cast, "enabled", True)
+        _fused_equals_torch_path(monkeypatch, q, x)
 
 
 @pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
@@ -307,21 +317,14 @@ def test_mx_scale_exponents_at_binade_edges(monkeypatch, simd, fmt):
     from mindspeed_te.quantizers import MXFP8Quantizer
 
     j = torch.arange(-140, 110, 10, dtype=torch.float64)
-    edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
-    amaxes = torch.cat([edge.float(), torch.exp2(j).float(), torch.tensor([1e-45, 3e-42, 1.1754942e-38, 3e38])])
-    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
-    amaxes = torch.cat([amaxes, up, down])
-    amaxes = amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
+    amaxes = _amaxes_at_edges(fmt, j, torch.exp2(j).float().tolist() + [1e-45, 3e-42, 1.1754942e-38, 3e38])
     rows = -(-amaxes.numel() // 32) * 32
     x = torch.zeros(rows, 32)
     x[: amaxes.numel(), 0] = amaxes  # one amax per rowwise block
     x[: amaxes.numel(), 1] = -amaxes * 0.75
     for rounding in ("ceil", "floor"):
         q = MXFP8Quantizer(fmt, rounding=rounding)
-        fused = q(x)
-        monkeypatch.setattr(fused_cast, "enabled", False)
-        _fields_equal(fused, q(x))
-        monkeypatch.setattr(fused_cast, "enabled", True)
+        _fused_equals_torch_path(monkeypatch, q, x)
 
 
 @pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
@@ -331,12 +334,8 @@ def test_block_scales_at_edges(monkeypatch, simd, fmt):
     16 at a time on AVX-512) and codes equal the torch path's."""
     from mindspeed_te.quantizers import Float8BlockQuantizer
 
-    j = torch.arange(-140, 120, 10, dtype=torch.float64)
-    edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
-    amaxes = torch.cat([edge.float(), torch.tensor([1e-45, 3e-42, 1.1754942e-38, 1e-3, 3e38, 3.4028235e38])])
-    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
-    amaxes = torch.cat([amaxes, up, down])
-    amaxes = amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
+    amaxes = _amaxes_at_edges(fmt, torch.arange(-140, 120, 10, dtype=torch.float64),
+                              [1e-45, 3e-42, 1.1754942e-38, 1e-3, 3e38, 3.4028235e38])
     x = torch.zeros(256, 384)
     x.view(-1, 128)[: amaxes.numel(), 0] = amaxes  # one amax per 1x128 block, spread over the 128x128 tiles
     x.view(-1, 128)[: amaxes.numel(), 5] = -amaxes * 0.6
@@ -344,10 +343,7 @@ def test_block_scales_at_edges(monkeypatch, simd, fmt):
         for pow2, eps in ((True, 0.0), (False, 0.0), (True, 1e-3), (False, 1e-3)):
             q = Float8BlockQuantizer(fmt, fmt.max, block_scaling_dim=dim, power_2_scale=pow2, amax_epsilon=eps,
                                      rowwise=True, columnwise=True)
-            fused = q(x)
-            monkeypatch.setattr(fused_cast, "enabled", False)
-            _fields_equal(fused, q(x))
-            monkeypatch.setattr(fused_cast, "enabled", True)
+            _fused_equals_torch_path(monkeypatch, q, x)
 
 
 @pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
@@ -362,10 +358,7 @@ def test_mx_scale_exponents_of_random_amaxes(monkeypatch, simd, fmt):
     x = torch.cat([amaxes[:, None], amaxes[:, None] * torch.rand(4096, 31, generator=g) * signs], dim=1)
     for rounding in ("ceil", "floor"):
         q = MXFP8Quantizer(fmt, rounding=rounding, rowwise=True, columnwise=True)
-        fused = q(x)
-        monkeypatch.setattr(fused_cast, "enabled", False)
-        _fields_equal(fused, q(x))
-        monkeypatch.setattr(fused_cast, "enabled", True)
+        _fused_equals_torch_path(monkeypatch, q, x)
 
 
 @pytest.mark.parametrize("fmt", list(FP8Dtype))
