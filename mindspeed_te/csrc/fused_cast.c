@@ -395,6 +395,7 @@ typedef struct {
     int64_t strip_begin, strip_end;
     int64_t ld, r_org, c_org; /* input (r, c) is in[(r - r_org) * ld + c - c_org]: the tensor or a tile's copy */
     int avx512;    /* the AVX-512 tiles take the job, with `work` (a Tile512) as their work space */
+    int64_t *next_strip; /* ... taking strips from this counter (shared by the threads of a call) */
     int stream;    /* ... and write whole cache lines of codes past the caches (outputs too large to stay) */
     void *work;
 } TileJob;
@@ -1081,10 +1082,12 @@ AVX512 static void tile512(const TileJob *j, Tile512 *t, int64_t r0, int h, int6
     if (j->col_data && !tiles) tile_transpose(j, t, r0, h, c0, w);
 }
 
-/* tile_range on AVX-512: strips of 128 rows, tiles of 128 columns. */
+/* tile_range on AVX-512: strips of 128 rows (strip_begin unused), tiles of 128 columns. */
 static void tile_range_avx512(TileJob *j) {
     Tile512 *t = j->work;
-    for (int64_t s = j->strip_begin; s < j->strip_end; ++s) {
+    /* Strips are taken one at a time from the shared counter: a thread that loses its core to another
+     * process then delays the call by one strip at most, not by half of the tensor. */
+    for (int64_t s; (s = __atomic_fetch_add(j->next_strip, 1, __ATOMIC_RELAXED)) < j->strip_end;) {
         const int64_t r0 = s * T512;
         const int h = (int)(j->m - r0 < T512 ? j->m - r0 : T512);
         for (int64_t c0 = 0; c0 < j->k; c0 += T512) tile512(j, t, r0, h, c0, (int)(j->k - c0 < T512 ? j->k - c0 : T512));
@@ -1190,6 +1193,7 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
 #endif
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (strips + t - 1) / t;
+    int64_t next_strip = 0;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = proto;
 #if defined(__x86_64__)
@@ -1197,6 +1201,7 @@ static PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
 #endif
         jobs[i].strip_begin = i * step < strips ? i * step : strips;
         jobs[i].strip_end = (i + 1) * step < strips ? (i + 1) * step : strips;
+        if (proto.avx512) jobs[i].next_strip = &next_strip, jobs[i].strip_end = strips;
     }
     run_jobs(run_tile, jobs, sizeof(TileJob), t);
     Py_END_ALLOW_THREADS
