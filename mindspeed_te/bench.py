@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
         parser.error("--size-mib and --repeats must be >= 1")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    kernels = fused_cast.simd_level() if fused_cast.available() else "off"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused kernels: {kernels}")
     rows: list[tuple[str, float, str]] = []
     if args.only in (None, "quantize"):
         rows += bench_quantize(args.size_mib, args.repeats)

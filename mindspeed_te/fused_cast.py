@@ -22,7 +22,7 @@ except ImportError:  # not built (no compiler at install time, or a source tree 
     _ext = None
 
 __all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "quantize_current",
-           "quantize_delayed", "quantize_tiles", "scaled_cast"]
+           "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd", "simd_level"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,6 +39,29 @@ SPLIT_MIN_ELEMENTS = 1 << 22
 
 def _threads(numel: int) -> int:
     return torch.get_num_threads() if numel >= SPLIT_MIN_ELEMENTS else 1
+
+
+SIMD_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_simd_limit = "avx512"
+
+
+def set_simd(limit: str) -> str:
+    """Caps the vector code of the kernels at `limit` ("scalar", "avx2" or "avx512"; the default is the widest)
+    and returns the level now in effect (lower when the CPU lacks `limit`). Every level gives the same bits;
+    the cap lets one machine run the paths that CPUs without AVX-512 or AVX2 take."""
+    if limit not in SIMD_LEVELS:
+        raise ValueError(f"limit must be one of {sorted(SIMD_LEVELS)}, got {limit!r}")
+    global _simd_limit
+    _simd_limit = limit
+    if _ext is None:
+        return "scalar"
+    level = _ext.set_simd(SIMD_LEVELS[limit])
+    return next(name for name, value in SIMD_LEVELS.items() if value == level)
+
+
+def simd_level() -> str:
+    """The vector level the kernels use now (the widest the CPU has, up to the `set_simd` cap)."""
+    return set_simd(_simd_limit)
 
 
 def available() -> bool:

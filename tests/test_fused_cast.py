@@ -21,6 +21,25 @@ def _switched_on(monkeypatch):
     monkeypatch.setattr(fused_cast, "SPLIT_MIN_ELEMENTS", 0)
 
 
+@pytest.fixture(params=list(fused_cast.SIMD_LEVELS))
+def simd(request):
+    """Each vector level of the kernels (scalar, AVX2, AVX-512) in turn: all of them must give the torch path's
+    bits, and a machine with AVX-512 thereby also tests the paths of CPUs without it."""
+    if fused_cast.set_simd(request.param) != request.param:
+        fused_cast.set_simd("avx512")
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    fused_cast.set_simd("avx512")
+
+
+def test_set_simd_names_the_levels():
+    with pytest.raises(ValueError, match="limit must be one of"):
+        fused_cast.set_simd("sse9")
+    assert fused_cast.set_simd("scalar") == "scalar" == fused_cast.simd_level()
+    assert fused_cast.set_simd("avx512") in fused_cast.SIMD_LEVELS
+    assert fused_cast.simd_level() == fused_cast.set_simd("avx512")
+
+
 def test_small_tensors_run_on_the_calling_thread(monkeypatch):
     monkeypatch.setattr(fused_cast, "SPLIT_MIN_ELEMENTS", 1 << 22)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -214,12 +233,29 @@ def _fields_equal(a, b) -> None:
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 
+def _fused_equals_torch_path(monkeypatch, q, x: torch.Tensor) -> None:
+    fused = q(x)
+    monkeypatch.setattr(fused_cast, "enabled", False)
+    _fields_equal(fused, q(x))
+    monkeypatch.setattr(fused_cast, "enabled", True)
+
+
+def _amaxes_at_edges(fmt: FP8Dtype, j: torch.Tensor, extra: list[float]) -> torch.Tensor:
+    """fp8_max * 2^j and `extra`, each also one float32 ulp up and down; the positive finite ones."""
+    edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
+    amaxes = torch.cat([edge.float(), torch.tensor(extra)])
+    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
+    amaxes = torch.cat([amaxes, up, down])
+    return amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
+
+
 def _block_quantizers(fmt: FP8Dtype, m: int, k: int) -> list:
     from mindspeed_te.quantizers import Float8BlockQuantizer, MXFP8Quantizer
 
     target = 15.0 if fmt is FP8Dtype.HIF8 else fmt.max
-    qs = [Float8BlockQuantizer(fmt, target, block_scaling_dim=dim, power_2_scale=pow2, amax_epsilon=eps)
-          for dim, pow2, eps in ((1, True, 0.0), (2, True, 0.0), (1, False, 0.0), (2, False, 1e-3))]
+    qs = [Float8BlockQuantizer(fmt, target, block_scaling_dim=dim, power_2_scale=pow2, amax_epsilon=eps, block_len=bl)
+          for dim, pow2, eps, bl in ((1, True, 0.0, 128), (2, True, 0.0, 128), (1, False, 0.0, 128),
+                                     (2, False, 1e-3, 128), (1, True, 0.0, 64), (2, True, 0.0, 48))]
     if fmt is not FP8Dtype.HIF8 and m % 32 == 0 and k % 32 == 0:
         qs += [MXFP8Quantizer(fmt, rounding=r) for r in ("ceil", "floor")]
     return qs
@@ -228,17 +264,14 @@ def _block_quantizers(fmt: FP8Dtype, m: int, k: int) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 256), (130, 300), (1, 128)])
 @pytest.mark.parametrize("fmt", list(FP8Dtype))
-def test_block_and_mx_kernels_equal_torch_path(monkeypatch, dtype, shape, fmt):
+def test_block_and_mx_kernels_equal_torch_path(monkeypatch, simd, dtype, shape, fmt):
     """Blockwise (1x128, 128x128, power-of-2 or not) and MX (ceil / floor) quantize in one C call, every
     layout combination, bit for bit as the torch ops give it (checked against the oracles in test_quantizers)."""
     x = _tiled_input(*shape, dtype)
     for q in _block_quantizers(fmt, *shape):
         for rowwise, columnwise in ((True, False), (False, True), (True, True)):
             q.set_usage(rowwise=rowwise, columnwise=columnwise)
-            fused = q(x)
-            monkeypatch.setattr(fused_cast, "enabled", False)
-            _fields_equal(fused, q(x))
-            monkeypatch.setattr(fused_cast, "enabled", True)
+            _fused_equals_torch_path(monkeypatch, q, x)
 
 
 def test_block_kernel_used_when_available(monkeypatch):
@@ -253,7 +286,7 @@ def test_block_kernel_used_when_available(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_and_mx_kernels_equal_torch_path_across_chunks_strips_and_threads(monkeypatch, dtype):
+def test_block_and_mx_kernels_equal_torch_path_across_chunks_strips_and_threads(monkeypatch, simd, dtype):
     """Shapes spanning several column chunks, 128-row strips and threads, with a ragged last block."""
     x = _tiled_input(416, 2600, dtype)
     for shape in ((416, 2600), (384, 2592)):
@@ -266,32 +299,55 @@ def test_block_and_mx_kernels_equal_torch_path_across_chunks_strips_and_threads(
             monkeypatch.setattr(fused_cast, "enabled", True)
 
 
+def test_block_and_mx_kernels_equal_torch_path_on_a_large_tensor(monkeypatch, simd):
+    """2^22 elements: the size from which the AVX-512 tiles write their codes with streaming stores."""
+    from mindspeed_te.quantizers import Float8BlockQuantizer, MXFP8Quantizer
+
+    x = _tiled_input(2048, 2048, torch.float32)
+    for q in (Float8BlockQuantizer(FP8Dtype.E4M3, FP8Dtype.E4M3.max, rowwise=True, columnwise=True),
+              Float8BlockQuantizer(FP8Dtype.E4M3, FP8Dtype.E4M3.max, block_scaling_dim=2),
+              MXFP8Quantizer(FP8Dtype.E4M3, rowwise=True, columnwise=True)):
+        _fused_equals_torch_path(monkeypatch, q, x)
+
+
 @pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
-def test_mx_scale_exponents_at_binade_edges(monkeypatch, fmt):
+def test_mx_scale_exponents_at_binade_edges(monkeypatch, simd, fmt):
     """Block amaxes exactly at fp8_max * 2^j, one float32 ulp either side, powers of two and float32
     subnormals: the kernel's exponent from bits equals the torch path's (ceil and floor rules)."""
     from mindspeed_te.quantizers import MXFP8Quantizer
 
     j = torch.arange(-140, 110, 10, dtype=torch.float64)
-    edge = torch.tensor(fmt.max, dtype=torch.float64) * torch.exp2(j)
-    amaxes = torch.cat([edge.float(), torch.exp2(j).float(), torch.tensor([1e-45, 3e-42, 1.1754942e-38, 3e38])])
-    up, down = torch.nextafter(amaxes, torch.tensor(1e39)), torch.nextafter(amaxes, torch.tensor(0.0))
-    amaxes = torch.cat([amaxes, up, down])
-    amaxes = amaxes[torch.isfinite(amaxes) & (amaxes > 0)]
+    amaxes = _amaxes_at_edges(fmt, j, torch.exp2(j).float().tolist() + [1e-45, 3e-42, 1.1754942e-38, 3e38])
     rows = -(-amaxes.numel() // 32) * 32
     x = torch.zeros(rows, 32)
     x[: amaxes.numel(), 0] = amaxes  # one amax per rowwise block
     x[: amaxes.numel(), 1] = -amaxes * 0.75
     for rounding in ("ceil", "floor"):
         q = MXFP8Quantizer(fmt, rounding=rounding)
-        fused = q(x)
-        monkeypatch.setattr(fused_cast, "enabled", False)
-        _fields_equal(fused, q(x))
-        monkeypatch.setattr(fused_cast, "enabled", True)
+        _fused_equals_torch_path(monkeypatch, q, x)
 
 
 @pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
-def test_mx_scale_exponents_of_random_amaxes(monkeypatch, fmt):
+def test_block_scales_at_edges(monkeypatch, simd, fmt):
+    """1x128 / 128x128 block amaxes at fp8_max * 2^j and one float32 ulp either side, float32 subnormals, the
+    largest floats and eps itself, with and without power-of-2 scales and eps: the kernel's scales (computed
+    16 at a time on AVX-512) and codes equal the torch path's."""
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    amaxes = _amaxes_at_edges(fmt, torch.arange(-140, 120, 10, dtype=torch.float64),
+                              [1e-45, 3e-42, 1.1754942e-38, 1e-3, 3e38, 3.4028235e38])
+    x = torch.zeros(256, 384)
+    x.view(-1, 128)[: amaxes.numel(), 0] = amaxes  # one amax per 1x128 block, spread over the 128x128 tiles
+    x.view(-1, 128)[: amaxes.numel(), 5] = -amaxes * 0.6
+    for dim in (1, 2):
+        for pow2, eps in ((True, 0.0), (False, 0.0), (True, 1e-3), (False, 1e-3)):
+            q = Float8BlockQuantizer(fmt, fmt.max, block_scaling_dim=dim, power_2_scale=pow2, amax_epsilon=eps,
+                                     rowwise=True, columnwise=True)
+            _fused_equals_torch_path(monkeypatch, q, x)
+
+
+@pytest.mark.parametrize("fmt", [FP8Dtype.E4M3, FP8Dtype.E5M2])
+def test_mx_scale_exponents_of_random_amaxes(monkeypatch, simd, fmt):
     """Block amaxes drawn uniformly from the positive finite float32 bit patterns (subnormals included):
     the kernel's exponents, scales and codes equal the torch path's in both layouts, both rules."""
     from mindspeed_te.quantizers import MXFP8Quantizer
@@ -302,10 +358,7 @@ def test_mx_scale_exponents_of_random_amaxes(monkeypatch, fmt):
     x = torch.cat([amaxes[:, None], amaxes[:, None] * torch.rand(4096, 31, generator=g) * signs], dim=1)
     for rounding in ("ceil", "floor"):
         q = MXFP8Quantizer(fmt, rounding=rounding, rowwise=True, columnwise=True)
-        fused = q(x)
-        monkeypatch.setattr(fused_cast, "enabled", False)
-        _fields_equal(fused, q(x))
-        monkeypatch.setattr(fused_cast, "enabled", True)
+        _fused_equals_torch_path(monkeypatch, q, x)
 
 
 @pytest.mark.parametrize("fmt", list(FP8Dtype))
