@@ -306,8 +306,9 @@ class Float8BlockScaling(Recipe):
     power-of-2 scales (`NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` turns them off). HIF8, which TE lacks:
     power_2_scale=False, the rule of the NPU's block kernel (npu_dynamic_block_quant), since no NPU kernel
     makes power-of-2 HiF8 tile scales: a tile's scale_inv is amax / target in one float32 division (the tile's
-    amax in float32, the role's target max: 15 forward, 224 backward by default; 1 for an all-zero tile; at
-    least 1/FLT_MAX) and its codes are x / scale_inv rounded half away from zero to HiF8. Pass
+    amax in float32, the role's target max: 15 forward, 224 backward by default; 1 for an all-zero tile, NaN
+    for one holding NaN/Inf, at least 1/FLT_MAX) and its codes are x / scale_inv rounded half away from zero to
+    HiF8. The kernel takes the targets 15, 56, 224 and 32768; others get the same rule from torch ops. Pass
     QParams(power_2_scale=True) for power-of-2 HiF8 tiles (the NPU then computes their scales with torch ops).
     """
 

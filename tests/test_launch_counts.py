@@ -177,7 +177,7 @@ def test_blockwise_hif8_linear_launches():
 
 
 def test_blockwise_power_2_hif8_linear_launches():
-    """HiF8 with power-of-2 tiles (QParams(power_2_scale=True); not HiF8's default), which no kernel makes. All layouts of a quantize pass share the
+    """HiF8 with power-of-2 tiles asked for (not its default), which no kernel makes. All layouts of a pass share the
     small ops: one vector norm per layout writes its tile amaxes into one buffer; the scales of the whole buffer
     in 7 ops (NaN/Inf to the target, 0 to the target, target / amax, FLT_MAX clamp, power-of-2 floor,
     reciprocal, NaN mark) + one cast of the divisors for a bf16 input; one npu_quantize per layout with a tile
