@@ -295,20 +295,27 @@ class Float8CurrentScaling(Recipe):
     bwd_target_max: Optional[float] = None
 
 
+_BLOCK_QPARAMS = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
 @dataclass
 class Float8BlockScaling(Recipe):
-    """Scale 1x128 tiles (activations, gradients) and 128x128 tiles (weights), power-of-2 scales by default."""
+    """Scale 1x128 tiles (activations, gradients) and 128x128 tiles (weights).
+
+    A QParams field left out (None) takes the format's default at construction. E4M3 / HYBRID: TE's,
+    power-of-2 scales (`NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` turns them off). HIF8, which TE lacks:
+    power_2_scale=False, the rule of the NPU's block kernel (npu_dynamic_block_quant), since no NPU kernel
+    makes power-of-2 HiF8 tile scales: a tile's scale_inv is amax / target in one float32 division (the tile's
+    amax in float32, the role's target max: 15 forward, 224 backward by default; 1 for an all-zero tile, NaN
+    for one holding NaN/Inf, at least 1/FLT_MAX) and its codes are x / scale_inv rounded half away from zero to
+    HiF8. The kernel takes the targets 15, 56, 224 and 32768; others get the same rule from torch ops. Pass
+    QParams(power_2_scale=True) for power-of-2 HiF8 tiles (the NPU then computes their scales with torch ops).
+    """
 
     fp8_format: Format = Format.E4M3
-    fp8_quant_fwd_inp: QParams = field(
-        default_factory=lambda: QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
-    )
-    fp8_quant_fwd_weight: QParams = field(
-        default_factory=lambda: QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
-    )
-    fp8_quant_bwd_grad: QParams = field(
-        default_factory=lambda: QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
-    )
+    fp8_quant_fwd_inp: Optional[QParams] = None
+    fp8_quant_fwd_weight: Optional[QParams] = None
+    fp8_quant_bwd_grad: Optional[QParams] = None
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -321,8 +328,24 @@ class Float8BlockScaling(Recipe):
     fwd_target_max: Optional[float] = None
     bwd_target_max: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        for name in _BLOCK_QPARAMS:
+            if getattr(self, name) is None:
+                setattr(self, name, self.default_qparams(self.fp8_format))
+        super().__post_init__()
+
+    @staticmethod
+    def default_qparams(fp8_format: Format) -> QParams:
+        """The QParams a role gets when none is passed: power-of-2 scales (TE's default) except for HiF8."""
+        if fp8_format is Format.HIF8:
+            return QParams(power_2_scale=False)
+        return QParams(not _power_2_default("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", False))
+
     def validate(self) -> None:
         super().validate()
+        for name in _BLOCK_QPARAMS:
+            if not isinstance(getattr(self, name), QParams):
+                raise TypeError(f"Float8BlockScaling.{name} must be a QParams, got {getattr(self, name)!r}")
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128 tiles)")

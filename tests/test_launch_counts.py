@@ -178,8 +178,26 @@ def test_blockwise_power_2_linear_launches(fmt):
         assert "aten.bitwise_right_shift" not in backward.counts  # the wgrad takes the kernel's bytes
 
 
+def test_blockwise_hif8_linear_launches():
+    """HiF8's default blockwise rule is the block kernel's (scale_inv = amax / target): each layout is one
+    npu_dynamic_block_quant, bf16 and float32 alike (the non-finite flags are folded once per step, outside
+    these counts). Forward: input rowwise and columnwise, weight 128x128 (3), fprop GEMM ([1, 128, 128], no
+    bias), bias add. Backward: the gradient's two layouts, dgrad GEMM, the 1x128 x 1x128 HiF8 wgrad
+    (dequantized: 2 npu_dtype_cast, 2 broadcast multiplies, one matmul: 5, + the cast of a bf16 result), the
+    bias gradient's sum."""
+    from mindspeed_te.recipe import Float8BlockScaling, Format
+
+    for dtype in (torch.bfloat16, torch.float32):
+        bf16 = dtype == torch.bfloat16
+        forward, backward = _per_recipe_counts(Float8BlockScaling(fp8_format=Format.HIF8), dtype)
+        assert forward.total == 3 + 1 + 1, dict(forward.counts)
+        assert backward.total == 2 + 1 + 5 + bf16 + 1, dict(backward.counts)
+        assert forward.counts["torch_npu.npu_dynamic_block_quant"] == 3
+        assert backward.counts["torch_npu.npu_dynamic_block_quant"] == 2
+
+
 def test_blockwise_power_2_hif8_linear_launches():
-    """HiF8 with TE's default power-of-2 tiles, which no kernel makes. All layouts of a quantize pass share the
+    """HiF8 with power-of-2 tiles asked for (not its default), which no kernel makes. All layouts of a pass share the
     small ops: one vector norm per layout writes its tile amaxes into one buffer; the scales of the whole buffer
     in 7 ops (NaN/Inf to the target, 0 to the target, target / amax, FLT_MAX clamp, power-of-2 floor,
     reciprocal, NaN mark) + one cast of the divisors for a bf16 input; one npu_quantize per layout with a tile
@@ -189,11 +207,14 @@ def test_blockwise_power_2_hif8_linear_launches():
     1x128 x 1x128 HiF8 wgrad (no npu_quant_matmul mode takes it: each operand decoded by one npu_dtype_cast and
     multiplied by its tile scales broadcast, one matmul: 5, + the cast of a bf16 result), the bias gradient's
     sum."""
-    from mindspeed_te.recipe import Float8BlockScaling, Format
+    from mindspeed_te.recipe import Float8BlockScaling, Format, QParams
 
+    pow2 = QParams(power_2_scale=True)
+    recipe = Float8BlockScaling(fp8_format=Format.HIF8, fp8_quant_fwd_inp=pow2, fp8_quant_fwd_weight=pow2,
+                                fp8_quant_bwd_grad=pow2)
     for dtype in (torch.bfloat16, torch.float32):
         bf16 = dtype == torch.bfloat16
-        forward, backward = _per_recipe_counts(Float8BlockScaling(fp8_format=Format.HIF8), dtype)
+        forward, backward = _per_recipe_counts(recipe, dtype)
         scales = 7 + bf16
         assert forward.total == 3 + scales + 3 + 1 + 1 + 1 + 1, dict(forward.counts)
         assert backward.total == 2 + scales + 2 + 1 + 1 + 5 + bf16 + 1, dict(backward.counts)

@@ -135,7 +135,7 @@ def test_perform_initialization_off_skips_init_and_first_microbatch_flag():
 @pytest.mark.parametrize("fp8, recipe, expected", [
     ("hybrid", "delayed", "DelayedScaling"), ("hif8", "delayed", "DelayedScaling"),
     ("hif8", "tensorwise", "Float8CurrentScaling"), ("e4m3", "blockwise", "Float8BlockScaling"),
-    ("e4m3", "mxfp8", "MXFP8BlockScaling"),
+    ("hif8", "blockwise", "Float8BlockScaling"), ("e4m3", "mxfp8", "MXFP8BlockScaling"),
 ])
 def test_recipe_from_config(fp8, recipe, expected):
     cfg = _config(fp8=fp8, fp8_recipe=recipe, fp8_margin=1, fp8_amax_history_len=7, fp8_wgrad=False)
@@ -144,6 +144,8 @@ def test_recipe_from_config(fp8, recipe, expected):
     assert not r.fp8_wgrad()
     if recipe == "delayed":
         assert r.margin == 1 and r.amax_history_len == 7 and r.amax_compute_algo == "most_recent"
+    if recipe == "blockwise":  # HiF8: the NPU block kernel's amax / target tiles; E4M3: TE's powers of 2
+        assert r.fp8_quant_fwd_inp.power_2_scale == r.fp8_quant_bwd_grad.power_2_scale == (fp8 != "hif8")
     d = TEDelayedScaling(cfg, Format.HIF8)
     assert d.amax_history_len == 7 and d.fp8_format is Format.HIF8
 

@@ -22,11 +22,14 @@ from mindspeed_te.testing.npu_sim import make_simulator
 from tests.recipes import recipes
 
 NO_POW2 = QParams(power_2_scale=False)
+POW2 = QParams(power_2_scale=True)
 RECIPES = {
     **recipes("delayed/hybrid", "delayed/hif8", "tensorwise/e4m3", "tensorwise/hybrid", "tensorwise/hif8"),
     "blockwise/e4m3": Float8BlockScaling(fp8_quant_fwd_inp=NO_POW2, fp8_quant_fwd_weight=NO_POW2,
                                          fp8_quant_bwd_grad=NO_POW2),
-    "blockwise/hif8 pow2 (torch-op quantize)": Float8BlockScaling(fp8_format=Format.HIF8),
+    **recipes("blockwise/hif8"),  # HiF8's default: the block kernel's scales
+    "pow2 blockwise/hif8 (torch-op quantize)": Float8BlockScaling(
+        fp8_format=Format.HIF8, fp8_quant_fwd_inp=POW2, fp8_quant_fwd_weight=POW2, fp8_quant_bwd_grad=POW2),
     "blockwise pow2/e4m3": Float8BlockScaling(),
     "blockwise pow2/hybrid": Float8BlockScaling(fp8_format=Format.HYBRID),
     **recipes("mxfp8/hybrid"),
@@ -69,7 +72,7 @@ def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backen
         assert torch.equal(g, w)
     assert sim.launch_counts["npu_quant_matmul"] >= 2  # the GEMMs really went through the kernel
     quantize_kernel = {"delayed": "npu_quantize", "tensorwise": "npu_dynamic_quant",
-                       "blockwise/e4m3": "npu_dynamic_block_quant", "blockwise pow2": "npu_dynamic_mx_quant",
+                       "blockwise/": "npu_dynamic_block_quant", "blockwise pow2": "npu_dynamic_mx_quant",
                        "mxfp8": "npu_dynamic_mx_quant"}
     for prefix, kernel in quantize_kernel.items():
         if name.startswith(prefix):
@@ -354,12 +357,15 @@ def test_blockwise_power_2_hif8_quantize_equals_reference(dtype, target, dim):
                 assert torch.equal(g_t.view(torch.uint8), w_t.view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("fmt,target", [("E4M3", 448.0), ("HIF8", 15.0), ("HIF8", 224.0)])
+@pytest.mark.parametrize("fmt,target", [("E4M3", 448.0), ("HIF8", 15.0), ("HIF8", 56.0), ("HIF8", 224.0),
+                                        ("HIF8", 32768.0)])
 @pytest.mark.parametrize("dim", [1, 2])
-def test_blockwise_kernel_scales_float32_equal_reference(fmt, target, dim):
-    """Block scales amax / target (power_2_scale off: the rule npu_dynamic_block_quant computes) for a float32
-    input go through that kernel too (aclnnDynamicBlockQuantV2 takes FLOAT32 x) and give the reference
-    quantizer's codes and scales bit for bit, partial and all-zero tiles included."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blockwise_kernel_scales_equal_reference(fmt, target, dim, dtype):
+    """Block scales amax / target (power_2_scale off: the rule npu_dynamic_block_quant computes, and HiF8's
+    default) go through that kernel for bfloat16 and float32 inputs (aclnnDynamicBlockQuantV2 takes FLOAT32 x)
+    and give the reference quantizer's codes and scales bit for bit, partial and all-zero tiles included, for
+    every HiF8 target the kernel takes."""
     from mindspeed_te.formats import FP8Dtype
     from mindspeed_te.quantizers import Float8BlockQuantizer
 
@@ -369,6 +375,7 @@ def test_blockwise_kernel_scales_float32_equal_reference(fmt, target, dim):
     for shape in ((256, 384), (200, 130)):
         x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-60, 60, (shape[0], 1), generator=g).float())
         x[5] = 0.0
+        x = x.to(dtype)
         q = Float8BlockQuantizer(FP8Dtype[fmt], target, block_scaling_dim=dim, power_2_scale=False)
         sim.reset_counts()
         got, want = backend.quantize(q, x), q.quantize(x)
@@ -429,6 +436,72 @@ def test_blockwise_power_2_hif8_scales_at_the_rule_edges(dtype, target):
                                want_f[name].view(torch.uint8) if g_t.dtype != torch.float32 else want_f[name]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("target", [15.0, 224.0])
+def test_blockwise_hif8_kernel_scales_at_the_rule_edges(dtype, target):
+    """HiF8's default block rule (scale_inv = amax / target, npu_dynamic_block_quant) at the edges of the
+    division: tiles whose amax is 0, subnormal, so small that amax / target falls below 1/FLT_MAX, next to
+    target * 2^k, or the largest finite value; kernel and reference agree bit for bit in all three layouts."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    g = torch.Generator().manual_seed(13)
+    edges = _edge_amaxes(target, dtype)
+    rows = -(-len(edges) // 128) * 128
+    amax = torch.cat([edges, edges[torch.randint(len(edges), (rows - len(edges),), generator=g)]])
+    x = torch.rand(rows, 256, generator=g) * 1.8 - 0.9
+    x = (x.double() * amax.double()[:, None]).to(dtype)
+    x[:, 0], x[:, 200] = amax, -amax
+    for dim in (1, 2):
+        q = Float8BlockQuantizer(FP8Dtype.HIF8, target, block_scaling_dim=dim, power_2_scale=False)
+        sim.reset_counts()
+        got, want = backend.quantize(q, x), q.quantize(x)
+        assert sim.launch_counts == {"npu_dynamic_block_quant": 1 if dim == 2 else 2}
+        got_f, want_f = _fields(got), _fields(want)
+        assert got_f.keys() == want_f.keys()
+        for name, g_t in got_f.items():
+            w_t = want_f[name]
+            if g_t.dtype != torch.float32:
+                g_t, w_t = g_t.view(torch.uint8), w_t.view(torch.uint8)
+            assert torch.equal(g_t, w_t), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blockwise_hif8_kernel_scales_nonfinite_tiles_and_other_targets(dtype):
+    """A tile holding NaN/Inf: its stored scale_inv is NaN on both paths, so it dequantizes to NaN everywhere
+    (its codes are not specified: the kernel documents no NaN/Inf behaviour); every other tile is bit-equal.
+    A target npu_dynamic_block_quant does not take (dst_type_max: 15, 56, 224, 32768) quantizes with the
+    quantizer's torch ops, the same rule."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    x = torch.randn(256, 384, generator=torch.Generator().manual_seed(17))
+    x[9, 3], x[70, 130], x[3, 300] = math.nan, math.inf, -math.inf
+    x = x.to(dtype)
+    bad_rows = torch.zeros(256, 3, dtype=torch.bool)  # the 1x128 tiles holding NaN/Inf
+    bad_rows[9, 0] = bad_rows[70, 1] = bad_rows[3, 2] = True
+    for dim in (1, 2):
+        q = Float8BlockQuantizer(FP8Dtype.HIF8, 15.0, block_scaling_dim=dim, power_2_scale=False)
+        got, want = backend.quantize(q, x), q.quantize(x)
+        bad = bad_rows if dim == 1 else bad_rows.reshape(2, 128, 3).any(dim=1)
+        g_s, w_s = got.rowwise_scale_inv, want.rowwise_scale_inv
+        assert torch.equal(g_s.isnan(), bad) and torch.equal(w_s.isnan(), bad)
+        assert torch.equal(g_s[~bad], w_s[~bad])
+        deq_g, deq_w = got.dequantize(), want.dequantize()
+        assert torch.equal(deq_g.isnan(), deq_w.isnan()) and torch.equal(deq_g.nan_to_num(), deq_w.nan_to_num())
+        assert int(deq_g.isnan().sum()) == (3 * 128 if dim == 1 else 3 * 128 * 128)
+    q = Float8BlockQuantizer(FP8Dtype.HIF8, 100.0, power_2_scale=False)
+    sim.reset_counts()
+    got, want = backend.quantize(q, x.nan_to_num(0.0, 0.0, 0.0)), q.quantize(x.nan_to_num(0.0, 0.0, 0.0))
+    assert "npu_dynamic_block_quant" not in sim.launch_counts
+    assert torch.equal(got.rowwise_data, want.rowwise_data)
+    assert torch.equal(got.rowwise_scale_inv, want.rowwise_scale_inv)
+
+
 @pytest.mark.parametrize("fmt", ["HYBRID", "HIF8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dtype, fmt, monkeypatch, use_backend):
@@ -446,7 +519,9 @@ def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dt
         x = (torch.randn(256, 256, generator=g) * 3).to(dtype).requires_grad_()
         w = (torch.randn(128, 256, generator=g) * 0.05).to(dtype).requires_grad_()
         b = torch.randn(128, generator=g).to(dtype).requires_grad_()
-        y = fp8_linear(x, w, b, quantizers=_quantizers(Float8BlockScaling(fp8_format=Format[fmt])))
+        recipe = Float8BlockScaling(fp8_format=Format[fmt], fp8_quant_fwd_inp=POW2, fp8_quant_fwd_weight=POW2,
+                                    fp8_quant_bwd_grad=POW2)  # HiF8's default is not power-of-2
+        y = fp8_linear(x, w, b, quantizers=_quantizers(recipe))
         y.backward(torch.randn(256, 128, generator=g).to(dtype))
         results.append((y.detach(), x.grad, w.grad, b.grad))
     for g_t, w_t in zip(*results):

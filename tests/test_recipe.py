@@ -8,8 +8,9 @@ from mindspeed_te import (
     Format,
     FP8Dtype,
     MXFP8BlockScaling,
+    QParams,
 )
-from mindspeed_te.recipe import recipe_from_name
+from mindspeed_te.recipe import recipe_from_config, recipe_from_name, recipe_to_config
 
 
 def test_delayed_scaling_defaults_match_transformer_engine():
@@ -31,6 +32,45 @@ def test_other_recipe_defaults():
     assert blk.fp8_quant_fwd_weight.power_2_scale
     mx = MXFP8BlockScaling()
     assert mx.fp8_format is Format.E4M3 and mx.scale_rounding == "ceil" and mx.margin == 0
+
+
+ROLES = ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad")
+
+
+@pytest.mark.parametrize("fmt, power_2", [(Format.E4M3, True), (Format.HYBRID, True), (Format.HIF8, False)])
+def test_block_scaling_power_2_default_per_format(fmt, power_2, monkeypatch):
+    """E4M3/HYBRID keep TE's power-of-2 tiles (off with NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, as in TE);
+    HiF8 defaults to the NPU block kernel's amax / target, whatever that variable says; Megatron's
+    --fp8-recipe blockwise builds the same; a QParams passed explicitly is kept."""
+    for r in (Float8BlockScaling(fp8_format=fmt), recipe_from_name("blockwise", fmt.name.lower())):
+        assert [getattr(r, role) for role in ROLES] == [QParams(power_2_scale=power_2)] * 3
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert not Float8BlockScaling(fp8_format=fmt).fp8_quant_fwd_weight.power_2_scale
+    explicit = QParams(power_2_scale=True, amax_epsilon=1e-6)
+    r = Float8BlockScaling(fp8_format=fmt, fp8_quant_fwd_inp=explicit)
+    assert r.fp8_quant_fwd_inp == explicit and r.fp8_quant_bwd_grad.power_2_scale is False
+    assert recipe_from_config(recipe_to_config(r)) == r
+
+
+def test_block_scaling_qparams_must_be_qparams():
+    with pytest.raises(TypeError, match="Float8BlockScaling.fp8_quant_bwd_grad must be a QParams"):
+        Float8BlockScaling(fp8_quant_bwd_grad=True)
+    r = Float8BlockScaling(fp8_format=Format.HIF8)
+    r.fp8_quant_fwd_weight = None
+    with pytest.raises(TypeError, match="fp8_quant_fwd_weight"):
+        r.validate()
+
+
+def test_block_scaling_hif8_quantizers_take_the_kernel_rule():
+    """The quantizers a HiF8 blockwise recipe makes use amax / target tiles unless asked for powers of 2."""
+    from mindspeed_te import RecipeState
+
+    for qparams, power_2 in ((None, False), (QParams(power_2_scale=True), True)):
+        extra = {} if qparams is None else dict.fromkeys(ROLES, qparams)
+        recipe = Float8BlockScaling(fp8_format=Format.HIF8, **extra)
+        for forward in (True, False):
+            state = RecipeState.create(recipe, forward=forward, num_quantizers=3 if forward else 2)
+            assert [q.power_2_scale for q in state.make_quantizers()] == [power_2] * (3 if forward else 2)
 
 
 def test_targets_and_dtypes():

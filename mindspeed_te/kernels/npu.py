@@ -16,8 +16,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize); columnwise
                1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; HiF8 (whole tiles, bf16/fp32):
                tile amaxes of all the pass's layouts into one buffer, its scales in one chain of torch ops, the
-               cast one npu_quantize per layout; other scales: npu_dynamic_block_quant (fp16/bf16/fp32, not
-               with amax_epsilon)
+               cast one npu_quantize per layout; other scales (HiF8's default): npu_dynamic_block_quant
+               (fp16/bf16/fp32, not with amax_epsilon; HiF8 dst_type_max 15, 56, 224, 32768)
   mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
                Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
                them out, which the GEMM takes)
