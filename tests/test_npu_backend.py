@@ -280,6 +280,17 @@ def _fields(t) -> dict:
     return {n: getattr(t, n) for n in names if getattr(t, n) is not None}
 
 
+def _assert_same_bits(got, want) -> None:
+    """The two quantized storages hold the same layouts with equal codes (as bytes) and equal float32 scales."""
+    got_f, want_f = _fields(got), _fields(want)
+    assert got_f.keys() == want_f.keys()
+    for name, g_t in got_f.items():
+        w_t = want_f[name]
+        if g_t.dtype != torch.float32:
+            g_t, w_t = g_t.view(torch.uint8), w_t.view(torch.uint8)
+        assert torch.equal(g_t, w_t), name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
 @pytest.mark.parametrize("dim", [1, 2])
@@ -380,13 +391,7 @@ def test_blockwise_kernel_scales_equal_reference(fmt, target, dim, dtype):
         sim.reset_counts()
         got, want = backend.quantize(q, x), q.quantize(x)
         assert sim.launch_counts == {"npu_dynamic_block_quant": 1 if dim == 2 else 2}
-        got_f, want_f = _fields(got), _fields(want)
-        assert got_f.keys() == want_f.keys()
-        for name, g_t in got_f.items():
-            w_t = want_f[name]
-            if g_t.dtype != torch.float32:
-                g_t, w_t = g_t.view(torch.uint8), w_t.view(torch.uint8)
-            assert torch.equal(g_t, w_t), name
+        _assert_same_bits(got, want)
 
 
 def _edge_amaxes(target: float, dtype: torch.dtype) -> torch.Tensor:
@@ -429,11 +434,7 @@ def test_blockwise_power_2_hif8_scales_at_the_rule_edges(dtype, target):
         sim.reset_counts()
         got, want = backend.quantize(q, x), q.quantize(x)
         assert sim.launch_counts["npu_quantize"] == (1 if dim == 2 else 2)
-        got_f, want_f = _fields(got), _fields(want)
-        assert got_f.keys() == want_f.keys()
-        for name, g_t in got_f.items():
-            assert torch.equal(g_t.view(torch.uint8) if g_t.dtype != torch.float32 else g_t,
-                               want_f[name].view(torch.uint8) if g_t.dtype != torch.float32 else want_f[name]), name
+        _assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -459,13 +460,7 @@ def test_blockwise_hif8_kernel_scales_at_the_rule_edges(dtype, target):
         sim.reset_counts()
         got, want = backend.quantize(q, x), q.quantize(x)
         assert sim.launch_counts == {"npu_dynamic_block_quant": 1 if dim == 2 else 2}
-        got_f, want_f = _fields(got), _fields(want)
-        assert got_f.keys() == want_f.keys()
-        for name, g_t in got_f.items():
-            w_t = want_f[name]
-            if g_t.dtype != torch.float32:
-                g_t, w_t = g_t.view(torch.uint8), w_t.view(torch.uint8)
-            assert torch.equal(g_t, w_t), name
+        _assert_same_bits(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
