@@ -1,5 +1,7 @@
 """Packaging for mindspeed_te: FP8/HiF8 training for Megatron-LM on Ascend NPUs (and anywhere else)."""
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError
 
 # The fused CPU quantize kernels (mindspeed_te/fused_cast.py). Optional: without a C compiler the package
 # installs without them and quantizes with torch ops (same results, slower). -fno-trapping-math lets the
@@ -11,6 +13,25 @@ fused_cast = Extension(
     extra_link_args=["-pthread"],
     optional=True,
 )
+# With OpenMP the kernels run on the OpenMP threads of torch's libgomp.so.1 (the loader binds the extension's
+# libgomp.so.1 to the copy torch has already loaded); a compiler without it builds the pthread code instead.
+OPENMP_FLAGS = ["-fopenmp"]
+
+
+class BuildExt(build_ext):
+    """Builds the extension with OpenMP, or without it when the compiler or linker refuses the flag."""
+
+    def build_extension(self, ext: Extension) -> None:
+        plain = (list(ext.extra_compile_args), list(ext.extra_link_args))
+        ext.extra_compile_args = plain[0] + OPENMP_FLAGS
+        ext.extra_link_args = plain[1] + OPENMP_FLAGS
+        try:
+            super().build_extension(ext)
+            return
+        except CCompilerError as error:
+            print(f"building {ext.name} without OpenMP ({error})")
+        ext.extra_compile_args, ext.extra_link_args = plain
+        super().build_extension(ext)
 
 setup(
     name="mindspeed_te",
@@ -24,6 +45,7 @@ setup(
     packages=find_packages(include=["mindspeed_te", "mindspeed_te.*"]) + ["mindspeed_te.patches"],
     package_dir={"mindspeed_te.patches": "patches"},
     ext_modules=[fused_cast],
+    cmdclass={"build_ext": BuildExt},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "en-dtypes>=0.0.4", "ml-dtypes>=0.5", "megatron-core==0.16.1"],

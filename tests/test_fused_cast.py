@@ -1,6 +1,10 @@
 """The fused C quantize kernels against the oracles (ml_dtypes / en_dtypes) and against the torch-op path."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +20,8 @@ from tests.oracles import current_scale_inv as oracle_scale_inv
 @pytest.fixture(autouse=True)
 def _switched_on(monkeypatch):
     """The extension on, and tensors split over threads from the kernels' own granularity (64 Ki elements)
-    rather than the default of several million, so that these sizes cover the thread splits."""
+    rather than the default (several million in a build without OpenMP), so that these sizes cover the
+    thread splits."""
     monkeypatch.setattr(fused_cast, "enabled", True)
     monkeypatch.setattr(fused_cast, "SPLIT_MIN_ELEMENTS", 0)
 
@@ -44,6 +49,22 @@ def test_small_tensors_run_on_the_calling_thread(monkeypatch):
     monkeypatch.setattr(fused_cast, "SPLIT_MIN_ELEMENTS", 1 << 22)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert fused_cast._threads((1 << 22) - 1) == 1 and fused_cast._threads(1 << 22) == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="lists the loaded libraries from Linux's /proc")
+@pytest.mark.skipif(fused_cast._ext is None, reason="the extension is not built")
+def test_the_kernels_share_torchs_openmp_runtime():
+    """Built with OpenMP, the extension must bind to the OpenMP runtime torch loaded (whose workers it reuses),
+    not map a second one whose threads would compete with torch's for the cores. A fresh interpreter
+    imports only torch and the extension, in the package's order, and lists the OpenMP runtimes mapped."""
+    script = ("import re, torch\n"
+              "from mindspeed_te import fused_cast\n"
+              "paths = {line.split()[-1] for line in open('/proc/self/maps') if '/' in line}\n"
+              "print(fused_cast._ext.openmp, len({p for p in paths if re.search(r'/lib(g|i|i5)?omp[^/]*\\.so', p)}))")
+    built_with, runtimes = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                                          text=True).stdout.split()
+    assert runtimes == "1" if built_with == "1" else int(runtimes) <= 1
+
 
 FORMATS = {"e4m3": "E4M3", "e5m2": "E5M2", "hif8": "HIF8"}
 

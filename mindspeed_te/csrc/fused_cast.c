@@ -6,17 +6,20 @@
  * on the top 16 bits of the quotient), which the tests check against the torch path and the oracles.
  *
  * The functions take raw addresses of contiguous CPU tensors (Tensor.data_ptr()) and release the GIL.
- * Build: setup.py compiles this as the optional extension mindspeed_te._fused_cast; without it the package
- * uses the torch ops (mindspeed_te.fused_cast decides).
+ * Build: setup.py compiles this as the optional extension mindspeed_te._fused_cast, with OpenMP where the
+ * compiler has it (the jobs then run on torch's OpenMP threads; `openmp` in the module says which), else with
+ * pthreads; without it the package uses the torch ops (mindspeed_te.fused_cast decides).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if !defined(_OPENMP)
+#include <pthread.h>
+#endif
 
 enum { IN_F32 = 0, IN_BF16 = 1 };
 enum { OUT_E4M3 = 0, OUT_E5M2 = 1, OUT_HIF8 = 2 };
@@ -200,18 +203,26 @@ typedef struct { RangeFn fn; Job *job; } Task;
 
 static void *run_task(void *arg) { Task *t = (Task *)arg; t->fn(t->job); return NULL; }
 
-/* Runs worker on each of the t jobs (job_size bytes apart): jobs 1.. on new threads (here when no thread can
- * be started), job 0 on the caller's thread; returns when all are done. */
+/* Runs worker on each of the t jobs (job_size bytes apart) and returns when all are done. Built with OpenMP,
+ * the jobs run on the team of the OpenMP runtime torch has loaded (the same libgomp.so.1): its workers are
+ * still spinning after the last torch op, so they start at once instead of a new thread competing with them
+ * for a core. Without OpenMP: jobs 1.. on new threads (here when no thread can be started), job 0 on the
+ * caller's thread. */
 static void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t) {
+    char *job = (char *)jobs;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads((int)t) schedule(static, 1) if (t > 1)
+    for (int64_t i = 0; i < t; ++i) worker(job + i * job_size);
+#else
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    char *job = (char *)jobs;
     for (int64_t i = 1; i < t; ++i) {
         started[i] = pthread_create(&ids[i], NULL, worker, job + i * job_size) == 0;
         if (!started[i]) worker(job + i * job_size);
     }
     worker(job);
     for (int64_t i = 1; i < t; ++i) if (started[i]) pthread_join(ids[i], NULL);
+#endif
 }
 
 /* Splits [0, n) over up to `threads` threads (the caller's thread takes the first range). */
@@ -1295,4 +1306,13 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fused_cast", "Fused CPU quantize kernels.", -1, methods};
 
-PyMODINIT_FUNC PyInit__fused_cast(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fused_cast(void) {
+    PyObject *m = PyModule_Create(&module);
+#if defined(_OPENMP)
+    const long openmp = 1;
+#else
+    const long openmp = 0;
+#endif
+    if (m && PyModule_AddIntConstant(m, "openmp", openmp) < 0) Py_CLEAR(m);
+    return m;
+}
