@@ -211,7 +211,11 @@ static void *run_task(void *arg) { Task *t = (Task *)arg; t->fn(t->job); return 
 static void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t) {
     char *job = (char *)jobs;
 #if defined(_OPENMP)
-#pragma omp parallel for num_threads((int)t) schedule(static, 1) if (t > 1)
+    if (t < 2) { /* no region at all: the caller's thread alone (as in a forked child, where torch uses one) */
+        worker(job);
+        return;
+    }
+#pragma omp parallel for num_threads((int)t) schedule(static, 1)
     for (int64_t i = 0; i < t; ++i) worker(job + i * job_size);
 #else
     pthread_t ids[MAX_THREADS];
