@@ -33,7 +33,8 @@ _OUT_FORMATS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2)
 # Below this many elements a kernel runs on the calling thread only. Built with OpenMP (`_ext.openmp`), the
 # kernels run on torch's own OpenMP workers, still spinning after the last torch op, and two threads pay
 # from the kernels' own granularity on (2 x 64 Ki elements: after a torch.mm on 2 cores, a 2^17-element
-# cast took 74 us on two threads and 84 us on one, 2^20 codes of MX tiles 0.51 ms and 0.71 ms). Built with
+# cast took 74 us on two threads and 84 us on one, 2^20 codes of MX tiles 0.51 ms and 0.71 ms; in the GPT
+# bench a threshold of 2^17 beat 2^18 and 2^19, and splitting from 2^15 or 2^16 gained nothing). Built with
 # pthreads, a thread started by the extension competes for a core with those spinning workers, and the two
 # threads break even only near 2^23 (decoding 2^20 codes took 0.5 ms on one thread and 1 ms on two).
 SPLIT_MIN_ELEMENTS = 1 << 17 if getattr(_ext, "openmp", 0) else 1 << 22
