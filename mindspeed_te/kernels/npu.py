@@ -321,7 +321,7 @@ class NpuBackend(ReferenceBackend):
         if m == 0 or k == 0:
             return None
         if q.fp8_dtype is FP8Dtype.HIF8:
-            return self._quantize_blocks_hif8(q, x, x2d)  # the MX kernel has no HiF8 output
+            return None  # the MX kernel has no HiF8 output; quantize_many took the tiles _quantize_hif8_tiles can
         if x.dtype not in _HALF and (k % 128 or (q.columnwise_usage and m % 128)):
             return None  # float32 takes 32-blocks: whole 128-tiles only
         if q.block_scaling_dim == 2 and (m % 128 or k % 128):
@@ -346,11 +346,6 @@ class NpuBackend(ReferenceBackend):
                 y = self._pow2_cast(q, x2d.t(), out.columnwise_scale_inv, 1)
             out.columnwise_data = y
         return out
-
-    def _quantize_blocks_hif8(self, q: Float8BlockQuantizer, x: torch.Tensor, x2d: torch.Tensor
-                              ) -> Optional[Float8BlockwiseQTensorStorage]:
-        """One tensor through `_quantize_hif8_tiles` (quantize_many sends the tensors it takes there first)."""
-        return self._quantize_hif8_tiles([q], [x], [x2d])[0]
 
     @staticmethod
     def _hif8_tiles_apply(q: Quantizer, x2d: torch.Tensor) -> bool:
