@@ -11,7 +11,7 @@ import os
 import tempfile
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -63,7 +63,7 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
     return step
 
 
-def _interleaved_best(steps: dict, repeats: int) -> dict:
+def _interleaved_best(steps: dict[Any, Callable[[], object]], repeats: int) -> dict[Any, float]:
     """Best wall time of each step over `repeats` rounds that run every step once in turn, so that a load
     change on a shared machine hits all of them alike."""
     for step in steps.values():  # warm-up: FP8 metadata and delayed scales, oneDNN kernels for new shapes

@@ -20,8 +20,8 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callabl
     finally:
         dist.destroy_process_group()
     # Leave without interpreter finalization: there, gloo worker threads that still hold tensors can abort the
-    # process ("terminate called without an active exception", seen once in CI after a rank had finished; see
-    # pytorch/pytorch#179291). A failing rank raised above and is reported by mp.spawn as usual.
+    # process (pytorch/pytorch#179291; the likeliest cause of one CI abort, "terminate called without an active
+    # exception" with no Python exception). A failing rank raised above and is reported by mp.spawn as usual.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
