@@ -11,7 +11,7 @@ import os
 import tempfile
 import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -63,7 +63,7 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
     return step
 
 
-def _interleaved_best(steps: dict[Any, Callable[[], object]], repeats: int) -> dict[Any, float]:
+def _interleaved_best(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Best wall time of each step over `repeats` rounds that run every step once in turn, so that a load
     change on a shared machine hits all of them alike."""
     for step in steps.values():  # warm-up: FP8 metadata and delayed scales, oneDNN kernels for new shapes
@@ -76,25 +76,6 @@ def _interleaved_best(steps: dict[Any, Callable[[], object]], repeats: int) -> d
             step()
             best[label] = min(best[label], time.perf_counter() - start)
     return best
-
-
-def gemm_floor(repeats: int, tokens: int = 512, hidden: int = 256, vocab: int = 1024) -> tuple[float, float]:
-    """(float32, bf16) time of the step's linear GEMMs (each layer's qkv, proj, fc1, fc2 and the output
-    layer; forward, dgrad and wgrad). The emulation computes a quantized GEMM exactly, products of decoded
-    codes summed in float32, so its GEMMs cost the float32 time where the baseline pays the bf16 one."""
-    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)] * 4
-    shapes.append((hidden, vocab))
-    steps = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        mats = [(torch.randn(tokens, k, dtype=dtype), torch.randn(k, n, dtype=dtype),
-                 torch.randn(tokens, n, dtype=dtype)) for k, n in shapes]
-
-        def gemms(mats=mats) -> None:
-            for x, w, dy in mats:
-                torch.mm(x, w), torch.mm(dy, w.t()), torch.mm(x.t(), dy)
-        steps[dtype] = gemms
-    times = _interleaved_best(steps, 3 * repeats)
-    return times[torch.float32], times[torch.bfloat16]
 
 
 def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
@@ -125,10 +106,6 @@ def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
         registry.revert()
         FP8GlobalStateManager.reset()
     base = times.pop("bf16")
-    fp32_gemms, bf16_gemms = gemm_floor(repeats)
-    floor = [("GPT step floor, exact float32 GEMMs / bf16", (base - bf16_gemms + fp32_gemms) / base,
-              f"the bf16 step with its linear GEMMs at float32 cost ({fp32_gemms * 1e3:.0f} ms vs "
-              f"{bf16_gemms * 1e3:.0f} ms in bf16)")]
-    return floor + [(f"GPT step {label} / bf16", t / base,
-                     f"{t * 1e3:.0f} ms vs {base * 1e3:.0f} ms (4 layers, hidden 256, seq 256, batch 2)")
-                    for label, t in times.items()]
+    return [(f"GPT step {label} / bf16", t / base,
+             f"{t * 1e3:.0f} ms vs {base * 1e3:.0f} ms (4 layers, hidden 256, seq 256, batch 2)")
+            for label, t in times.items()]

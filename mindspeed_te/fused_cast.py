@@ -21,7 +21,7 @@ try:
 except ImportError:  # not built (no compiler at install time, or a source tree without `pip install -e .`)
     _ext = None
 
-__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "quantize_current",
+__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "gemm_epilogue", "quantize_current",
            "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd", "simd_level"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
@@ -127,6 +127,39 @@ def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Te
     _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
                           out.data_ptr(), _threads(out.numel()))
     return out
+
+
+_EPILOGUE_OUT = {torch.float32: 0, torch.bfloat16: 1}
+_EPILOGUE_ACCUMULATE = 2
+
+
+def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                  out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """(acc * scale_b) * scale_a + bias in float32, returned as `out_dtype` (float32: written over `acc`; or
+    bfloat16), or, with `out`, added into that float32 tensor (no bias then), in one pass over a 2-D float32
+    GEMM sum. Scales are one-element float32 tensors or None (1); `bias` is float32 (N,). None when the
+    extension does not apply (then the torch ops give the same values)."""
+    if not (available() and acc.is_cpu and acc.dtype == torch.float32 and acc.dim() == 2 and acc.is_contiguous()
+            and all(s is None or _one_element_f32(s) for s in (scale_b, scale_a))):
+        return None
+    m, n = acc.shape
+    if out is not None:
+        if bias is not None or not (out.is_cpu and out.dtype == torch.float32 and out.shape == acc.shape
+                                    and out.is_contiguous()):
+            return None
+        kind, target = _EPILOGUE_ACCUMULATE, out
+    else:
+        if out_dtype not in _EPILOGUE_OUT or (bias is not None and not (
+                bias.is_cpu and bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous())):
+            return None
+        kind = _EPILOGUE_OUT[out_dtype]
+        target = acc if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype)
+    if acc.numel():
+        _ext.gemm_epilogue(acc.data_ptr(), m, n, 0 if scale_b is None else scale_b.data_ptr(),
+                           0 if scale_a is None else scale_a.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                           target.data_ptr(), kind, _threads(acc.numel()))
+    return target
 
 
 def current_scale_inv(amax: torch.Tensor, fp8_max: float, amax_epsilon: float,

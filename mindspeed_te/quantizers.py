@@ -269,8 +269,8 @@ class Float8BlockQuantizer(Quantizer):
         x2d = _flatten_2d(x.detach())
         rows = 1 if self.block_scaling_dim == 1 else self.block_len
         out = Float8BlockwiseQTensorStorage(
-            self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len
-        )
+            self.fp8_dtype, x.shape, x.dtype, block_scaling_dim=self.block_scaling_dim, block_len=self.block_len,
+            power_2_scale=self.power_2_scale)
         fused = fused_cast.quantize_tiles(
             x2d, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device), mode="block", tile_rows=rows,
             block=self.block_len, rowwise=self.rowwise_usage or self.block_scaling_dim == 2,

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_outside_the_hot_path_the_torch_ops_take_over():
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
 @pytest.mark.parametrize("numel", [256, 3 * 65536 + 5])
-def test_decode_matches_oracle(fmt, numel):
+def test_decode_matches_oracle(fmt, numel, simd):
     codes = torch.arange(numel, dtype=torch.int64).remainder(256).to(torch.uint8)
     got = fused_cast.decode(codes, formats.decode_table(FP8Dtype(fmt), torch.device("cpu"))).numpy()
     want = codes.numpy().view(NP_DTYPES[FORMATS[fmt]]).astype(np.float32)
@@ -403,3 +404,54 @@ def test_dequantize_tiles_of_no_rows_is_empty():
                                       formats.decode_table(FP8Dtype.E4M3, torch.device("cpu")),
                                       torch.empty(0, 2), 1, 32)
     assert got is not None and got.shape == (0, 64) and got.dtype == torch.float32
+
+
+def _epilogue_oracle(acc: np.ndarray, sb: float, sa: float, bias) -> np.ndarray:
+    """(acc * sb) * sa + bias, each operation rounded to float32 on its own."""
+    y = (acc * np.float32(sb)).astype(np.float32) * np.float32(sa)
+    return (y + bias).astype(np.float32) if bias is not None else y.astype(np.float32)
+
+
+def _assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    nan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(3, 5), (700, 384)])
+def test_gemm_epilogue_rounds_each_step_and_casts_like_numpy(out_dtype, with_bias, shape):
+    """Scale by x2's scale, then x1's, add the bias, round to bfloat16 to nearest even: the oracle's float32 steps
+    and ml_dtypes' cast, bit for bit, with ties, overflow to Inf and NaN among the sums."""
+    g = torch.Generator().manual_seed(5)
+    acc = torch.randn(shape, generator=g) * 1e3
+    acc.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38, 1.00390625, 1.01171875])
+    sb, sa = torch.tensor([0.7310586]), torch.tensor([1.3])
+    bias = torch.randn(shape[1], generator=g) if with_bias else None
+    want = _epilogue_oracle(acc.numpy().copy(), sb.item(), sa.item(), None if bias is None else bias.numpy())
+    got = fused_cast.gemm_epilogue(acc.clone(), sb, sa, bias, out_dtype)
+    assert got.dtype == out_dtype and got.shape == acc.shape
+    if out_dtype == torch.bfloat16:
+        _assert_same_bits(got.view(torch.int16).numpy(), want.astype(ml_dtypes.bfloat16).view(np.int16))
+    else:
+        _assert_same_bits(got.numpy().view(np.int32), want.view(np.int32))
+
+
+def test_gemm_epilogue_unit_scales_are_exact_and_it_accumulates():
+    """No scales: the sum unchanged (then cast); with `out`: out += (acc * sb) * sa, in place."""
+    acc = torch.randn(300, 260) * 100
+    assert torch.equal(fused_cast.gemm_epilogue(acc.clone(), None, None, None, torch.float32), acc)
+    out = torch.randn(300, 260)
+    want = out.numpy() + _epilogue_oracle(acc.numpy(), 0.25, 3.0, None)
+    got = fused_cast.gemm_epilogue(acc, torch.tensor(0.25), torch.tensor([3.0]), None, torch.float32, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out.numpy(), want.astype(np.float32))
+
+
+def test_gemm_epilogue_declines_what_it_does_not_cover():
+    acc = torch.ones(4, 8)
+    assert fused_cast.gemm_epilogue(acc, None, None, None, torch.float16) is None
+    assert fused_cast.gemm_epilogue(acc.t(), None, None, None, torch.float32) is None
+    assert fused_cast.gemm_epilogue(acc, None, None, torch.ones(8, dtype=torch.bfloat16), torch.float32) is None
+    assert fused_cast.gemm_epilogue(acc, None, None, torch.ones(8), torch.float32, out=torch.ones(4, 8)) is None

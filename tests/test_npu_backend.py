@@ -317,7 +317,7 @@ def test_blockwise_power_2_quantize_equals_reference(dtype, fmt, dim):
         if dim == 2:
             kernel_path = kernel_path and shape[0] % 128 == 0 and shape[1] % 128 == 0
         assert (sim.launch_counts["npu_dynamic_mx_quant"] > 0) == kernel_path, shape
-        assert got.power_2_scale == kernel_path
+        assert got.power_2_scale and want.power_2_scale  # either path: the GEMMs may take E8M0 exponents
         got_f, want_f = _fields(got), _fields(want)
         assert got_f.keys() == want_f.keys()
         for name, g_t in got_f.items():

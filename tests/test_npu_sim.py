@@ -1108,3 +1108,19 @@ def test_rms_norm_gamma_dtypes_and_specials(sim):
     y, _ = sim.npu_rms_norm(x, gamma)
     assert y[0, 3] == float("inf") and torch.isnan(y[1, 5])
     assert_raises(lambda: sim.npu_rms_norm(x.half(), gamma.bfloat16()), NpuTypeError, "gamma")
+
+
+def test_cube_matmul_sums_exact_products_in_float32():
+    """FP8 values times powers of two (bfloat16 values: oneDNN's bf16 kernel may run) and values no bfloat16
+    holds (the float32 kernel, bit for bit) both give float32 sums of exact products."""
+    from mindspeed_te.testing.npu_sim.cube import cube_matmul
+
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 256, (2, 96, 320), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    a, b = (codecs.decode(c, torch.float8_e4m3fn) * 2.0**-20 for c in codes)
+    got = cube_matmul(a, b.t())
+    exact = a.double() @ b.double().t()
+    assert ((got.double() - exact).abs() <= 320 * 2.0**-24 * (a.double().abs() @ b.double().abs().t())).all()
+    wide = a * 1.1  # values no bfloat16 holds
+    assert torch.equal(cube_matmul(wide, b.t()), torch.matmul(wide, b.t()))

@@ -189,12 +189,42 @@ static void amax_range(Job *j) {
     j->amax_bits = m;
 }
 
+#if defined(__x86_64__)
+/* The table decode 16 codes at a time: one gather from the 256 values (1 KiB, in L1) per 16 codes, where the
+ * scalar loop pays a load and a store per code. Returns where the scalar loop takes over. */
+__attribute__((target("avx512f"))) static int64_t decode_avx512(const uint8_t *in, const float *values, float *out,
+                                                                int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(in + i)));
+        _mm512_storeu_ps(out + i, _mm512_i32gather_ps(idx, values, 4));
+    }
+    return i;
+}
+
+__attribute__((target("avx2"))) static int64_t decode_avx2(const uint8_t *in, const float *values, float *out,
+                                                           int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + i)));
+        _mm256_storeu_ps(out + i, _mm256_i32gather_ps(values, idx, 4));
+    }
+    return i;
+}
+#endif
+
 /* Codes to values through a 256-entry table: the exact decode of any 8-bit format. */
 static void decode_range(Job *j) {
-    const int64_t begin = j->begin, end = j->end;
+    int64_t begin = j->begin;
+    const int64_t end = j->end;
     const uint8_t *restrict in = (const uint8_t *)j->in;
     const float *restrict values = j->values;
     float *restrict out = j->decoded;
+#if defined(__x86_64__)
+    const int level = simd_level();
+    if (level >= SIMD_AVX512) begin = decode_avx512(in, values, out, begin, end);
+    else if (level >= SIMD_AVX2) begin = decode_avx2(in, values, out, begin, end);
+#endif
     for (int64_t i = begin; i < end; ++i) out[i] = values[in[i]];
 }
 
@@ -1288,6 +1318,76 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- GEMM epilogue: out = cast((acc * scale_b) * scale_a + bias[c]) ------------------------------------------
+ * The float32 sum of a per-tensor scaled GEMM dequantized in the order aclnnQuantMatmulV5 documents (x2's
+ * scale, then x1's), the bias added in float32, and the result written as float32, as bfloat16 (round to
+ * nearest even, NaN as 0x7FC0, as torch's scalar cast) or added to a float32 `out`: one pass where torch
+ * makes one per op. Built with -ffp-contract=off, so no multiply and add are fused into one rounding. */
+enum { EPI_F32 = 0, EPI_BF16 = 1, EPI_ACCUMULATE = 2 };
+typedef struct {
+    const float *acc, *bias;
+    void *out;
+    int64_t cols, row_begin, row_end;
+    float scale_b, scale_a;
+    int kind;
+} EpilogueJob;
+
+#if defined(__x86_64__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static void epilogue_rows(EpilogueJob *j) {
+    const int64_t cols = j->cols;
+    const float sb = j->scale_b, sa = j->scale_a;
+    for (int64_t r = j->row_begin; r < j->row_end; ++r) {
+        const float *restrict acc = j->acc + r * cols;
+        const float *restrict bias = j->bias;
+        if (j->kind == EPI_ACCUMULATE) {
+            float *restrict out = (float *)j->out + r * cols;
+            for (int64_t c = 0; c < cols; ++c) out[c] += acc[c] * sb * sa;
+        } else if (j->kind == EPI_F32) { /* may write over acc: no restrict here */
+            const float *in = j->acc + r * cols;
+            float *out = (float *)j->out + r * cols;
+            if (bias) for (int64_t c = 0; c < cols; ++c) out[c] = in[c] * sb * sa + bias[c];
+            else for (int64_t c = 0; c < cols; ++c) out[c] = in[c] * sb * sa;
+        } else {
+            uint16_t *restrict out = (uint16_t *)j->out + r * cols;
+            for (int64_t c = 0; c < cols; ++c) {
+                const uint32_t u = bits_of(acc[c] * sb * sa + (bias ? bias[c] : 0.0f));
+                const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+                out[c] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+            }
+        }
+    }
+}
+
+static void *run_epilogue(void *arg) { epilogue_rows((EpilogueJob *)arg); return NULL; }
+
+static PyObject *py_gemm_epilogue(PyObject *self, PyObject *args) {
+    unsigned long long acc, bias, out, scale_b, scale_a;
+    long long m, n;
+    int kind, threads;
+    if (!PyArg_ParseTuple(args, "KLLKKKKii", &acc, &m, &n, &scale_b, &scale_a, &bias, &out, &kind, &threads))
+        return NULL;
+    if (m < 0 || n < 0 || kind < EPI_F32 || kind > EPI_ACCUMULATE || (kind == EPI_ACCUMULATE && bias)) {
+        PyErr_SetString(PyExc_ValueError, "gemm_epilogue: bad shape or kind, or a bias with accumulation");
+        return NULL;
+    }
+    const float sb = scale_b ? *(const float *)scale_b : 1.0f, sa = scale_a ? *(const float *)scale_a : 1.0f;
+    int64_t t = m * n / MIN_PER_THREAD;
+    t = t > threads ? threads : t;
+    t = t > m ? m : t;
+    t = t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
+    EpilogueJob jobs[MAX_THREADS];
+    Py_BEGIN_ALLOW_THREADS
+    const int64_t step = (m + t - 1) / t;
+    for (int64_t i = 0; i < t; ++i)
+        jobs[i] = (EpilogueJob){(const float *)acc, (const float *)bias, (void *)out, n,
+                                i * step < m ? i * step : m, (i + 1) * step < m ? (i + 1) * step : m, sb, sa, kind};
+    run_jobs(run_epilogue, jobs, sizeof(EpilogueJob), t);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
@@ -1301,6 +1401,9 @@ static PyMethodDef methods[] = {
     {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
      "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads): out = values[codes] * "
      "scales[r / rows, c / cols]"},
+    {"gemm_epilogue", py_gemm_epilogue, METH_VARARGS,
+     "gemm_epilogue(acc, m, n, scale_b, scale_a, bias, out, kind, threads): out = (acc * *scale_b) * *scale_a + "
+     "bias as float32 (kind 0) or bfloat16 (1), or out += (acc * *scale_b) * *scale_a (2)"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(limit): use vector code up to 0 (scalar), 1 (AVX2) or 2 (AVX-512); returns the level in effect"},
     {"current_scale_inv", py_current_scale_inv, METH_VARARGS,

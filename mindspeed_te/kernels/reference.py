@@ -5,10 +5,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from mindspeed_te import fused_cast
 from mindspeed_te.formats import as_float32, cast_from_fp8
 from mindspeed_te.kernels.base import KernelBackend, Operand
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
-from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    QuantizedTensorStorage,
+)
 
 
 def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
@@ -29,6 +35,49 @@ def _decoded_2d(t: Float8TensorStorage, columnwise: bool) -> torch.Tensor:
     t._require(columnwise)
     values = cast_from_fp8(t.data, t.fp8_dtype)
     return values if values.dim() == 2 else values.reshape(-1, values.shape[-1])
+
+
+def holds_bf16_values(t: Operand) -> bool:
+    """Whether every value `operand_2d` makes of `t` is a bfloat16 value: FP8 codes (E4M3, E5M2 and HiF8
+    alike) times power-of-2 scales, or a bfloat16 tensor."""
+    if isinstance(t, Float8BlockwiseQTensorStorage):
+        return t.power_2_scale
+    if isinstance(t, QuantizedTensorStorage):
+        return isinstance(t, MXFP8TensorStorage)
+    return t.dtype == torch.bfloat16
+
+
+def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Tensor:
+    """a @ b of float32 matrices, summed in float32. When every value is a bfloat16 value (`bf16_values`),
+    oneDNN may convert the inputs to bfloat16 without loss and run its bf16 GEMM (exact products, float32
+    sums): the same result class as the float32 GEMM, at the bf16 GEMM's speed on CPUs with bf16 dot
+    products. Values below float32's normal range (2^-126) may be flushed to zero on that path."""
+    if not bf16_values or a.device.type != "cpu":
+        return torch.mm(a, b)
+    previous = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
+    torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
+    try:
+        return torch.mm(a, b)
+    finally:
+        torch._C._set_fp32_precision_setter("mkldnn", "matmul", previous)
+
+
+def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], out_dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """A GEMM's float32 sum `acc` (overwritten) times x2's scale, then x1's (the order aclnnQuantMatmulV5
+    documents), plus the float32 `bias`, as `out_dtype`; or, with `out`, added into that float32 tensor. One
+    fused pass where the extension applies, else the torch ops, with the same values."""
+    fused = fused_cast.gemm_epilogue(acc, scale_b, scale_a, bias, out_dtype, out)
+    if fused is not None:
+        return fused
+    for scale in (scale_b, scale_a):
+        if scale is not None:
+            acc = acc.mul_(scale)
+    if out is not None:
+        return out.add_(acc)
+    if bias is not None:
+        acc = acc + bias
+    return acc if acc.dtype == out_dtype else acc.to(out_dtype)
 
 
 def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
@@ -76,19 +125,18 @@ class ReferenceBackend(KernelBackend):
         """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
         float32 (Megatron's main_grad; no bias then) and `out` is returned."""
         check_accumulate(out, bias)
+        scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
         if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
             a_values, b_values = _decoded_2d(a, a_columnwise), _decoded_2d(b, b_columnwise)
-            result = torch.mm(a_values.t() if a_columnwise else a_values, b_values if b_columnwise else b_values.t())
-            result = result.mul_(as_float32(b.scale_inv)).mul_(as_float32(a.scale_inv))
+            result = mm_float32(a_values.t() if a_columnwise else a_values,
+                                b_values if b_columnwise else b_values.t(), bf16_values=True)
+            scales = (as_float32(b.scale_inv), as_float32(a.scale_inv))
         else:
-            result = self.gemm_operand(a, a_columnwise) @ self.gemm_operand(b, b_columnwise).t()
-        if out is not None:
-            return out.add_(result)
-        if bias is not None:
-            result = result + bias.float()
-        return result if result.dtype == out_dtype else result.to(out_dtype)
+            result = mm_float32(self.gemm_operand(a, a_columnwise), self.gemm_operand(b, b_columnwise).t(),
+                                bf16_values=holds_bf16_values(a) and holds_bf16_values(b))
+        return gemm_epilogue(result, *scales, None if bias is None else bias.float(), out_dtype, out)
 
     def gemm_operand(self, t: Operand, columnwise: bool) -> torch.Tensor:
         """A GEMM operand as the float32 (rows, k) matrix that `gemm`'s dequantize + matmul multiplies."""

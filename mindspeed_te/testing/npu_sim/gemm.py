@@ -24,6 +24,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     kernel,
 )
 from mindspeed_te.testing.npu_sim.codecs import decode, e8m0_values
+from mindspeed_te.testing.npu_sim.cube import cube_matmul
 from mindspeed_te.testing.npu_sim.dtypes import (
     E8M0_CARRIERS,
     FLOAT8_E8M0FNU,
@@ -121,7 +122,7 @@ class QuantMatmulKernels:
                 raise NpuValueError(f"batch dims of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not "
                                     "broadcast") from None
             self._validate_plain_scales(scale, pertoken_scale, out_dtype, m, n)
-            acc = torch.matmul(a, b) * scale.float()
+            acc = cube_matmul(a, b) * scale.float()
             if pertoken_scale is not None:
                 acc = acc * pertoken_scale.float().reshape(-1, 1)
         else:
@@ -140,7 +141,7 @@ class QuantMatmulKernels:
                 a, b = self._mx_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2)
             else:
                 a, b = self._block_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2, groups)
-            acc = a @ b
+            acc = cube_matmul(a, b)
         if bias is not None:
             acc = acc + self._quant_matmul_bias(bias, batch, n).float()
         return acc.to(out_dtype)

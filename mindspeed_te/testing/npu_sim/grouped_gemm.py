@@ -22,6 +22,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     kernel,
 )
 from mindspeed_te.testing.npu_sim.codecs import decode
+from mindspeed_te.testing.npu_sim.cube import cube_matmul
 from mindspeed_te.testing.npu_sim.dtypes import (
     FLOAT8_E8M0FNU,
     FLOATS,
@@ -222,7 +223,7 @@ class GroupedMatmulKernels:
             start = 0
             for i, size in enumerate(sizes):
                 rows = slice(start, start + size)
-                part = (a[rows] @ b[i]) * self._weight_scale(s, i)
+                part = cube_matmul(a[rows], b[i]) * self._weight_scale(s, i)
                 if p is not None:
                     part = part * (p[rows].float().reshape(-1, 1) if per_row else p.reshape(-1)[i].float())
                 out[rows] = part
@@ -248,7 +249,7 @@ class GroupedMatmulKernels:
             start = 0
             for i, size in enumerate(sizes):
                 cols = slice(start, start + size)
-                part = (a[:, cols] @ b[cols]) * self._weight_scale(s, i)
+                part = cube_matmul(a[:, cols], b[cols]) * self._weight_scale(s, i)
                 if p is not None:
                     part = part * (p[i].float().reshape(-1, 1) if per_row else p.reshape(-1)[i].float())
                 out[i] = part

@@ -19,6 +19,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     dtype_arg,
     kernel,
 )
+from mindspeed_te.testing.npu_sim.cube import cube_matmul
 from mindspeed_te.testing.npu_sim.dtypes import E8M0_CARRIERS, FP8_NATIVE, GEMM_OUT, HALF_FLOATS, DtypeArg
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuValueError
 
@@ -99,7 +100,7 @@ class Mc2Kernels:
             return x1.float() @ x2.float()
         a, b = self._mx_operands(x1, x2, x1.dtype, x2.dtype, x2_scale, x1_scale,
                                  check_layout("self", x1, ("row",)), check_layout("x2", x2))
-        return a @ b
+        return cube_matmul(a, b)
 
     @kernel
     def npu_all_gather_base_mm(self, input: torch.Tensor, /, x2: torch.Tensor, hcom: str, world_size: int,

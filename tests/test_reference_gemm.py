@@ -1,0 +1,60 @@
+"""The reference GEMM: exact products summed in float32, whichever oneDNN kernel computes them.
+
+Where every operand value is a bfloat16 value (FP8/HiF8 codes times power-of-2 scales), the reference lets
+oneDNN run its bfloat16 kernel; elsewhere a bfloat16 rounding of the inputs would be an error of about 2^-9.
+Checked against a float64 matmul of the dequantized operands with float32's summation bound."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.kernels.reference import ReferenceBackend
+from mindspeed_te.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer, MXFP8Quantizer
+
+
+def _check_float32_sum(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """|got - a·bᵀ| within float32's bound for a k-term sum (k·2^-24 of Σ|a||b|, the products being exact)."""
+    exact = a.double() @ b.double().t()
+    bound = a.shape[1] * 2.0**-24 * (a.double().abs() @ b.double().abs().t()) + 1e-30
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+def _operands(scale_rows: bool):
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(256, 384, generator=g)
+    b = torch.randn(192, 384, generator=g)
+    if scale_rows:  # tiles of very different magnitudes, so that their scales are unrelated
+        a = a * torch.exp2(torch.randint(-8, 8, (256, 1), generator=g).float())
+    return a, b
+
+
+@pytest.mark.parametrize("quantizer", [
+    Float8CurrentScalingQuantizer(FP8Dtype.E4M3, 448.0),
+    Float8CurrentScalingQuantizer(FP8Dtype.HIF8, 2.0**15),
+    Float8BlockQuantizer(FP8Dtype.E4M3, 448.0, power_2_scale=True),
+    Float8BlockQuantizer(FP8Dtype.E4M3, 448.0, power_2_scale=False),
+    Float8BlockQuantizer(FP8Dtype.HIF8, 2.0**15, power_2_scale=False),
+    MXFP8Quantizer(FP8Dtype.E5M2),
+], ids=["tensor-e4m3", "tensor-hif8", "block-pow2", "block-e4m3-fp32-scales", "block-hif8-fp32-scales", "mx"])
+def test_reference_gemm_sums_exact_products_in_float32(quantizer):
+    """Every recipe's GEMM is the float32 sum of the dequantized operands' exact products, including operands
+    whose float32 scales make values no bfloat16 can hold."""
+    a, b = _operands(scale_rows=True)
+    qa, qb = quantizer.quantize(a), quantizer.quantize(b)
+    got = ReferenceBackend().gemm(qa, qb, out_dtype=torch.float32)
+    _check_float32_sum(got, qa.dequantize(torch.float32), qb.dequantize(torch.float32))
+
+
+def test_reference_gemm_leaves_the_matmul_precision_setting_as_it_was():
+    a, b = _operands(scale_rows=False)
+    q = Float8CurrentScalingQuantizer(FP8Dtype.E4M3, 448.0)
+    flags = torch.backends.mkldnn.matmul
+    kept = flags.fp32_precision
+    try:
+        for setting in ("ieee", "none"):
+            flags.fp32_precision = setting
+            ReferenceBackend().gemm(q.quantize(a), q.quantize(b))
+            assert flags.fp32_precision == setting
+    finally:
+        flags.fp32_precision = kept
