@@ -101,7 +101,7 @@ def _nan_agnostic(codes: np.ndarray, fmt: str) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
 @pytest.mark.parametrize("scale_inv", [1.0, 0.0078125, 3.7, 1e-30, 6.5e33])
-def test_scaled_cast_matches_oracle_on_edges(fmt, scale_inv):
+def test_scaled_cast_matches_oracle_on_edges(fmt, scale_inv, simd):
     x = _edge_values()
     table = formats.quantize_table(FP8Dtype(fmt), torch.device("cpu"))
     got = fused_cast.scaled_cast(torch.from_numpy(x), torch.tensor([scale_inv]), fmt, table).view(torch.uint8).numpy()
@@ -111,7 +111,7 @@ def test_scaled_cast_matches_oracle_on_edges(fmt, scale_inv):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "hif8"])
 @pytest.mark.parametrize("numel", [1, 31, 33, 1000, 3 * 65536 + 17])  # tails of the 32-wide loop, threads
-def test_scaled_cast_bfloat16_and_sizes(fmt, numel):
+def test_scaled_cast_bfloat16_and_sizes(fmt, numel, simd):
     g = torch.Generator().manual_seed(numel)
     x = (torch.randn(numel, generator=g) * torch.exp2(torch.randint(-20, 12, (numel,), generator=g))).bfloat16()
     scale_inv = torch.tensor([0.37])

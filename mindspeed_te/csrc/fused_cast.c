@@ -147,6 +147,48 @@ static int simd_level(void) {
 static int has_avx2(void) { return simd_level() >= SIMD_AVX2; }
 #endif
 
+#if defined(__x86_64__)
+/* HiF8 codes by the 65536-entry table, 8 (AVX2) or 16 (AVX-512) elements at a time: each lane gathers the 4
+ * table bytes ending at its index (so every read stays inside the table) and keeps the top one; indices 0..2,
+ * which have no 3 bytes before them, take their codes from registers. Returns where the scalar loop takes
+ * over. */
+__attribute__((target("avx2"))) static int64_t cast_hif8_avx2(const Job *j, int64_t begin, int64_t end) {
+    const __m256 s = _mm256_set1_ps(j->scale_inv);
+    const int *base = (const int *)(const void *)(j->table - 3);
+    const __m256i three = _mm256_set1_epi32(3);
+    const __m256i first = _mm256_setr_epi32(j->table[0], j->table[1], j->table[2], 0, 0, 0, 0, 0);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+        const __m256i idx = _mm256_srli_epi32(_mm256_castps_si256(_mm256_div_ps(load8_avx2(j->in, j->in_dtype, i), s)), 16);
+        __m256i code = _mm256_srli_epi32(_mm256_i32gather_epi32(base, _mm256_max_epu32(idx, three), 1), 24);
+        code = _mm256_blendv_epi8(code, _mm256_permutevar8x32_epi32(first, idx), _mm256_cmpgt_epi32(three, idx));
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+        _mm_storel_epi64((__m128i *)(j->out + i), _mm_packus_epi16(words, words));
+    }
+    return i;
+}
+
+__attribute__((target("avx512f,avx512bw"))) static int64_t cast_hif8_avx512(const Job *j, int64_t begin, int64_t end) {
+    const __m512 s = _mm512_set1_ps(j->scale_inv);
+    const void *base = j->table - 3;
+    const __m512i three = _mm512_set1_epi32(3);
+    const __m512i first = _mm512_setr_epi32(j->table[0], j->table[1], j->table[2], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                            0, 0);
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+        __m512 x;
+        if (j->in_dtype == IN_F32) x = _mm512_loadu_ps((const float *)j->in + i);
+        else x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->in + i))), 16));
+        const __m512i idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_div_ps(x, s)), 16);
+        __m512i code = _mm512_srli_epi32(_mm512_i32gather_epi32(_mm512_max_epu32(idx, three), base, 1), 24);
+        code = _mm512_mask_permutexvar_epi32(code, _mm512_cmplt_epu32_mask(idx, three), idx, first);
+        _mm_storeu_si128((__m128i *)(j->out + i), _mm512_cvtepi32_epi8(code));
+    }
+    return i;
+}
+#endif
+
 static void cast_range(Job *j) {
     const float s = j->scale_inv;
     int64_t begin = j->begin;
@@ -154,7 +196,8 @@ static void cast_range(Job *j) {
     uint8_t *restrict out = j->out;
     const uint8_t *restrict table = j->table;
 #if defined(__x86_64__)
-    if (j->out_format != OUT_HIF8 && has_avx2()) begin = cast_fp8_avx2(j, begin, end);
+    if (j->out_format == OUT_HIF8 && simd_level() >= SIMD_AVX512) begin = cast_hif8_avx512(j, begin, end);
+    else if (has_avx2()) begin = j->out_format == OUT_HIF8 ? cast_hif8_avx2(j, begin, end) : cast_fp8_avx2(j, begin, end);
 #endif
     if (j->in_dtype == IN_F32) {
         const float *restrict in = (const float *)j->in;
