@@ -113,10 +113,13 @@ def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
 def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rows: int,
                      cols: int) -> Optional[torch.Tensor]:
     """values[codes] * scales[r // rows, c // cols] as float32 (M, K) in one pass, for 2-D (M, K) codes and
-    float32 (ceil(M / rows), ceil(K / cols)) scales (`values`: the 256 float32 values of the format's codes),
-    or None when the extension does not apply (then decode and multiply with torch ops: the same products)."""
+    (ceil(M / rows), ceil(K / cols)) scales, float32 or E8M0 bytes (uint8 or float8_e8m0fnu; `values`: the
+    256 float32 values of the format's codes), or None when the extension does not apply (then decode and
+    multiply with torch ops: the same products)."""
+    e8m0 = scales.dtype in (torch.uint8, torch.float8_e8m0fnu)
     if not (available() and codes.is_cpu and codes.dim() == 2 and codes.element_size() == 1 and codes.is_contiguous()
-            and scales.dtype == torch.float32 and scales.is_cpu and scales.dim() == 2 and scales.is_contiguous()):
+            and (e8m0 or scales.dtype == torch.float32) and scales.is_cpu and scales.dim() == 2
+            and scales.is_contiguous()):
         return None
     m, k = codes.shape
     if scales.shape != (-(-m // rows), -(-k // cols)):
@@ -125,7 +128,7 @@ def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Te
     if out.numel() == 0:  # an expert without tokens: nothing to read (and no buffer to point at)
         return out
     _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
-                          out.data_ptr(), _threads(out.numel()))
+                          out.data_ptr(), _threads(out.numel()), int(e8m0))
     return out
 
 

@@ -134,17 +134,16 @@ class _TiledTensor(QuantizedTensorStorage):
 
     def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         rows, cols = self._tile()
-        m, k = data.shape
-        scales = self._scale_inv_values(scale_inv)
         table = decode_table(self.fp8_dtype, data.device)
+        # The fused kernel takes the scales as stored (float32 or E8M0 bytes).
         if data.t().is_contiguous() and not data.is_contiguous():  # a transposed view (128x128 columnwise)
-            fused = fused_cast.dequantize_tiles(data.t(), table, scales.t(), cols, rows)
+            fused = fused_cast.dequantize_tiles(data.t(), table, scale_inv.t(), cols, rows)
             fused = None if fused is None else fused.t()
         else:
-            fused = fused_cast.dequantize_tiles(data, table, scales, rows, cols)
+            fused = fused_cast.dequantize_tiles(data, table, scale_inv, rows, cols)
         if fused is not None:
             return fused
-        return self.scale_tiles(cast_from_fp8(data, self.fp8_dtype), scales)
+        return self.scale_tiles(cast_from_fp8(data, self.fp8_dtype), self._scale_inv_values(scale_inv))
 
     def scale_tiles(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Decoded (rows, k) data times its float32 per-tile multipliers (ceil(rows / tile rows), ceil(k / tile

@@ -386,13 +386,22 @@ def test_mx_scale_exponents_of_random_amaxes(monkeypatch, simd, fmt):
 @pytest.mark.parametrize("fmt", list(FP8Dtype))
 @pytest.mark.parametrize("shape,rows,cols", [((130, 300), 1, 128), ((130, 300), 128, 128), ((64, 96), 1, 32),
                                              ((600, 512), 1, 128)])
-def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols):
-    """One pass of values[codes] * tile scale, as the oracle's decode times the repeated scales, NaN where either is."""
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols, e8m0, simd):
+    """One pass of values[codes] * tile scale, as the oracle's decode times the repeated scales, NaN where either
+    is; the scales as float32 or as E8M0 bytes (every byte, 0 = 2^-127 and 0xFF = NaN included, decoded by
+    ml_dtypes)."""
     g = torch.Generator().manual_seed(shape[0])
     codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-    scales = torch.exp2(torch.randint(-130, 120, (-(-shape[0] // rows), -(-shape[1] // cols)), generator=g).float())
-    scales[0, 0] = float("nan")
-    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), scales, rows, cols)
+    scale_shape = (-(-shape[0] // rows), -(-shape[1] // cols))
+    if e8m0:
+        stored = torch.randint(0, 256, scale_shape, generator=g, dtype=torch.uint8)
+        stored.view(-1)[:3] = torch.tensor([0, 255, 254], dtype=torch.uint8)
+        scales = torch.from_numpy(stored.numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+    else:
+        scales = stored = torch.exp2(torch.randint(-130, 120, scale_shape, generator=g).float())
+        scales[0, 0] = float("nan")
+    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), stored, rows, cols)
     decoded = torch.from_numpy(codes.numpy().view(NP_DTYPES[FORMATS[fmt.value]]).astype(np.float32))
     want = decoded * scales.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

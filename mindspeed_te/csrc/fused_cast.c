@@ -1304,20 +1304,31 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
  * One pass (torch decodes, then multiplies by the expanded scales), the same float32 product. */
 typedef struct {
     const uint8_t *codes;
-    const float *values, *scales;
+    const float *values;
+    const void *scales; /* float32, or E8M0 bytes when e8m0 */
     float *out;
     int64_t k, scale_cols, rows, cols, row_begin, row_end;
+    int e8m0;
 } DequantJob;
+
+/* The float32 value 2^(b - 127) of an E8M0 byte (b = 0 gives the subnormal 2^-127, 0xFF NaN), as torch's
+ * float8_e8m0fnu cast gives it. */
+static inline float e8m0_value(uint8_t b) {
+    return b == 0xFF ? float_of(0x7FC00000u) : b == 0 ? float_of(0x00400000u) : float_of((uint32_t)b << 23);
+}
 
 static void dequant_rows(DequantJob *j) {
     const int64_t k = j->k, cols = j->cols;
     for (int64_t r = j->row_begin; r < j->row_end; ++r) {
         const uint8_t *restrict in = j->codes + r * k;
-        const float *restrict scale = j->scales + (r / j->rows) * j->scale_cols;
+        const int64_t first = (r / j->rows) * j->scale_cols;
         const float *restrict values = j->values;
         float *restrict out = j->out + r * k;
-        for (int64_t c0 = 0; c0 < k; c0 += cols)
-            decode_scaled(in, values, out, c0, c0 + cols < k ? c0 + cols : k, scale[c0 / cols]);
+        for (int64_t c0 = 0; c0 < k; c0 += cols) {
+            const float s = j->e8m0 ? e8m0_value(((const uint8_t *)j->scales)[first + c0 / cols])
+                                    : ((const float *)j->scales)[first + c0 / cols];
+            decode_scaled(in, values, out, c0, c0 + cols < k ? c0 + cols : k, s);
+        }
     }
 }
 
@@ -1326,9 +1337,9 @@ static void *run_dequant(void *arg) { dequant_rows((DequantJob *)arg); return NU
 static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     unsigned long long codes, values, scales, out;
     long long m, k, scale_cols, rows, cols;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KLLKKLLLKi", &codes, &m, &k, &values, &scales, &scale_cols, &rows, &cols, &out,
-                          &threads))
+    int threads, e8m0;
+    if (!PyArg_ParseTuple(args, "KLLKKLLLKii", &codes, &m, &k, &values, &scales, &scale_cols, &rows, &cols, &out,
+                          &threads, &e8m0))
         return NULL;
     if (m < 0 || k < 0 || rows < 1 || cols < 1 || scale_cols < (k + cols - 1) / cols || !values || !scales) {
         PyErr_SetString(PyExc_ValueError, "dequantize_tiles: bad shape, tile or table");
@@ -1342,8 +1353,9 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
-        jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const float *)scales, (float *)out,
-                               k, scale_cols, rows, cols, i * step < m ? i * step : m, (i + 1) * step < m ? (i + 1) * step : m};
+        jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const void *)scales, (float *)out,
+                               k, scale_cols, rows, cols, i * step < m ? i * step : m,
+                               (i + 1) * step < m ? (i + 1) * step : m, e8m0};
     }
     run_jobs(run_dequant, jobs, sizeof(DequantJob), t);
     Py_END_ALLOW_THREADS
@@ -1463,8 +1475,8 @@ static PyMethodDef methods[] = {
      "quantize_tiles(in, in_dtype, m, k, out_format, table, mode, tile_rows, block, emax, fp8_max, eps, pow2, "
      "row_data, row_scale, col_data, col_scale, threads): block / MX quantize, rowwise and/or columnwise"},
     {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
-     "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads): out = values[codes] * "
-     "scales[r / rows, c / cols]"},
+     "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads, e8m0): out = "
+     "values[codes] * scales[r / rows, c / cols] (scales float32, or E8M0 bytes when e8m0)"},
     {"gemm_epilogue", py_gemm_epilogue, METH_VARARGS,
      "gemm_epilogue(acc, m, n, scale_b, scale_a, bias, out, kind, threads): out = (acc * *scale_b) * *scale_a + "
      "bias as float32 (kind 0) or bfloat16 (1), or out += (acc * *scale_b) * *scale_a (2)"},
