@@ -1317,6 +1317,14 @@ static inline float e8m0_value(uint8_t b) {
     return b == 0xFF ? float_of(0x7FC00000u) : b == 0 ? float_of(0x00400000u) : float_of((uint32_t)b << 23);
 }
 
+/* Threads for a job split by rows: one per MIN_PER_THREAD elements, at most `threads`, `m` and MAX_THREADS. */
+static int64_t row_threads(int64_t m, int64_t numel, int threads) {
+    int64_t t = numel / MIN_PER_THREAD;
+    t = t > threads ? threads : t;
+    t = t > m ? m : t;
+    return t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
+}
+
 /* A tile's scale as float32 (stored as float32 or as an E8M0 byte). */
 static inline float tile_scale(const DequantJob *j, int64_t i) {
     return j->e8m0 ? e8m0_value(((const uint8_t *)j->scales)[i]) : ((const float *)j->scales)[i];
@@ -1374,10 +1382,7 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "dequantize_tiles: bad shape, tile or table");
         return NULL;
     }
-    int64_t t = m * k / MIN_PER_THREAD;
-    t = t > threads ? threads : t;
-    t = t > m ? m : t;
-    t = t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
+    const int64_t t = row_threads(m, m * k, threads);
     DequantJob jobs[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
@@ -1478,10 +1483,7 @@ static PyObject *py_gemm_epilogue(PyObject *self, PyObject *args) {
         return NULL;
     }
     const float sb = scale_b ? *(const float *)scale_b : 1.0f, sa = scale_a ? *(const float *)scale_a : 1.0f;
-    int64_t t = m * n / MIN_PER_THREAD;
-    t = t > threads ? threads : t;
-    t = t > m ? m : t;
-    t = t > MAX_THREADS ? MAX_THREADS : t < 1 ? 1 : t;
+    const int64_t t = row_threads(m, m * n, threads);
     EpilogueJob jobs[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
