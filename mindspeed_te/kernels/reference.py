@@ -51,7 +51,8 @@ def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Ten
     """a @ b of float32 matrices, summed in float32. When every value is a bfloat16 value (`bf16_values`),
     oneDNN may convert the inputs to bfloat16 without loss and run its bf16 GEMM (exact products, float32
     sums): the same result class as the float32 GEMM, at the bf16 GEMM's speed on CPUs with bf16 dot
-    products. Values below float32's normal range (2^-126) may be flushed to zero on that path."""
+    products. Values below float32's normal range (2^-126) may be flushed to zero on that path. The switch is
+    torch's process-wide matmul precision, set for this call only."""
     if not bf16_values or a.device.type != "cpu":
         return torch.mm(a, b)
     previous = torch._C._get_fp32_precision_getter("mkldnn", "matmul")

@@ -2,9 +2,11 @@
 
 A float32 matmul of FP8/HiF8 values computes that: every value of those formats, times a power-of-2 scale, is
 also a bfloat16 value, so each product is exact in float32. Where every input value is a bfloat16 value, this
-lets oneDNN take its bfloat16 kernel (no rounding of the inputs, float32 sums) instead of the float32 one. The
-reference backend makes the same choice for the same operands, so the two sum in the same order and agree
-bit for bit. Products below float32's normal range (about 1e-38) may count as zero on that kernel.
+lets oneDNN take its bfloat16 kernel (no rounding of the inputs, float32 sums) instead of the float32 one.
+The reference backend chooses that kernel by the operands' formats (FP8 codes times power-of-2 scales), this
+module by the values themselves, on its own; both choose alike unless float32 block scales happen to give only
+bfloat16 values, and then the two sums may differ in their last bits. Products below float32's normal range
+(about 1e-38) may count as zero on the bfloat16 kernel.
 """
 from __future__ import annotations
 
