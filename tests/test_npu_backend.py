@@ -47,16 +47,18 @@ def _quantizers(recipe):
     return LinearQuantizers(f[0], f[1], b[0])
 
 
-def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.bfloat16):
+def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.bfloat16, shape=(64, 192, 128)):
+    """One forward and backward of fp8_linear; shape = (tokens, in, out)."""
     use_backend(backend_name)
     if sim is not None:
         monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(64, 192, generator=g) * 2).to(dtype).requires_grad_()
-    w = (torch.randn(128, 192, generator=g) * 0.1).to(dtype).requires_grad_()
-    b = torch.randn(128, generator=g).to(dtype).requires_grad_()
-    dy = torch.randn(64, 128, generator=g).to(dtype)
-    w.main_grad = torch.zeros(128, 192)
+    m, k, n = shape
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype).requires_grad_()
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).requires_grad_()
+    b = torch.randn(n, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    w.main_grad = torch.zeros(n, k)
     y = fp8_linear(x, w, b, quantizers=_quantizers(recipe), fuse_wgrad_accumulation=True)
     y.backward(dy)
     return y.detach(), x.grad, w.main_grad, b.grad
@@ -77,6 +79,17 @@ def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backen
     for prefix, kernel in quantize_kernel.items():
         if name.startswith(prefix):
             assert sim.launch_counts[kernel] >= 3
+
+
+@pytest.mark.parametrize("name", ["delayed/hif8", "tensorwise/e4m3", "blockwise pow2/e4m3", "mxfp8/e4m3 floor"])
+def test_npu_backend_matches_reference_bit_for_bit_on_the_bf16_gemm(name, monkeypatch, use_backend):
+    """GEMMs of 2^24 multiply-adds, large enough that both sides sum FP8 products on oneDNN's bf16 kernel (the
+    small ones above take the float32 kernel): the results still agree bit for bit."""
+    sim = make_simulator()
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=(256, 256, 256))
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=(256, 256, 256))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("name", [n for n in RECIPES if n.startswith(("delayed", "tensorwise"))])

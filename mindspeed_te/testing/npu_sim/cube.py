@@ -2,7 +2,8 @@
 
 A float32 matmul of FP8/HiF8 values computes that: every value of those formats, times a power-of-2 scale, is
 also a bfloat16 value, so each product is exact in float32. Where every input value is a bfloat16 value, this
-lets oneDNN take its bfloat16 kernel (no rounding of the inputs, float32 sums) instead of the float32 one.
+lets oneDNN take its bfloat16 kernel (no rounding of the inputs, float32 sums) instead of the float32 one,
+for matmuls large enough that it is the faster.
 The reference backend chooses that kernel by the operands' formats (FP8 codes times power-of-2 scales), this
 module by the values themselves, on its own; both choose alike unless float32 block scales happen to give only
 bfloat16 values, and then the two sums may differ in their last bits. Products below float32's normal range
@@ -14,6 +15,10 @@ import torch
 
 __all__ = ["cube_matmul"]
 
+# Below this many multiply-adds the float32 kernel is the faster one; the reference backend draws the line at
+# the same size (its BF16_KERNEL_MIN_MACS), so the two sum alike.
+MIN_MACS_FOR_BF16 = 4_194_304
+
 
 def _all_bfloat16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 or (t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float()))
@@ -21,7 +26,9 @@ def _all_bfloat16(t: torch.Tensor) -> bool:
 
 def cube_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul of float32 (or bfloat16, taken as float32) operands with exact products and float32 sums."""
-    exact_in_bf16 = a.device.type == "cpu" and _all_bfloat16(a) and _all_bfloat16(b)
+    macs = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]).numel() * a.shape[-2] * a.shape[-1] * b.shape[-1]
+    exact_in_bf16 = (a.device.type == "cpu" and macs >= MIN_MACS_FOR_BF16 and _all_bfloat16(a)
+                     and _all_bfloat16(b))
     a, b = a.float(), b.float()
     if not exact_in_bf16:
         return torch.matmul(a, b)
