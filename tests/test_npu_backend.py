@@ -422,6 +422,20 @@ def _edge_amaxes(target: float, dtype: torch.dtype) -> torch.Tensor:
     return edges[torch.isfinite(edges)]
 
 
+def _edge_tiles(target: float, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, amax): rows of 256 `dtype` values, one edge amax of `_edge_amaxes` per row (the edges, then random
+    repeats up to a whole number of 128-row tiles), each row's two 1x128 tiles holding +amax and -amax exactly
+    and smaller values elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    edges = _edge_amaxes(target, dtype)
+    rows = -(-len(edges) // 128) * 128
+    amax = torch.cat([edges, edges[torch.randint(len(edges), (rows - len(edges),), generator=g)]])
+    x = torch.rand(rows, 256, generator=g) * 1.8 - 0.9  # |x| < amax within each row
+    x = (x.double() * amax.double()[:, None]).to(dtype)
+    x[:, 0], x[:, 200] = amax, -amax  # the amax of each row's two 1x128 tiles, exactly
+    return x, amax
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("target", [15.0, 224.0, 100.0])
 def test_blockwise_power_2_hif8_scales_at_the_rule_edges(dtype, target):
@@ -434,13 +448,7 @@ def test_blockwise_power_2_hif8_scales_at_the_rule_edges(dtype, target):
 
     sim = make_simulator()
     backend = NpuBackend(sim)
-    g = torch.Generator().manual_seed(11)
-    edges = _edge_amaxes(target, dtype)
-    rows = -(-len(edges) // 128) * 128
-    amax = torch.cat([edges, edges[torch.randint(len(edges), (rows - len(edges),), generator=g)]])
-    x = torch.rand(rows, 256, generator=g) * 1.8 - 0.9  # |x| < amax within each row
-    x = (x.double() * amax.double()[:, None]).to(dtype)
-    x[:, 0], x[:, 200] = amax, -amax  # the amax of each row's two 1x128 tiles, exactly
+    x, amax = _edge_tiles(target, dtype, seed=11)
     x[:, 128:][amax == 0] = 0.0
     for dim in (1, 2):
         q = Float8BlockQuantizer(FP8Dtype.HIF8, target, block_scaling_dim=dim)
@@ -461,13 +469,7 @@ def test_blockwise_hif8_kernel_scales_at_the_rule_edges(dtype, target):
 
     sim = make_simulator()
     backend = NpuBackend(sim)
-    g = torch.Generator().manual_seed(13)
-    edges = _edge_amaxes(target, dtype)
-    rows = -(-len(edges) // 128) * 128
-    amax = torch.cat([edges, edges[torch.randint(len(edges), (rows - len(edges),), generator=g)]])
-    x = torch.rand(rows, 256, generator=g) * 1.8 - 0.9
-    x = (x.double() * amax.double()[:, None]).to(dtype)
-    x[:, 0], x[:, 200] = amax, -amax
+    x, _ = _edge_tiles(target, dtype, seed=13)
     for dim in (1, 2):
         q = Float8BlockQuantizer(FP8Dtype.HIF8, target, block_scaling_dim=dim, power_2_scale=False)
         sim.reset_counts()
