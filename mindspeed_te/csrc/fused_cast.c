@@ -249,18 +249,17 @@ __attribute__((target("avx2"))) static inline int64_t decode_avx2(const uint8_t 
 }
 #endif
 
-/* values[in[i]] * s over [begin, end): the vector code where the CPU has it, then the scalar loop. */
-static void decode_scaled(const uint8_t *restrict in, const float *restrict values, float *restrict out,
-                          int64_t begin, int64_t end, float s) {
-#if defined(__x86_64__)
-    if (has_avx2()) begin = decode_avx2(in, values, out, begin, end, s);
-#endif
-    for (int64_t i = begin; i < end; ++i) out[i] = values[in[i]] * s;
-}
-
 /* Codes to values through a 256-entry table: the exact decode of any 8-bit format. */
 static void decode_range(Job *j) {
-    decode_scaled((const uint8_t *)j->in, j->values, j->decoded, j->begin, j->end, 1.0f);
+    int64_t begin = j->begin;
+    const int64_t end = j->end;
+    const uint8_t *restrict in = (const uint8_t *)j->in;
+    const float *restrict values = j->values;
+    float *restrict out = j->decoded;
+#if defined(__x86_64__)
+    if (has_avx2()) begin = decode_avx2(in, values, out, begin, end, 1.0f);
+#endif
+    for (int64_t i = begin; i < end; ++i) out[i] = values[in[i]];
 }
 
 typedef void (*RangeFn)(Job *);
