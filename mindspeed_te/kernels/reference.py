@@ -75,6 +75,8 @@ def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: O
     """A GEMM's float32 sum `acc` (overwritten) times x2's scale, then x1's (the order aclnnQuantMatmulV5
     documents), plus the float32 `bias`, as `out_dtype`; or, with `out`, added into that float32 tensor. One
     fused pass where the extension applies, else the torch ops, with the same values."""
+    if out is None and bias is None and scale_b is None and scale_a is None and acc.dtype == out_dtype:
+        return acc  # nothing to apply (a block-scaled GEMM with a float32 result)
     fused = fused_cast.gemm_epilogue(acc, scale_b, scale_a, bias, out_dtype, out)
     if fused is not None:
         return fused
