@@ -179,6 +179,23 @@ def test_decode_matches_oracle(fmt, numel, simd):
     assert np.array_equal(np.isnan(got), np.isnan(want))
 
 
+@pytest.mark.parametrize("bf16_table", [False, True])
+def test_decode_of_random_codes_is_the_table_lookup(bf16_table, simd):
+    """Any 256-entry table, random codes: the byte-permute decode (bfloat16-valued tables on AVX-512) and the
+    gather (other tables) give values[codes] in place, vector tails included."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(256, generator=g) * torch.exp2(torch.randint(-60, 60, (256,), generator=g).float())
+    if bf16_table:
+        values = values.bfloat16().float()
+    codes = torch.randint(0, 256, (3 * 65536 + 77,), generator=g, dtype=torch.uint8)
+    got = fused_cast.decode(codes, values)
+    assert torch.equal(got.view(torch.int32), values[codes.long()].view(torch.int32))
+    scales = torch.exp2(torch.randint(-20, 20, (7, 11), generator=g).float())
+    tiles = fused_cast.dequantize_tiles(codes[:7 * 330].reshape(7, 330), values, scales, 1, 32)
+    want = values[codes[:7 * 330].long()].reshape(7, 330) * scales.repeat_interleave(32, dim=1)[:, :330]
+    assert torch.equal(tiles.view(torch.int32), want.view(torch.int32))
+
+
 def test_decode_takes_float8_data_and_keeps_the_shape():
     x = torch.randn(3, 5, 7).to(torch.float8_e4m3fn)
     got = fused_cast.decode(x, formats.decode_table(FP8Dtype.E4M3, torch.device("cpu")))
@@ -385,7 +402,7 @@ def test_mx_scale_exponents_of_random_amaxes(monkeypatch, simd, fmt):
 
 @pytest.mark.parametrize("fmt", list(FP8Dtype))
 @pytest.mark.parametrize("shape,rows,cols", [((130, 300), 1, 128), ((130, 300), 128, 128), ((64, 96), 1, 32),
-                                             ((600, 512), 1, 128)])
+                                             ((600, 512), 1, 128), ((5, 330), 1, 32)])
 @pytest.mark.parametrize("e8m0", [False, True])
 def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols, e8m0, simd):
     """One pass of values[codes] * tile scale, as the oracle's decode times the repeated scales, NaN where either

@@ -65,6 +65,7 @@ typedef struct {
     uint32_t amax_bits;
     const float *values; /* decode: the value of each of the 256 codes */
     float *decoded;
+    const struct Bf16Planes *planes; /* decode: values as byte planes, or NULL (see decode_vbmi) */
 } Job;
 
 /* Locals and restrict: a uint8 store may alias anything, and without them the loops reload their bounds. */
@@ -145,6 +146,8 @@ static int simd_level(void) {
 
 #if defined(__x86_64__)
 static int has_avx2(void) { return simd_level() >= SIMD_AVX2; }
+/* The AVX-512 subsets simd_level asks for before it answers SIMD_AVX512. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512vbmi")))
 #endif
 
 #if defined(__x86_64__)
@@ -249,6 +252,68 @@ __attribute__((target("avx2"))) static inline int64_t decode_avx2(const uint8_t 
 }
 #endif
 
+/* A 256-entry table of bfloat16 values (float32 values whose low 16 bits are 0, as every FP8 and HiF8 value
+ * is) split into the low and high bytes of each value's top half, for decode_vbmi. */
+typedef struct Bf16Planes { uint8_t lo[256], hi[256]; } Bf16Planes;
+
+/* Fills p from values; 0 when some value is not a bfloat16 value (then the gather decodes). */
+static int bf16_planes(const float *values, Bf16Planes *p) {
+    for (int i = 0; i < 256; ++i) {
+        const uint32_t u = bits_of(values[i]);
+        if (u & 0xFFFFu) return 0;
+        p->lo[i] = (uint8_t)(u >> 16);
+        p->hi[i] = (uint8_t)(u >> 24);
+    }
+    return 1;
+}
+
+#if defined(__x86_64__)
+/* Decoding 64 codes at a time with byte permutes instead of gathers: each of the two byte planes is looked up
+ * with two 128-entry VPERMI2B (the code's top bit picks the half), the planes are interleaved into bfloat16
+ * words and the words widened to float32 by placing them in the top half of each lane. The unpacks
+ * interleave within 128-bit lanes, so the codes are first permuted into the order that makes the 4 float32
+ * vectors come out consecutive. VbmiTable holds the registers: that permutation and the planes' quarters. */
+typedef struct { __m512i order, lo[4], hi[4]; } VbmiTable;
+
+AVX512 static inline VbmiTable vbmi_table(const Bf16Planes *p) {
+    uint8_t order[64];
+    for (int lane = 0; lane < 4; ++lane)
+        for (int g = 0; g < 4; ++g)
+            for (int b = 0; b < 4; ++b) order[lane * 16 + g * 4 + b] = (uint8_t)(g * 16 + lane * 4 + b);
+    VbmiTable t;
+    t.order = _mm512_loadu_si512(order);
+    for (int q = 0; q < 4; ++q) {
+        t.lo[q] = _mm512_loadu_si512(p->lo + 64 * q);
+        t.hi[q] = _mm512_loadu_si512(p->hi + 64 * q);
+    }
+    return t;
+}
+
+/* out[0..64) = values[in[0..64)], the 16 values from out + 16 g on multiplied by s[g]. */
+AVX512 static inline void decode64_vbmi(const VbmiTable *t, const uint8_t *in, float *out, const __m512 s[4]) {
+    const __m512i c = _mm512_permutexvar_epi8(t->order, _mm512_loadu_si512(in));
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], c, t->lo[1]),
+                                              _mm512_permutex2var_epi8(t->lo[2], c, t->lo[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], c, t->hi[1]),
+                                              _mm512_permutex2var_epi8(t->hi[2], c, t->hi[3]));
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), zero = _mm512_setzero_si512();
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), s[0]));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), s[1]));
+    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), s[2]));
+    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1)), s[3]));
+}
+
+/* values[in[i]] over [begin, end), 64 codes at a time; returns where the next loop takes over. */
+AVX512 static int64_t decode_vbmi(const uint8_t *in, const Bf16Planes *p, float *out, int64_t begin, int64_t end) {
+    const VbmiTable t = vbmi_table(p);
+    const __m512 one[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
+    int64_t i = begin;
+    for (; i + 64 <= end; i += 64) decode64_vbmi(&t, in + i, out + i, one);
+    return i;
+}
+#endif
+
 /* Codes to values through a 256-entry table: the exact decode of any 8-bit format. */
 static void decode_range(Job *j) {
     int64_t begin = j->begin;
@@ -257,6 +322,7 @@ static void decode_range(Job *j) {
     const float *restrict values = j->values;
     float *restrict out = j->decoded;
 #if defined(__x86_64__)
+    if (j->planes && simd_level() >= SIMD_AVX512) begin = decode_vbmi(in, j->planes, out, begin, end);
     if (has_avx2()) begin = decode_avx2(in, values, out, begin, end, 1.0f);
 #endif
     for (int64_t i = begin; i < end; ++i) out[i] = values[in[i]];
@@ -312,7 +378,7 @@ static void parallel(RangeFn fn, const Job *proto, int64_t n, int threads, Job *
 
 /* max |in| over [0, n) on up to `threads` threads, as float32 (the canonical quiet NaN if any NaN). */
 static float amax_of(const void *in, int in_dtype, int64_t n, int threads) {
-    Job proto = {in, in_dtype, 0, 0, 1.0f, NULL, 0, NULL, 0, NULL, NULL};
+    Job proto = {in, in_dtype, 0, 0, 1.0f, NULL, 0, NULL, 0, NULL, NULL, NULL};
     Job jobs[MAX_THREADS];
     int used;
     uint32_t m = 0;
@@ -323,7 +389,8 @@ static float amax_of(const void *in, int in_dtype, int64_t n, int threads) {
 
 static void cast_all(const void *in, int in_dtype, int64_t n, float scale_inv, void *out, int out_format,
                      const void *table, int threads) {
-    Job proto = {in, in_dtype, 0, 0, scale_inv, (uint8_t *)out, out_format, (const uint8_t *)table, 0, NULL, NULL};
+    Job proto = {in, in_dtype, 0, 0, scale_inv, (uint8_t *)out, out_format, (const uint8_t *)table, 0, NULL, NULL,
+                 NULL};
     Job jobs[MAX_THREADS];
     int used;
     parallel(cast_range, &proto, n, threads, jobs, &used);
@@ -375,7 +442,9 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "decode: bad size or missing table");
         return NULL;
     }
-    Job proto = {(const void *)in, 0, 0, 0, 1.0f, NULL, 0, NULL, 0, (const float *)values, (float *)out};
+    Bf16Planes planes;
+    Job proto = {(const void *)in, 0, 0, 0, 1.0f, NULL, 0, NULL, 0, (const float *)values, (float *)out,
+                 bf16_planes((const float *)values, &planes) ? &planes : NULL};
     Job jobs[MAX_THREADS];
     int used;
     Py_BEGIN_ALLOW_THREADS
@@ -802,7 +871,6 @@ static void chunk_columnwise(const TileJob *j, int64_t r0, int64_t r1, int64_t c
  * (16 x 16 bytes in each 128-bit lane) into the (K, M) output. Pass 1 waits on memory and pass 2 on the
  * vector units, so pass 2 prefetches the next tile. Same arithmetic as the scalar code (the tests compare
  * every path with the torch ops), 16 lanes at a time. */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx512vbmi")))
 #define T512 128 /* rows and columns of a tile */
 /* From this many elements on the codes are written with streaming stores: an output of several MiB leaves
  * the caches anyway, and a normal store first reads the line it writes, a third more memory traffic. */
@@ -1308,6 +1376,7 @@ typedef struct {
     float *out;
     int64_t k, scale_cols, rows, cols, row_begin, row_end;
     int e8m0;
+    const Bf16Planes *planes; /* values as byte planes, or NULL (see decode_vbmi) */
 } DequantJob;
 
 /* The float32 value 2^(b - 127) of an E8M0 byte (b = 0 gives the subnormal 2^-127, 0xFF NaN), as torch's
@@ -1338,10 +1407,44 @@ __attribute__((target("avx2"))) static void dequant_rows_avx2(const DequantJob *
         const uint8_t *in = j->codes + r * k;
         const int64_t first = (r / j->rows) * j->scale_cols;
         float *out = j->out + r * k;
-        for (int64_t c0 = 0; c0 < k; c0 += cols) {
+        for (int64_t c0 = 0, tile = first; c0 < k; c0 += cols, ++tile) {
             const int64_t c1 = c0 + cols < k ? c0 + cols : k;
+            const float s = tile_scale(j, tile);
+            for (int64_t c = decode_avx2(in, j->values, out, c0, c1, s); c < c1; ++c) out[c] = j->values[in[c]] * s;
+        }
+    }
+}
+#endif
+
+#if defined(__x86_64__)
+/* dequant_rows through decode64_vbmi, for tiles whose width is a multiple of 16: each 16 codes of a 64-code
+ * step lie in one tile and are multiplied by its scale (the tile is counted along, not divided for: an integer
+ * division per 16 codes cost more than the decode). A row's last codes (fewer than 64) take the gather. */
+AVX512 static void dequant_rows_vbmi(const DequantJob *j) {
+    const VbmiTable t = vbmi_table(j->planes);
+    const int64_t k = j->k, cols = j->cols;
+    for (int64_t r = j->row_begin; r < j->row_end; ++r) {
+        const uint8_t *in = j->codes + r * k;
+        const int64_t first = (r / j->rows) * j->scale_cols;
+        float *out = j->out + r * k;
+        int64_t c0 = 0, tile = 0, left = cols; /* the tile of the next 16 codes, and its codes still to come */
+        __m512 scale = _mm512_set1_ps(tile_scale(j, first));
+        for (; c0 + 64 <= k; c0 += 64) {
+            __m512 s[4];
+            for (int g = 0; g < 4; ++g) {
+                s[g] = scale;
+                if ((left -= 16) == 0 && ++tile * cols < k) {
+                    left = cols;
+                    scale = _mm512_set1_ps(tile_scale(j, first + tile));
+                }
+            }
+            decode64_vbmi(&t, in + c0, out + c0, s);
+        }
+        while (c0 < k) {
+            const int64_t c1 = (c0 / cols + 1) * cols < k ? (c0 / cols + 1) * cols : k;
             const float s = tile_scale(j, first + c0 / cols);
             for (int64_t c = decode_avx2(in, j->values, out, c0, c1, s); c < c1; ++c) out[c] = j->values[in[c]] * s;
+            c0 = c1;
         }
     }
 }
@@ -1349,6 +1452,10 @@ __attribute__((target("avx2"))) static void dequant_rows_avx2(const DequantJob *
 
 static void dequant_rows(DequantJob *j) {
 #if defined(__x86_64__)
+    if (j->planes && j->cols % 16 == 0 && simd_level() >= SIMD_AVX512) {
+        dequant_rows_vbmi(j);
+        return;
+    }
     if (has_avx2()) {
         dequant_rows_avx2(j);
         return;
@@ -1360,9 +1467,9 @@ static void dequant_rows(DequantJob *j) {
         const int64_t first = (r / j->rows) * j->scale_cols;
         const float *restrict values = j->values;
         float *restrict out = j->out + r * k;
-        for (int64_t c0 = 0; c0 < k; c0 += cols) {
+        for (int64_t c0 = 0, tile = first; c0 < k; c0 += cols, ++tile) {
             const int64_t c1 = c0 + cols < k ? c0 + cols : k;
-            const float s = tile_scale(j, first + c0 / cols);
+            const float s = tile_scale(j, tile);
             for (int64_t c = c0; c < c1; ++c) out[c] = values[in[c]] * s;
         }
     }
@@ -1383,12 +1490,14 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     }
     const int64_t t = row_threads(m, m * k, threads);
     DequantJob jobs[MAX_THREADS];
+    Bf16Planes planes;
+    const Bf16Planes *have_planes = bf16_planes((const float *)values, &planes) ? &planes : NULL;
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const void *)scales, (float *)out,
                                k, scale_cols, rows, cols, i * step < m ? i * step : m,
-                               (i + 1) * step < m ? (i + 1) * step : m, e8m0};
+                               (i + 1) * step < m ? (i + 1) * step : m, e8m0, have_planes};
     }
     run_jobs(run_dequant, jobs, sizeof(DequantJob), t);
     Py_END_ALLOW_THREADS
