@@ -111,24 +111,24 @@ def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, rows: int,
-                     cols: int) -> Optional[torch.Tensor]:
+                     cols: int, out_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
     """values[codes] * scales[r // rows, c // cols] as float32 (M, K) in one pass, for 2-D (M, K) codes and
     (ceil(M / rows), ceil(K / cols)) scales, float32 or E8M0 bytes (uint8 or float8_e8m0fnu; `values`: the
     256 float32 values of the format's codes), or None when the extension does not apply (then decode and
-    multiply with torch ops: the same products)."""
+    multiply with torch ops: the same products). With out_dtype bfloat16, those products cast to bfloat16."""
     e8m0 = scales.dtype in (torch.uint8, torch.float8_e8m0fnu)
     if not (available() and codes.is_cpu and codes.dim() == 2 and codes.element_size() == 1 and codes.is_contiguous()
             and (e8m0 or scales.dtype == torch.float32) and scales.is_cpu and scales.dim() == 2
             and scales.is_contiguous()):
         return None
     m, k = codes.shape
-    if scales.shape != (-(-m // rows), -(-k // cols)):
+    if scales.shape != (-(-m // rows), -(-k // cols)) or out_dtype not in (torch.float32, torch.bfloat16):
         return None
-    out = torch.empty((m, k), dtype=torch.float32)
+    out = torch.empty((m, k), dtype=out_dtype)
     if out.numel() == 0:  # an expert without tokens: nothing to read (and no buffer to point at)
         return out
     _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
-                          out.data_ptr(), _threads(out.numel()), int(e8m0))
+                          out.data_ptr(), _threads(out.numel()), int(e8m0), int(out_dtype == torch.bfloat16))
     return out
 
 
@@ -180,14 +180,14 @@ def _one_element_f32(t: torch.Tensor) -> bool:
 
 
 def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Optional[torch.Tensor],
-              scale: Optional[torch.Tensor], fp8_max: float, amax_epsilon: float,
+              divisor: Optional[torch.Tensor], fp8_max: float, amax_epsilon: float,
               power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     code, storage = _OUT_FORMATS[fmt]
     data = torch.empty_like(x, dtype=storage)
     scale_inv = torch.empty(1, dtype=torch.float32)
     _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), code,
                   table.data_ptr() if table is not None else 0, _threads(x.numel()),
-                  amax.data_ptr() if amax is not None else 0, scale.data_ptr() if scale is not None else 0,
+                  amax.data_ptr() if amax is not None else 0, divisor.data_ptr() if divisor is not None else 0,
                   scale_inv.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
     return data, scale_inv
 
@@ -203,13 +203,14 @@ def quantize_current(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], f
 
 
 def quantize_delayed(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: torch.Tensor,
-                     scale: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+                     divisor: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Delayed scaling in one call: max-accumulates x's amax into the one-element `amax` (in place, NaN
-    propagating) and returns (codes of sat(x / scale_inv), scale_inv = 1 / scale). None when the extension
-    does not apply."""
-    if not (_applies(x) and _one_element_f32(amax) and _one_element_f32(scale)):
+    propagating) and returns (codes of sat(x / divisor), scale_inv = divisor, NaN when x holds NaN/Inf);
+    `divisor` is the float32 value the quantizer divides by (`Float8Quantizer.divisor`). None when the
+    extension does not apply."""
+    if not (_applies(x) and _one_element_f32(amax) and _one_element_f32(divisor)):
         return None
-    return _quantize(x, fmt, table, amax, scale, 0.0, 0.0, False)
+    return _quantize(x, fmt, table, amax, divisor, 0.0, 0.0, False)
 
 
 _TILE_MODES = {"block": 0, "ceil": 1, "floor": 2}

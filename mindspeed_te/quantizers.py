@@ -147,14 +147,13 @@ class Float8Quantizer(Quantizer):
 
     def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
         _check_input(x)
-        if x.dtype != torch.bfloat16:  # the fused kernel divides by the float32 1/scale
-            fused = fused_cast.quantize_delayed(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
-                                                self.amax, self.scale)
-            if fused is not None:
-                return self._tensor(x, *fused)
+        scale_inv = self.divisor(x.dtype)[1]
+        fused = fused_cast.quantize_delayed(x, self.fp8_dtype.value, quantize_table(self.fp8_dtype, x.device),
+                                            self.amax, scale_inv)
+        if fused is not None:
+            return self._tensor(x, *fused)
         amax = tensor_amax(x.detach()).reshape(self.amax.shape)
         torch.maximum(self.amax, amax, out=self.amax)
-        scale_inv = self.divisor(x.dtype)[1]
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
         return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
                                    scale_inv=mark_nonfinite(scale_inv, amax))

@@ -132,15 +132,19 @@ class _TiledTensor(QuantizedTensorStorage):
         self._require(True)
         return self.columnwise_data, self.columnwise_scale_inv
 
-    def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor,
+                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The float32 values of 2-D data; those cast to bfloat16 when `dtype` is bfloat16, where the fused
+        kernel writes them as such (half the bytes of float32 written, then cast)."""
         rows, cols = self._tile()
         table = decode_table(self.fp8_dtype, data.device)
+        out_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         # The fused kernel takes the scales as stored (float32 or E8M0 bytes).
         if data.t().is_contiguous() and not data.is_contiguous():  # a transposed view (128x128 columnwise)
-            fused = fused_cast.dequantize_tiles(data.t(), table, scale_inv.t(), cols, rows)
+            fused = fused_cast.dequantize_tiles(data.t(), table, scale_inv.t(), cols, rows, out_dtype)
             fused = None if fused is None else fused.t()
         else:
-            fused = fused_cast.dequantize_tiles(data, table, scale_inv, rows, cols)
+            fused = fused_cast.dequantize_tiles(data, table, scale_inv, rows, cols, out_dtype)
         if fused is not None:
             return fused
         return self.scale_tiles(cast_from_fp8(data, self.fp8_dtype), self._scale_inv_values(scale_inv))
@@ -159,11 +163,12 @@ class _TiledTensor(QuantizedTensorStorage):
 
     def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
         self._require(columnwise)
+        dtype = dtype or self.dtype
         if columnwise:
-            values = self._dequantize_2d(*self.columnwise_pair()).t()
+            values = self._dequantize_2d(*self.columnwise_pair(), dtype).t()
         else:
-            values = self._dequantize_2d(self.rowwise_data.reshape(_as_2d(self.shape)), self.rowwise_scale_inv)
-        return _to(values.reshape(self.shape), dtype or self.dtype)
+            values = self._dequantize_2d(self.rowwise_data.reshape(_as_2d(self.shape)), self.rowwise_scale_inv, dtype)
+        return _to(values.reshape(self.shape), dtype)
 
     def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is False:

@@ -404,10 +404,12 @@ def test_mx_scale_exponents_of_random_amaxes(monkeypatch, simd, fmt):
 @pytest.mark.parametrize("shape,rows,cols", [((130, 300), 1, 128), ((130, 300), 128, 128), ((64, 96), 1, 32),
                                              ((600, 512), 1, 128), ((5, 330), 1, 32)])
 @pytest.mark.parametrize("e8m0", [False, True])
-def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols, e8m0, simd):
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, cols, e8m0, out_dtype, simd):
     """One pass of values[codes] * tile scale, as the oracle's decode times the repeated scales, NaN where either
     is; the scales as float32 or as E8M0 bytes (every byte, 0 = 2^-127 and 0xFF = NaN included, decoded by
-    ml_dtypes)."""
+    ml_dtypes). bfloat16 output: those float32 products rounded to nearest even by ml_dtypes (products below
+    float32's normal range are not all bfloat16 values: the rounding is checked there too)."""
     g = torch.Generator().manual_seed(shape[0])
     codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
     scale_shape = (-(-shape[0] // rows), -(-shape[1] // cols))
@@ -418,9 +420,18 @@ def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, 
     else:
         scales = stored = torch.exp2(torch.randint(-130, 120, scale_shape, generator=g).float())
         scales[0, 0] = float("nan")
-    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), stored, rows, cols)
+        scales[-1, -1] = 2.0**-133  # products far below float32's normal range, some not bfloat16 values
+    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), stored, rows, cols,
+                                      out_dtype)
     decoded = torch.from_numpy(codes.numpy().view(NP_DTYPES[FORMATS[fmt.value]]).astype(np.float32))
     want = decoded * scales.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+    assert got.dtype == out_dtype
+    if out_dtype == torch.bfloat16:
+        rounded = want.numpy().astype(ml_dtypes.bfloat16)
+        nan = np.isnan(rounded)
+        assert np.array_equal(torch.isnan(got).numpy(), nan)
+        np.testing.assert_array_equal(got.view(torch.int16).numpy()[~nan], rounded.view(np.int16)[~nan])
+        return
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 

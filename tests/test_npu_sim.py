@@ -1124,3 +1124,18 @@ def test_cube_matmul_sums_exact_products_in_float32():
     assert ((got.double() - exact).abs() <= 320 * 2.0**-24 * (a.double().abs() @ b.double().abs().t())).all()
     wide = a * 1.1  # values no bfloat16 holds
     assert torch.equal(cube_matmul(wide, b.t()), torch.matmul(wide, b.t()))
+
+
+def test_cube_matmul_rounded_is_the_float32_sum_rounded_once():
+    """A bfloat16 output of bfloat16 values (oneDNN's bf16 kernel rounding its own sum) and of other values
+    (the float32 sum, cast) both are cube_matmul's float32 sum rounded once."""
+    from mindspeed_te.testing.npu_sim.cube import cube_matmul, cube_matmul_rounded
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (2, 128, 320), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    a, b = (codecs.decode(c, torch.float8_e4m3fn) * 2.0**-20 for c in codes)
+    for x in (a, a * 1.1):
+        for dtype in (torch.bfloat16, torch.float32):
+            got = cube_matmul_rounded(x, b.t(), dtype)
+            assert got.dtype == dtype and torch.equal(got, cube_matmul(x, b.t()).to(dtype))

@@ -256,6 +256,24 @@ __attribute__((target("avx2"))) static inline int64_t decode_avx2(const uint8_t 
  * is) split into the low and high bytes of each value's top half, for decode_vbmi. */
 typedef struct Bf16Planes { uint8_t lo[256], hi[256]; } Bf16Planes;
 
+/* bfloat16 bits of x, rounded to nearest even; NaN as 0x7FC0 (torch's float32 -> bfloat16 cast). */
+static inline uint16_t bf16_bits(float x) {
+    const uint32_t u = bits_of(x);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+#if defined(__x86_64__)
+/* bf16_bits of 16 lanes. */
+AVX512 static inline __m256i bf16_bits16(__m512 y) {
+    const __m512i u = _mm512_castps_si512(y);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 /* Fills p from values; 0 when some value is not a bfloat16 value (then the gather decodes). */
 static int bf16_planes(const float *values, Bf16Planes *p) {
     for (int i = 0; i < 256; ++i) {
@@ -289,8 +307,10 @@ AVX512 static inline VbmiTable vbmi_table(const Bf16Planes *p) {
     return t;
 }
 
-/* out[0..64) = values[in[0..64)], the 16 values from out + 16 g on multiplied by s[g]. */
-AVX512 static inline void decode64_vbmi(const VbmiTable *t, const uint8_t *in, float *out, const __m512 s[4]) {
+/* out[0..64) = values[in[0..64)], the 16 values from out + 16 g on multiplied by s[g]; as float32, or as
+ * bfloat16 (bf16_bits of the float32 product) when bf16. */
+AVX512 static inline __attribute__((always_inline)) void decode64_vbmi(const VbmiTable *t, const uint8_t *in,
+                                                                        void *out, const __m512 s[4], const int bf16) {
     const __m512i c = _mm512_permutexvar_epi8(t->order, _mm512_loadu_si512(in));
     const __mmask64 top = _mm512_movepi8_mask(c);
     const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], c, t->lo[1]),
@@ -298,10 +318,14 @@ AVX512 static inline void decode64_vbmi(const VbmiTable *t, const uint8_t *in, f
     const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], c, t->hi[1]),
                                               _mm512_permutex2var_epi8(t->hi[2], c, t->hi[3]));
     const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), zero = _mm512_setzero_si512();
-    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), s[0]));
-    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), s[1]));
-    _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), s[2]));
-    _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1)), s[3]));
+    const __m512 v[4] = {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), s[0]),
+                         _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), s[1]),
+                         _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), s[2]),
+                         _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w1)), s[3])};
+    for (int g = 0; g < 4; ++g) {
+        if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + 16 * g), bf16_bits16(v[g]));
+        else _mm512_storeu_ps((float *)out + 16 * g, v[g]);
+    }
 }
 
 /* values[in[i]] over [begin, end), 64 codes at a time; returns where the next loop takes over. */
@@ -309,7 +333,7 @@ AVX512 static int64_t decode_vbmi(const uint8_t *in, const Bf16Planes *p, float 
     const VbmiTable t = vbmi_table(p);
     const __m512 one[4] = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f)};
     int64_t i = begin;
-    for (; i + 64 <= end; i += 64) decode64_vbmi(&t, in + i, out + i, one);
+    for (; i + 64 <= end; i += 64) decode64_vbmi(&t, in + i, out + i, one, 0);
     return i;
 }
 #endif
@@ -484,21 +508,21 @@ static PyObject *py_current_scale_inv(PyObject *self, PyObject *args) {
  * Current scaling (no scale): cast with current_scale_inv(amax). *scale_inv_out receives the scale used,
  * or NaN when the input holds NaN/Inf. */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
-    unsigned long long in, out, table, amax, scale, scale_inv_out;
+    unsigned long long in, out, table, amax, divisor, scale_inv_out;
     long long n;
     int in_dtype, out_format, threads, pow2;
     double fp8_max, eps;
     if (!PyArg_ParseTuple(args, "KiLKiKiKKKddp", &in, &in_dtype, &n, &out, &out_format, &table, &threads, &amax,
-                          &scale, &scale_inv_out, &fp8_max, &eps, &pow2))
+                          &divisor, &scale_inv_out, &fp8_max, &eps, &pow2))
         return NULL;
     if (!check_formats(in_dtype, out_format, table, n)) return NULL;
     float scale_inv, m;
     Py_BEGIN_ALLOW_THREADS
     m = amax_of((const void *)in, in_dtype, n, threads);
-    if (scale) {
+    if (divisor) { /* delayed scaling: the divisor comes with the scale, the amax goes to the history */
         float old = *(float *)amax;
         *(float *)amax = (isnan(old) || isnan(m)) ? NAN : (m > old ? m : old);
-        scale_inv = 1.0f / *(const float *)scale;
+        scale_inv = *(const float *)divisor;
     } else {
         scale_inv = current_scale_inv(m, (float)fp8_max, (float)eps, pow2);
     }
@@ -1368,14 +1392,16 @@ static PyObject *py_set_simd(PyObject *self, PyObject *args) {
 }
 
 /* ---- Dequantize of block-scaled data: out[r, c] = values[code[r, c]] * scale[r / rows, c / cols] ----------
- * One pass (torch decodes, then multiplies by the expanded scales), the same float32 product. */
+ * One pass (torch decodes, then multiplies by the expanded scales), the same float32 product; written as float32 or
+ * as bfloat16 (that product rounded to nearest even, as torch's cast rounds it: exact for FP8 values times
+ * power-of-2 scales in bfloat16's range, the operands of a bfloat16 GEMM). */
 typedef struct {
     const uint8_t *codes;
     const float *values;
     const void *scales; /* float32, or E8M0 bytes when e8m0 */
-    float *out;
+    void *out;          /* float32, or bfloat16 when bf16 */
     int64_t k, scale_cols, rows, cols, row_begin, row_end;
-    int e8m0;
+    int e8m0, bf16;
     const Bf16Planes *planes; /* values as byte planes, or NULL (see decode_vbmi) */
 } DequantJob;
 
@@ -1398,15 +1424,28 @@ static inline float tile_scale(const DequantJob *j, int64_t i) {
     return j->e8m0 ? e8m0_value(((const uint8_t *)j->scales)[i]) : ((const float *)j->scales)[i];
 }
 
+/* Columns [c0, c1) of row r, all in the tile of scale s, one code at a time. */
+static inline void dequant_span(const DequantJob *j, int64_t r, int64_t c0, int64_t c1, float s) {
+    const uint8_t *restrict in = j->codes + r * j->k;
+    const float *restrict values = j->values;
+    if (j->bf16) {
+        uint16_t *restrict out = (uint16_t *)j->out + r * j->k;
+        for (int64_t c = c0; c < c1; ++c) out[c] = bf16_bits(values[in[c]] * s);
+    } else {
+        float *restrict out = (float *)j->out + r * j->k;
+        for (int64_t c = c0; c < c1; ++c) out[c] = values[in[c]] * s;
+    }
+}
+
 #if defined(__x86_64__)
 /* dequant_rows with the decode gathered 8 codes at a time (decode_avx2), inlined so that MX's 32-wide tiles
- * pay no call per tile. */
+ * pay no call per tile. float32 output only. */
 __attribute__((target("avx2"))) static void dequant_rows_avx2(const DequantJob *j) {
     const int64_t k = j->k, cols = j->cols;
     for (int64_t r = j->row_begin; r < j->row_end; ++r) {
         const uint8_t *in = j->codes + r * k;
         const int64_t first = (r / j->rows) * j->scale_cols;
-        float *out = j->out + r * k;
+        float *out = (float *)j->out + r * k;
         for (int64_t c0 = 0, tile = first; c0 < k; c0 += cols, ++tile) {
             const int64_t c1 = c0 + cols < k ? c0 + cols : k;
             const float s = tile_scale(j, tile);
@@ -1414,19 +1453,17 @@ __attribute__((target("avx2"))) static void dequant_rows_avx2(const DequantJob *
         }
     }
 }
-#endif
 
-#if defined(__x86_64__)
 /* dequant_rows through decode64_vbmi, for tiles whose width is a multiple of 16: each 16 codes of a 64-code
  * step lie in one tile and are multiplied by its scale (the tile is counted along, not divided for: an integer
- * division per 16 codes cost more than the decode). A row's last codes (fewer than 64) take the gather. */
-AVX512 static void dequant_rows_vbmi(const DequantJob *j) {
+ * division per 16 codes cost more than the decode). A row's last codes (fewer than 64) go one at a time. */
+AVX512 static inline __attribute__((always_inline)) void dequant_rows_vbmi(const DequantJob *j, const int bf16) {
     const VbmiTable t = vbmi_table(j->planes);
-    const int64_t k = j->k, cols = j->cols;
+    const int64_t k = j->k, cols = j->cols, elem = bf16 ? 2 : 4;
     for (int64_t r = j->row_begin; r < j->row_end; ++r) {
         const uint8_t *in = j->codes + r * k;
         const int64_t first = (r / j->rows) * j->scale_cols;
-        float *out = j->out + r * k;
+        char *out = (char *)j->out + r * k * elem;
         int64_t c0 = 0, tile = 0, left = cols; /* the tile of the next 16 codes, and its codes still to come */
         __m512 scale = _mm512_set1_ps(tile_scale(j, first));
         for (; c0 + 64 <= k; c0 += 64) {
@@ -1438,40 +1475,34 @@ AVX512 static void dequant_rows_vbmi(const DequantJob *j) {
                     scale = _mm512_set1_ps(tile_scale(j, first + tile));
                 }
             }
-            decode64_vbmi(&t, in + c0, out + c0, s);
+            decode64_vbmi(&t, in + c0, out + c0 * elem, s, bf16);
         }
-        while (c0 < k) {
-            const int64_t c1 = (c0 / cols + 1) * cols < k ? (c0 / cols + 1) * cols : k;
-            const float s = tile_scale(j, first + c0 / cols);
-            for (int64_t c = decode_avx2(in, j->values, out, c0, c1, s); c < c1; ++c) out[c] = j->values[in[c]] * s;
-            c0 = c1;
+        for (int64_t c1; c0 < k; c0 = c1) {
+            c1 = (c0 / cols + 1) * cols < k ? (c0 / cols + 1) * cols : k;
+            dequant_span(j, r, c0, c1, tile_scale(j, first + c0 / cols));
         }
     }
 }
+
+AVX512 static void dequant_rows_vbmi_f32(const DequantJob *j) { dequant_rows_vbmi(j, 0); }
+AVX512 static void dequant_rows_vbmi_bf16(const DequantJob *j) { dequant_rows_vbmi(j, 1); }
 #endif
 
 static void dequant_rows(DequantJob *j) {
 #if defined(__x86_64__)
     if (j->planes && j->cols % 16 == 0 && simd_level() >= SIMD_AVX512) {
-        dequant_rows_vbmi(j);
+        (j->bf16 ? dequant_rows_vbmi_bf16 : dequant_rows_vbmi_f32)(j);
         return;
     }
-    if (has_avx2()) {
+    if (has_avx2() && !j->bf16) {
         dequant_rows_avx2(j);
         return;
     }
 #endif
-    const int64_t k = j->k, cols = j->cols;
     for (int64_t r = j->row_begin; r < j->row_end; ++r) {
-        const uint8_t *restrict in = j->codes + r * k;
         const int64_t first = (r / j->rows) * j->scale_cols;
-        const float *restrict values = j->values;
-        float *restrict out = j->out + r * k;
-        for (int64_t c0 = 0, tile = first; c0 < k; c0 += cols, ++tile) {
-            const int64_t c1 = c0 + cols < k ? c0 + cols : k;
-            const float s = tile_scale(j, tile);
-            for (int64_t c = c0; c < c1; ++c) out[c] = values[in[c]] * s;
-        }
+        for (int64_t c0 = 0, tile = first; c0 < j->k; c0 += j->cols, ++tile)
+            dequant_span(j, r, c0, c0 + j->cols < j->k ? c0 + j->cols : j->k, tile_scale(j, tile));
     }
 }
 
@@ -1480,9 +1511,9 @@ static void *run_dequant(void *arg) { dequant_rows((DequantJob *)arg); return NU
 static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     unsigned long long codes, values, scales, out;
     long long m, k, scale_cols, rows, cols;
-    int threads, e8m0;
-    if (!PyArg_ParseTuple(args, "KLLKKLLLKii", &codes, &m, &k, &values, &scales, &scale_cols, &rows, &cols, &out,
-                          &threads, &e8m0))
+    int threads, e8m0, bf16;
+    if (!PyArg_ParseTuple(args, "KLLKKLLLKiii", &codes, &m, &k, &values, &scales, &scale_cols, &rows, &cols, &out,
+                          &threads, &e8m0, &bf16))
         return NULL;
     if (m < 0 || k < 0 || rows < 1 || cols < 1 || scale_cols < (k + cols - 1) / cols || !values || !scales) {
         PyErr_SetString(PyExc_ValueError, "dequantize_tiles: bad shape, tile or table");
@@ -1495,9 +1526,9 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
-        jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const void *)scales, (float *)out,
+        jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const void *)scales, (void *)out,
                                k, scale_cols, rows, cols, i * step < m ? i * step : m,
-                               (i + 1) * step < m ? (i + 1) * step : m, e8m0, have_planes};
+                               (i + 1) * step < m ? (i + 1) * step : m, e8m0, bf16 != 0, have_planes};
     }
     run_jobs(run_dequant, jobs, sizeof(DequantJob), t);
     Py_END_ALLOW_THREADS
@@ -1518,29 +1549,17 @@ typedef struct {
     int kind;
 } EpilogueJob;
 
-/* bfloat16 bits of x, rounded to nearest even; NaN as 0x7FC0. */
-static inline uint16_t bf16_bits(float x) {
-    const uint32_t u = bits_of(x);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
-}
-
 #if defined(__x86_64__)
 /* The bfloat16 epilogue of one row, 16 columns at a time (the compiler's own vectors of the loop below run at
  * half this speed); returns where the scalar loop takes over. */
 AVX512 static int64_t epilogue_bf16_avx512(const float *acc, const float *bias, uint16_t *out, int64_t cols,
                                            float sb, float sa) {
     const __m512 vb = _mm512_set1_ps(sb), va = _mm512_set1_ps(sa);
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7FC0);
     int64_t c = 0;
     for (; c + 16 <= cols; c += 16) {
         __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(acc + c), vb), va);
         if (bias) y = _mm512_add_ps(y, _mm512_loadu_ps(bias + c));
-        const __m512i u = _mm512_castps_si512(y);
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
-        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), nan);
-        _mm256_storeu_si256((__m256i *)(out + c), _mm512_cvtepi32_epi16(r));
+        _mm256_storeu_si256((__m256i *)(out + c), bf16_bits16(y));
     }
     return c;
 }
@@ -1607,15 +1626,15 @@ static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
     {"quantize", py_quantize, METH_VARARGS,
-     "quantize(in, in_dtype, n, out, out_format, table, threads, amax, scale, scale_inv_out, fp8_max, eps, pow2)"},
+     "quantize(in, in_dtype, n, out, out_format, table, threads, amax, divisor, scale_inv_out, fp8_max, eps, pow2)"},
     {"amax", py_amax, METH_VARARGS, "amax(in, in_dtype, n, out, threads): *out = max |in| (NaN if any)"},
     {"decode", py_decode, METH_VARARGS, "decode(in, n, values, out, threads): out = values[in] (uint8 codes)"},
     {"quantize_tiles", py_quantize_tiles, METH_VARARGS,
      "quantize_tiles(in, in_dtype, m, k, out_format, table, mode, tile_rows, block, emax, fp8_max, eps, pow2, "
      "row_data, row_scale, col_data, col_scale, threads): block / MX quantize, rowwise and/or columnwise"},
     {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
-     "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads, e8m0): out = "
-     "values[codes] * scales[r / rows, c / cols] (scales float32, or E8M0 bytes when e8m0)"},
+     "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads, e8m0, bf16): out = "
+     "values[codes] * scales[r / rows, c / cols] (scales float32, or E8M0 bytes when e8m0; out bfloat16 when bf16)"},
     {"gemm_epilogue", py_gemm_epilogue, METH_VARARGS,
      "gemm_epilogue(acc, m, n, scale_b, scale_a, bias, out, kind, threads): out = (acc * *scale_b) * *scale_a + "
      "bias as float32 (kind 0) or bfloat16 (1), or out += (acc * *scale_b) * *scale_a (2)"},

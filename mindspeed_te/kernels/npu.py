@@ -154,6 +154,7 @@ class NpuBackend(ReferenceBackend):
     # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"
     capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
                                 native_mx_gemm=True)
+    bf16_output_gemm = False  # the dequantize fallback runs as the device would run it
 
     def __init__(self, torch_npu: Any) -> None:
         self.npu = torch_npu
@@ -510,16 +511,17 @@ class NpuBackend(ReferenceBackend):
         in the reference fallback), except with a blockwise weight, whose GEMM adds the bias afterwards."""
         return bias if isinstance(weight, Float8BlockwiseQTensorStorage) else bias.float()
 
-    def gemm_operand(self, t: Operand, columnwise: bool) -> torch.Tensor:
+    def gemm_operand(self, t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A HiF8 tiled operand of the dequantize + matmul fallback (the 1x128 x 1x128 blockwise wgrad: no
         npu_quant_matmul mode takes 1x128 tiles on x2, and the MX mode has no HiF8 row) decoded by one
         npu_dtype_cast from torch_npu.hifloat8 and multiplied by its tile scales; other operands as the
         reference."""
         if isinstance(t, Float8BlockwiseQTensorStorage) and t.fp8_dtype is FP8Dtype.HIF8:
             data, scale_inv = _tiled_pair(t, columnwise)
-            return t.scale_tiles(self.npu.npu_dtype_cast(data, torch.float32, input_dtype=self.npu.hifloat8),
-                                 scale_inv)
-        return super().gemm_operand(t, columnwise)
+            values = t.scale_tiles(self.npu.npu_dtype_cast(data, torch.float32, input_dtype=self.npu.hifloat8),
+                                   scale_inv)
+            return values if dtype == torch.float32 else values.to(dtype)
+        return super().gemm_operand(t, columnwise, dtype)
 
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,

@@ -1,6 +1,7 @@
 """Reference backend: exact dequantize + float32 matmul. Runs every recipe and format on any device."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -17,13 +18,14 @@ from mindspeed_te.tensor import (
 )
 
 
-def operand_2d(t: Operand, columnwise: bool) -> torch.Tensor:
+def operand_2d(t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A GEMM operand as a float32 (rows, k) matrix: the tensor flattened to 2-D, or its transpose when the
-    columnwise form is asked for (the GEMM then contracts the tensor's first, flattened, dimension)."""
+    columnwise form is asked for (the GEMM then contracts the tensor's first, flattened, dimension). With
+    `dtype` bfloat16, those values cast to bfloat16 (exact where `holds_bf16_values`)."""
     if isinstance(t, QuantizedTensorStorage):
-        values = t.dequantize(torch.float32, columnwise=columnwise)
+        values = t.dequantize(dtype, columnwise=columnwise)
     else:
-        values = as_float32(t)
+        values = as_float32(t) if dtype == torch.float32 else t.to(dtype)
     if values.dim() != 2:
         values = values.reshape(-1, values.shape[-1])
     return values.t() if columnwise else values
@@ -70,6 +72,25 @@ def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Ten
         torch._C._set_fp32_precision_setter("mkldnn", "matmul", previous)
 
 
+def bf16_kernel_rounds(a: Operand, b: Operand, a_columnwise: bool) -> bool:
+    """Whether a · bᵀ may run as a bfloat16 GEMM with bfloat16 output: both operands hold bfloat16 values
+    (block scales inside them, nothing to apply after the sum) on the CPU, and the GEMM is large enough for
+    `mm_float32` to take oneDNN's bf16 kernel. That kernel then rounds its own float32 sum to bfloat16: the
+    bits of mm_float32's sum cast to bfloat16, with neither float32 operands nor a float32 output written."""
+    if not (holds_bf16_values(a) and holds_bf16_values(b) and _on_cpu(a) and _on_cpu(b)):
+        return False
+    a_numel, b_numel = math.prod(a.shape), math.prod(b.shape)
+    k = a.shape[-1] if not a_columnwise else a_numel // max(a.shape[-1], 1)
+    return a_numel * (b_numel // max(k, 1)) >= BF16_KERNEL_MIN_MACS
+
+
+def _on_cpu(t: Operand) -> bool:
+    if isinstance(t, torch.Tensor):
+        return t.device.type == "cpu"
+    data = t.rowwise_data if t.rowwise_data is not None else t.columnwise_data
+    return data is not None and data.device.type == "cpu"
+
+
 def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
                   bias: Optional[torch.Tensor], out_dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
     """A GEMM's float32 sum `acc` (overwritten) times x2's scale, then x1's (the order aclnnQuantMatmulV5
@@ -99,6 +120,9 @@ class ReferenceBackend(KernelBackend):
     """Emulates every quantized kernel exactly with torch ops."""
 
     name = "reference"
+    # Whether `gemm` may take the bfloat16-output GEMM (`bf16_kernel_rounds`), a shortcut of the CPU emulation.
+    # A device backend that falls back to this gemm keeps the op sequence its launch counts describe.
+    bf16_output_gemm = True
 
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         return record_nonfinite(quantizer, quantizer.quantize(x))
@@ -143,14 +167,19 @@ class ReferenceBackend(KernelBackend):
             result = mm_float32(a_values.t() if a_columnwise else a_values,
                                 b_values if b_columnwise else b_values.t(), bf16_values=True)
             scales = (as_float32(b.scale_inv), as_float32(a.scale_inv))
+        elif (self.bf16_output_gemm and out is None and bias is None and out_dtype == torch.bfloat16
+              and bf16_kernel_rounds(a, b, a_columnwise)):
+            return torch.mm(self.gemm_operand(a, a_columnwise, torch.bfloat16),
+                            self.gemm_operand(b, b_columnwise, torch.bfloat16).t())
         else:
             result = mm_float32(self.gemm_operand(a, a_columnwise), self.gemm_operand(b, b_columnwise).t(),
                                 bf16_values=holds_bf16_values(a) and holds_bf16_values(b))
         return gemm_epilogue(result, *scales, None if bias is None else bias.float(), out_dtype, out)
 
-    def gemm_operand(self, t: Operand, columnwise: bool) -> torch.Tensor:
-        """A GEMM operand as the float32 (rows, k) matrix that `gemm`'s dequantize + matmul multiplies."""
-        return operand_2d(t, columnwise)
+    def gemm_operand(self, t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A GEMM operand as the float32 (rows, k) matrix that `gemm`'s dequantize + matmul multiplies (cast to
+        `dtype` for the bfloat16 GEMM)."""
+        return operand_2d(t, columnwise, dtype)
 
     def grouped_gemm(
         self,

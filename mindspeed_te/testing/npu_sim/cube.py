@@ -7,13 +7,14 @@ for matmuls large enough that it is the faster.
 The reference backend chooses that kernel by the operands' formats (FP8 codes times power-of-2 scales), this
 module by the values themselves, on its own; both choose alike unless float32 block scales happen to give only
 bfloat16 values, and then the two sums may differ in their last bits. Products below float32's normal range
-(about 1e-38) may count as zero on the bfloat16 kernel.
+(about 1e-38) may count as zero on the bfloat16 kernel. Where the output is bfloat16 and nothing is applied
+after the sum, both let that kernel round its float32 sum to bfloat16 itself (`cube_matmul_rounded`).
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["cube_matmul"]
+__all__ = ["cube_matmul", "cube_matmul_rounded"]
 
 # Below this many multiply-adds the float32 kernel is the faster one; the reference backend draws the line at
 # the same size (its BF16_KERNEL_MIN_MACS), so the two sum alike.
@@ -24,11 +25,22 @@ def _all_bfloat16(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 or (t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float()))
 
 
+def _bf16_kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    macs = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]).numel() * a.shape[-2] * a.shape[-1] * b.shape[-1]
+    return a.device.type == "cpu" and macs >= MIN_MACS_FOR_BF16 and _all_bfloat16(a) and _all_bfloat16(b)
+
+
+def cube_matmul_rounded(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """cube_matmul's float32 sum rounded once to `out_dtype`. Where the bf16 kernel applies and the output is
+    bfloat16, that kernel writes the rounded sum itself (as the reference backend has it do)."""
+    if out_dtype == torch.bfloat16 and _bf16_kernel_applies(a, b):
+        return torch.matmul(a.bfloat16(), b.bfloat16())
+    return cube_matmul(a, b).to(out_dtype)
+
+
 def cube_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul of float32 (or bfloat16, taken as float32) operands with exact products and float32 sums."""
-    macs = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]).numel() * a.shape[-2] * a.shape[-1] * b.shape[-1]
-    exact_in_bf16 = (a.device.type == "cpu" and macs >= MIN_MACS_FOR_BF16 and _all_bfloat16(a)
-                     and _all_bfloat16(b))
+    exact_in_bf16 = _bf16_kernel_applies(a, b)
     a, b = a.float(), b.float()
     if not exact_in_bf16:
         return torch.matmul(a, b)

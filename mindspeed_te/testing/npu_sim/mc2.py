@@ -19,7 +19,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     dtype_arg,
     kernel,
 )
-from mindspeed_te.testing.npu_sim.cube import cube_matmul
+from mindspeed_te.testing.npu_sim.cube import cube_matmul_rounded
 from mindspeed_te.testing.npu_sim.dtypes import E8M0_CARRIERS, FP8_NATIVE, GEMM_OUT, HALF_FLOATS, DtypeArg
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuValueError
 
@@ -95,12 +95,14 @@ class Mc2Kernels:
                 raise NpuValueError(f"world_size={world_size} but the hcom group has {size} ranks")
         return group, out_dtype, mx
 
-    def _mc2_matmul(self, x1, x2, x1_scale, x2_scale, mx: bool) -> torch.Tensor:
+    def _mc2_matmul(self, x1, x2, x1_scale, x2_scale, mx: bool, out_dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+        """The local GEMM, its float32 sum rounded once to out_dtype."""
         if not mx:
-            return x1.float() @ x2.float()
+            return (x1.float() @ x2.float()).to(out_dtype)
         a, b = self._mx_operands(x1, x2, x1.dtype, x2.dtype, x2_scale, x1_scale,
                                  check_layout("self", x1, ("row",)), check_layout("x2", x2))
-        return cube_matmul(a, b)
+        return cube_matmul_rounded(a, b, out_dtype)
 
     @kernel
     def npu_all_gather_base_mm(self, input: torch.Tensor, /, x2: torch.Tensor, hcom: str, world_size: int,
@@ -125,7 +127,7 @@ class Mc2Kernels:
 
         gathered = gather(input)
         scale = gather(x1_scale) if mx else None
-        out = self._mc2_matmul(gathered, x2, scale, x2_scale, mx).to(out_dtype)
+        out = self._mc2_matmul(gathered, x2, scale, x2_scale, mx, out_dtype)
         return out, (gathered if gather_output else gathered.new_empty(0))
 
     @kernel
