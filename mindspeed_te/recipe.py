@@ -10,7 +10,7 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal, NamedTuple, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, NamedTuple, Optional, Union
 
 from mindspeed_te.formats import FP8Dtype
 
@@ -172,9 +172,23 @@ class Recipe:
         return isinstance(self, MXFP8BlockScaling)
 
     def key(self) -> str:
-        """A string identifying the recipe's configuration (used for amax-reduction grouping and checkpoints)."""
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init]
-        return f"{type(self).__name__}({', '.join(parts)})"
+        """A string identifying the recipe's configuration (used for amax-reduction grouping and checkpoints).
+        Every FP8 module call asks for it, so it is kept until a field is set again."""
+        key = self.__dict__.get("_key")
+        if key is None:
+            parts = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init]
+            key = self.__dict__["_key"] = f"{type(self).__name__}({', '.join(parts)})"
+        return key
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_key", None)  # key() is made again from the fields
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields without the kept key: in another process a callable field's address differs."""
+        state = dict(self.__dict__)
+        state.pop("_key", None)
+        return state
 
     def portable_key(self) -> str:
         """`key()` with callables named by module and qualified name instead of their address, so equal

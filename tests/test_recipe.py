@@ -119,6 +119,24 @@ def test_key_distinguishes_configurations():
     assert DelayedScaling().key() != Float8CurrentScaling().key()
 
 
+def test_key_follows_a_field_set_after_it_was_asked_for():
+    """key() is kept between calls (every module call asks for it), made again once any field is set, and not
+    carried by a pickled or copied recipe."""
+    import copy
+    import pickle
+
+    recipe = DelayedScaling()
+    before = recipe.key()
+    recipe.margin = 2
+    assert recipe.key() == DelayedScaling(margin=2).key() != before
+    recipe.amax_compute_algo = lambda history: history.amax(dim=0)
+    with_callable = recipe.key()
+    assert "<function" in with_callable
+    for clone in (pickle.loads(pickle.dumps(DelayedScaling(margin=2))), copy.deepcopy(recipe)):
+        assert "_key" not in vars(clone)
+    assert copy.deepcopy(recipe).key() == with_callable
+
+
 def test_override_linear_precision_only_wgrad():
     assert DelayedScaling().fp8_wgrad()
     assert not DelayedScaling(override_linear_precision=(False, False, True)).fp8_wgrad()
