@@ -134,8 +134,8 @@ class _TiledTensor(QuantizedTensorStorage):
 
     def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor,
                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The float32 values of 2-D data; those cast to bfloat16 when `dtype` is bfloat16, where the fused
-        kernel writes them as such (half the bytes of float32 written, then cast)."""
+        """The dequantized 2-D data as float32, or as bfloat16 when `dtype` is bfloat16: the fused kernel then
+        writes the float32 values rounded to bfloat16 itself, as the cast after it would."""
         rows, cols = self._tile()
         table = decode_table(self.fp8_dtype, data.device)
         out_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
