@@ -102,6 +102,13 @@ __attribute__((target("avx2"))) static inline __m256 load8_avx2(const void *in, 
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* 16 floats of the input from element i: float32, or bfloat16 widened. */
+__attribute__((target("avx512f"))) static inline __m512 load16_avx512(const void *in, int in_dtype, int64_t i) {
+    if (in_dtype == IN_F32) return _mm512_loadu_ps((const float *)in + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)in + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* E4M3 / E5M2 cast of [begin, end) 32 elements at a time; returns where the scalar loop takes over. */
 __attribute__((target("avx2"))) static int64_t cast_fp8_avx2(const Job *j, int64_t begin, int64_t end) {
     const int e4m3 = j->out_format == OUT_E4M3;
@@ -179,10 +186,7 @@ __attribute__((target("avx512f,avx512bw"))) static int64_t cast_hif8_avx512(cons
                                             0, 0);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16) {
-        __m512 x;
-        if (j->in_dtype == IN_F32) x = _mm512_loadu_ps((const float *)j->in + i);
-        else x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->in + i))), 16));
+        const __m512 x = load16_avx512(j->in, j->in_dtype, i);
         const __m512i idx = _mm512_srli_epi32(_mm512_castps_si512(_mm512_div_ps(x, s)), 16);
         __m512i code = _mm512_srli_epi32(_mm512_i32gather_epi32(_mm512_max_epu32(idx, three), base, 1), 24);
         code = _mm512_mask_permutexvar_epi32(code, _mm512_cmplt_epu32_mask(idx, three), idx, first);
@@ -953,10 +957,7 @@ AVX512 static inline __attribute__((always_inline)) int64_t cast_fp8_64(const Jo
         __m512 x[4];
         __m512i c[4];
         for (int k = 0; k < 4; ++k) {
-            if (f32) x[k] = _mm512_loadu_ps((const float *)j->in + i + 16 * k);
-            else x[k] = _mm512_castsi512_ps(_mm512_slli_epi32(
-                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->in + i + 16 * k))),
-                     16));
+            x[k] = load16_avx512(j->in, f32 ? IN_F32 : IN_BF16, i + 16 * k);
             c[k] = magnitude16(_mm512_div_ps(x[k], s), e4m3, 1);
         }
 #define X(k) _mm512_castps_si512(x[k])
