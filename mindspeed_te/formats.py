@@ -183,8 +183,8 @@ def _cast(x: torch.Tensor, fp8_dtype: FP8Dtype, divisor: Optional[torch.Tensor] 
     keeps its layout); the fused kernel is used when it applies, else torch ops."""
     if divisor is None:
         table = decode_table(fp8_dtype, x.device)
-        x = x.view(torch.uint8)
-        fused = fused_cast.decode(x, table)
+        fused = fused_cast.decode(x, table)  # takes float8 dtypes as they are (a view costs microseconds)
+        x = x if fused is not None else x.view(torch.uint8)
         out_dtype = torch.float32
     else:
         if x.dtype == torch.float64:  # quantized from its float32 rounding, like every other input

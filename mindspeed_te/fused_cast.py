@@ -144,7 +144,7 @@ def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: O
     GEMM sum. Scales are one-element float32 tensors or None (1); `bias` is float32 (N,). None when the
     extension does not apply (then the torch ops give the same values)."""
     if not (available() and acc.is_cpu and acc.dtype == torch.float32 and acc.dim() == 2 and acc.is_contiguous()
-            and all(s is None or _one_element_f32(s) for s in (scale_b, scale_a))):
+            and (scale_b is None or _one_element_f32(scale_b)) and (scale_a is None or _one_element_f32(scale_a))):
         return None
     m, n = acc.shape
     if out is not None:
@@ -157,7 +157,7 @@ def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: O
                 bias.is_cpu and bias.dtype == torch.float32 and bias.shape == (n,) and bias.is_contiguous())):
             return None
         kind = _EPILOGUE_OUT[out_dtype]
-        target = acc if out_dtype == torch.float32 else torch.empty((m, n), dtype=out_dtype)
+        target = acc if out_dtype == torch.float32 else torch.empty_like(acc, dtype=out_dtype)
     if acc.numel():
         _ext.gemm_epilogue(acc.data_ptr(), m, n, 0 if scale_b is None else scale_b.data_ptr(),
                            0 if scale_a is None else scale_a.data_ptr(), 0 if bias is None else bias.data_ptr(),

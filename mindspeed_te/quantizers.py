@@ -137,8 +137,7 @@ class Float8Quantizer(Quantizer):
             rounded = value.to(dtype)
             return rounded, rounded.float()
         source, i = self._scale_inv
-        div, exact = source.divisors(dtype)
-        return div[i : i + 1], exact[i : i + 1]
+        return source.slot(i, dtype)
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Max-accumulate x's amax into the history slot, as `quantize` does (NaN kept, see scaling)."""
@@ -359,7 +358,8 @@ def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[Quanti
                 continue
             pair = (q.nonfinite, scales, True)
         (now if q.nonfinite_pending is None else q.nonfinite_pending).append(pair)
-    fold_nonfinite_pairs(now)
+    if now:
+        fold_nonfinite_pairs(now)
     return outs
 
 
@@ -369,6 +369,10 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
     scale byte seen (see `MXFP8BlockScalingRecipeState`); MAX keeps either. No host sync, and the same
     launches for one pair as for a whole step's: one multi-tensor max over the block scales and one
     multi-tensor maximum into the flags, each per dtype (a multi-tensor op is one launch for one dtype)."""
+    if len(pairs) == 1 and not pairs[0][2]:  # one per-tensor quantize: its one maximum, without the sorting
+        flag, scale_inv, _ = pairs[0]
+        torch.maximum(flag, scale_inv if scale_inv.shape == flag.shape else scale_inv.reshape(flag.shape), out=flag)
+        return
     values = [scales for _, scales, _ in pairs]
     blocks: dict[torch.dtype, list[int]] = {}
     for i, (_, scales, reduce) in enumerate(pairs):
@@ -381,6 +385,6 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
     for (flag, _, _), value in zip(pairs, values):
         flags, maxima = by_dtype.setdefault(flag.dtype, ([], []))
         flags.append(flag)
-        maxima.append(value.reshape(flag.shape))
+        maxima.append(value if value.shape == flag.shape else value.reshape(flag.shape))
     for flags, maxima in by_dtype.values():
         torch._foreach_maximum_(flags, maxima)
