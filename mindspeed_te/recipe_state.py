@@ -60,6 +60,22 @@ def _roles(forward: bool, num_quantizers: int, roles: Optional[Sequence[str]] = 
 Mode = Literal["forward", "backward"]
 
 
+class SlotViews:
+    """The one-element views t[i : i + 1] of a per-slot tensor (for a 2-D amax history: of its row 0), made
+    once: a view costs microseconds of host time, every module call hands one per slot to its quantizers,
+    and the states only ever write these tensors in place."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def __call__(self, t: torch.Tensor) -> list[torch.Tensor]:
+        entry = self._views.get(id(t))
+        if entry is None or entry[0] is not t:
+            row = t if t.dim() == 1 else t[0]
+            entry = self._views[id(t)] = (t, [row[i : i + 1] for i in range(row.shape[0])])
+        return entry[1]
+
+
 class RecipeState:
     """State and quantizer factory for one module, one direction. Build it with `RecipeState.create`."""
 
@@ -81,6 +97,7 @@ class RecipeState:
         # flag updates, given to this state's quantizers (set by FP8GlobalStateManager.watch_nonfinite).
         self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
         self.nonfinite_pending: Optional[list[NonfinitePair]] = None
+        self.slots = SlotViews()
 
     @staticmethod
     def create(
@@ -115,8 +132,8 @@ class RecipeState:
 
     def _watched(self, quantizers: list[Quantizer]) -> list[Quantizer]:
         """Give each quantizer its slot of the non-finite flags, and where to note their updates."""
-        for i, quantizer in enumerate(quantizers):
-            quantizer.nonfinite = self.nonfinite[i : i + 1]
+        for quantizer, flag in zip(quantizers, self.slots(self.nonfinite)):
+            quantizer.nonfinite = flag
             quantizer.nonfinite_pending = self.nonfinite_pending
         return quantizers
 
@@ -193,6 +210,7 @@ class ScaleInv:
         self.value_bf16 = self.value.to(torch.bfloat16)
         self.value_bf16_f32 = self.value_bf16.float()
         self.synced = scale._version
+        self.slots = SlotViews()
 
     def get(self) -> torch.Tensor:
         """The float32 1 / scale."""
@@ -209,6 +227,11 @@ class ScaleInv:
         if dtype == torch.bfloat16:
             return self.value_bf16, self.value_bf16_f32
         return self.value, self.value
+
+    def slot(self, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`divisors` of slot i, as one-element views."""
+        div, exact = self.divisors(dtype)
+        return self.slots(div)[i], self.slots(exact)[i]
 
 
 def update_delayed_states(states: list[DelayedScalingRecipeState],
@@ -291,9 +314,8 @@ class DelayedScalingRecipeState(RecipeState):
     def make_quantizers(self) -> list[Quantizer]:
         # No per-quantizer non-finite flags: NaN/Inf data leaves a non-finite amax in slot 0, which the
         # per-step update folds into `nonfinite` (update_delayed_states), so a quantize spends no op on it.
-        return [Float8Quantizer(self.scale[i : i + 1], self.amax_history[0, i : i + 1], self.fp8_dtype,
-                                scale_inv=(self.scale_inv, i))
-                for i in range(self.num_quantizers)]
+        return [Float8Quantizer(scale, amax, self.fp8_dtype, scale_inv=(self.scale_inv, i))
+                for i, (scale, amax) in enumerate(zip(self.slots(self.scale), self.slots(self.amax_history)))]
 
     def frozen_copy(self) -> DelayedScalingRecipeState:
         copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
@@ -344,8 +366,8 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     def make_quantizers(self) -> list[Quantizer]:
         if not self.warming_up():
             return super().make_quantizers()
-        return [Float8WarmupQuantizer(self.amax_history[0, i : i + 1], self.fp8_dtype, self.recipe.role_target(role))
-                for i, role in enumerate(self.roles)]
+        return [Float8WarmupQuantizer(amax, self.fp8_dtype, self.recipe.role_target(role))
+                for amax, role in zip(self.slots(self.amax_history), self.roles)]
 
     def frozen_copy(self) -> HIF8DelayedScalingRecipeState:
         copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,

@@ -1,4 +1,6 @@
 """Quantizers against the numpy/ml_dtypes/en_dtypes oracles: data bits, scale_inv, exact dequantize."""
+from copy import deepcopy
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from mindspeed_te import (
     RecipeState,
 )
 from mindspeed_te.formats import cast_from_fp8
+from mindspeed_te.recipe_state import update_delayed_states
 from tests.oracles import current_scale_inv, mx_reference, np_cast, np_decode, tiles_reference
 
 ALL = [FP8Dtype.E4M3, FP8Dtype.E5M2, FP8Dtype.HIF8]
@@ -78,6 +81,29 @@ def test_delayed_quantizer_uses_state_scale_and_records_amax(fp8_dtype):
     target = state.recipe.target_max(forward)
     assert state.scale[1].item() == np.float32(target) / np.float32(x.abs().max().item())
     assert state.amax_history[:, 1].tolist()[-1] == x.abs().max().item()
+
+
+def test_quantizers_of_every_call_alias_their_states_tensors():
+    """Each module call makes new quantizers over one-element views its state makes once: views taken before
+    an update see it, and a deep-copied state's quantizers write into the copy only."""
+    state = RecipeState.create(DelayedScaling(fp8_format=Format.E4M3, amax_history_len=2), forward=True,
+                               num_quantizers=3)
+    early = state.make_quantizers()
+    state.amax_history[0, 2] = 7.0
+    update_delayed_states([state])  # batched: new scales and 1/scale written in place
+    late = state.make_quantizers()
+    assert late[2] is not early[2]
+    x = _sample((4, 8), seed=3)
+    for quantizer in (early[2], late[2]):  # both divide by 1/scale of the update: 7 / 448
+        np.testing.assert_array_equal(_codes(quantizer(x).data),
+                                      np_cast(x.numpy() / (np.float32(1) / (np.float32(448) / np.float32(7))),
+                                              "E4M3"))
+    assert state.amax_history[0].tolist() == [0.0, 0.0, x.abs().max().item()]
+    copy = deepcopy(state)
+    copy.make_quantizers()[0](x * 2)
+    early[1](x * 3)
+    assert copy.amax_history[0].tolist() == [(x * 2).abs().max().item(), 0.0, x.abs().max().item()]
+    assert state.amax_history[0].tolist() == [0.0, (x * 3).abs().max().item(), x.abs().max().item()]
 
 
 @pytest.mark.parametrize("fp8_dtype", ALL)
