@@ -4,6 +4,7 @@ MXFP8; other FP8 recipes fall back to separate collectives."""
 import os
 import warnings
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -62,8 +63,23 @@ def _worker(rank: int, world: int) -> dict:
     # Layers the fused kernels cannot take warn once and use separate collectives: MXFP8 whose weight dim per
     # rank is no multiple of 64 (E8M0 scales go in pairs; row: 576/2 = 288), and any weight dim per rank
     # outside [256, 65535) (row: 64/2 = 32, Megatron's projections in a small model), in high precision too.
+    from dataclasses import replace
+
     from mindspeed_te import MXFP8BlockScaling
 
+    # A group size the kernels' bindings refuse (only 2..32 are taken): separate collectives, with the reason.
+    capabilities = NpuBackend.capabilities
+    NpuBackend.capabilities = replace(capabilities, fused_communication_world_sizes=(4, 8))
+    try:
+        layer = Linear(K, N, parallel_mode="row", sequence_parallel=True, tp_group=group, use_ascend_mc2=True,
+                       params_dtype=torch.bfloat16)
+        sim.reset_counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x_full.chunk(world, 2)[rank].bfloat16())
+        out["world"] = ([str(w.message) for w in caught if "mc2" in str(w.message)], dict(sim.launch_counts))
+    finally:
+        NpuBackend.capabilities = capabilities
     for name, k, recipe in (("mx_odd", 576, MXFP8BlockScaling()), ("small", 64, None)):
         layer = Linear(k, N, parallel_mode="row", sequence_parallel=True, tp_group=group, use_ascend_mc2=True,
                        params_dtype=torch.bfloat16)
@@ -95,6 +111,9 @@ def test_mc2_matches_separate_collectives():
         messages, kernels = res["fp8"]
         assert len(messages) == 1 and "other FP8 recipes" in messages[0]
         assert "npu_mm_reduce_scatter_base" not in kernels and kernels.get("npu_quant_matmul", 0) == 2
+        messages, kernels = res["world"]
+        assert len(messages) == 1 and "tensor-parallel sizes 4, 8 (got 2)" in messages[0]
+        assert not any("mm" in name and "matmul" not in name for name in kernels)
         messages, kernels, shape = res["mx_odd"]
         assert len(messages) == 1 and "divisible by 64" in messages[0] and "(512, 288)" in messages[0]
         assert "npu_mm_reduce_scatter_base" not in kernels and shape == (S // 2, B, N)
@@ -103,7 +122,7 @@ def test_mc2_matches_separate_collectives():
         assert "npu_mm_reduce_scatter_base" not in kernels and shape == (S // 2, B, N)
 
 
-def _mx_worker(rank: int, world: int) -> dict:
+def _mx_worker(rank: int, world: int, chip: str) -> dict:
     import mindspeed_te.kernels.npu as npu_kernels
     from mindspeed_te import FP8GlobalStateManager, MXFP8BlockScaling, fp8_autocast
     from mindspeed_te.kernels.npu import NpuBackend
@@ -111,7 +130,7 @@ def _mx_worker(rank: int, world: int) -> dict:
     from mindspeed_te.testing.npu_sim import make_simulator
 
     os.environ["MINDSPEED_TE_BACKEND"] = "npu"
-    sim = make_simulator()
+    sim = make_simulator(chip)
     npu_kernels.get_npu_backend = lambda: NpuBackend(sim)
     group = torch.distributed.new_group(list(range(world)))
     s, k, n = 64, 512, 512
@@ -138,14 +157,21 @@ def _mx_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_mc2_mxfp8_matches_separate_collectives():
-    for res in run_distributed(_mx_worker, 2):
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+def test_mc2_mxfp8_matches_separate_collectives(chip):
+    """MXFP8 through the quant mc2 kernels (the base ones pass groupSize 0, which E8M0 scales cannot take). On
+    the 950DT the weight's columnwise form comes from the dual-axis quantize, laid out as the all-gather kernel
+    takes it but not as the reduce-scatter one does (x2 only transposed): the column layer's dgrad copies it."""
+    for res in run_distributed(_mx_worker, 2, chip):
         for mode in ("column", "row"):
             plain, fused = res[(mode, False)], res[(mode, True)]
             for a, b in zip(plain[:3], fused[:3]):
                 # Equal GEMMs; only the reduce-scatter sums in fp32 before rounding to bf16 (separate
                 # collectives sum bf16 values), which moves results by about one bf16 ulp.
                 assert ((a - b).norm() / a.norm()).item() < 5e-3, mode
-            assert fused[3]["npu_all_gather_base_mm"] == 1 and fused[3]["npu_mm_reduce_scatter_base"] == 1
+            assert fused[3]["npu_all_gather_quant_mm"] == 1 and fused[3]["npu_quant_mm_reduce_scatter"] == 1
+            assert not any("base_mm" in name for name in fused[3])
             assert fused[3]["npu_quant_matmul"] == 1  # only the wgrad GEMM stays unfused
             assert plain[3]["npu_quant_matmul"] == 3
+            quantize = "npu_dynamic_mx_quant_with_dual_axis" if chip == "Ascend950DT" else "npu_dynamic_mx_quant"
+            assert quantize in fused[3]

@@ -998,27 +998,49 @@ def test_grouped_matmul_float_rules_of_the_950(sim):
 
 
 def test_mc2_contract_before_communication(sim):
-    """aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950) and the torch_npu docs: "k轴取值范围为[256,
-    65535)"; "x1矩阵只支持不转置场景"; MX x1Scale "(m, ceilDiv(k, 64), 2)"; reduce-scatter "mx量化场景下，x2/x2Scale仅
-    支持转置输入"; "支持2、4、8、16、32、64卡". Refused before any communication, so no process group is needed."""
+    """aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950), the torch_npu docs and bindings: "k轴取值
+    范围为[256, 65535)"; "x1矩阵只支持不转置场景"; commMode "当前版本仅支持输入“ccu”"; the base kernels' bindings pass
+    groupSize 0, which E8M0 scales cannot take ("...FLOAT8_E8M0时，[groupSizeM, groupSizeN, groupSizeK]取值组合仅支持
+    [1, 1, 32]"); MX x1Scale "(m, CeilDiv(k, 64), 2)" of dtype FLOAT8_E8M0; reduce-scatter "mx量化场景下，x2/x2Scale
+    仅支持转置输入"; quantScale "仅支持nullptr", blockSize 0, amaxOut "仅支持nullptr或空tensor"; the bindings'
+    world sizes: [2, 4, 8, 16, 32] (base), [2, 4, 8, 16, 32, 64] (quant). Refused before any communication."""
     ag, rs = sim.npu_all_gather_base_mm, sim.npu_mm_reduce_scatter_base
+    agq, rsq = sim.npu_all_gather_quant_mm, sim.npu_quant_mm_reduce_scatter
+    ccu = dict(comm_mode="ccu")
     a = torch.randn(4, 128, dtype=torch.bfloat16)
-    assert_raises(lambda: ag(a, torch.randn(128, 8, dtype=torch.bfloat16), "h", 2), NpuValueError, "k")
+    assert_raises(lambda: ag(a, torch.randn(128, 8, dtype=torch.bfloat16), "h", 2, **ccu), NpuValueError, "k")
     big = torch.randn(4, 65535, dtype=torch.bfloat16)
-    assert_raises(lambda: rs(big, torch.randn(65535, 2, dtype=torch.bfloat16), "h", 2), NpuValueError, "k")
+    assert_raises(lambda: rs(big, torch.randn(65535, 2, dtype=torch.bfloat16), "h", 2, **ccu), NpuValueError, "k")
     x = torch.randn(256, 4, dtype=torch.bfloat16).t()
-    assert_raises(lambda: ag(x, torch.randn(256, 8, dtype=torch.bfloat16), "h", 2), NpuValueError, "self")
+    assert_raises(lambda: ag(x, torch.randn(256, 8, dtype=torch.bfloat16), "h", 2, **ccu), NpuValueError, "self")
     m, k, n = 4, 256, 8
     q1, s1 = sim.npu_dynamic_mx_quant(torch.randn(m, k, dtype=torch.bfloat16), dst_type=sim.float8_e4m3fn)
-    q2, s2 = sim.npu_dynamic_mx_quant(torch.randn(k, n, dtype=torch.bfloat16), axis=0, dst_type=sim.float8_e4m3fn)
-    mx = dict(output_dtype=torch.float32)
-    assert_raises(lambda: ag(q1, q2, "h", 2, x1_scale=s1[:, :2], x2_scale=s2, **mx), NpuValueError, "x1_scale")
-    assert_raises(lambda: rs(q1, q2, "h", 2, x1_scale=s1, x2_scale=s2, **mx), NpuValueError, "x2")
-    assert_raises(lambda: ag(q1, q2, "h", 2, x1_scale=s1.float(), x2_scale=s2, **mx), NpuTypeError, "x1_scale")
+    q2, s2 = sim.npu_dynamic_mx_quant(torch.randn(n, k, dtype=torch.bfloat16), dst_type=sim.float8_e4m3fn)
+    x2, s2t = q2.t(), s2.transpose(0, 1)  # (k, n) and (k/64, n, 2) as transposed views
+    mx = dict(group_sizes=[1, 1, 32], y_dtype=torch.float32, x1_scale_dtype=sim.float8_e8m0fnu,
+              x2_scale_dtype=sim.float8_e8m0fnu)
+    # the base kernels: MX scales refused (groupSize 0); a missing comm_mode refused on the 950
+    assert_raises(lambda: ag(q1, x2, "h", 2, x1_scale=s1, x2_scale=s2t, output_dtype=torch.float32, **ccu),
+                  NpuValueError, "groupSize")
+    hp, w = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    assert_raises(lambda: ag(hp, w, "h", 2), NpuValueError, "comm_mode")
+    # the quant kernels
+    assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1[:, :1], x2_scale=s2t, **mx), NpuValueError, "x1_scale")
+    assert_raises(lambda: rsq(q1, q2.contiguous().t().contiguous(), "h", 2, x1_scale=s1,
+                              x2_scale=s2t.contiguous(), **mx), NpuValueError, "x2")
+    assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1.float(), x2_scale=s2t, **mx), NpuTypeError, "x1_scale")
+    no_dtype = {**mx, "x1_scale_dtype": None}  # uint8 bytes read as UINT8 without it
+    assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1, x2_scale=s2t, **no_dtype), NpuTypeError, "x1_scale")
+    assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1, x2_scale=s2t, **{**mx, "group_sizes": None}),
+                  NpuValueError, "group_sizes")
+    assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1, x2_scale=s2t, **{**mx, "y_dtype": None}),
+                  NpuTypeError, "y_dtype")
+    for bad in (dict(amax_output=True), dict(quant_scale=torch.ones(1)), dict(block_size=32)):
+        assert_raises(lambda bad=bad: rsq(q1, x2, "h", 2, x1_scale=s1, x2_scale=s2t, **mx, **bad),
+                      NpuValueError, next(iter(bad)))
     assert sim.total_launches() == 2  # only the two quantizations ran
-    # world sizes: 64 is a 950 size; 3 is none (checked once the communicator is known)
-    assert_raises(lambda: ag(a[:, :1].expand(4, 256).contiguous(), torch.randn(256, 8, dtype=torch.bfloat16),
-                             "unknown", 64), NpuValueError, "hcom")
+    # world sizes: 64 only on the quant kernels (then the unknown communicator is refused); 3 on none
+    assert_raises(lambda: agq(q1, x2, "unknown", 64, x1_scale=s1, x2_scale=s2t, **mx), NpuValueError, "hcom")
 
 
 def _mc2_worker(rank, world):
@@ -1031,29 +1053,39 @@ def _mc2_worker(rank, world):
     full = torch.randn(4 * world, 256, generator=g).bfloat16()
     w = torch.randn(256, 8, generator=g).bfloat16()
     mine = full.chunk(world)[rank]
-    y, gathered = sim.npu_all_gather_base_mm(mine, w, hcom, world)
-    rs = sim.npu_mm_reduce_scatter_base(full, w, hcom, world)
-    # MX reduce-scatter with x2 and x2_scale as transposed views (the form the 950 document requires)
+    y, gathered = sim.npu_all_gather_base_mm(mine, w, hcom, world, comm_mode="ccu")
+    rs = sim.npu_mm_reduce_scatter_base(full, w, hcom, world, comm_mode="ccu")
+    # MX: the reduce-scatter with x2 and x2_scale as transposed views (the form the 950 document requires), the
+    # all-gather with them contiguous
     wt = torch.randn(8, 256, generator=g).bfloat16()
     q1, s1 = sim.npu_dynamic_mx_quant(full, dst_type=sim.float8_e4m3fn)
     q2, s2 = sim.npu_dynamic_mx_quant(wt, dst_type=sim.float8_e4m3fn)
-    rs_mx = sim.npu_mm_reduce_scatter_base(q1, q2.t(), hcom, world, x1_scale=s1, x2_scale=s2.transpose(0, 1),
-                                           output_dtype=torch.float32)
-    bad = None
-    try:
-        sim.npu_all_gather_base_mm(mine, w, hcom, 3)
-    except ValueError as err:
-        bad = str(err)
-    return y.float(), gathered.float(), rs.float(), rs_mx, q1, s1, q2, s2, bad
+    e8m0 = sim.float8_e8m0fnu
+    mx = dict(group_sizes=[1, 1, 32], y_dtype=torch.float32, x1_scale_dtype=e8m0, x2_scale_dtype=e8m0)
+    rs_mx, _ = sim.npu_quant_mm_reduce_scatter(q1, q2.t(), hcom, world, x1_scale=s1, x2_scale=s2.transpose(0, 1),
+                                               **mx)
+    mine_q, mine_s = q1.chunk(world)[rank], s1.chunk(world)[rank]
+    ag_mx, gathered_mx, _ = sim.npu_all_gather_quant_mm(mine_q, q2.t().contiguous(), hcom, world, x1_scale=mine_s,
+                                                        x2_scale=s2.transpose(0, 1).contiguous(), **mx)
+    bad = []
+    for call in (lambda: sim.npu_all_gather_base_mm(mine, w, hcom, 3, comm_mode="ccu"),
+                 lambda: sim.npu_all_gather_base_mm(mine, w, hcom, 64, comm_mode="ccu")):
+        try:
+            call()
+        except ValueError as err:
+            bad.append(str(err))
+    return (y.float(), gathered.float(), rs.float(), rs_mx, ag_mx, gathered_mx.view(torch.uint8), q1, s1, q2, s2,
+            bad)
 
 
 @pytest.mark.slow
 def test_mc2_legal_calls():
-    """Legal calls (k = 256, bf16 and MX, x2 of the MX reduce-scatter transposed) pass on 2 real ranks and give
-    all_gather(x) @ w and reduce_scatter(x @ w); world_size must match the group ("hcom group has 2 ranks")."""
+    """Legal calls (k = 256; bf16 with comm_mode "ccu"; MX through the quant kernels, x2 of the reduce-scatter
+    transposed) pass on 2 real ranks and give all_gather(x) @ w and reduce_scatter(x @ w); world_size must be one
+    the binding takes (3 and, for the base kernels, 64 are not) and match the group."""
     results = run_distributed(_mc2_worker, 2)
     full = results[0][1]
-    for rank, (y, gathered, rs, rs_mx, q1, s1, q2, s2, bad) in enumerate(results):
+    for rank, (y, gathered, rs, rs_mx, ag_mx, gathered_mx, q1, s1, q2, s2, bad) in enumerate(results):
         torch.testing.assert_close(gathered, full)
         assert y.shape == (8, 8) and rs.shape == (4, 8) and rs_mx.shape == (4, 8)
         e1 = np.repeat(2.0 ** (s1.numpy().reshape(8, -1)[:, :8].astype(np.float64) - 127), 32, 1)
@@ -1062,7 +1094,9 @@ def test_mc2_legal_calls():
         b = np_decode(raw(q2), "E4M3").astype(np.float64) * e2
         both = 2 * (a @ b.T)  # both ranks hold the same full operands: the reduction doubles the product
         close(rs_mx, both[rank * 4:(rank + 1) * 4], rtol=1e-5)
-        assert bad is not None and "world_size" in bad
+        close(ag_mx, a @ b.T, rtol=1e-5)  # the gathered rows of every rank: the full product
+        assert torch.equal(gathered_mx, q1.view(torch.uint8))
+        assert len(bad) == 2 and all("world_size" in message for message in bad)
 
 
 def test_fusion_attention_contract(sim):

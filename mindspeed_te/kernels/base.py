@@ -26,11 +26,13 @@ class Capabilities:
         kernels (`--use-ascend-mc2`), in high precision and MXFP8.
     fused_communication_k_range: the contraction sizes [low, high) the all-gather + matmul and matmul +
         reduce-scatter kernels take.
+    fused_communication_world_sizes: the group sizes those kernels take.
     native_mx_gemm: MXFP8 GEMMs run as device kernels (what makes MXFP8 TE's default recipe on a device).
     """
 
     fused_communication_gemm: bool = False
     fused_communication_k_range: tuple[int, int] = (0, 0)
+    fused_communication_world_sizes: tuple[int, ...] = ()
     native_mx_gemm: bool = False
 
 
@@ -81,16 +83,27 @@ class KernelBackend(ABC):
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs; [s, b, heads · d] out."""
 
     # Fused communication GEMMs (capabilities.fused_communication_gemm) -------------------------------------
-    def all_gather_matmul(self, x1: torch.Tensor, x2: torch.Tensor, group: Any, **quantized: Any
+    def all_gather_matmul(self, x1: torch.Tensor, x2: torch.Tensor, group: Any
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(all_gather(x1) · x2, the gathered x1 when the kernel returns it); MXFP8 takes x1_scale, x2_scale
-        and output_dtype."""
+        """(all_gather(x1) · x2, the gathered x1 when the kernel returns it), in high precision."""
         raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
                                   "(capabilities.fused_communication_gemm)")
 
-    def matmul_reduce_scatter(self, x1: torch.Tensor, x2: torch.Tensor, group: Any, **quantized: Any
-                              ) -> torch.Tensor:
-        """reduce_scatter(x1 · x2) along the rows."""
+    def matmul_reduce_scatter(self, x1: torch.Tensor, x2: torch.Tensor, group: Any) -> torch.Tensor:
+        """reduce_scatter(x1 · x2) along the rows, in high precision."""
+        raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
+                                  "(capabilities.fused_communication_gemm)")
+
+    def all_gather_matmul_mx(self, a: QuantizedTensorStorage, b: QuantizedTensorStorage, group: Any, *,
+                             b_columnwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+        """all_gather(a) · bᵀ of MXFP8 operands: a's rowwise form gathered along its rows, b's rowwise form (or
+        its columnwise one) as the (n, k) operand."""
+        raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
+                                  "(capabilities.fused_communication_gemm)")
+
+    def matmul_reduce_scatter_mx(self, a: QuantizedTensorStorage, b: QuantizedTensorStorage, group: Any, *,
+                                 b_columnwise: bool, out_dtype: torch.dtype) -> torch.Tensor:
+        """reduce_scatter(a · bᵀ) along the rows, of MXFP8 operands (forms as in `all_gather_matmul_mx`)."""
         raise NotImplementedError(f"the {self.name} backend has no fused communication GEMMs "
                                   "(capabilities.fused_communication_gemm)")
 

@@ -151,9 +151,10 @@ class NpuBackend(ReferenceBackend):
     """Dispatches quantize and GEMM to torch_npu kernels; everything else is the reference emulation."""
 
     name = "npu"
-    # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"
+    # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"; the bindings of
+    # the base (high-precision) kernels: "world_size should be in [2, 4, 8, 16, 32]" (the quant ones add 64)
     capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
-                                native_mx_gemm=True)
+                                fused_communication_world_sizes=(2, 4, 8, 16, 32), native_mx_gemm=True)
     bf16_output_gemm = False  # the dequantize fallback runs as the device would run it
 
     def __init__(self, torch_npu: Any) -> None:
@@ -170,11 +171,42 @@ class NpuBackend(ReferenceBackend):
                        "(A2/A3 chips have int8/int4 quantized matmuls only)")
 
     # Fused communication GEMMs (--use-ascend-mc2) -------------------------------------------------------------
-    def all_gather_matmul(self, x1, x2, group, **quantized):
-        return self.npu.npu_all_gather_base_mm(x1, x2, self.hcom(group), group_size(group), **quantized)
+    # High precision runs on the base kernels, with the 950's only communication mode (aclnnAllGatherMatmulV2 /
+    # aclnnMatmulReduceScatterV2, Ascend 950, commMode: "当前版本仅支持输入“ccu”"). MXFP8 runs on the quant
+    # kernels: the base kernels' bindings pass groupSize 0, and E8M0 scales need [1, 1, 32] ("当x1Scale/x2Scale
+    # 输入都是3维，且数据类型都为FLOAT8_E8M0时，[groupSizeM, groupSizeN, groupSizeK]取值组合仅支持[1, 1, 32]").
+    def all_gather_matmul(self, x1, x2, group):
+        return self.npu.npu_all_gather_base_mm(x1, x2, self.hcom(group), group_size(group), comm_mode="ccu")
 
-    def matmul_reduce_scatter(self, x1, x2, group, **quantized):
-        return self.npu.npu_mm_reduce_scatter_base(x1, x2, self.hcom(group), group_size(group), **quantized)
+    def matmul_reduce_scatter(self, x1, x2, group):
+        return self.npu.npu_mm_reduce_scatter_base(x1, x2, self.hcom(group), group_size(group), comm_mode="ccu")
+
+    def all_gather_matmul_mx(self, a, b, group, *, b_columnwise, out_dtype):
+        x1, x2, kwargs = self._mc2_mx_args(a, b, b_columnwise, transposed_x2=False)
+        return self.npu.npu_all_gather_quant_mm(x1, x2, self.hcom(group), group_size(group), gather_output=False,
+                                                y_dtype=out_dtype, **kwargs)[0]
+
+    def matmul_reduce_scatter_mx(self, a, b, group, *, b_columnwise, out_dtype):
+        x1, x2, kwargs = self._mc2_mx_args(a, b, b_columnwise, transposed_x2=True)
+        return self.npu.npu_quant_mm_reduce_scatter(x1, x2, self.hcom(group), group_size(group), y_dtype=out_dtype,
+                                                    **kwargs)[0]
+
+    def _mc2_mx_args(self, a: MXFP8TensorStorage, b: MXFP8TensorStorage, b_columnwise: bool, transposed_x2: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(x1, x2, scale arguments) of a quant mc2 kernel for a · bᵀ. `transposed_x2`: the kernel takes x2 only as
+        a transposed view (aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入"); the
+        columnwise form the dual-axis kernel makes lies the other way, so its data and scales are copied."""
+        x1_pair, x2_pair = _mx_pair(a, False, as_x2=False), _mx_pair(b, b_columnwise, as_x2=True)
+        if x1_pair is None or x2_pair is None:
+            raise ValueError("the fused MXFP8 communication GEMMs need a contraction dim divisible by 64 (E8M0 "
+                             "scales go in pairs)")
+        (x1, s1), (b2d, s2) = x1_pair, x2_pair
+        x2 = b2d.t()
+        if transposed_x2 and x2.is_contiguous():
+            x2, s2 = b2d.contiguous().t(), s2.transpose(0, 1).contiguous().transpose(0, 1)
+        e8m0 = self.npu.float8_e8m0fnu
+        return x1, x2, dict(x1_scale=s1, x2_scale=s2, x1_scale_dtype=e8m0, x2_scale_dtype=e8m0,
+                            group_sizes=[1, 1, 32])
 
     def matmul_all_reduce(self, x1, x2, group):
         return self.npu.npu_mm_all_reduce_base(x1, x2, self.hcom(group))

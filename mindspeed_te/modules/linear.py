@@ -161,8 +161,11 @@ class Linear(FP8ModuleBase):
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
         shape, (low, high) = tuple(self.weight.shape), capabilities.fused_communication_k_range
-        if quantized and not (isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling)
-                              and self.sequence_parallel):
+        if self.tp_size not in capabilities.fused_communication_world_sizes:
+            sizes = ", ".join(map(str, capabilities.fused_communication_world_sizes))
+            reason = f"takes tensor-parallel sizes {sizes} (got {self.tp_size}); this layer"
+        elif quantized and not (isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling)
+                                and self.sequence_parallel):
             reason = "runs in high precision and, with sequence parallelism, MXFP8; other FP8 recipes"
         elif self.sequence_parallel and not all(low <= dim < high for dim in shape):
             # the forward and the backward fused GEMM each contract over one weight dim

@@ -81,20 +81,6 @@ def mc2_linear(x: torch.Tensor, weight: torch.Tensor, backend: KernelBackend, gr
 
 
 # MXFP8 ---------------------------------------------------------------------------------------------------
-def _mx_pairs(scale_inv: torch.Tensor) -> torch.Tensor:
-    """(rows, k/32) E8M0 bytes -> the kernels' (rows, k/64, 2) pairs."""
-    return scale_inv.reshape(scale_inv.shape[0], -1, 2)
-
-
-def _x2(t: MXFP8TensorStorage, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GEMM's x2 (k, n) and its scale (k/64, n, 2) from the operand form (n, k) of an MXFP8 tensor."""
-    if columnwise:
-        data, scale = t.columnwise_data, t.columnwise_scale_inv
-    else:
-        data, scale = t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
-    return data.t(), _mx_pairs(scale).transpose(0, 1)
-
-
 def _gather_columnwise(t: MXFP8TensorStorage, group: Any, world: int) -> MXFP8TensorStorage:
     """All-gather the columnwise (k, tokens) form along the token dim: blocks of 32 tokens never straddle
     ranks when each rank holds a multiple of 32 tokens, so this equals quantizing the gathered tensor."""
@@ -119,12 +105,11 @@ class _MXFusedLinear(torch.autograd.Function):
         q.input.set_usage(rowwise=True, columnwise=True)
         q.weight.set_usage(rowwise=True, columnwise=True)
         qx, qw = backend.quantize(q.input, x), backend.quantize(q.weight, weight)
-        scales = _scales(qx, qw, columnwise=False, output_dtype=x.dtype)
         if column:
-            y, _ = backend.all_gather_matmul(qx.rowwise_data, _x2(qw, False)[0], group, **scales)
+            y = backend.all_gather_matmul_mx(qx, qw, group, b_columnwise=False, out_dtype=x.dtype)
             qx = _gather_columnwise(qx, group, group_size(group))
         else:
-            y = backend.matmul_reduce_scatter(qx.rowwise_data, _x2(qw, False)[0], group, **scales)
+            y = backend.matmul_reduce_scatter_mx(qx, qw, group, b_columnwise=False, out_dtype=x.dtype)
         ctx.saved = (qx, qw)
         ctx.args = (q, backend, group, column, fuse, weight, x.dtype)
         return y
@@ -135,21 +120,15 @@ class _MXFusedLinear(torch.autograd.Function):
         q, backend, group, column, fuse, weight, dtype = ctx.args
         q.grad_output.set_usage(rowwise=True, columnwise=True)
         qdy = backend.quantize(q.grad_output, dy.contiguous())
-        scales = _scales(qdy, qw, columnwise=True, output_dtype=dtype)
         if column:
-            dx = backend.matmul_reduce_scatter(qdy.rowwise_data, _x2(qw, True)[0], group, **scales)
+            dx = backend.matmul_reduce_scatter_mx(qdy, qw, group, b_columnwise=True, out_dtype=dtype)
         else:
-            dx, _ = backend.all_gather_matmul(qdy.rowwise_data, _x2(qw, True)[0], group, **scales)
+            dx = backend.all_gather_matmul_mx(qdy, qw, group, b_columnwise=True, out_dtype=dtype)
             qdy = _gather_columnwise(qdy, group, group_size(group))
         dw = backend.gemm(qdy, qx, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype,
                           out=_main_grad(weight) if fuse else None)
         ctx.saved = ctx.args = None
         return dx, _finish_fused_wgrad(weight) if fuse else dw, None, None, None, None, None
-
-
-def _scales(qa: MXFP8TensorStorage, qw: MXFP8TensorStorage, columnwise: bool, output_dtype: torch.dtype) -> dict:
-    """The fused kernels' MX keyword arguments for x1 = qa's rowwise form and x2 = qw's (columnwise) form."""
-    return dict(x1_scale=_mx_pairs(qa.rowwise_scale_inv), x2_scale=_x2(qw, columnwise)[1], output_dtype=output_dtype)
 
 
 def mc2_mx_linear(x: torch.Tensor, weight: torch.Tensor, quantizers: LinearQuantizers, backend: KernelBackend,
