@@ -160,8 +160,8 @@ def _mx_worker(rank: int, world: int, chip: str) -> dict:
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
 def test_mc2_mxfp8_matches_separate_collectives(chip):
     """MXFP8 through the quant mc2 kernels (the base ones pass groupSize 0, which E8M0 scales cannot take). On
-    the 950DT the weight's columnwise form comes from the dual-axis quantize, laid out as the all-gather kernel
-    takes it but not as the reduce-scatter one does (x2 only transposed): the column layer's dgrad copies it."""
+    the 950DT the weight's columnwise form comes from the dual-axis quantize, not laid out as those kernels take
+    x2 (transposed only): the dgrad copies it."""
     for res in run_distributed(_mx_worker, 2, chip):
         for mode in ("column", "row"):
             plain, fused = res[(mode, False)], res[(mode, True)]

@@ -1002,8 +1002,9 @@ def test_mc2_contract_before_communication(sim):
     范围为[256, 65535)"; "x1矩阵只支持不转置场景"; commMode "当前版本仅支持输入“ccu”"; the base kernels' bindings pass
     groupSize 0, which E8M0 scales cannot take ("...FLOAT8_E8M0时，[groupSizeM, groupSizeN, groupSizeK]取值组合仅支持
     [1, 1, 32]"); MX x1Scale "(m, CeilDiv(k, 64), 2)" of dtype FLOAT8_E8M0; reduce-scatter "mx量化场景下，x2/x2Scale
-    仅支持转置输入"; quantScale "仅支持nullptr", blockSize 0, amaxOut "仅支持nullptr或空tensor"; the bindings'
-    world sizes: [2, 4, 8, 16, 32] (base), [2, 4, 8, 16, 32, 64] (quant). Refused before any communication."""
+    仅支持转置输入" and the all-gather's mx case "x2转置 ... x2Scale转置"; quantScale "仅支持nullptr", blockSize 0,
+    amaxOut "仅支持nullptr或空tensor"; the bindings' world sizes: [2, 4, 8, 16, 32] (base), [2, 4, 8, 16, 32, 64]
+    (quant). Refused before any communication."""
     ag, rs = sim.npu_all_gather_base_mm, sim.npu_mm_reduce_scatter_base
     agq, rsq = sim.npu_all_gather_quant_mm, sim.npu_quant_mm_reduce_scatter
     ccu = dict(comm_mode="ccu")
@@ -1026,8 +1027,9 @@ def test_mc2_contract_before_communication(sim):
     assert_raises(lambda: ag(hp, w, "h", 2), NpuValueError, "comm_mode")
     # the quant kernels
     assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1[:, :1], x2_scale=s2t, **mx), NpuValueError, "x1_scale")
-    assert_raises(lambda: rsq(q1, q2.contiguous().t().contiguous(), "h", 2, x1_scale=s1,
-                              x2_scale=s2t.contiguous(), **mx), NpuValueError, "x2")
+    for kernel in (agq, rsq):
+        assert_raises(lambda kernel=kernel: kernel(q1, x2.contiguous(), "h", 2, x1_scale=s1, x2_scale=s2t.contiguous(),
+                                                   **mx), NpuValueError, "x2")
     assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1.float(), x2_scale=s2t, **mx), NpuTypeError, "x1_scale")
     no_dtype = {**mx, "x1_scale_dtype": None}  # uint8 bytes read as UINT8 without it
     assert_raises(lambda: agq(q1, x2, "h", 2, x1_scale=s1, x2_scale=s2t, **no_dtype), NpuTypeError, "x1_scale")
@@ -1055,8 +1057,7 @@ def _mc2_worker(rank, world):
     mine = full.chunk(world)[rank]
     y, gathered = sim.npu_all_gather_base_mm(mine, w, hcom, world, comm_mode="ccu")
     rs = sim.npu_mm_reduce_scatter_base(full, w, hcom, world, comm_mode="ccu")
-    # MX: the reduce-scatter with x2 and x2_scale as transposed views (the form the 950 document requires), the
-    # all-gather with them contiguous
+    # MX with x2 and x2_scale as transposed views (the form the 950 documents give)
     wt = torch.randn(8, 256, generator=g).bfloat16()
     q1, s1 = sim.npu_dynamic_mx_quant(full, dst_type=sim.float8_e4m3fn)
     q2, s2 = sim.npu_dynamic_mx_quant(wt, dst_type=sim.float8_e4m3fn)
@@ -1065,8 +1066,8 @@ def _mc2_worker(rank, world):
     rs_mx, _ = sim.npu_quant_mm_reduce_scatter(q1, q2.t(), hcom, world, x1_scale=s1, x2_scale=s2.transpose(0, 1),
                                                **mx)
     mine_q, mine_s = q1.chunk(world)[rank], s1.chunk(world)[rank]
-    ag_mx, gathered_mx, _ = sim.npu_all_gather_quant_mm(mine_q, q2.t().contiguous(), hcom, world, x1_scale=mine_s,
-                                                        x2_scale=s2.transpose(0, 1).contiguous(), **mx)
+    ag_mx, gathered_mx, _ = sim.npu_all_gather_quant_mm(mine_q, q2.t(), hcom, world, x1_scale=mine_s,
+                                                        x2_scale=s2.transpose(0, 1), **mx)
     bad = []
     for call in (lambda: sim.npu_all_gather_base_mm(mine, w, hcom, 3, comm_mode="ccu"),
                  lambda: sim.npu_all_gather_base_mm(mine, w, hcom, 64, comm_mode="ccu")):
@@ -1080,9 +1081,9 @@ def _mc2_worker(rank, world):
 
 @pytest.mark.slow
 def test_mc2_legal_calls():
-    """Legal calls (k = 256; bf16 with comm_mode "ccu"; MX through the quant kernels, x2 of the reduce-scatter
-    transposed) pass on 2 real ranks and give all_gather(x) @ w and reduce_scatter(x @ w); world_size must be one
-    the binding takes (3 and, for the base kernels, 64 are not) and match the group."""
+    """Legal calls (k = 256; bf16 with comm_mode "ccu"; MX through the quant kernels, x2 transposed) pass on 2
+    real ranks and give all_gather(x) @ w and reduce_scatter(x @ w); world_size must be one the binding takes (3
+    and, for the base kernels, 64 are not) and match the group."""
     results = run_distributed(_mc2_worker, 2)
     full = results[0][1]
     for rank, (y, gathered, rs, rs_mx, ag_mx, gathered_mx, q1, s1, q2, s2, bad) in enumerate(results):

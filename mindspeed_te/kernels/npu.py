@@ -182,27 +182,28 @@ class NpuBackend(ReferenceBackend):
         return self.npu.npu_mm_reduce_scatter_base(x1, x2, self.hcom(group), group_size(group), comm_mode="ccu")
 
     def all_gather_matmul_mx(self, a, b, group, *, b_columnwise, out_dtype):
-        x1, x2, kwargs = self._mc2_mx_args(a, b, b_columnwise, transposed_x2=False)
+        x1, x2, kwargs = self._mc2_mx_args(a, b, b_columnwise)
         return self.npu.npu_all_gather_quant_mm(x1, x2, self.hcom(group), group_size(group), gather_output=False,
                                                 y_dtype=out_dtype, **kwargs)[0]
 
     def matmul_reduce_scatter_mx(self, a, b, group, *, b_columnwise, out_dtype):
-        x1, x2, kwargs = self._mc2_mx_args(a, b, b_columnwise, transposed_x2=True)
+        x1, x2, kwargs = self._mc2_mx_args(a, b, b_columnwise)
         return self.npu.npu_quant_mm_reduce_scatter(x1, x2, self.hcom(group), group_size(group), y_dtype=out_dtype,
                                                     **kwargs)[0]
 
-    def _mc2_mx_args(self, a: MXFP8TensorStorage, b: MXFP8TensorStorage, b_columnwise: bool, transposed_x2: bool
+    def _mc2_mx_args(self, a: MXFP8TensorStorage, b: MXFP8TensorStorage, b_columnwise: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(x1, x2, scale arguments) of a quant mc2 kernel for a · bᵀ. `transposed_x2`: the kernel takes x2 only as
-        a transposed view (aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入"); the
-        columnwise form the dual-axis kernel makes lies the other way, so its data and scales are copied."""
+        """(x1, x2, scale arguments) of a quant mc2 kernel for a · bᵀ. The kernels take x2 and its scales only as
+        transposed views (aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入"; the
+        mx case of aclnnAllGatherMatmulV2: "x1不转置，x2转置，x1Scale不转置， x2Scale转置"); the columnwise form the
+        dual-axis kernel makes lies the other way, so its data and scales are copied."""
         x1_pair, x2_pair = _mx_pair(a, False, as_x2=False), _mx_pair(b, b_columnwise, as_x2=True)
         if x1_pair is None or x2_pair is None:
             raise ValueError("the fused MXFP8 communication GEMMs need a contraction dim divisible by 64 (E8M0 "
                              "scales go in pairs)")
         (x1, s1), (b2d, s2) = x1_pair, x2_pair
         x2 = b2d.t()
-        if transposed_x2 and x2.is_contiguous():
+        if x2.is_contiguous():
             x2, s2 = b2d.contiguous().t(), s2.transpose(0, 1).contiguous().transpose(0, 1)
         e8m0 = self.npu.float8_e8m0fnu
         return x1, x2, dict(x1_scale=s1, x2_scale=s2, x1_scale_dtype=e8m0, x2_scale_dtype=e8m0,

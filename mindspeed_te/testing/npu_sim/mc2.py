@@ -146,10 +146,11 @@ class Mc2Kernels:
         check_dtype("y_dtype", out_dtype, GEMM_OUT)
         # x1Scale: "mx场景下，数据类型为FLOAT8_E8M0，shape为(m, CeilDiv(k, 64), 2)。"
         check_shape("x1_scale", x1_scale, (x1.shape[0], ceil_div(x1.shape[1], 64), 2))
-        if kernel == "npu_quant_mm_reduce_scatter":
-            # aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入。"
-            check_layout("x2", x2, ("col",))
-            check_scale_layout("x2_scale", x2_scale, {"col"}, dims=(0, 1))
+        # aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入。"; aclnnAllGatherMatmulV2
+        # describes its mx case with the same layouts: "情形4：如果x1和x2数据类型为FLOAT8_E4M3FN/FLOAT8_E5M2，...
+        # x1不转置，x2转置，x1Scale不转置， x2Scale转置".
+        check_layout("x2", x2, ("col",))
+        check_scale_layout("x2_scale", x2_scale, {"col"}, dims=(0, 1))
         return self._mc2_group(hcom, world_size), out_dtype
 
     def _mc2_matmul(self, x1, x2, x1_scale, x2_scale, mx: bool, out_dtype: torch.dtype = torch.float32
