@@ -575,3 +575,19 @@ def test_mxfp8_dual_axis_not_on_other_chips_or_float32():
         sim = make_simulator(chip)
         out = NpuBackend(sim).quantize(q, torch.randn(64, 64).to(dtype))
         assert sim.launch_counts == {"npu_dynamic_mx_quant": 2} and out.columnwise_scale_pairs is None
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("name", ["delayed/hybrid", "tensorwise/e4m3", "blockwise/e4m3", "blockwise pow2/e4m3",
+                                  "blockwise/hif8", "mxfp8/hybrid"])
+def test_a_linear_without_tokens_matches_the_reference(name, chip, monkeypatch, use_backend):
+    """A rank without tokens (0 rows): aclnnQuantMatmulV5 takes empty operands only in m or n ("当输入参数x1为m=0
+    的空tensor或x2为n=0的空tensor时，输出为空tensor"; k = 0, the wgrad's sum over no tokens, is refused) and
+    aclnnDynamicBlockQuantV2 none ("不支持空Tensor"), which the simulator enforces: the NPU path still runs and gives
+    the reference's empty output and zero gradients."""
+    sim = make_simulator(chip)
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=(0, 128, 128))
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=(0, 128, 128))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+    assert got[0].shape == (0, 128) and not got[2].any()

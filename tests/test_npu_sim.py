@@ -1174,3 +1174,21 @@ def test_cube_matmul_rounded_is_the_float32_sum_rounded_once():
         for dtype in (torch.bfloat16, torch.float32):
             got = cube_matmul_rounded(x, b.t(), dtype)
             assert got.dtype == dtype and torch.equal(got, cube_matmul(x, b.t()).to(dtype))
+
+
+def test_empty_operands(sim):
+    """aclnnQuantMatmulV5: x1, x2, x1Scale, x2Scale "不支持空Tensor", except on the Ascend 950 "当输入参数x1为m=0的
+    空tensor或x2为n=0的空tensor时，输出为空tensor"; aclnnDynamicBlockQuantV2: x "不支持空Tensor". The MX quantize
+    documents say nothing of empty input: 0 rows give empty codes and scales."""
+    q1, s1 = sim.npu_dynamic_mx_quant(torch.zeros(0, 128, dtype=torch.bfloat16), dst_type=sim.float8_e4m3fn)
+    assert q1.shape == (0, 128) and s1.shape == (0, 2, 2)
+    q2, s2 = sim.npu_dynamic_mx_quant(torch.randn(64, 128, dtype=torch.bfloat16), dst_type=sim.float8_e4m3fn)
+    mx = dict(scale_dtype=sim.float8_e8m0fnu, pertoken_scale_dtype=sim.float8_e8m0fnu, group_sizes=[1, 1, 32])
+    y = sim.npu_quant_matmul(q1, q2.t(), s2.transpose(0, 1), pertoken_scale=s1, output_dtype=torch.bfloat16, **mx)
+    assert y.shape == (0, 64) and y.dtype == torch.bfloat16
+    x1, s1k = torch.zeros(64, 0, dtype=torch.float8_e4m3fn), torch.zeros(64, 0, 2, dtype=torch.uint8)
+    x2, s2k = torch.zeros(64, 0, dtype=torch.float8_e4m3fn), torch.zeros(64, 0, 2, dtype=torch.uint8)
+    assert_raises(lambda: sim.npu_quant_matmul(x1, x2.t(), s2k.transpose(0, 1), pertoken_scale=s1k,
+                                               output_dtype=torch.bfloat16, **mx), NpuValueError, "only in m or n")
+    assert_raises(lambda: sim.npu_dynamic_block_quant(torch.zeros(0, 128), dst_type=sim.float8_e4m3fn),
+                  NpuValueError, "empty")

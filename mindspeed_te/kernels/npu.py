@@ -126,7 +126,7 @@ def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[t
     data, scale_inv = _tiled_pair(t, columnwise)
     if data.shape[1] % 64:
         return None
-    pairs = scale_inv.reshape(scale_inv.shape[0], -1, 2)
+    pairs = scale_inv.reshape(scale_inv.shape[0], scale_inv.shape[1] // 2, 2)
     return data, pairs.transpose(0, 1) if as_x2 else pairs
 
 
@@ -328,8 +328,8 @@ class NpuBackend(ReferenceBackend):
             return None
         if q.power_2_scale:
             return self._quantize_blocks_pow2(q, x, x2d)
-        if x.dtype not in (*_HALF, torch.float32):  # aclnnDynamicBlockQuantV2, x: "FLOAT16、BFLOAT16、FLOAT32"
-            return None
+        if x.dtype not in (*_HALF, torch.float32) or not x2d.numel():
+            return None  # aclnnDynamicBlockQuantV2, x: "FLOAT16、BFLOAT16、FLOAT32", "不支持空Tensor"
         rows = 1 if q.block_scaling_dim == 1 else 128
         kwargs = dict(round_mode="round" if q.fp8_dtype is FP8Dtype.HIF8 else "rint",
                       dst_type=self._npu_dtype(q.fp8_dtype), row_block_size=rows, col_block_size=128,
@@ -490,6 +490,8 @@ class NpuBackend(ReferenceBackend):
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
         if q.block_len != 32 or x2d.shape[0] % 32 or x2d.shape[1] % 32:
             return None  # the quantizer raises its own error about the shape
+        if not x2d.numel():
+            return None  # no tokens: nothing for a kernel to read (the quantizer's ops make the empty forms)
         out = MXFP8TensorStorage(q.fp8_dtype, x.shape, x.dtype)
         kwargs = dict(dst_type=self._npu_dtype(q.fp8_dtype), scale_alg=1 if q.rounding == "ceil" else 0)
 
@@ -565,6 +567,11 @@ class NpuBackend(ReferenceBackend):
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
                                 bias=bias, out=out)
         x1, x2, kwargs = args
+        if x1.shape[-1] == 0:
+            # aclnnQuantMatmulV5 takes empty operands only in m or n ("当输入参数x1为m=0的空tensor或x2为n=0的空tensor
+            # 时，输出为空tensor"): a sum over nothing (the wgrad of a rank without tokens) is the reference's zeros.
+            return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
+                                bias=bias, out=out)
         # aclnnQuantMatmulV5 (Ascend 950, "G-B && B-B && mx 量化模式"): "仅mx量化模式下包含bias" -- of the block
         # modes only mx takes a bias, so blockwise adds it after a float32 product (one rounding, as the
         # reference does). The MX mode's bias is float32 only ("MX全量化 ... bias null/FLOAT32").

@@ -92,6 +92,10 @@ class QuantMatmulKernels:
         if x2.shape[-2] != k:
             raise NpuValueError(f"k of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
         n = x2.shape[-1]
+        # x1, x2, x1Scale, x2Scale: "不支持空Tensor", except on the Ascend 950: "x2为ND格式时，当输入参数x1为m=0的空
+        # tensor或x2为n=0的空tensor时，输出为空tensor" -- an empty k or batch is refused.
+        if k == 0 or 0 in x1.shape[:-2] or 0 in x2.shape[:-2]:
+            raise NpuValueError(f"x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} may be empty only in m or n")
         # x1: "仅最后m和k轴转置情况下支持非连续的Tensor"; x2: "ND格式下支持最后两根轴转置情况下的非连续tensor，其他场景
         # 的非连续的Tensor不支持。" (contiguous, or the transposed view over the last two dims)
         lay1 = check_layout("x1", x1)

@@ -69,7 +69,9 @@ class QuantizeKernels:
                      dtype: DtypeArg, axis: int = 1, div_mode: bool = True) -> torch.Tensor:
         """y = input / scales (div_mode), scales 1-D of size 1 or input.shape[axis], broadcast along `axis`.
         FP8 outputs are native float8 tensors (saturating cast, nearest-even); HiF8 codes come back as
-        `torch.bits8` (view them as uint8), rounded half away from zero."""
+        `torch.bits8` (view them as uint8), rounded half away from zero. aclnnQuantize gives only
+        "out=round((x/scales)+zeroPoints)" and is silent on overflow: saturation is the simulator's assumption
+        (the library's delayed scaling relies on it), not documented kernel behaviour."""
         # div_mode=True runs aclnnQuantize (op-plugin QuantizeKernelNpuOpApi.cpp, npu_quantize_by_kernel); the
         # quotes are from aclnnQuantize.md (it lists the Ascend 950 as supported). x: "FLOAT32、FLOAT16、BFLOAT16",
         # "1-8" dims.
@@ -225,9 +227,12 @@ class QuantizeKernels:
         1 / min_scale when min_scale > 0, y = cast(x / scale) (float32 scale of shape (..., ceil(rows /
         row_block_size), ceil(cols / col_block_size)), x = y * scale). All-zero tiles as in `decode_scale`. No
         option yields power-of-2 scales."""
-        # "x: FLOAT16、BFLOAT16、FLOAT32 ... 2-3" (aclnnDynamicBlockQuantV2, parameter table)
+        # "x: FLOAT16、BFLOAT16、FLOAT32 ... 2-3" (aclnnDynamicBlockQuantV2, parameter table); x, yOut and scaleOut:
+        # "不支持空Tensor"
         check_tensor("x", x, FLOATS)
         check_dims("x", x, 2, 3)
+        if x.numel() == 0:
+            raise NpuValueError(f"x must not be empty (shape {tuple(x.shape)})")
         out = dtype_arg("dst_type", dst_type, required=True)
         if not self.supports_fp8:
             raise NpuSimNotImplemented(f"only the Ascend 950 form (float8/HiF8 output) is simulated, "
@@ -264,7 +269,10 @@ class QuantizeKernels:
         nearest-even). scale_alg 0 (OCP): e = floor(log2(amax)) - emax (8 for E4M3, 15 for E5M2); scale_alg 1:
         e = ceil(log2(max(amax, max_low_bound) / fmt_max)). Scale bytes b = e + 127 in [0, 254] (0xFF for a
         non-finite amax), returned as uint8 with `axis` replaced by ceil(blocks / 2) and a trailing dim of 2
-        holding blocks (2i, 2i + 1): (m, ceil(k/64), 2) for axis=-1 of (m, k), (ceil(k/64), n, 2) for axis=0."""
+        holding blocks (2i, 2i + 1): (m, ceil(k/64), 2) for axis=-1 of (m, k), (ceil(k/64), n, 2) for axis=0.
+        The documents give "cast_to_dst_type(V_i/mxscale, round_mode)" and say nothing of overflow (scale_alg 0's
+        floor rule can put a block's largest element above the format's max): saturation is the simulator's
+        assumption (the OCP MX specification's choice), as in `_mx_scale_bytes`."""
         # torch_npu runs aclnnDynamicMxQuantV3 (V2/V1 on older CANN; DynamicMxQuantKernelNpuOpApi.cpp); quotes from
         # aclnnDynamicMxQuantV3.md / aclnnDynamicMxQuant.md, which list only the Ascend 950PR/950DT as supported.
         self._require_fp8_soc("npu_dynamic_mx_quant")
@@ -344,7 +352,7 @@ class QuantizeKernels:
         # mxscaleOut: "shape在axis轴上为x对应轴的值除以blocksize向上取整，并对其进行偶数pad，pad填充值为0。当axis
         # 为非尾轴时，mxscaleOut输出需要对每两行数据进行交织处理。"
         code = torch.nn.functional.pad(code, (0, blocks % 2))  # pairs of blocks; the odd one out pads with 0
-        pairs = code.to(torch.uint8).reshape(*code.shape[:-1], -1, 2).movedim(-2, dim)
+        pairs = code.to(torch.uint8).reshape(*code.shape[:-1], code.shape[-1] // 2, 2).movedim(-2, dim)
         return y.contiguous(), pairs.contiguous()
 
     @staticmethod
