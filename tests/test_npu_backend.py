@@ -591,3 +591,68 @@ def test_a_linear_without_tokens_matches_the_reference(name, chip, monkeypatch, 
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
     assert got[0].shape == (0, 128) and not got[2].any()
+
+
+def _attention_case(mask_type, s_q=8, s_k=8, d_v=16, groups=2):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s_q, 2, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(s_k, 2, groups, 16, generator=g, requires_grad=True)
+    v = torch.randn(s_k, 2, groups, d_v, generator=g, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", ["key padding", "query rows without keys", "bottom-right, more queries",
+                                  "value heads narrower"])
+def test_attention_masks_the_kernel_takes_and_rows_without_keys(case, monkeypatch, use_backend):
+    """npu_fusion_attention takes masks "BNSS格式、B1SS格式、11SS格式、SS格式" only, so a key-padding mask
+    [b, 1, 1, s_k] is broadcast first; rows whose keys are all masked need its invalid-row computation
+    ("inner_precise ... 2为开启无效行计算"; the simulator writes NaN there without it), and "key和value的shape必须
+    一致" sends narrower value heads to the reference. Every case equals the reference, zeros included."""
+    from mindspeed_te.modules import DotProductAttention
+
+    mask_type, kwargs, mask = "padding", {}, None
+    if case == "key padding":
+        mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+        mask[1, ..., 5:] = True
+    elif case == "query rows without keys":
+        mask = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)) < 0.3
+        mask[1, :, 4, :] = True
+    elif case == "bottom-right, more queries":
+        mask_type, kwargs = "causal_bottom_right", dict(s_q=8, s_k=5)
+    else:
+        mask_type, kwargs = "causal", dict(d_v=8)
+    q, k, v = _attention_case(mask_type, **kwargs)
+    attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type=mask_type)
+    use_backend("reference")
+    want = attn(q, k, v, attention_mask=mask)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    got = attn(q, k, v, attention_mask=mask)
+    assert torch.equal(got, want)
+    fused = case != "value heads narrower"
+    assert sim.launch_counts["npu_fusion_attention"] == int(fused)
+    if case == "query rows without keys":
+        assert not got[4, 1].any() and torch.isfinite(got).all()
+    if case == "bottom-right, more queries":
+        assert not got[:3].any() and torch.isfinite(got).all()
+
+
+def test_rms_norm_keeps_a_float32_gamma_for_bfloat16_inputs(monkeypatch, use_backend):
+    """aclnnRmsNorm takes x BFLOAT16 with gamma FLOAT32: the zero-centred gamma 1 + w, computed in float32, reaches
+    the kernel unrounded (bfloat16 would keep about 2 distinct values of 1 + 1e-3 · randn), so the NPU path equals
+    the reference bit for bit."""
+    from mindspeed_te.modules import RMSNorm
+
+    norm = RMSNorm(64, eps=1e-6, zero_centered_gamma=True)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=torch.Generator().manual_seed(2)) * 1e-3)
+    x = torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    use_backend("reference")
+    want = norm(x)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    got = norm(x)
+    assert sim.launch_counts["npu_rms_norm"] == 1 and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)

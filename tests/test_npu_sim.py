@@ -1192,3 +1192,19 @@ def test_empty_operands(sim):
                                                output_dtype=torch.bfloat16, **mx), NpuValueError, "only in m or n")
     assert_raises(lambda: sim.npu_dynamic_block_quant(torch.zeros(0, 128), dst_type=sim.float8_e4m3fn),
                   NpuValueError, "empty")
+
+
+def test_fusion_attention_rows_without_keys(sim):
+    """inner_precise: "当前0、1为保留配置值，2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而导致精度有
+    损失": a query whose keys are all masked gets zeros with 2 and, as the simulator's stand-in for the unspecified
+    loss, NaN otherwise; values outside 0-2 are refused."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 1, 32, generator=g) for _ in range(3))
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[2] = True  # query 2 sees no key
+    plain = sim.npu_fusion_attention(q, k, v, 2, "SBH", atten_mask=mask, scale=0.25)[0]
+    fixed = sim.npu_fusion_attention(q, k, v, 2, "SBH", atten_mask=mask, scale=0.25, inner_precise=2)[0]
+    assert torch.isnan(plain[2]).all() and not torch.isnan(plain[[0, 1, 3]]).any()
+    assert not fixed[2].any() and torch.equal(fixed[[0, 1, 3]], plain[[0, 1, 3]])
+    assert_raises(lambda: sim.npu_fusion_attention(q, k, v, 2, "SBH", atten_mask=mask, inner_precise=3),
+                  NpuValueError, "inner_precise")

@@ -521,20 +521,30 @@ class NpuBackend(ReferenceBackend):
         return str(self.device_name).startswith("Ascend950DT") and x2d.dtype in _HALF
 
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
-        """The fused npu_rms_norm (gamma in x's dtype, as the kernel requires); float64 stays on torch ops."""
+        """The fused npu_rms_norm; float64 stays on torch ops. gamma goes in float32 or x's dtype, the pairs
+        aclnnRmsNorm takes (x FLOAT16/BFLOAT16 with gamma of its dtype or FLOAT32, x FLOAT32 with FLOAT32): a
+        float32 gamma (the zero-centred one, whose small deviations from 1 bfloat16 would round away) as it is."""
         if x.dtype == torch.float64 or x.dim() < 2:
             return super().rms_norm(x, gamma, eps)
-        return self.npu.npu_rms_norm(x, gamma.to(x.dtype), eps)[0]
+        return self.npu.npu_rms_norm(x, gamma if gamma.dtype in (x.dtype, torch.float32) else gamma.float(), eps)[0]
 
-    def attention(self, query, key, value, mask, scale, dropout):
-        """npu_fusion_attention in the SBH layout with a boolean mask (True = masked) and no dropout; other
-        cases (dropout, additive bias masks) run the reference attention on the device."""
-        if dropout > 0 or (mask is not None and mask.dtype != torch.bool):
-            return super().attention(query, key, value, mask, scale, dropout)
+    def attention(self, query, key, value, mask, scale, dropout, *, empty_rows=False):
+        """npu_fusion_attention in the SBH layout with a boolean mask (True = masked), broadcast to one of the
+        shapes it takes ("BNSS格式、B1SS格式、11SS格式、SS格式"), and no dropout; with `empty_rows` its invalid-row
+        computation is switched on ("inner_precise ... 2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而
+        导致精度有损失"; the kernel cannot see such rows in an explicit mask). Other cases (dropout, additive
+        masks, value heads narrower than the key heads: "输入key和value的shape必须一致") run the reference."""
         s_q, b, h, d = query.shape
+        s_k = key.shape[0]
+        if (dropout > 0 or value.shape[-1] != key.shape[-1]
+                or (mask is not None and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
+            return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows)
+        if mask is not None and mask.dim() == 4 and mask.shape[2:] != (s_q, s_k):
+            mask = mask.expand(*mask.shape[:2], s_q, s_k).contiguous()  # e.g. a key-padding mask [b, 1, 1, s_k]
         out = self.npu.npu_fusion_attention(
-            query.reshape(s_q, b, h * d), key.reshape(key.shape[0], b, -1), value.reshape(value.shape[0], b, -1),
-            h, "SBH", atten_mask=None if mask is None else ~mask, scale=scale, keep_prob=1.0)[0]
+            query.reshape(s_q, b, h * d), key.reshape(s_k, b, -1), value.reshape(s_k, b, -1),
+            h, "SBH", atten_mask=None if mask is None else ~mask, scale=scale, keep_prob=1.0,
+            inner_precise=2 if empty_rows else 0)[0]
         return out
 
     # GEMM ----------------------------------------------------------------------------------------------------

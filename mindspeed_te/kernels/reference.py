@@ -131,7 +131,8 @@ class ReferenceBackend(KernelBackend):
         return record_nonfinite(quantizer, quantizer.quantize(x))
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  mask: Optional[torch.Tensor], scale: float, dropout: float) -> torch.Tensor:
+                  mask: Optional[torch.Tensor], scale: float, dropout: float, *, empty_rows: bool = False
+                  ) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs (key/value may have fewer heads);
         `mask` is a boolean "may attend" mask or an additive float one. Returns [s, b, heads · d]."""
         s_q, b, h, _ = query.shape

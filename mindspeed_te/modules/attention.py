@@ -188,8 +188,13 @@ class DotProductAttention(torch.nn.Module):
             mask, key, value = self._additive_mask(allowed, attention_bias, query, key, value)
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
+        # Queries that may see no key: any padding mask (its content is data), causal bottom-right with more
+        # queries than keys, padded packed sequences.
+        empty_rows = (attention_mask is not None or cu_seqlens_q_padded is not None
+                      or (mask_type.endswith("bottom_right") and query.shape[0] > key.shape[0]))
         with rng or contextlib.nullcontext():
-            out = get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout)
+            out = get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout,
+                                                      empty_rows=empty_rows)
         return out.squeeze(1) if fmt == "thd" else out
 
     def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,

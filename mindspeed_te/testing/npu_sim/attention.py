@@ -47,6 +47,11 @@ class AttentionKernels:
             raise NpuValueError(f"keep_prob must be in (0, 1], got {keep}")
         if keep != 1.0:
             raise NpuSimNotImplemented("keep_prob < 1 (dropout) is not simulated")
+        # inner_precise: "当前0、1为保留配置值，2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而导致精度
+        # 有损失，但是该配置会导致性能下降。如果算子可判断出存在无效行场景，会自动开启无效行计算，例如sparse_mode为3、
+        # Sq > Skv场景。"
+        precise = check_int("inner_precise", inner_precise)
+        check_choice("inner_precise", precise, (0, 1, 2))
         head = check_int("head_num", head_num)
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 3:
@@ -83,6 +88,12 @@ class AttentionKernels:
             allowed = ~atten_mask.bool()
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=check_float(
             "scale", scale))
+        if allowed is not None:
+            # A query whose keys are all masked (an invalid row, which an explicit sparse_mode 0 mask does not let
+            # the kernel detect): zeros with the invalid-row computation, else NaN -- the simulator's stand-in for
+            # the precision loss the document warns of (it does not say what the kernel writes there).
+            empty = ~allowed.any(-1, keepdim=True)
+            out = out.masked_fill(empty, 0.0 if precise == 2 else float("nan"))
         out = out.permute(2, 0, 1, 3).reshape(s_q, b, hidden)
         stats = torch.zeros(b, head, s_q, 8)
         return out, stats, stats.clone(), query.new_empty(0), seed, offset, 0
