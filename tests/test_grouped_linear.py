@@ -142,13 +142,13 @@ def test_main_grad_fusion_accumulates_in_float32(name):
         grouped.fuse_wgrad_accumulation = fuse
         for w in grouped.weights:
             w.main_grad = torch.full_like(w, 0.5)
+            w.grad_added_to_main_grad = False  # as Megatron's DDP marks its parameters
         with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             y = grouped(x, SPLITS)
         y.backward(dy)
         grads.append([w.grad if not fuse else w.main_grad for w in grouped.weights])
-        if fuse:
-            assert all(w.grad is None for w in grouped.weights)
-            assert [getattr(w, "grad_added_to_main_grad", False) for w in grouped.weights] == [True, False, True, True]
+        if fuse:  # TransformerEngine's placeholder .grad beside the flag, for the expert without rows too
+            assert all(w.grad_added_to_main_grad and w.grad.shape == w.shape for w in grouped.weights)
     for plain, fused in zip(*grads):
         assert torch.equal(plain + 0.5, fused)
 

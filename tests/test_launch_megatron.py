@@ -97,6 +97,20 @@ def test_gradient_accumulation_fusion_on_cpu_matches_the_unfused_path(fp32_losse
     assert len(unfused) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(unfused, fp32_losses))
 
 
+def test_overlapped_and_bf16_gradient_reduction_with_fused_accumulation():
+    """Megatron's FP8 example scripts add --overlap-grad-reduce (whose hook requires a .grad: the fused path hands
+    TransformerEngine's placeholder) and --grad-reduce-in-bf16 (bfloat16 main_grads, accumulated into in their
+    own dtype). Both train as the unfused path does, within the bf16 rounding the unfused path adds (its weight
+    gradients reach main_grad as bf16 .grads)."""
+    fp8 = ("--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--bf16", "--use-distributed-optimizer",
+           "--overlap-grad-reduce")
+    fused = _losses(_launch(*fp8, port=29611))
+    unfused = _losses(_launch(*fp8, "--no-gradient-accumulation-fusion", port=29613))
+    assert len(fused) == 3 and all(abs(a - b) < 1e-4 * b for a, b in zip(fused, unfused))
+    bf16_grads = _losses(_launch(*fp8, "--grad-reduce-in-bf16", port=29615))
+    assert len(bf16_grads) == 3 and all(abs(a - b) < 1e-3 * b for a, b in zip(bf16_grads, unfused))
+
+
 @pytest.mark.parametrize("layout", [("--pipeline-model-parallel-size", "2"), ("--use-distributed-optimizer",)],
                          ids=["pipeline-parallel", "data-parallel-distributed-optimizer"])
 def test_pretrain_gpt_other_parallel_layouts(fp32_losses, layout):

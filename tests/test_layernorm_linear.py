@@ -175,9 +175,10 @@ def test_norm_output_gradient_reaches_the_norm():
 def test_fused_wgrad_accumulation_adds_into_main_grad():
     layer = _fused(64, 32, "LayerNorm", False, fuse_wgrad_accumulation=True)
     layer.weight.main_grad = torch.ones_like(layer.weight)
+    layer.weight.grad_added_to_main_grad = False  # as Megatron's DDP marks its parameters
     x = torch.randn(8, 64)
     layer(x).sum().backward()
-    assert layer.weight.grad is None and layer.weight.grad_added_to_main_grad
+    assert layer.weight.grad.shape == layer.weight.shape and layer.weight.grad_added_to_main_grad
     unfused = _NormThenLinear(64, 32, "LayerNorm", False)
     unfused(x).sum().backward()
     torch.testing.assert_close(layer.weight.main_grad, 1 + unfused.linear.weight.grad)

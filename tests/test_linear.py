@@ -109,17 +109,27 @@ def test_high_precision_wgrad_and_main_grad_fusion():
     x, w, b, dy = _data(seed=3)
     _, _, dw, _, _ = _run(recipe, x, w, b, dy, fp8_wgrad=False)
     assert torch.allclose(dw, dy.t() @ x, rtol=1e-5, atol=1e-4)  # wgrad saw the real, unquantized operands
-    # Accumulation into main_grad: two micro-batches add up, no .grad is produced.
+    # Accumulation into main_grad: two micro-batches add up. As TransformerEngine does, a weight carrying
+    # Megatron's `grad_added_to_main_grad` gets it set and a placeholder .grad of its shape (Megatron's
+    # --overlap-grad-reduce hook requires a grad); one without the attribute gets no .grad.
     wr = w.clone().requires_grad_()
     wr.main_grad = torch.ones_like(w)
+    wr.grad_added_to_main_grad = False
+    plain = w.clone().requires_grad_()
+    plain.main_grad = torch.zeros_like(w)
+    fp8_linear(x, plain, None, quantizers=_quantizers(recipe)[0], fuse_wgrad_accumulation=True).backward(dy)
+    assert plain.grad is None and not hasattr(plain, "grad_added_to_main_grad")
     for _ in range(2):
         q, _ = _quantizers(recipe)
         fp8_linear(x, wr, None, quantizers=q, fuse_wgrad_accumulation=True).backward(dy)
     q.grad_output.set_usage(rowwise=True, columnwise=True)
     q.input.set_usage(rowwise=True, columnwise=True)
     one = q.grad_output(dy).dequantize(columnwise=True).t() @ q.input(x).dequantize(columnwise=True)
-    assert wr.grad is None and wr.grad_added_to_main_grad
+    assert wr.grad_added_to_main_grad and wr.grad.shape == w.shape
     assert torch.allclose(wr.main_grad, 1 + 2 * one, rtol=1e-5, atol=1e-4)
+    wr.grad, wr.zero_out_wgrad = None, True  # a weight whose placeholder Megatron adds (shared embeddings)
+    fp8_linear(x, wr, None, quantizers=_quantizers(recipe)[0], fuse_wgrad_accumulation=True).backward(dy)
+    assert torch.equal(wr.grad, torch.zeros_like(w))
 
 
 def test_weight_quantized_once_per_step_across_microbatches():
@@ -161,3 +171,24 @@ def test_saves_only_quantized_operands():
 def test_shape_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="in_features"):
         fp8_linear(torch.ones(2, 3), torch.ones(4, 5))
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False], ids=["fp8 wgrad", "high-precision wgrad"])
+@pytest.mark.parametrize("name", ["delayed/e4m3", "tensorwise/hybrid", "blockwise/e4m3", "mxfp8/e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_wgrad_accumulates_into_a_half_precision_main_grad(name, dtype, fp8_wgrad):
+    """Megatron's --grad-reduce-in-bf16 (and --fp16) hand bfloat16/float16 main_grads: the float32 weight gradient
+    is added into them rounded once, main_grad.float() + dW in float32 (TransformerEngine accumulates in main_grad's
+    own dtype); the float32 dW is what the same GEMM adds into a float32 zero buffer."""
+    recipe = recipes(name)[name]
+    x, w, b, dy = _data(seed=4)
+    start = (torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    sums = {}
+    for main_dtype in (torch.float32, dtype):
+        wr = w.clone().requires_grad_()
+        wr.main_grad = torch.zeros(w.shape) if main_dtype == torch.float32 else start.clone()
+        q, _ = _quantizers(recipe)
+        fp8_linear(x, wr, None, quantizers=q, fp8_wgrad=fp8_wgrad, fuse_wgrad_accumulation=True).backward(dy)
+        sums[main_dtype] = wr.main_grad
+    assert sums[dtype].dtype == dtype
+    assert torch.equal(sums[dtype], (start.float() + sums[torch.float32]).to(dtype))

@@ -47,8 +47,10 @@ def _quantizers(recipe):
     return LinearQuantizers(f[0], f[1], b[0])
 
 
-def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.bfloat16, shape=(64, 192, 128)):
-    """One forward and backward of fp8_linear; shape = (tokens, in, out)."""
+def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.bfloat16, shape=(64, 192, 128),
+          main_grad=None):
+    """One forward and backward of fp8_linear; shape = (tokens, in, out); the weight gradient is added into a
+    copy of `main_grad` (default float32 zeros)."""
     use_backend(backend_name)
     if sim is not None:
         monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
@@ -58,7 +60,7 @@ def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).requires_grad_()
     b = torch.randn(n, generator=g).to(dtype).requires_grad_()
     dy = torch.randn(m, n, generator=g).to(dtype)
-    w.main_grad = torch.zeros(n, k)
+    w.main_grad = torch.zeros(n, k) if main_grad is None else main_grad.clone()
     y = fp8_linear(x, w, b, quantizers=_quantizers(recipe), fuse_wgrad_accumulation=True)
     y.backward(dy)
     return y.detach(), x.grad, w.main_grad, b.grad
@@ -656,3 +658,17 @@ def test_rms_norm_keeps_a_float32_gamma_for_bfloat16_inputs(monkeypatch, use_bac
     got = norm(x)
     assert sim.launch_counts["npu_rms_norm"] == 1 and got.dtype == torch.bfloat16
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["delayed/hybrid", "tensorwise/e4m3", "blockwise/e4m3", "blockwise pow2/e4m3",
+                                  "blockwise/hif8", "mxfp8/hybrid"])
+def test_bfloat16_main_grad_matches_the_reference(name, monkeypatch, use_backend):
+    """--grad-reduce-in-bf16: the weight gradient is added into a bfloat16 main_grad, the kernel's float32 sum and
+    main_grad rounded once, as on the reference."""
+    sim = make_simulator()
+    start = torch.randn(128, 192, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, main_grad=start)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], main_grad=start)
+    assert got[2].dtype == torch.bfloat16
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -65,7 +65,8 @@ class KernelBackend(ABC):
     def gemm(self, a: Operand, b: Operand, *, a_columnwise: bool = False, b_columnwise: bool = False,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """a · bᵀ over the shared last dim (+ bias), or accumulated into the float32 `out`."""
+        """a · bᵀ over the shared last dim (+ bias), or its float32 sum added into `out` (float32, bfloat16 or
+        float16: Megatron's main_grad), rounded once to out's dtype."""
 
     @abstractmethod
     def grouped_gemm(self, a: Sequence[Operand], b: Sequence[Operand], *, a_columnwise: bool = False,

@@ -97,8 +97,9 @@ def _on_cpu(t: Operand) -> bool:
 def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: Optional[torch.Tensor],
                   bias: Optional[torch.Tensor], out_dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
     """A GEMM's float32 sum `acc` (overwritten) times x2's scale, then x1's (the order aclnnQuantMatmulV5
-    documents), plus the float32 `bias`, as `out_dtype`; or, with `out`, added into that float32 tensor. One
-    fused pass where the extension applies, else the torch ops, with the same values."""
+    documents), plus the float32 `bias`, as `out_dtype`; or, with `out`, added into that tensor (float32, or
+    bfloat16/float16 rounded once from the float32 sum of both). One fused pass where the extension applies, else
+    the torch ops, with the same values."""
     if out is None and bias is None and scale_b is None and scale_a is None and acc.dtype == out_dtype:
         return acc  # nothing to apply (a block-scaled GEMM with a float32 result)
     fused = fused_cast.gemm_epilogue(acc, scale_b, scale_a, bias, out_dtype, out)
@@ -114,9 +115,15 @@ def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: O
     return acc if acc.dtype == out_dtype else acc.to(out_dtype)
 
 
+# What `out` (Megatron's main_grad) may hold: float32, or bfloat16 / float16 with --grad-reduce-in-bf16 / --fp16
+# (TransformerEngine then accumulates in main_grad's own dtype).
+ACCUMULATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
-    if out is not None and (out.dtype != torch.float32 or bias is not None):
-        raise ValueError("gemm: `out` (accumulation) must be a float32 tensor and cannot be combined with `bias`")
+    if out is not None and (out.dtype not in ACCUMULATE_DTYPES or bias is not None):
+        raise ValueError(f"gemm: `out` (accumulation) must be a float32, bfloat16 or float16 tensor (got "
+                         f"{out.dtype}) and cannot be combined with `bias`")
 
 
 class ReferenceBackend(KernelBackend):
@@ -160,8 +167,8 @@ class ReferenceBackend(KernelBackend):
         bias: Optional[torch.Tensor] = None,
         out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """a · bᵀ over the shared last dim (+ bias). With `out`, the product is accumulated into it in
-        float32 (Megatron's main_grad; no bias then) and `out` is returned."""
+        """a · bᵀ over the shared last dim (+ bias). With `out` (Megatron's main_grad; no bias then), the float32
+        product is added into it, rounded once to its dtype, and `out` is returned."""
         check_accumulate(out, bias)
         scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
         if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):

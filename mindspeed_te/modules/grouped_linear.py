@@ -30,7 +30,8 @@ class GroupedLinear(FP8ModuleBase):
         num_gemms: number of experts, each with its own weight{i} (and bias{i})
         in_features, out_features: sizes of one whole (unsplit) expert
         sequence_parallel: recorded for Megatron (see above)
-        fuse_wgrad_accumulation: add weight gradients into `weight{i}.main_grad` (float32) instead of `.grad`
+        fuse_wgrad_accumulation: add weight gradients into `weight{i}.main_grad` (float32, or bfloat16/float16
+            rounded once) instead of `.grad`
         tp_group, tp_size: expert tensor-parallel group (None: no TP), or its size when no group is given
         init_method: fills each expert weight in place (None: Kaiming-uniform); biases start at 0
         bias: whether the experts have biases

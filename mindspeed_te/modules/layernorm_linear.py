@@ -28,7 +28,8 @@ class LayerNormLinear(Linear):
         in_features, out_features: sizes of the whole (unsplit) layer
         eps: added to the variance (or mean square) in the norm
         sequence_parallel: the input is this rank's slice along dim 0; gathered after the norm
-        fuse_wgrad_accumulation: add weight gradients into `weight.main_grad` (float32) instead of `.grad`
+        fuse_wgrad_accumulation: add weight gradients into `weight.main_grad` (float32, or bfloat16/float16
+            rounded once) instead of `.grad`
         tp_group, tp_size: tensor-parallel process group (None: no TP), or its size when no group is given
         init_method: fills the linear weight in place (None: Kaiming-uniform); the norm starts at gamma 1, beta 0
         bias: whether the linear part has a bias

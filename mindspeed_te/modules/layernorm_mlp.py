@@ -55,7 +55,8 @@ class LayerNormMLP(FP8ModuleBase):
         activation: one of mindspeed_te.ops.activation.ACTIVATIONS (TE's names: gelu, geglu, glu, qgelu,
             qgeglu, relu, reglu, srelu, sreglu, silu, swiglu, clamped_swiglu)
         activation_params: for "clamped_swiglu": limit, alpha, glu_linear_offset
-        fuse_wgrad_accumulation: add weight gradients into `main_grad` (float32) instead of `.grad`
+        fuse_wgrad_accumulation: add weight gradients into `main_grad` (float32, or bfloat16/float16
+            rounded once) instead of `.grad`
         params_dtype: parameter dtype (None: torch's default dtype)
         return_layernorm_output, return_layernorm_output_gathered: see above
         set_parallel_mode: FC1 column-parallel, FC2 row-parallel (see above)

@@ -89,7 +89,8 @@ class Linear(FP8ModuleBase):
     Args:
         in_features, out_features: sizes of the whole (unsplit) layer
         sequence_parallel: activations split along dim 0 over the TP group (with `parallel_mode` set)
-        fuse_wgrad_accumulation: add weight gradients into `weight.main_grad` (float32) instead of `.grad`
+        fuse_wgrad_accumulation: add weight gradients into `weight.main_grad` (float32, or bfloat16/float16
+            rounded once) instead of `.grad`
         tp_group, tp_size: tensor-parallel process group (None: no TP), or its size when no group is given
         init_method: fills the weight in place (None: Kaiming-uniform); bias starts at 0
         bias: whether the layer has a bias

@@ -147,16 +147,17 @@ class _GroupedLinear(torch.autograd.Function):
 def _grouped_wgrad(weights: Sequence[torch.Tensor], active: list[int], fused: bool, backend,
                    wgrad_a: list[Operand], saved_x: list[Operand]) -> WgradResult:
     """Every expert's dW = dYᵀ·X as one grouped GEMM (K split by the experts' rows); with fused accumulation
-    added into each `main_grad` (gradient None). Experts that received no rows get an explicit zero."""
+    added into each `main_grad` (an expert that received no rows adds nothing), every weight then finished as
+    `_finish_fused_wgrad` says. Without it, experts that received no rows get an explicit zero."""
     main_grads = [_main_grad(weights[i]) for i in active] if fused else None
     results = backend.grouped_gemm(wgrad_a, saved_x, a_columnwise=True, b_columnwise=True,
                                    out_dtype=weights[0].dtype, out=main_grads)
+    if fused:
+        return [(w, _finish_fused_wgrad(w)) for w in weights]
     dws: list[Optional[torch.Tensor]] = [None] * len(weights)
     for i, dw in zip(active, results):
-        dws[i] = _finish_fused_wgrad(weights[i]) if fused else dw.to(weights[i].dtype)
-    if not fused:
-        dws = [torch.zeros_like(w) if dw is None else dw for w, dw in zip(weights, dws)]
-    return list(zip(weights, dws))
+        dws[i] = dw.to(weights[i].dtype)
+    return [(w, torch.zeros_like(w) if dw is None else dw) for w, dw in zip(weights, dws)]
 
 
 def grouped_linear(

@@ -215,22 +215,40 @@ def _wgrad_now_or_later(args: _LinearArgs, weight: torch.Tensor, dy: Operand, x:
 def _main_grad(weight: torch.Tensor) -> torch.Tensor:
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
-        raise RuntimeError("fuse_wgrad_accumulation=True needs `weight.main_grad` (a float32 buffer), as Megatron "
-                           "allocates with --gradient-accumulation-fusion")
+        raise RuntimeError("fuse_wgrad_accumulation=True needs `weight.main_grad` (a float32, bfloat16 or float16 "
+                           "buffer), as Megatron allocates with --gradient-accumulation-fusion")
     return main_grad
 
 
+# Placeholder weight gradients by (shape, dtype, device), made once: see _finish_fused_wgrad.
+_DUMMY_WGRADS: dict[tuple, torch.Tensor] = {}
+
+
 def _finish_fused_wgrad(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """After accumulating into main_grad, tell Megatron (as TransformerEngine does) and return no grad."""
+    """After accumulating into main_grad, what TransformerEngine returns: a weight carrying Megatron's
+    `grad_added_to_main_grad` gets it set, and autograd a placeholder gradient of its shape, zeros when the weight
+    asks for `zero_out_wgrad` (Megatron's --overlap-grad-reduce hook requires a grad, and adds it to main_grad only
+    without the flag or with zero_out_wgrad); any other weight gets no grad."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
     weight.grad_added_to_main_grad = True
-    return None
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    dummy = _DUMMY_WGRADS.get(key)
+    if dummy is None:
+        dummy = _DUMMY_WGRADS[key] = torch.empty(key[0], dtype=weight.dtype, device=weight.device)
+    return dummy.zero_() if getattr(weight, "zero_out_wgrad", False) else dummy
 
 
 def wgrad_high_precision(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
                          fuse_wgrad_accumulation: bool) -> Optional[torch.Tensor]:
-    """dYᵀ·X in the activations' precision, or accumulated into `weight.main_grad` in float32."""
+    """dYᵀ·X in the activations' precision, or its float32 product added into `weight.main_grad` (rounded once
+    to main_grad's dtype when that is not float32, as TransformerEngine's GEMM accumulates)."""
     if fuse_wgrad_accumulation:
-        _main_grad(weight).addmm_(dy.t().float(), x2d.float())
+        main_grad = _main_grad(weight)
+        if main_grad.dtype == torch.float32:
+            main_grad.addmm_(dy.t().float(), x2d.float())
+        else:
+            main_grad.add_(dy.t().float() @ x2d.float())
         return _finish_fused_wgrad(weight)
     return (dy.t() @ x2d.to(dy.dtype)).to(weight.dtype)
 
