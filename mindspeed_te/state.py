@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Literal, Optional
+from typing import Callable, Iterable, Iterator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -115,9 +115,11 @@ class FP8GlobalState:
     delayed_states: dict[str, weakref.WeakSet] = field(default_factory=dict)
     used_keys: set[str] = field(default_factory=set)
     # Activation checkpointing: the phase of the running checkpointed region and its stash of each FP8
-    # module's forward state from the first pass, in call order, for the recompute.
+    # module's forward state from the first pass, in call order, for the recompute; or, under TE's
+    # `activation_recompute_forward`, `recompute_queues`: each module's stashed states, oldest first.
     checkpoint_phase: Optional[CheckpointPhase] = None
-    checkpoint_stash: list[RecipeState] = field(default_factory=list)
+    checkpoint_stash: Union[list[RecipeState], dict[int, deque]] = field(default_factory=list)
+    recompute_queues: dict[int, deque] = field(default_factory=dict)
     skip_fp8_weight_update_tensor: Optional[torch.Tensor] = None
     # Non-finite inputs: the recipe states whose flags are checked (module name, weak reference), whether
     # the check runs at the end of every step (see check_nonfinite), and what it found so far.
@@ -271,35 +273,58 @@ class FP8GlobalStateManager:
 
     @classmethod
     @contextmanager
-    def checkpoint_phase(cls, phase: CheckpointPhase, stash: list[RecipeState]) -> Iterator[None]:
+    def checkpoint_phase(cls, phase: CheckpointPhase,
+                         stash: Union[list[RecipeState], dict[int, deque]]) -> Iterator[None]:
         """Run a pass of an activation-checkpointed region. In "forward" each FP8 module appends a frozen
         copy of its forward state to `stash`; in "recompute" each takes its copy back, in the same order, so
         the recompute quantizes with the first pass's scales and records amaxes nowhere that matters. A
-        recompute consumes its own copy of the list (it may stop early, or run more than once)."""
+        recompute consumes its own copy of the list (it may stop early, or run more than once). A dict stash
+        (`activation_recompute_forward`) keeps each module's states in a queue of its own, consumed oldest first."""
         if phase not in ("forward", "recompute"):
             raise ValueError(f"checkpoint phase must be 'forward' or 'recompute', got {phase!r}")
         qstate = cls.quantization_state
         saved = qstate.checkpoint_phase, qstate.checkpoint_stash
         qstate.checkpoint_phase = phase
-        qstate.checkpoint_stash = stash if phase == "forward" else list(stash)
+        qstate.checkpoint_stash = stash if phase == "forward" or isinstance(stash, dict) else list(stash)
         try:
             yield
         finally:
             qstate.checkpoint_phase, qstate.checkpoint_stash = saved
 
     @classmethod
-    def stash_forward_state_for_recompute(cls, state: RecipeState) -> None:
-        """First pass of a checkpointed region: keep a frozen copy of `state` for the recompute."""
-        cls.quantization_state.checkpoint_stash.append(state.frozen_copy())
+    @contextmanager
+    def activation_recompute_forward(cls, activation_recompute: bool = False,
+                                     recompute_phase: bool = False) -> Iterator[None]:
+        """TransformerEngine's context for a checkpointed pass that keeps no stash of its own (Megatron's
+        output-discarding checkpoint, e.g. --recompute-modules moe_act): the first pass (recompute_phase False,
+        inside an FP8 region) keeps each FP8 module's forward state, the recompute gives each module back its
+        own, oldest first."""
+        if not (activation_recompute and (recompute_phase or cls.is_fp8_enabled())):
+            yield
+            return
+        phase: CheckpointPhase = "recompute" if recompute_phase else "forward"
+        with cls.checkpoint_phase(phase, cls.quantization_state.recompute_queues):
+            yield
 
     @classmethod
-    def pop_forward_state_for_recompute(cls) -> RecipeState:
-        """Recompute of a checkpointed region: the next module's frozen forward state from the first pass."""
+    def stash_forward_state_for_recompute(cls, state: RecipeState) -> None:
+        """First pass of a checkpointed region: keep a frozen copy of `state` for the recompute."""
         stash = cls.quantization_state.checkpoint_stash
-        if not stash:
+        if isinstance(stash, dict):
+            stash.setdefault(id(state), deque()).append(state.frozen_copy())
+        else:
+            stash.append(state.frozen_copy())
+
+    @classmethod
+    def pop_forward_state_for_recompute(cls, state: RecipeState) -> RecipeState:
+        """Recompute of a checkpointed region: the frozen first-pass copy of the forward state `state` (the next
+        in call order, or this module's oldest under `activation_recompute_forward`)."""
+        stash = cls.quantization_state.checkpoint_stash
+        queue = stash.get(id(state)) if isinstance(stash, dict) else stash
+        if not queue:
             raise RuntimeError("activation recompute ran more FP8 modules than the first pass of the checkpointed "
                                "region; the region must run the same modules both times")
-        return stash.pop(0)
+        return queue.popleft() if isinstance(queue, deque) else queue.pop(0)
 
     # Observing quantized operands ------------------------------------------------------------------------
     @classmethod

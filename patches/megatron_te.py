@@ -36,6 +36,7 @@ from mindspeed_te.megatron import (
 )
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
 from mindspeed_te.patches.registry import PatchRegistry, resolve
+from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
 # The TransformerEngine release whose API the modules mirror, as Megatron's version checks see it.
 TE_API_VERSION = "2.8.0"
@@ -121,6 +122,11 @@ def register_megatron_te(registry: PatchRegistry) -> None:
             registry.register(f"{module}.{name}", value, create=True)
         if raise_flag:
             registry.register(f"{module}.HAVE_TE", True, create=True)
+    # Megatron's output-discarding checkpoint (CheckpointWithoutOutput: --recompute-modules moe_act, ...) reads
+    # these three from TransformerEngine under its own import guard.
+    for name, value in (("FP8GlobalStateManager", FP8GlobalStateManager), ("fp8_autocast", fp8_autocast),
+                        ("activation_recompute_forward", FP8GlobalStateManager.activation_recompute_forward)):
+        registry.register(f"megatron.core.tensor_parallel.random.{name}", value, create=True)
     registry.register("megatron.core.fp8_utils.get_fp8_recipe", get_fp8_recipe)
     registry.register("megatron.core.fp8_utils.get_fp8_context", get_fp8_context)
     for name in FP8_PARAM_HOOKS:  # --fp8-param-gather and FP8 inference on our quantized parameters

@@ -111,6 +111,19 @@ def test_overlapped_and_bf16_gradient_reduction_with_fused_accumulation():
     assert len(bf16_grads) == 3 and all(abs(a - b) < 1e-3 * b for a, b in zip(bf16_grads, unfused))
 
 
+def test_moe_shared_experts_and_moe_act_recompute_in_fp8():
+    """A DeepSeek-style MoE: Megatron sets save_original_input on the shared experts' fc1 for non-delayed FP8 and
+    on the experts' fc2 for --recompute-modules moe_act, whose output-discarding checkpoint runs under
+    TransformerEngine's activation_recompute_forward. It trains, and the recompute changes no loss."""
+    moe = ("--num-experts", "4", "--moe-shared-expert-intermediate-size", "64", "--moe-grouped-gemm",
+           "--moe-router-topk", "2", "--disable-bias-linear", "--fp8-format", "e4m3", "--fp8-recipe", "mxfp8",
+           "--bf16")
+    plain = _losses(_launch(*moe, port=29617))
+    recompute = _losses(_launch(*moe, "--recompute-granularity", "selective", "--recompute-modules", "moe_act",
+                                port=29619))
+    assert len(plain) == 3 and recompute == plain
+
+
 @pytest.mark.parametrize("layout", [("--pipeline-model-parallel-size", "2"), ("--use-distributed-optimizer",)],
                          ids=["pipeline-parallel", "data-parallel-distributed-optimizer"])
 def test_pretrain_gpt_other_parallel_layouts(fp32_losses, layout):

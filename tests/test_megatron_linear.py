@@ -349,3 +349,25 @@ def test_default_tp_group_and_initialisation_match_megatrons_parallel_linears():
     full = torch.cat([r[True]["ours_col"] for r in results])
     strided = torch.cat([r[True]["ours_strided"] for r in results])
     assert torch.equal(strided, torch.cat([full[0:32], full[64:96], full[32:64], full[96:128]]))
+
+
+def test_megatron_sets_save_original_input_on_our_linears():
+    """Megatron calls set_save_original_input on shared experts' and recomputed layers' TE linears (it raises
+    unless the module has TE's `save_original_input`); ours take it and still train in FP8."""
+    from mindspeed_te import Float8CurrentScaling
+
+    cfg = _config(num_moe_experts=4, moe_ffn_hidden_size=32)
+    layer = TEColumnParallelLinear(64, 128, config=cfg, init_method=_init, gather_output=False, bias=True,
+                                   skip_bias_add=True, is_expert=False)
+    experts = TEColumnParallelGroupedLinear(4, 64, 32, config=cfg, init_method=_init, bias=False,
+                                            skip_bias_add=False, is_expert=True)
+    for module in (layer, experts):
+        assert module.save_original_input is False
+        mcore_te.set_save_original_input(module)
+        assert module.save_original_input is True
+    x = torch.randn(8, 2, 64, requires_grad=True)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        out, _ = layer(x)
+        expert_out, _ = experts(x.reshape(16, 64), [4, 4, 4, 4])
+    (out.sum() + expert_out.sum()).backward()
+    assert layer.weight.grad is not None and all(w.grad is not None for w in experts.weights)

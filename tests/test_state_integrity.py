@@ -135,13 +135,39 @@ def test_checkpoint_phase_api_restores_and_checks():
     assert FP8GlobalStateManager.get_checkpoint_phase() is None and len(stash) == 1
     for _ in range(2):  # a recompute may run more than once; each consumes its own copy
         with FP8GlobalStateManager.checkpoint_phase("recompute", stash):
-            frozen = FP8GlobalStateManager.pop_forward_state_for_recompute()
+            frozen = FP8GlobalStateManager.pop_forward_state_for_recompute(state)
             assert frozen is not state and torch.equal(frozen.scale, state.scale)
             with pytest.raises(RuntimeError, match="more FP8 modules"):
-                FP8GlobalStateManager.pop_forward_state_for_recompute()
+                FP8GlobalStateManager.pop_forward_state_for_recompute(state)
     with pytest.raises(ValueError, match="phase"):
         with FP8GlobalStateManager.checkpoint_phase("backward", stash):
             pass
+
+
+def test_activation_recompute_forward_gives_each_module_its_first_pass_scales():
+    """TransformerEngine's activation_recompute_forward (Megatron's output-discarding checkpoint, e.g.
+    --recompute-modules moe_act): the first pass keeps each module's delayed-scaling state without a stash of
+    its own; after a scale update, the recompute (in the restored autocast) quantizes with the first pass's
+    scales, each module its own, oldest micro-batch first, and gives the first pass's outputs bit for bit."""
+    torch.manual_seed(0)
+    a, b = Linear(32, 32), Linear(32, 32)
+    recipe = DelayedScaling()
+    xs = [torch.randn(8, 32) * scale for scale in (1.0, 30.0)]  # two micro-batches, far apart in amax
+    with fp8_autocast(fp8_recipe=recipe):  # a first step: scales from the data
+        b(a(xs[0])).sum().backward()
+    firsts = []
+    with fp8_autocast(fp8_recipe=recipe):
+        for x in xs:
+            with torch.no_grad(), FP8GlobalStateManager.activation_recompute_forward(True, recompute_phase=False):
+                firsts.append(b(a(x)))
+    FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)  # what the step's end would do
+    for x, first in zip(xs, firsts):
+        with fp8_autocast(fp8_recipe=recipe), FP8GlobalStateManager.activation_recompute_forward(
+                True, recompute_phase=True):
+            assert torch.equal(b(a(x)), first)
+    with fp8_autocast(fp8_recipe=recipe):  # without the context: today's scales, another result
+        assert not torch.equal(b(a(xs[0])), firsts[0])
+    assert not any(FP8GlobalStateManager.quantization_state.recompute_queues.values())  # every copy used
 
 
 # TransformerEngine's state API -----------------------------------------------------------------------------

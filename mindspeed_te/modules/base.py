@@ -195,7 +195,7 @@ class FP8ModuleBase(torch.nn.Module):
             # Recompute with the forward scales of the first pass; its amaxes go to a throw-away copy.
             # The first pass's autograd graph runs backward (non-reentrant checkpointing), so the recompute
             # never reduces backward amaxes.
-            frozen = FP8GlobalStateManager.pop_forward_state_for_recompute()
+            frozen = FP8GlobalStateManager.pop_forward_state_for_recompute(fwd)
             return frozen.make_quantizers(), bwd.make_quantizers(), False
         group = self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
         FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(fwd, group)

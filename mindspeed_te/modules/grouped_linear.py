@@ -41,6 +41,8 @@ class GroupedLinear(FP8ModuleBase):
         device: where the parameters are created (None: torch's default device)
         use_fp8_gemm: quantized expert GEMMs inside FP8 regions (see above)
         delay_wgrad_compute: backward leaves the weight-gradient grouped GEMM to a later `backward_dw()` call
+        save_original_input: keep the input itself for backward and quantize it there for the FP8 wgrad
+            (TE's option, which Megatron sets with `set_save_original_input`); not with delayed scaling
     """
 
     fp8_meta_layout = "per_role"
@@ -62,6 +64,7 @@ class GroupedLinear(FP8ModuleBase):
         device: Union[torch.device, str, None] = None,
         use_fp8_gemm: bool = True,
         delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__(num_gemms=num_gemms)
         check_parallel_mode(parallel_mode)
@@ -81,6 +84,7 @@ class GroupedLinear(FP8ModuleBase):
                 bias_param.allreduce = False
                 self.register_parameter(f"bias{i}", bias_param)
         self._weight_caches = [WeightCache() for _ in range(num_gemms)]
+        self.save_original_input = save_original_input
         self.init_wgrad_store(delay_wgrad_compute, [*self.weights, *(self.biases or ())])
 
     @property
@@ -126,6 +130,7 @@ class GroupedLinear(FP8ModuleBase):
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             reduce_amax_in_backward=first and quantizers is not None,
             wgrad_store=self.wgrad_store,
+            save_original_input=self.save_original_input,
         )
         if self.parallel_mode == "row":
             out = reduce_from_tensor_parallel_region(out, self.tp_group)

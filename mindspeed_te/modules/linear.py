@@ -103,6 +103,8 @@ class Linear(FP8ModuleBase):
         use_ascend_mc2: fused matmul + communication kernels on the NPU under TP (--use-ascend-mc2); elsewhere, or
             where they do not apply, separate collectives with one warning
         delay_wgrad_compute: backward leaves the weight-gradient GEMM to a later `backward_dw()` call
+        save_original_input: keep the input itself for backward and quantize it there for the FP8 wgrad
+            (TE's option, which Megatron sets with `set_save_original_input`); not with delayed scaling
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class Linear(FP8ModuleBase):
         name: Optional[str] = None,
         use_ascend_mc2: bool = False,
         delay_wgrad_compute: bool = False,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__(num_gemms=1)
         if delay_wgrad_compute and use_ascend_mc2:
@@ -143,6 +146,7 @@ class Linear(FP8ModuleBase):
         if bias_param is not None and parallel_mode == "row":
             bias_param.sequence_parallel = self.sequence_parallel
         self._weight_cache = WeightCache()
+        self.save_original_input = save_original_input
         self.init_wgrad_store(delay_wgrad_compute, (self.weight, self.bias))
 
     def reset_parameters(self, init_method: Optional[Callable[[torch.Tensor], object]] = None) -> None:
@@ -224,6 +228,7 @@ class Linear(FP8ModuleBase):
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             reduce_amax_in_backward=first and quantizers is not None,
             wgrad_store=self.wgrad_store,
+            save_original_input=self.save_original_input,
         )
         if self.parallel_mode == "row":
             out = (reduce_scatter_to_sequence_parallel_region(out, self.tp_group) if self.sequence_parallel

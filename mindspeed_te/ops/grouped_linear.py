@@ -15,7 +15,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, _finish_fused_wgrad, _main_grad, quantized_weight
+from mindspeed_te.ops.linear import (
+    LinearQuantizers,
+    WeightCache,
+    _finish_fused_wgrad,
+    _main_grad,
+    check_save_original_input,
+    quantized_weight,
+)
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
 from mindspeed_te.state import FP8GlobalStateManager
@@ -53,6 +60,7 @@ class _GroupedArgs:
     reduce_amax_in_backward: bool
     num_biases: int
     wgrad_store: Optional[WeightGradStore] = None
+    save_original_input: bool = False
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -73,7 +81,9 @@ class _GroupedLinear(torch.autograd.Function):
             a_ops, b_ops = [], []
             observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
             for i in active:
-                q[i].input.set_usage(rowwise=True, columnwise=fp8_wgrad)
+                if args.save_original_input:
+                    check_save_original_input(q[i].input)
+                q[i].input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
                 q[i].weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
                 a_ops.append(backend.quantize(q[i].input, xs[i]))
                 cache = args.weight_caches[i] if args.weight_caches is not None else None
@@ -86,9 +96,9 @@ class _GroupedLinear(torch.autograd.Function):
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
         out = _concat_rows(outs, weights[0].shape[0], inp, inp.dtype)
 
-        if fp8_wgrad:
+        if fp8_wgrad and not args.save_original_input:
             saved_x = [x.columnwise_only() for x in a_ops]
-        else:
+        else:  # the experts' inputs themselves: high-precision wgrad, or quantized in backward
             saved_x = [xs[i] for i in active] if needs_wgrad else None
         saved_w = None
         if inp.requires_grad:
@@ -127,6 +137,10 @@ class _GroupedLinear(torch.autograd.Function):
 
         dws: list[Optional[torch.Tensor]] = [None] * n
         if need_dw:
+            if ctx.fp8_wgrad and args.save_original_input:
+                for i in active:
+                    q[i].input.set_usage(rowwise=False, columnwise=True)
+                saved_x = [backend.quantize(q[i].input, x) for i, x in zip(active, saved_x)]
             wgrad_a = grads if q is None or ctx.fp8_wgrad else [dys[i] for i in active]
             store = args.wgrad_store
             if store is not None and store.delay_wgrad_compute():
@@ -173,6 +187,7 @@ def grouped_linear(
     fuse_wgrad_accumulation: bool = False,
     reduce_amax_in_backward: bool = False,
     wgrad_store: Optional[WeightGradStore] = None,
+    save_original_input: bool = False,
 ) -> torch.Tensor:
     """Rows of `inp` (sum(m_splits), K) split along dim 0, expert i's GEMMs on its rows; high precision when
     `quantizers` (one LinearQuantizers per expert) is None, Megatron's --no-use-gmm-fp8 path. Experts with no
@@ -185,5 +200,5 @@ def grouped_linear(
     splits = check_m_splits(inp, m_splits, len(weights))
     args = _GroupedArgs(splits, quantizers, fp8_wgrad, weight_caches, is_first_microbatch,
                         fuse_wgrad_accumulation, reduce_amax_in_backward, len(biases) if biases else 0,
-                        wgrad_store)
+                        wgrad_store, save_original_input)
     return _GroupedLinear.apply(inp, args, *weights, *(biases or ()))

@@ -17,7 +17,7 @@ import torch
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
-from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.quantizers import Float8Quantizer, Quantizer
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
 
@@ -105,6 +105,17 @@ class _LinearArgs:
     fuse_wgrad_accumulation: bool
     reduce_amax_in_backward: bool
     wgrad_store: Optional[WeightGradStore] = None
+    save_original_input: bool = False
+
+
+def check_save_original_input(quantizer: Quantizer) -> None:
+    """save_original_input quantizes the saved input again in backward, which delayed scaling cannot do: its
+    quantizer would record the input's amax a second time, in the backward pass (TransformerEngine refuses the
+    pair as well)."""
+    if isinstance(quantizer, Float8Quantizer):
+        raise ValueError("save_original_input=True does not work with delayed scaling (DelayedScaling, "
+                         "HIF8DelayedScaling): the input would be quantized again in backward; use another recipe "
+                         "or leave save_original_input False")
 
 
 class _Linear(torch.autograd.Function):
@@ -120,7 +131,9 @@ class _Linear(torch.autograd.Function):
             saved_x, saved_w = x2d, weight_hp
         else:
             fp8_wgrad = args.fp8_wgrad and needs_wgrad
-            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad)
+            if args.save_original_input:
+                check_save_original_input(q.input)
+            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             qx, qw = quantize_input_and_weight(x2d, weight, q, args.weight_cache, args.is_first_microbatch, backend)
             observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
@@ -131,8 +144,9 @@ class _Linear(torch.autograd.Function):
                 bias = (args.weight_cache.gemm_bias(bias, qw, args.is_first_microbatch, backend)
                         if args.weight_cache is not None else backend.gemm_bias(bias, qw))
             out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
-            # Keep only what backward reads: the columnwise input (or the real input for a bf16 wgrad).
-            if fp8_wgrad:
+            # Keep only what backward reads: the columnwise input, or the real input for a bf16 wgrad or with
+            # save_original_input (backward then quantizes it for the FP8 wgrad).
+            if fp8_wgrad and not args.save_original_input:
                 qx.update_usage(rowwise=False, columnwise=True)
                 saved_x = qx
             else:
@@ -140,6 +154,7 @@ class _Linear(torch.autograd.Function):
             # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
             saved_w = qw.columnwise_only()
         ctx.args = args
+        ctx.quantize_saved_x = q is not None and args.fp8_wgrad and needs_wgrad and args.save_original_input
         if args.reduce_amax_in_backward:
             FP8GlobalStateManager.expect_backward_reduction(ctx)
         ctx.saved = (saved_x, saved_w)
@@ -165,6 +180,9 @@ class _Linear(torch.autograd.Function):
             if need_dw:
                 dw = _wgrad_now_or_later(args, weight, dy, saved_x, backend)
         else:
+            if need_dw and ctx.quantize_saved_x:
+                q.input.set_usage(rowwise=False, columnwise=True)
+                saved_x = backend.quantize(q.input, saved_x)
             fp8_wgrad = need_dw and isinstance(saved_x, QuantizedTensorStorage)
             q.grad_output.set_usage(rowwise=need_dx, columnwise=fp8_wgrad)
             qdy = backend.quantize(q.grad_output, dy) if (need_dx or fp8_wgrad) else None
@@ -265,6 +283,7 @@ def fp8_linear(
     fuse_wgrad_accumulation: bool = False,
     reduce_amax_in_backward: bool = False,
     wgrad_store: Optional[WeightGradStore] = None,
+    save_original_input: bool = False,
 ) -> torch.Tensor:
     """y = inp · weightᵀ + bias with quantized GEMMs (high precision when `quantizers` is None).
 
@@ -274,9 +293,12 @@ def fp8_linear(
     reduce_amax_in_backward: set for the step's first FP8 module; its backward reduces the backward amaxes.
     wgrad_store: the module's WeightGradStore; when it delays wgrad compute, backward leaves the weight's
         gradient to `backward_dw()`.
+    save_original_input: keep the input itself for backward, which quantizes it for the FP8 wgrad
+        (TransformerEngine's option: no quantized copy is held when the input is saved elsewhere anyway); not
+        with delayed scaling.
     """
     if inp.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fp8_linear: input's last dim {inp.shape[-1]} != weight in_features {weight.shape[-1]}")
     args = _LinearArgs(quantizers, fp8_wgrad, weight_cache, is_first_microbatch, fuse_wgrad_accumulation,
-                       reduce_amax_in_backward, wgrad_store)
+                       reduce_amax_in_backward, wgrad_store, save_original_input)
     return _Linear.apply(inp, weight, bias, args)
