@@ -121,6 +121,24 @@ def validate_args(args: argparse.Namespace) -> None:
     if fp8 == "hif8" and recipe == "mxfp8":
         raise ValueError("--fp8-format hif8 does not work with --fp8-recipe mxfp8 (MX blocks hold E4M3/E5M2 "
                          "elements); use delayed, tensorwise or blockwise")
+    # Flags that would otherwise fail late (after the model is built) or be silently ignored.
+    if getattr(args, "fp4", None):
+        raise ValueError(f"--fp4-format {args.fp4} is not supported by mindspeed_te (it quantizes to FP8 and HiF8); "
+                         "use --fp8-format e4m3|hybrid|hif8")
+    if recipe == "custom":
+        raise ValueError("--fp8-recipe custom (--fp8-quantizer-factory) is not supported by mindspeed_te; allowed: "
+                         "delayed, hif8_delayed, tensorwise, blockwise, mxfp8")
+    if (fp8 and recipe == "mxfp8" and getattr(args, "fp8_param_gather", False)
+            and not getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False)):
+        raise ValueError("--fp8-param-gather with --fp8-recipe mxfp8 needs --reuse-grad-buf-for-mxfp8-param-ag: MXFP8 "
+                         "weights keep a columnwise copy that cannot be rebuilt from gathered codes; or use "
+                         "--fp8-recipe delayed, tensorwise or blockwise")
+    if getattr(args, "cross_entropy_loss_fusion", False) and getattr(args, "cross_entropy_fusion_impl", None) == "te":
+        raise ValueError("--cross-entropy-fusion-impl te needs TransformerEngine's cross-entropy kernel, which "
+                         "mindspeed_te does not provide; use --cross-entropy-fusion-impl native")
+    if getattr(args, "use_te_activation_func", False):
+        raise ValueError("--use-te-activation-func needs TransformerEngine's activation ops, which mindspeed_te does "
+                         "not provide; leave it off (Megatron's own activation functions run)")
     if getattr(args, "fp8_step_recovery", False) and getattr(args, "check_for_nan_in_loss_and_grad", False):
         raise ValueError("--fp8-step-recovery needs --no-check-for-nan-in-loss-and-grad (Megatron's check stops the "
                          "run at the first NaN, before the step can be skipped and retried)")
