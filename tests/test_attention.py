@@ -259,3 +259,22 @@ def test_context_parallel_attention_matches_one_process(fmt, window, softmax_typ
         index = part["index"]
         for name in ("out", "dq", "dk", "dv"):
             assert torch.allclose(part[name], single[name][index], atol=1e-5), name
+
+
+def test_fp8_dpa_recipes_warn_that_attention_stays_in_high_precision():
+    """TE runs attention in FP8 when the recipe's fp8_dpa / fp8_mha is set (Megatron's
+    fp8_dot_product_attention / fp8_multi_head_attention); mindspeed_te does not, and says so instead of
+    silently ignoring the flag. The output is the high-precision one either way."""
+    from mindspeed_te import DelayedScaling, fp8_autocast
+
+    q, k, v = _qkv(2)
+    attn = DotProductAttention(H, D, num_gqa_groups=2, attn_mask_type="causal")
+    plain = attn(q, k, v)
+    with pytest.warns(UserWarning, match="fp8_dpa / fp8_mha"):
+        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
+            out = attn(q, k, v)
+    assert torch.equal(out, plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fp8_autocast(fp8_recipe=DelayedScaling()):
+            attn(q, k, v)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,6 +22,7 @@ from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
+from mindspeed_te.state import FP8GlobalStateManager
 
 MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal", "causal_bottom_right",
               "padding_causal_bottom_right")
@@ -161,6 +163,11 @@ class DotProductAttention(torch.nn.Module):
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None) -> torch.Tensor:
         """sbhd in, [s, b, h·d] out; thd ([t, h, d], with cu_seqlens_q/kv) in, [t, h·d] out. Under context
         parallelism the inputs are this rank's share and so is the output."""
+        if FP8GlobalStateManager.is_fp8_enabled():
+            recipe = FP8GlobalStateManager.get_fp8_recipe()
+            if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
+                warnings.warn("fp8_dpa / fp8_mha (Megatron's fp8_dot_product_attention / fp8_multi_head_attention): "
+                              "mindspeed_te runs attention in high precision", stacklevel=2)
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {mask_type!r}")
