@@ -131,21 +131,34 @@ def test_op_matches_fp8_linear_per_slice_and_saves_only_columnwise_operands():
         assert torch.equal(weights[i].grad, ws[i].grad)
 
 
+def _trained_experts(recipe, x, dy, prepare=None, **attributes):
+    """Fresh experts with `attributes` set (and `prepare` run on them), after one forward and backward of x
+    under `recipe` (high precision when None): (experts, output, the input that took the gradient)."""
+    FP8GlobalStateManager.reset()
+    grouped, _ = _experts()
+    for name, value in attributes.items():
+        setattr(grouped, name, value)
+    if prepare is not None:
+        prepare(grouped)
+    xr = x.clone().requires_grad_()
+    with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+        y = grouped(xr, SPLITS)
+    y.backward(dy)
+    return grouped, y, xr
+
+
 @pytest.mark.parametrize("name", ["high precision", "delayed/hybrid"])
 def test_main_grad_fusion_accumulates_in_float32(name):
     recipe = RECIPES[name]
     x, dy = torch.randn(sum(SPLITS), 128), torch.randn(sum(SPLITS), 64)
     grads = []
     for fuse in (False, True):
-        FP8GlobalStateManager.reset()
-        grouped, _ = _experts()
-        grouped.fuse_wgrad_accumulation = fuse
-        for w in grouped.weights:
-            w.main_grad = torch.full_like(w, 0.5)
-            w.grad_added_to_main_grad = False  # as Megatron's DDP marks its parameters
-        with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
-            y = grouped(x, SPLITS)
-        y.backward(dy)
+        def main_grads(grouped):
+            for w in grouped.weights:
+                w.main_grad = torch.full_like(w, 0.5)
+                w.grad_added_to_main_grad = False  # as Megatron's DDP marks its parameters
+
+        grouped, _, _ = _trained_experts(recipe, x, dy, prepare=main_grads, fuse_wgrad_accumulation=fuse)
         grads.append([w.grad if not fuse else w.main_grad for w in grouped.weights])
         if fuse:  # TransformerEngine's placeholder .grad beside the flag, for the expert without rows too
             assert all(w.grad_added_to_main_grad and w.grad.shape == w.shape for w in grouped.weights)
@@ -291,13 +304,7 @@ def test_save_original_input_gives_the_same_results(name):
     x, dy = torch.randn(sum(SPLITS), 128), torch.randn(sum(SPLITS), 64)
     results = []
     for save in (False, True):
-        FP8GlobalStateManager.reset()
-        grouped, _ = _experts()
-        grouped.save_original_input = save
-        xr = x.clone().requires_grad_()
-        with fp8_autocast(fp8_recipe=recipe):
-            y = grouped(xr, SPLITS)
-        y.backward(dy)
+        grouped, y, xr = _trained_experts(recipe, x, dy, save_original_input=save)
         results.append([y.detach(), xr.grad] + [w.grad for w in grouped.weights])
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -252,23 +252,34 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
         assert sim.launch_counts["npu_quant_matmul"] == 6  # MX: no grouped kernel form; one GEMM per expert
 
 
+def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):
+    """query [s_q, 2, 4, 16] and key/value with `groups` heads (value head dim d_v), needing gradients."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s_q, 2, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(s_k, 2, groups, 16, generator=g, requires_grad=True)
+    v = torch.randn(s_k, 2, groups, d_v, generator=g, requires_grad=True)
+    return q, k, v
+
+
+def _attention_on_both(attn, qkv, mask, monkeypatch, use_backend):
+    """(NPU-path output, reference output, the simulator) of one attention call."""
+    use_backend("reference")
+    want = attn(*qkv, attention_mask=mask)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    return attn(*qkv, attention_mask=mask), want, sim
+
+
 @pytest.mark.parametrize("mask_type, groups", [("causal", 4), ("padding_causal", 2), ("no_mask", 1)])
 def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch, use_backend):
     from mindspeed_te.modules import DotProductAttention
 
     attn = DotProductAttention(4, 16, num_gqa_groups=groups, attn_mask_type=mask_type)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(8, 2, 4, 16, generator=g, requires_grad=True)
-    k = torch.randn(8, 2, groups, 16, generator=g, requires_grad=True)
-    v = torch.randn(8, 2, groups, 16, generator=g, requires_grad=True)
+    q, k, v = _attention_case(groups=groups)
     mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
     mask[1, ..., 6:] = True
-    use_backend("reference")
-    want = attn(q, k, v, attention_mask=mask)
-    sim = make_simulator()
-    use_backend("npu")
-    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-    got = attn(q, k, v, attention_mask=mask)
+    got, want, sim = _attention_on_both(attn, (q, k, v), mask, monkeypatch, use_backend)
     assert sim.launch_counts["npu_fusion_attention"] == 1 and torch.equal(got, want)
     got.sum().backward()
     assert q.grad is not None and k.grad is not None
@@ -595,14 +606,6 @@ def test_a_linear_without_tokens_matches_the_reference(name, chip, monkeypatch, 
     assert got[0].shape == (0, 128) and not got[2].any()
 
 
-def _attention_case(mask_type, s_q=8, s_k=8, d_v=16, groups=2):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(s_q, 2, 4, 16, generator=g, requires_grad=True)
-    k = torch.randn(s_k, 2, groups, 16, generator=g, requires_grad=True)
-    v = torch.randn(s_k, 2, groups, d_v, generator=g, requires_grad=True)
-    return q, k, v
-
-
 @pytest.mark.parametrize("case", ["key padding", "query rows without keys", "bottom-right, more queries",
                                   "value heads narrower"])
 def test_attention_masks_the_kernel_takes_and_rows_without_keys(case, monkeypatch, use_backend):
@@ -623,14 +626,8 @@ def test_attention_masks_the_kernel_takes_and_rows_without_keys(case, monkeypatc
         mask_type, kwargs = "causal_bottom_right", dict(s_q=8, s_k=5)
     else:
         mask_type, kwargs = "causal", dict(d_v=8)
-    q, k, v = _attention_case(mask_type, **kwargs)
     attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type=mask_type)
-    use_backend("reference")
-    want = attn(q, k, v, attention_mask=mask)
-    sim = make_simulator()
-    use_backend("npu")
-    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-    got = attn(q, k, v, attention_mask=mask)
+    got, want, sim = _attention_on_both(attn, _attention_case(**kwargs), mask, monkeypatch, use_backend)
     assert torch.equal(got, want)
     fused = case != "value heads narrower"
     assert sim.launch_counts["npu_fusion_attention"] == int(fused)
