@@ -133,9 +133,6 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--fp8-param-gather with --fp8-recipe mxfp8 needs --reuse-grad-buf-for-mxfp8-param-ag: MXFP8 "
                          "weights keep a columnwise copy that cannot be rebuilt from gathered codes; or use "
                          "--fp8-recipe delayed, tensorwise or blockwise")
-    if getattr(args, "cross_entropy_loss_fusion", False) and getattr(args, "cross_entropy_fusion_impl", None) == "te":
-        raise ValueError("--cross-entropy-fusion-impl te needs TransformerEngine's cross-entropy kernel, which "
-                         "mindspeed_te does not provide; use --cross-entropy-fusion-impl native")
     if getattr(args, "use_te_activation_func", False):
         raise ValueError("--use-te-activation-func needs TransformerEngine's activation ops, which mindspeed_te does "
                          "not provide; leave it off (Megatron's own activation functions run)")

@@ -33,6 +33,7 @@ from mindspeed_te.megatron import (
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
     te_checkpoint,
+    te_parallel_cross_entropy,
 )
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
 from mindspeed_te.patches.registry import PatchRegistry, resolve
@@ -68,6 +69,7 @@ TE_OPTIONAL_CLASSES = {"TEFusedMLP": TEFusedMLP}
 TE_FUNCTIONS = {
     "fused_apply_rotary_pos_emb": fused_apply_rotary_pos_emb,
     "fused_apply_rotary_pos_emb_thd": fused_apply_rotary_pos_emb_thd,
+    "te_parallel_cross_entropy": te_parallel_cross_entropy,
 }
 
 # module -> names its failed TE import block should have bound (taken from the extension after patching),
@@ -85,6 +87,8 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
     # --apply-rope-fusion (Megatron's default with RoPE) calls these; without TE they are None there.
     "megatron.core.models.common.embeddings.rope_utils": (
         ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"), False),
+    # --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
+    "megatron.core.models.common.language_module.language_module": (("te_parallel_cross_entropy",), False),
     "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider", "TEFusedMLP"), True),
     # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
     "megatron.core.transformer.transformer_block": (

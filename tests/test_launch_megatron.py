@@ -111,6 +111,16 @@ def test_overlapped_and_bf16_gradient_reduction_with_fused_accumulation():
     assert len(bf16_grads) == 3 and all(abs(a - b) < 1e-3 * b for a, b in zip(bf16_grads, unfused))
 
 
+def test_te_cross_entropy_fusion_trains_as_the_native_one():
+    """--cross-entropy-loss-fusion --cross-entropy-fusion-impl te (TE's parallel_cross_entropy, which Megatron
+    finds through the patched extension) gives the losses of Megatron's native fused cross entropy (the same
+    steps, unfused: last-digit differences)."""
+    flags = ("--cross-entropy-loss-fusion", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--bf16")
+    te = _losses(_launch(*flags, "--cross-entropy-fusion-impl", "te", port=29621))
+    native = _losses(_launch(*flags, "--cross-entropy-fusion-impl", "native", port=29623))
+    assert len(te) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(te, native))
+
+
 def test_moe_shared_experts_and_moe_act_recompute_in_fp8():
     """A DeepSeek-style MoE: Megatron sets save_original_input on the shared experts' fc1 for non-delayed FP8 and
     on the experts' fc2 for --recompute-modules moe_act, whose output-discarding checkpoint runs under

@@ -97,3 +97,34 @@ def test_cpu_offload_context():
         assert sync(3) == 3
     with pytest.raises(NotImplementedError, match="--cpu-offloading"):
         get_cpu_offload_context(True, 2, 2, True, False, False)
+
+
+def _cross_entropy_worker(rank: int, world: int) -> dict:
+    """te_parallel_cross_entropy over a 2-rank vocabulary split against the unsplit log-softmax."""
+    from mindspeed_te.megatron.misc import te_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 2, 16, generator=g, dtype=torch.float64).float()
+    labels = torch.randint(0, 16, (5, 2), generator=g)
+    labels[1, 0] = -100  # TE's ignore_idx
+    group = torch.distributed.new_group(list(range(world)))
+    mine = logits.chunk(world, -1)[rank].clone().requires_grad_()
+    loss = te_parallel_cross_entropy(mine, labels, group)
+    assert torch.equal(mine, logits.chunk(world, -1)[rank])  # the logits are left as they were
+    loss.sum().backward()
+    full = logits.clone().requires_grad_()
+    want = -torch.log_softmax(full, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    want = want.masked_fill(labels == -100, 0.0)
+    want.sum().backward()
+    return dict(loss=loss.detach(), want=want.detach(), grad=mine.grad, want_grad=full.grad.chunk(world, -1)[rank])
+
+
+def test_te_parallel_cross_entropy_matches_the_full_softmax_and_ignores_label_minus_100():
+    """--cross-entropy-fusion-impl te calls TE's parallel_cross_entropy: per-token loss of vocabulary-parallel
+    logits, label -100 giving loss and gradient zero. Over 2 gloo ranks it equals the unsplit log-softmax."""
+    from tests.dist_utils import run_distributed
+
+    for res in run_distributed(_cross_entropy_worker, 2):
+        assert res["loss"].dtype == torch.float32 and res["loss"][1, 0] == 0 and not res["grad"][1, 0].any()
+        torch.testing.assert_close(res["loss"], res["want"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res["grad"], res["want_grad"], rtol=1e-5, atol=1e-6)

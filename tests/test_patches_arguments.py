@@ -69,18 +69,17 @@ def test_bad_combinations_name_the_flags(argv, message):
     (dict(fp4="nvfp4"), "--fp4-format nvfp4 is not supported"),
     (dict(fp8="e4m3", fp8_recipe="custom"), "--fp8-recipe custom"),
     (dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True), "needs --reuse-grad-buf-for-mxfp8-param-ag"),
-    (dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te"), "use --cross-entropy-fusion-impl native"),
     (dict(use_te_activation_func=True), "--use-te-activation-func needs TransformerEngine"),
 ])
 def test_megatron_flags_without_a_mindspeed_te_counterpart_are_refused_at_parse_time(fields, message):
     """Megatron flags that would fail only after the model is built (custom recipes, MXFP8 parameter gather,
-    TE's cross entropy or activation ops) or be silently ignored (FP4) stop the launch at once, naming the flag;
-    the combinations that work pass."""
+    TE's activation ops) or be silently ignored (FP4) stop the launch at once, naming the flag; the combinations
+    that work pass."""
     base = dict(fp8=None, fp8_recipe="delayed", transformer_impl="transformer_engine")
     with pytest.raises(ValueError, match=message):
         validate_args(argparse.Namespace(**{**base, **fields}))
     for fine in (dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True),
-                 dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native"),
+                 dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te"),
                  dict(fp8="e4m3", fp8_recipe="tensorwise", fp8_param_gather=True)):
         validate_args(argparse.Namespace(**{**base, **fine}))
 

@@ -15,6 +15,7 @@ from mindspeed_te.megatron.misc import (
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
     te_checkpoint,
+    te_parallel_cross_entropy,
 )
 from mindspeed_te.megatron.mlp import TEFusedMLP
 from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear, TENorm
@@ -24,5 +25,5 @@ __all__ = [
     "TEDelayedScaling", "Fp8Padding", "Fp8Unpadding", "TECudaRNGStatesTracker", "get_cpu_offload_context",
     "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
     "TERowParallelGroupedLinear", "TEFusedMLP",
-    "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd",
+    "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd", "te_parallel_cross_entropy",
 ]

@@ -1,5 +1,5 @@
 """The rest of megatron-core's TE surface: padding for quantized grouped GEMMs, activation checkpointing,
-the RNG states tracker, the CPU-offload context and the fused RoPE entry points."""
+the RNG states tracker, the CPU-offload context, the fused RoPE entry points and the parallel cross entropy."""
 from __future__ import annotations
 
 import contextlib
@@ -164,3 +164,54 @@ def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, fr
     """RoPE on packed sequences (thd) holding this context-parallel rank's share of each sequence."""
     return apply_rotary_pos_emb(t, freqs, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens,
                                 cp_size=cp_size, cp_rank=cp_rank)
+
+
+# TE's parallel_cross_entropy ignores this label (its ignore_idx default): loss 0, no gradient.
+IGNORE_INDEX = -100
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    """Vocabulary-parallel cross entropy built from megatron-core's own steps (VocabParallelCrossEntropy), over
+    an explicit group, with the gradient in the logits' dtype and TE's ignored label."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, tp_group: Any) -> torch.Tensor:
+        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as steps
+        from megatron.core.tensor_parallel.utils import VocabUtility
+
+        world = torch.distributed.get_world_size(tp_group) if tp_group is not None else 1
+        rank = torch.distributed.get_rank(tp_group) if tp_group is not None else 0
+        ignored = labels == IGNORE_INDEX
+        values = logits.to(torch.float32, copy=True)  # the steps work in place
+        values, logits_max = steps.calculate_logits_max(values)
+        if world > 1:
+            torch.distributed.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+        start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, world)
+        target_mask, target_1d, predicted, sum_exp, exp_logits = steps.calculate_predicted_logits(
+            values, labels.masked_fill(ignored, 0), logits_max, start, end)
+        if world > 1:
+            both = torch.stack((predicted, sum_exp))
+            torch.distributed.all_reduce(both, group=tp_group)
+            predicted, sum_exp = both.unbind(0)
+        softmax, loss = steps.calculate_cross_entropy_loss(exp_logits, predicted, sum_exp)
+        ctx.save_for_backward(softmax, target_mask, target_1d, ignored)
+        ctx.logits_dtype = logits.dtype
+        return loss.masked_fill(ignored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as steps
+
+        softmax, target_mask, target_1d, ignored = ctx.saved_tensors
+        grad_2d, arange_1d, update, grad_input = steps.prepare_gradient_calculation_operands(softmax, target_mask)
+        grad_input = steps.calculate_gradients(grad_2d, arange_1d, target_1d, update, grad_input,
+                                               grad_output.float().masked_fill(ignored, 0.0))
+        return grad_input.to(ctx.logits_dtype), None, None
+
+
+def te_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_group: Any,
+                              is_cg_capturable: bool = False) -> torch.Tensor:
+    """TE's parallel_cross_entropy as Megatron calls it (--cross-entropy-loss-fusion --cross-entropy-fusion-impl
+    te): the per-token float32 loss of vocabulary-parallel logits [s, b, vocab / tp] over `tp_group`, label -100
+    giving loss and gradient zero; the gradient comes back in the logits' dtype."""
+    return _ParallelCrossEntropy.apply(logits, labels, tp_group)
