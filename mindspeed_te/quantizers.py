@@ -371,7 +371,7 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
     multi-tensor maximum into the flags, each per dtype (a multi-tensor op is one launch for one dtype)."""
     if len(pairs) == 1 and not pairs[0][2]:  # one per-tensor quantize: its one maximum, without the sorting
         flag, scale_inv, _ = pairs[0]
-        torch.maximum(flag, scale_inv if scale_inv.shape == flag.shape else scale_inv.reshape(flag.shape), out=flag)
+        torch.maximum(flag, _shaped_like(scale_inv, flag), out=flag)
         return
     values = [scales for _, scales, _ in pairs]
     blocks: dict[torch.dtype, list[int]] = {}
@@ -385,6 +385,11 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
     for (flag, _, _), value in zip(pairs, values):
         flags, maxima = by_dtype.setdefault(flag.dtype, ([], []))
         flags.append(flag)
-        maxima.append(value if value.shape == flag.shape else value.reshape(flag.shape))
+        maxima.append(_shaped_like(value, flag))
     for flags, maxima in by_dtype.values():
         torch._foreach_maximum_(flags, maxima)
+
+
+def _shaped_like(value: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """`value` in its flag's shape, reshaped only when it differs (a reshape costs microseconds of host time)."""
+    return value if value.shape == flag.shape else value.reshape(flag.shape)

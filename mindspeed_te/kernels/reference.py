@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 import torch
 
 from mindspeed_te import fused_cast
-from mindspeed_te.formats import as_float32, cast_from_fp8, decode_table
+from mindspeed_te.formats import as_float32, cast_from_fp8
 from mindspeed_te.kernels.base import KernelBackend, Operand
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import (
@@ -35,10 +35,7 @@ def _decoded_2d(t: Float8TensorStorage, columnwise: bool) -> torch.Tensor:
     """The float32 codes (unscaled) of a per-tensor operand's data flattened to 2-D, (M, K); its
     columnwise form is the transpose of this (checked here, taken by the caller)."""
     t._require(columnwise)
-    data = t.data
-    values = fused_cast.decode(data, decode_table(t.fp8_dtype, data.device))  # cast_from_fp8's kernel, called directly
-    if values is None:
-        values = cast_from_fp8(data, t.fp8_dtype)
+    values = cast_from_fp8(t.data, t.fp8_dtype)
     return values if values.dim() == 2 else values.reshape(-1, values.shape[-1])
 
 

@@ -104,11 +104,15 @@ class Mc2Kernels:
             # Ascend 950, commMode: "当前仅支持集合通信单元ccu完成通信任务。当前版本仅支持输入“ccu”" (the base bindings
             # pass comm_mode on, defaulting to "ai_cpu" or "").
             check_choice("comm_mode", comm_mode, ("ccu",), "on the Ascend 950")
+        self._check_high_precision("self", x1, x2)
+        return self._mc2_group(hcom, world_size)
+
+    @staticmethod
+    def _check_high_precision(x1_name: str, x1: torch.Tensor, x2: torch.Tensor) -> None:
         # "当x1、x2的数据类型为FLOAT16/BFLOAT16/HIFLOAT8/FLOAT4_E2M1时，x1和x2数据类型需要保持一致。" and output:
         # "如果x1类型为FLOAT16、BFLOAT16，则output类型与x1保持一致。"
-        check_dtype("self.dtype", x1.dtype, HALF_FLOATS)
+        check_dtype(f"{x1_name}.dtype", x1.dtype, HALF_FLOATS)
         check_dtype("x2.dtype", x2.dtype, (x1.dtype,))
-        return self._mc2_group(hcom, world_size)
 
     def _mc2_mx(self, kernel: str, x1: torch.Tensor, x2: torch.Tensor, hcom: Any, world_size: Any, bias: Any,
                 x1_scale: Any, x2_scale: Any, quant_scale: Any, block_size: Any, comm_turn: Any, group_sizes: Any,
@@ -264,8 +268,7 @@ class Mc2Kernels:
         if any(isinstance(v, torch.Tensor) for v in quantized.values()):
             raise NpuSimNotImplemented("npu_mm_all_reduce_base: quantized forms are not simulated")
         self._mc2_checks("npu_mm_all_reduce_base", x1, x2, None, MC2_BASE_WORLD_SIZES, bias)
-        check_dtype("x1.dtype", x1.dtype, HALF_FLOATS)
-        check_dtype("x2.dtype", x2.dtype, (x1.dtype,))
+        self._check_high_precision("x1", x1, x2)
         check_choice("reduce_op", reduce_op, ("sum",))
         group = self._mc2_group(hcom, None)
         full = (x1.float() @ x2.float()).contiguous()
