@@ -272,22 +272,23 @@ def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 
 def fold_launches(recipe: Recipe, layers: int, npu: Any) -> LaunchCounter:
     """Launches of the per-step fold of the non-finite flag updates the quantizes of a bf16 training step
     (forward and backward) of `layers` Linear(128, 128) noted (the count does not depend on the sizes: small
-    layers keep the simulator quick), measured where the step ends: the next outermost entry (the region's
-    first module is a separate layer whose graph is dropped, so no backward ends the step before). The
-    check is off, so that end is the fold alone (the check reads the folded flags with a few ops and one
-    host read of its own)."""
+    layers keep the simulator quick), measured where the second step ends (the first makes the fold's index
+    tensors once): the next outermost entry (the region's first module is a separate layer whose graph is
+    dropped, so no backward ends the step before). The check is off, so that end is the fold alone (the
+    check reads the folded flags with a few ops and one host read of its own)."""
     FP8GlobalStateManager.reset()
     FP8GlobalStateManager.quantization_state.nonfinite_check = False
     first = Linear(128, 128, bias=True, params_dtype=torch.bfloat16)
     model = torch.nn.Sequential(*(Linear(128, 128, bias=True, params_dtype=torch.bfloat16) for _ in range(layers)))
-    with fp8_autocast(fp8_recipe=recipe):
-        h = first(torch.randn(128, 128, dtype=torch.bfloat16)).detach().requires_grad_()
-        out = model(h)
-    out.backward(torch.ones_like(out))
-    autocast = fp8_autocast(fp8_recipe=recipe)
-    with LaunchCounter(npu) as counter:
-        autocast.__enter__()
-    autocast.__exit__(None, None, None)
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            h = first(torch.randn(128, 128, dtype=torch.bfloat16)).detach().requires_grad_()
+            out = model(h)
+        out.backward(torch.ones_like(out))
+        autocast = fp8_autocast(fp8_recipe=recipe)
+        with LaunchCounter(npu) as counter:
+            autocast.__enter__()
+        autocast.__exit__(None, None, None)
     FP8GlobalStateManager.reset()
     return counter
 

@@ -9,6 +9,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mindspeed_te.npu_foreach import foreach_launches
+
 # Tensor methods that need the tensor's value on the host: each one blocks until the device is done.
 _SYNCING = {
     torch.Tensor.item: "item",
@@ -133,8 +135,10 @@ class LaunchCounter(TorchDispatchMode):
         return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None) -> Any:
-        if self._inside_kernel == 0 and not func.is_view and func.overloadpacket.__name__ not in _NOT_LAUNCHES:
-            self.counts[f"aten.{func.overloadpacket.__name__}"] += 1
+        name = func.overloadpacket.__name__
+        if self._inside_kernel == 0 and not func.is_view and name not in _NOT_LAUNCHES:
+            foreach = name.startswith("_foreach")
+            self.counts[f"aten.{name}"] += foreach_launches(func, args, kwargs or {}) if foreach else 1
         return func(*args, **(kwargs or {}))
 
     @property

@@ -12,6 +12,7 @@ import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
+from mindspeed_te.nonfinite import NonfinitePair, fold_nonfinite_pairs
 from mindspeed_te.scaling import (
     current_scale_inv,
     e8m0_encode,
@@ -31,8 +32,6 @@ from mindspeed_te.tensor import (
 __all__ = [
     "record_nonfinite",
     "record_nonfinite_many",
-    "fold_nonfinite_pairs",
-    "NonfinitePair",
     "Quantizer",
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
@@ -40,10 +39,6 @@ __all__ = [
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
 ]
-
-# (a quantizer's non-finite flag, the decode scales of a tensor it quantized, whether those are block scales
-# to reduce to their max first): what `record_nonfinite_many` notes and `fold_nonfinite_pairs` folds.
-NonfinitePair = tuple[torch.Tensor, torch.Tensor, bool]
 
 # The largest exponent of a normal element, used by the OCP MX rule (floor(log2 amax) - emax).
 _EMAX = {FP8Dtype.E4M3: 8, FP8Dtype.E5M2: 15}
@@ -70,8 +65,8 @@ class Quantizer:
         self.fp8_dtype = fp8_dtype
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
-        # A one-element flag (set by the module's recipe state) that becomes NaN (float32; for MX the uint8
-        # E8M0 NaN byte 0xFF) once a tensor holding NaN/Inf was quantized here; FP8GlobalStateManager.
+        # A one-element float32 flag (set by the module's recipe state, see `nonfinite`) that becomes NaN once
+        # a tensor holding NaN/Inf was quantized here; FP8GlobalStateManager.
         # check_nonfinite reports and clears it. `nonfinite_pending` (set with the flag for a watched module):
         # where record_nonfinite_many notes the flag's updates until the state manager folds the step's at
         # once; None: each quantize folds its own.
@@ -80,8 +75,10 @@ class Quantizer:
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles (a saved FP8 parameter keeps its quantizer) leave out the pending notes: they are
-        the step's bookkeeping, holding other layers' tensors; a copy folds its own."""
-        return {**self.__dict__, "nonfinite_pending": None}
+        the step's bookkeeping, holding other layers' tensors; a copy folds its own, into a flag of its own
+        (the flag is a view into a buffer shared by every module's flags)."""
+        flag = self.nonfinite
+        return {**self.__dict__, "nonfinite_pending": None, "nonfinite": None if flag is None else flag.clone()}
 
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
         if rowwise is not None:
@@ -104,6 +101,14 @@ class Quantizer:
         return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=codes, scale_inv=scale_inv)
 
 
+def _state_slot(state_slot: tuple[Any, int], name: str) -> torch.Tensor:
+    """Slot i of the state's tensor `name` as the state holds it now: a state's tensors move into its key's
+    shared buffers at an update (`DelayedScalingBuffers`), and a quantizer made before, such as a backward
+    quantizer made in the forward, must follow them."""
+    state, i = state_slot
+    return state.slots(getattr(state, name))[i]
+
+
 class Float8Quantizer(Quantizer):
     """Delayed scaling: cast with the scale computed at the last update, and max-accumulate this tensor's
     amax into `amax` (slot 0 of its history column) for the next update.
@@ -114,14 +119,29 @@ class Float8Quantizer(Quantizer):
     dequantizing stays exact. The quotient is float32(x) / float32(divisor), rounded once to the format.
     Other inputs are divided by the float32 1/scale."""
 
-    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: FP8Dtype, *,
-                 scale_inv: Optional[tuple[Any, int]] = None, **usage: bool) -> None:
-        """`scale_inv`: (the state's `ScaleInv`, this quantizer's slot), so 1/scale comes prepared from the
-        per-step update instead of one reciprocal per quantize."""
+    def __init__(self, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor], fp8_dtype: FP8Dtype, *,
+                 state: Optional[tuple[Any, int]] = None, **usage: bool) -> None:
+        """`state`: (the delayed-scaling state, this quantizer's slot) in place of `scale` and `amax`, which
+        are then the state's as it holds them at each use, and 1/scale comes prepared by its per-step update
+        instead of one reciprocal per quantize."""
         super().__init__(fp8_dtype, **usage)
-        self.scale = scale
-        self.amax = amax
-        self._scale_inv = scale_inv
+        self._scale, self._amax, self._state = scale, amax, state
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale if self._state is None else _state_slot(self._state, "scale")
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self._amax if self._state is None else _state_slot(self._state, "amax_history")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy keeps the scale and amax slot as they are now, as tensors of its own, not the state (whose
+        buffers hold every module's)."""
+        copy = super().__getstate__()
+        if self._state is not None:
+            copy.update(_scale=self.scale.clone(), _amax=self.amax.clone(), _state=None)
+        return copy
 
     def scale_inverse(self) -> torch.Tensor:
         """1 / scale, a one-element float32 tensor."""
@@ -130,14 +150,14 @@ class Float8Quantizer(Quantizer):
     def divisor(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(what an input of `dtype` is divided by, its exact float32 value: the scale_inv stored with the
         codes), one-element tensors; see the class docstring."""
-        if self._scale_inv is None:
-            value = self.scale.reciprocal()
+        if self._state is None:
+            value = self._scale.reciprocal()
             if dtype != torch.bfloat16:
                 return value, value
             rounded = value.to(dtype)
             return rounded, rounded.float()
-        source, i = self._scale_inv
-        return source.slot(i, dtype)
+        state, i = self._state
+        return state.scale_inv.slot(i, dtype)
 
     def calibrate(self, x: torch.Tensor) -> None:
         """Max-accumulate x's amax into the history slot, as `quantize` does (NaN kept, see scaling)."""
@@ -198,10 +218,23 @@ class Float8WarmupQuantizer(Quantizer):
     """Current scaling that also max-accumulates each tensor's amax into a delayed-scaling history slot:
     the warm-up of HIF8DelayedScaling, which fills the history before its delayed scales are trusted."""
 
-    def __init__(self, amax: torch.Tensor, fp8_dtype: FP8Dtype, target_max: float, **usage: bool) -> None:
+    def __init__(self, state: tuple[Any, int], fp8_dtype: FP8Dtype, target_max: float, **usage: bool) -> None:
+        """`state`: (the HIF8DelayedScaling state, this quantizer's slot), whose history slot 0 it writes."""
         super().__init__(fp8_dtype, **usage)
-        self.amax = amax
+        self._amax: Optional[torch.Tensor] = None
+        self._state: Optional[tuple[Any, int]] = state
         self.target_max = float(target_max)
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self._amax if self._state is None else _state_slot(self._state, "amax_history")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy keeps the amax slot as it is now, a tensor of its own (see Float8Quantizer)."""
+        copy = super().__getstate__()
+        if self._state is not None:
+            copy.update(_amax=self.amax.clone(), _state=None)
+        return copy
 
     def calibrate(self, x: torch.Tensor) -> None:
         _check_input(x)
@@ -361,35 +394,3 @@ def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[Quanti
     if now:
         fold_nonfinite_pairs(now)
     return outs
-
-
-def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
-    """Max-accumulate decode scales into their non-finite flags. NaN/Inf data gives NaN decode scales
-    (`scaling.mark_nonfinite`), or E8M0's NaN byte 0xFF for MX, whose flags are uint8 and keep the largest
-    scale byte seen (see `MXFP8BlockScalingRecipeState`); MAX keeps either. No host sync, and the same
-    launches for one pair as for a whole step's: one multi-tensor max over the block scales and one
-    multi-tensor maximum into the flags, each per dtype (a multi-tensor op is one launch for one dtype)."""
-    if len(pairs) == 1 and not pairs[0][2]:  # one per-tensor quantize: its one maximum, without the sorting
-        flag, scale_inv, _ = pairs[0]
-        torch.maximum(flag, _shaped_like(scale_inv, flag), out=flag)
-        return
-    values = [scales for _, scales, _ in pairs]
-    blocks: dict[torch.dtype, list[int]] = {}
-    for i, (_, scales, reduce) in enumerate(pairs):
-        if reduce:
-            blocks.setdefault(scales.dtype, []).append(i)
-    for indices in blocks.values():
-        for i, reduced in zip(indices, torch._foreach_max([values[i] for i in indices])):
-            values[i] = reduced
-    by_dtype: dict[torch.dtype, tuple[list, list]] = {}
-    for (flag, _, _), value in zip(pairs, values):
-        flags, maxima = by_dtype.setdefault(flag.dtype, ([], []))
-        flags.append(flag)
-        maxima.append(_shaped_like(value, flag))
-    for flags, maxima in by_dtype.values():
-        torch._foreach_maximum_(flags, maxima)
-
-
-def _shaped_like(value: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-    """`value` in its flag's shape, reshaped only when it differs (a reshape costs microseconds of host time)."""
-    return value if value.shape == flag.shape else value.reshape(flag.shape)

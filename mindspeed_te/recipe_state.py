@@ -11,13 +11,13 @@ from typing import Callable, Literal, Optional, Sequence
 
 import torch
 
+from mindspeed_te.nonfinite import NonfinitePair, take_flags
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8WarmupQuantizer,
     MXFP8Quantizer,
-    NonfinitePair,
     Quantizer,
 )
 from mindspeed_te.recipe import (
@@ -95,7 +95,7 @@ class RecipeState:
         # quantizers.record_nonfinite, or for delayed scaling by the per-step update; read and cleared by
         # FP8GlobalStateManager.check_nonfinite). `nonfinite_pending`: the state manager's list of the step's
         # flag updates, given to this state's quantizers (set by FP8GlobalStateManager.watch_nonfinite).
-        self.nonfinite = torch.zeros(num_quantizers, dtype=torch.float32, device=device)
+        self.nonfinite = take_flags(num_quantizers, device)
         self.nonfinite_pending: Optional[list[NonfinitePair]] = None
         self.slots = SlotViews()
 
@@ -182,14 +182,11 @@ class Float8BlockScalingRecipeState(RecipeState):
 
 
 class MXFP8BlockScalingRecipeState(RecipeState):
-    """MXFP8 keeps no state: one MXFP8 quantizer per slot. Its non-finite flags are uint8 and keep the largest
-    E8M0 scale byte seen (0xFF, E8M0's NaN, for NaN/Inf data): max-accumulating the scale bytes as they are
-    takes no decode to float32."""
+    """MXFP8 keeps no state: one MXFP8 quantizer per slot."""
 
     def __init__(self, recipe: MXFP8BlockScaling, *, mode: Mode, num_quantizers: int = 1,
                  device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
         super().__init__(recipe, mode, num_quantizers, device, roles)
-        self.nonfinite = torch.zeros(num_quantizers, dtype=torch.uint8, device=device)
 
     def make_quantizers(self) -> list[Quantizer]:
         return self._watched([MXFP8Quantizer(self.fp8_dtype, rounding=self.recipe.scale_rounding)
@@ -201,14 +198,18 @@ class ScaleInv:
     reciprocal, in the two forms the quantizers divide by: float32 (`value`, for float32 and other inputs)
     and rounded to bfloat16 (`value_bf16`, for bfloat16 inputs: the NPU quantize kernel takes its scale in
     the input's dtype) with its exact float32 value (`value_bf16_f32`, the scale_inv stored with the codes).
-    Anything else that writes the scale in place (a checkpoint load, a reset) bumps the scale's version
-    counter, and the next `get` recomputes them once (three ops, no host sync)."""
+    `forms`: those three tensors when they already exist (views into `DelayedScalingBuffers`). Anything else
+    that writes the scale in place (a checkpoint load, a reset) bumps the scale's version counter, and the
+    next `get` recomputes them once (three ops, no host sync)."""
 
-    def __init__(self, scale: torch.Tensor) -> None:
+    def __init__(self, scale: torch.Tensor,
+                 forms: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
         self.scale = scale
-        self.value = scale.reciprocal()
-        self.value_bf16 = self.value.to(torch.bfloat16)
-        self.value_bf16_f32 = self.value_bf16.float()
+        if forms is None:
+            value = scale.reciprocal()
+            value_bf16 = value.to(torch.bfloat16)
+            forms = (value, value_bf16, value_bf16.float())
+        self.value, self.value_bf16, self.value_bf16_f32 = forms
         self.synced = scale._version
         self.slots = SlotViews()
 
@@ -234,67 +235,83 @@ class ScaleInv:
         return self.slots(div)[i], self.slots(exact)[i]
 
 
+class DelayedScalingBuffers:
+    """One contiguous copy of the tensors of the delayed-scaling states that update together (one (recipe,
+    group) key): amax histories [L, N], scales, the 1/scale forms of `ScaleInv`, the non-finite flags and
+    what the scales divide (fp8_max, or HiF8's per-slot targets). Each state's tensors are views into it
+    (`DelayedScalingRecipeState.bind`), so the per-step update is a fixed handful of ops on whole buffers,
+    whatever the number of states, with nothing gathered or written back per state (a multi-tensor op over
+    per-state tensors is one NPU launch per 16 to 48 tensors, or one per tensor off its fast route)."""
+
+    def __init__(self, states: Sequence[DelayedScalingRecipeState]) -> None:
+        self.count = len(states)
+        self.history = torch.cat([s.amax_history for s in states], dim=1)
+        self.scale = torch.cat([s.scale for s in states])
+        self.nonfinite = torch.cat([s.nonfinite for s in states])
+        self.inv = self.scale.reciprocal()
+        self.inv_bf16 = self.inv.to(torch.bfloat16)
+        self.inv_bf16_f32 = self.inv_bf16.float()
+        first = states[0]
+        self.fp8_max = (torch.cat([s.targets for s in states]) if isinstance(first, HIF8DelayedScalingRecipeState)
+                        else torch.tensor(first.fp8_max, dtype=torch.float32, device=self.scale.device))
+        offset = 0
+        for state in states:
+            state.bind(self, offset)
+            offset += state.num_quantizers
+
+    @classmethod
+    def of(cls, states: Sequence[DelayedScalingRecipeState]) -> DelayedScalingBuffers:
+        """The buffers that hold exactly `states`, made (their current values copied in) when none do: on a
+        key's first update, and whenever the set of states that update together changes."""
+        buffers = states[0].buffers
+        if buffers is None or buffers.count != len(states) or any(s.buffers is not buffers for s in states):
+            buffers = cls(states)
+        return buffers
+
+    def update(self, recipe: DelayedScaling, columns: Optional[torch.Tensor] = None) -> None:
+        """`batched_delayed_update` of every column (or of the True `columns`; the others keep their history,
+        slot 0 cleared of NaN/Inf, and scale), the 1/scale forms included, written in place."""
+        history, scale, inv = batched_delayed_update(self.history, self.scale, self.fp8_max, recipe.margin,
+                                                     recipe.amax_compute_algo)
+        if columns is not None:
+            history = torch.where(columns, history, self.history)  # slot 0 was cleared in place
+            scale = torch.where(columns, scale, self.scale)
+            inv = torch.where(columns, inv, self.inv)
+        torch._foreach_copy_([self.history, self.scale, self.inv], [history, scale, inv])
+        self.inv_bf16.copy_(self.inv)
+        self.inv_bf16_f32.copy_(self.inv_bf16)
+
+
 def update_delayed_states(states: list[DelayedScalingRecipeState],
                           reduce_amax: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-    """The per-step update of all delayed-scaling states of one (recipe, group) key: one contiguous [L, N]
-    amax buffer, `reduce_amax` (an in-place all-reduce of its slot 0) called once, and a fixed handful of
-    batched ops for every state together (TransformerEngine's fused multi-tensor update), HIF8DelayedScaling
-    included. Non-finite amaxes (NaN/Inf data quantized since the last update) are first folded into each
-    state's `nonfinite` flags, one op for all. States with a callable algorithm get the reduced amaxes and
-    update themselves."""
-    history = torch.cat([state.amax_history for state in states], dim=1)
-    sizes = [s.num_quantizers for s in states]
-    # flag + 0 * amax: NaN where the amax is NaN or Inf (sticky until check_nonfinite clears it).
-    torch._foreach_add_([s.nonfinite for s in states], list(history[0].split(sizes)), alpha=0.0)
+    """The per-step update of all delayed-scaling states of one (recipe, group) key, on their
+    `DelayedScalingBuffers`: non-finite amaxes (NaN/Inf data quantized since the last update) folded into
+    the flags, `reduce_amax` (an in-place all-reduce of the contiguous slot-0 amaxes) called once, and a
+    fixed handful of ops for every state together (TransformerEngine's fused multi-tensor update),
+    HIF8DelayedScaling included. One key is one recipe: states with a callable algorithm update themselves."""
+    buffers = DelayedScalingBuffers.of(states)
+    newest = buffers.history[0]
+    buffers.nonfinite.add_(newest, alpha=0.0)  # flag + 0 * amax: NaN where the amax is NaN or Inf (sticky)
     if reduce_amax is not None:
-        reduce_amax(history[0])
-    if not all(s.batchable() for s in states):
-        if reduce_amax is not None:  # hand the reduced amaxes back
-            torch._foreach_copy_([s.amax_history[0] for s in states], list(history[0].split(sizes)))
+        reduce_amax(newest)
+    if not states[0].batchable():
         for state in states:
-            if not state.batchable():
-                state.update()
-        states = [s for s in states if s.batchable()]
-        if not states:
-            return
-        history = torch.cat([s.amax_history for s in states], dim=1)
-    if not isinstance(states[0], HIF8DelayedScalingRecipeState):  # one key is one recipe: all or none are HiF8
-        _batched_update(states, history)
+            state.update()
         return
-    # HIF8DelayedScaling: every state counts the step; those at an update step are updated together, the
-    # others keep accumulating slot 0, cleared of NaN/Inf (flagged above) so that it recovers at once.
-    for state in states:
-        state.steps += 1
-    updating = [s for s in states if s.recipe.updates_at(s.steps)]
-    waiting = [s for s in states if not s.recipe.updates_at(s.steps)]
-    for group in (updating, waiting):
-        if not group:
-            continue
-        group_history = history if len(group) == len(states) else torch.cat([s.amax_history for s in group], 1)
-        if group is updating:
-            _batched_update(group, group_history)
-        else:
-            newest = torch.nan_to_num(group_history[0], nan=0.0, posinf=0.0)
-            torch._foreach_copy_([s.amax_history[0] for s in group],
-                                 list(newest.split([s.num_quantizers for s in group])))
-
-
-def _batched_update(states: list[DelayedScalingRecipeState], history: torch.Tensor) -> None:
-    """`batched_delayed_update` of states with the built-in algorithms (`history`: their concatenated
-    windows, a scratch buffer), the new 1/scale in float32 and bfloat16 included, written back in one op."""
-    first = states[0]
-    sizes = [s.num_quantizers for s in states]
-    scale = torch.cat([s.scale for s in states])
-    recipe: DelayedScaling = first.recipe
-    new_history, new_scale, new_scale_inv = batched_delayed_update(
-        history, scale, first.fp8_max_tensor(states), recipe.margin, recipe.amax_compute_algo)
-    inv_bf16 = new_scale_inv.to(torch.bfloat16)
-    inv_bf16_f32 = inv_bf16.float()
-    torch._foreach_copy_(
-        [s.amax_history for s in states] + [s.scale for s in states] + [s.scale_inv.value for s in states]
-        + [s.scale_inv.value_bf16 for s in states] + [s.scale_inv.value_bf16_f32 for s in states],
-        [t for whole in (new_history.split(sizes, dim=1), new_scale.split(sizes), new_scale_inv.split(sizes),
-                         inv_bf16.split(sizes), inv_bf16_f32.split(sizes)) for t in whole])
+    columns = None
+    if isinstance(states[0], HIF8DelayedScalingRecipeState):
+        # Every state counts the step; those at an update step are updated, the others keep accumulating
+        # slot 0, cleared of NaN/Inf (flagged above) so that it recovers at once.
+        for state in states:
+            state.steps += 1
+        updating = [state.recipe.updates_at(state.steps) for state in states]
+        if not any(updating):
+            torch.nan_to_num(newest, nan=0.0, posinf=0.0, out=newest)
+            return
+        if not all(updating):  # states that started at different steps: a column mask, made this once
+            columns = torch.tensor([u for u, s in zip(updating, states) for _ in range(s.num_quantizers)],
+                                   device=newest.device)
+    buffers.update(states[0].recipe, columns)
     for state in states:
         state.scale_inv.synced = state.scale._version
 
@@ -310,12 +327,21 @@ class DelayedScalingRecipeState(RecipeState):
         self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32, device=device)
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
         self.scale_inv = ScaleInv(self.scale)
+        self.buffers: Optional[DelayedScalingBuffers] = None
+
+    def bind(self, buffers: DelayedScalingBuffers, offset: int) -> None:
+        """Take this state's columns offset.. of `buffers` as its tensors (their values are this state's)."""
+        cols = slice(offset, offset + self.num_quantizers)
+        self.buffers = buffers
+        self.amax_history = buffers.history[:, cols]
+        self.scale = buffers.scale[cols]
+        self.nonfinite = buffers.nonfinite[cols]
+        self.scale_inv = ScaleInv(self.scale, (buffers.inv[cols], buffers.inv_bf16[cols], buffers.inv_bf16_f32[cols]))
 
     def make_quantizers(self) -> list[Quantizer]:
         # No per-quantizer non-finite flags: NaN/Inf data leaves a non-finite amax in slot 0, which the
         # per-step update folds into `nonfinite` (update_delayed_states), so a quantize spends no op on it.
-        return [Float8Quantizer(scale, amax, self.fp8_dtype, scale_inv=(self.scale_inv, i))
-                for i, (scale, amax) in enumerate(zip(self.slots(self.scale), self.slots(self.amax_history)))]
+        return [Float8Quantizer(None, None, self.fp8_dtype, state=(self, i)) for i in range(self.num_quantizers)]
 
     def frozen_copy(self) -> DelayedScalingRecipeState:
         copy = DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
@@ -327,13 +353,6 @@ class DelayedScalingRecipeState(RecipeState):
         """Whether `update_delayed_states` may update this state in its batched form (built-in algorithms)."""
         recipe: DelayedScaling = self.recipe
         return recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
-
-    def fp8_max_tensor(self, states: list[DelayedScalingRecipeState]) -> torch.Tensor:
-        """What the batched update of `states` (this one first) divides by the amaxes: fp8_max as a 0-d
-        device tensor, made once."""
-        if not hasattr(self, "_fp8_max_tensor"):
-            self._fp8_max_tensor = torch.tensor(self.fp8_max, dtype=torch.float32, device=self.scale.device)
-        return self._fp8_max_tensor
 
     def update(self) -> None:
         """Roll the history and recompute scales from the amaxes now in slot 0 (after any reduction)."""
@@ -366,8 +385,8 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     def make_quantizers(self) -> list[Quantizer]:
         if not self.warming_up():
             return super().make_quantizers()
-        return [Float8WarmupQuantizer(amax, self.fp8_dtype, self.recipe.role_target(role))
-                for amax, role in zip(self.slots(self.amax_history), self.roles)]
+        return [Float8WarmupQuantizer((self, i), self.fp8_dtype, self.recipe.role_target(role))
+                for i, role in enumerate(self.roles)]
 
     def frozen_copy(self) -> HIF8DelayedScalingRecipeState:
         copy = HIF8DelayedScalingRecipeState(self.recipe, mode=self.mode, num_quantizers=self.num_quantizers,
@@ -375,14 +394,6 @@ class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
         copy.scale.copy_(self.scale)
         copy.steps = self.steps
         return copy
-
-    def fp8_max_tensor(self, states: list[DelayedScalingRecipeState]) -> torch.Tensor:
-        """The per-slot targets of `states` concatenated (scale = target / amax), kept while the same states
-        update together."""
-        key = tuple((id(s), s.mode, s.num_quantizers) for s in states)
-        if getattr(self, "_targets_key", None) != key:
-            self._targets_key, self._targets = key, torch.cat([s.targets for s in states])
-        return self._targets
 
     def update(self) -> None:
         """At an update step: roll the history and set scale = target / amax per slot (targets are powers of

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mindspeed_te.distributed import check_same_on_all_ranks
 from mindspeed_te.kernels import get_backend, reset_backend
-from mindspeed_te.quantizers import NonfinitePair, fold_nonfinite_pairs
+from mindspeed_te.nonfinite import NonfinitePair, clear_flags, fold_nonfinite_pairs
 from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -39,7 +39,6 @@ from mindspeed_te.recipe_state import (
     RecipeState,
     update_delayed_states,
 )
-from mindspeed_te.scaling import e8m0_decode
 from mindspeed_te.tensor import QuantizedTensorStorage
 
 __all__ = [
@@ -372,17 +371,10 @@ class FP8GlobalStateManager:
         if not watched:
             return []
         flags = [state.nonfinite for _, state in watched]
-        # Float flags hold NaN, or Inf (a current-scaling scale_inv); MX flags the largest E8M0 byte, decoded
-        # here once for all (0xFF, the NaN byte, decodes to NaN). Float states first, then MX states.
-        order = sorted(range(len(watched)), key=lambda i: not flags[i].is_floating_point())
-        groups = [[flags[i] for i in order if flags[i].is_floating_point() == floating] for floating in (True, False)]
-        values = [torch.cat(groups[0])] if groups[0] else []
-        if groups[1]:
-            values.append(e8m0_decode(torch.cat(groups[1])))
-        bad = torch.cat(values).isfinite().logical_not_().tolist()
-        torch._foreach_zero_(flags)
+        bad = torch.cat(flags).isfinite().logical_not_().tolist()
+        clear_flags(flags)
         found, offset = [], 0
-        for name, state in (watched[i] for i in order):
+        for name, state in watched:
             per_gemm = 3 if state.forward else 2
             for i, role in enumerate(state.roles):
                 if bad[offset + i]:  # the GEMM: how many slots of this role come before (any slot layout)
@@ -631,7 +623,8 @@ class FP8GlobalStateManager:
         states = [s for s in states if s is not None and not isinstance(s, HIF8DelayedScalingRecipeState)]
         slots = [state.amax_history[0] for state in states]
         if states:
-            torch._foreach_add_([state.nonfinite for state in states], slots, alpha=0.0)
+            fold_nonfinite_pairs([(flag, amax, False) for state, slot in zip(states, slots)
+                                  for flag, amax in zip(state.nonfinite.split(1), slot.split(1))])
         return slots
 
     # TransformerEngine <= 2.8 names.

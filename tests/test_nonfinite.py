@@ -111,10 +111,10 @@ def test_each_faulty_step_is_warned_naming_module_and_tensor_and_counted(name):
 
 @pytest.mark.parametrize("backend_name", ["reference", "npu"])
 def test_faults_are_named_in_a_step_mixing_mx_and_float_flags(backend_name, use_backend):
-    """MXFP8 flags keep E8M0 bytes (uint8), the others float32: one check reads both kinds and names the
-    right module and tensor. Three layers in a chain, each under its own recipe (MXFP8, tensorwise, MXFP8);
-    an Inf put into the middle layer's input makes its output, and so the last layer's input, non-finite,
-    and nothing before it."""
+    """MXFP8 scales are E8M0 bytes (NaN: 0xFF), the others float32: one step's fold reads both kinds and the
+    check names the right module and tensor. Three layers in a chain, each under its own recipe (MXFP8,
+    tensorwise, MXFP8); an Inf put into the middle layer's input makes its output, and so the last layer's
+    input, non-finite, and nothing before it."""
     use_backend(backend_name)
     layers = [Linear(64, 64, name=f"fc{i}") for i in range(3)]
     recipes = [RECIPES["mxfp8/hybrid"](), RECIPES["tensorwise/hybrid"](), RECIPES["mxfp8/hybrid"]()]

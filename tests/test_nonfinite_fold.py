@@ -105,3 +105,66 @@ def test_copies_and_pickles_of_a_quantizer_leave_the_step_notes_behind():
     for twin in (copy.deepcopy(quantizer), torch.load(buffer, weights_only=False)):
         assert twin.nonfinite_pending is None and torch.equal(twin.nonfinite, quantizer.nonfinite)
     assert quantizer.nonfinite_pending is _pending()
+
+
+def test_copies_of_a_delayed_quantizer_hold_their_own_tensors():
+    """A delayed-scaling quantizer reads its state's tensors, which are views into buffers shared by every
+    module of its autocast key: a copy or a pickle keeps today's scale and amax slot as tensors of its own (a
+    pickle of a view would save the whole shared buffer), and writes none of the originals."""
+    from mindspeed_te import DelayedScaling
+
+    layers = [Linear(64, 64) for _ in range(3)]
+    x, _ = _inputs()
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        for layer in layers:
+            layer(x)
+    state = layers[1].fp8_states[0]
+    assert state.amax_history._base is not None  # the key's buffers hold all three layers' columns
+    quantizer = state.make_quantizers()[1]
+    buffer = io.BytesIO()
+    torch.save(quantizer, buffer)
+    assert buffer.tell() < 16 * 1024, buffer.tell()
+    buffer.seek(0)
+    history = state.amax_history.clone()
+    for twin in (copy.deepcopy(quantizer), torch.load(buffer, weights_only=False)):
+        assert torch.equal(twin.scale, quantizer.scale) and torch.equal(twin.amax, quantizer.amax)
+        assert twin.amax.untyped_storage().nbytes() == 4 and twin.scale.untyped_storage().nbytes() == 4
+        twin.quantize(x * 100)
+        assert torch.equal(state.amax_history, history)  # the original state saw nothing
+
+
+def test_fold_marks_exactly_the_flags_whose_scales_held_a_non_finite_value():
+    """Random steps of notes against a per-element check in Python: float32 block scales (NaN/Inf anywhere),
+    MX scale bytes (0xFF anywhere), one-element per-tensor scales, a flag noted several times, flags in two
+    buffers (the shared one and a tensor of its own). A flag becomes NaN exactly when one of its notes held
+    a non-finite value (a 0xFF byte), stays NaN after later clean folds, and clear_flags zeroes it."""
+    from mindspeed_te.nonfinite import clear_flags, fold_nonfinite_pairs, take_flags
+
+    g = torch.Generator().manual_seed(5)
+    shared, own = take_flags(6), torch.zeros(1)
+    flags = [shared[i : i + 1] for i in range(6)] + [own]
+    expected = [False] * len(flags)
+    for _ in range(4):
+        pairs = []
+        for _ in range(9):
+            i = int(torch.randint(len(flags), (1,), generator=g))
+            kind = int(torch.randint(3, (1,), generator=g))
+            bad = bool(torch.rand(1, generator=g) < 0.2)
+            if kind == 0:
+                scales = torch.rand(int(torch.randint(1, 40, (1,), generator=g)), generator=g) + 0.5
+                if bad:
+                    scales[int(torch.randint(scales.numel(), (1,), generator=g))] = [math.nan, math.inf][i % 2]
+            elif kind == 1:
+                scales = torch.randint(0, 255, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g,
+                                       dtype=torch.uint8)
+                if bad:
+                    scales[-1] = 0xFF
+            else:
+                scales = torch.tensor([math.inf if bad else 0.25])
+            pairs.append((flags[i], scales, kind != 2))
+            values = scales.tolist()
+            expected[i] |= any(v == 0xFF for v in values) if kind == 1 else not all(map(math.isfinite, values))
+        fold_nonfinite_pairs(pairs)
+        assert [math.isnan(f.item()) for f in flags] == expected
+    clear_flags(flags)
+    assert not any(f.item() for f in flags)

@@ -267,8 +267,8 @@ class NpuBackend(ReferenceBackend):
     def _quantize_current(self, qs: Sequence[Float8CurrentScalingQuantizer], xs: Sequence[torch.Tensor],
                           x2ds: Sequence[torch.Tensor]) -> Optional[list[Float8TensorStorage]]:
         """bfloat16/float16: one npu_dynamic_quant per tensor (its pertensor scale is NaN for NaN/Inf data).
-        float32, which that kernel does not take ("x: 数据类型支持float16、bfloat16"): one multi-tensor amax,
-        scale_inv = amax / target (one IEEE division; 1 for amax 0, at least 1/FLT_MAX; it stays non-finite
+        float32, which that kernel does not take ("x: 数据类型支持float16、bfloat16"): the amaxes (`_amaxes`)
+        stacked, scale_inv = amax / target (one IEEE division; 1 for amax 0, at least 1/FLT_MAX; it stays non-finite
         for NaN/Inf data, so those codes and the stored scale are non-finite) in three ops, npu_quantize.
         Then one flag update for all. None (the quantizer's torch ops) for what neither form covers."""
         q0 = qs[0]
@@ -286,9 +286,8 @@ class NpuBackend(ReferenceBackend):
                 outs.append(Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape),
                                                 scale_inv=scale))
         elif xs[0].dtype == torch.float32:
-            amax = torch.empty(len(xs), dtype=torch.float32, device=xs[0].device)
-            torch.ops.aten._foreach_norm.Scalar_out(list(x2ds), float("inf"), torch.float32,
-                                                    out=list(amax.unbind(0)))
+            amaxes = self._amaxes(x2ds)
+            amax = torch.stack(amaxes) if len(amaxes) > 1 else amaxes[0].reshape(1)
             # [amax == 0] + amax / target: addcdiv divides (value 1: exactly amax / target) and adds 1 only
             # where amax is 0 (0 / target = 0), so an all-zero tensor gets scale_inv 1, as the reference.
             zero = torch.eq(amax, 0, out=torch.empty_like(amax))
@@ -302,16 +301,25 @@ class NpuBackend(ReferenceBackend):
 
     def _quantize_delayed(self, qs: Sequence[Float8Quantizer], xs: Sequence[torch.Tensor],
                           x2ds: Sequence[torch.Tensor]) -> list[Float8TensorStorage]:
-        """One multi-tensor amax (max |x|, NaN kept) max-accumulated into the history slots, one op marking
+        """The amaxes (`_amaxes`) max-accumulated into the history slots in one op, one op marking
         the stored scale_invs NaN where the data held NaN/Inf, then npu_quantize per tensor with the divisor
         prepared at the last per-step update (bfloat16 inputs: 1/scale rounded to bfloat16, see
         Float8Quantizer)."""
-        amaxes = torch._foreach_norm(list(x2ds), float("inf"), dtype=torch.float32)
-        torch._foreach_maximum_([q.amax for q in qs], [a.reshape(q.amax.shape) for q, a in zip(qs, amaxes)])
+        amaxes = [a.reshape(1) for a in self._amaxes(x2ds)]
+        torch._foreach_maximum_([q.amax for q in qs], amaxes)
         divisors = [q.divisor(x.dtype) for q, x in zip(qs, xs)]
-        scale_invs = torch._foreach_add([exact for _, exact in divisors], [a.reshape(1) for a in amaxes], alpha=0.0)
+        scale_invs = torch._foreach_add([exact for _, exact in divisors], amaxes, alpha=0.0)
         return [self._npu_quantize(q, x, x2d, div, scale_inv)
                 for q, x, x2d, (div, _), scale_inv in zip(qs, xs, x2ds, divisors, scale_invs)]
+
+    @staticmethod
+    def _amaxes(x2ds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """max |x| of each tensor as a float32 0-d tensor, NaN kept: float32 tensors in one multi-tensor norm,
+        others one vector norm each (the NPU's multi-tensor norm would cast each of them to float32 first,
+        see `npu_foreach`)."""
+        if all(x.dtype == torch.float32 for x in x2ds):
+            return torch._foreach_norm(list(x2ds), float("inf"))
+        return [torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32) for x in x2ds]
 
     def _constant(self, value: float, device: torch.device) -> torch.Tensor:
         """A float32 0-d device tensor of `value`, made once (a Python scalar in a tensor op is a launch)."""

@@ -227,8 +227,9 @@ class FP8ModuleBase(torch.nn.Module):
                                 "recipe": None if recipe is None else recipe_to_config(recipe)}
         if self.has_delayed_state():
             fwd, bwd = self.fp8_states
-            meta.update(fwd_amax_history=fwd.amax_history.cpu(), fwd_scale=fwd.scale.cpu(),
-                        bwd_amax_history=bwd.amax_history.cpu(), bwd_scale=bwd.scale.cpu())
+            # Copies: the states' tensors are views into buffers shared with other modules' states.
+            meta.update({f"{prefix}_{name}": getattr(state, name).to("cpu", copy=True)
+                         for state, prefix in ((fwd, "fwd"), (bwd, "bwd")) for name in ("amax_history", "scale")})
             meta.update({f"{prefix}_steps": state.steps for state, prefix in ((fwd, "fwd"), (bwd, "bwd"))
                          if hasattr(state, "steps")})  # HIF8DelayedScaling: where warm-up and updates stand
         return encode_extra_state(meta)
