@@ -107,8 +107,8 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
     if not pairs:
         return
     if len(pairs) == 1 and not pairs[0][2]:  # one per-tensor quantize: one op
-        flag, scale_inv, _ = pairs[0]
-        flag.add_(scale_inv.reshape(flag.shape), alpha=0.0)
+        flag, scale_inv, _ = pairs[0]  # a reshape costs microseconds of host time: only where shapes differ
+        flag.add_(scale_inv if scale_inv.shape == flag.shape else scale_inv.reshape(flag.shape), alpha=0.0)
         return
     device = pairs[0][0].device
     if any(reduce for _, _, reduce in pairs):
