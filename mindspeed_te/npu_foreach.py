@@ -90,8 +90,10 @@ def _fused(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
 
 def foreach_launches(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
     """Kernel launches of one aten foreach op on the NPU. An out= overload is PyTorch's generated composite
-    (torch_npu registers none): the functional op, then one copy per output. An op without a torch_npu
-    kernel (such as `_foreach_max`) runs one op per tensor."""
+    (torch_npu registers none): the functional op, then one copy per output. An overload outside `_CHUNK`
+    counts one launch per tensor: exact for ops without a torch_npu kernel (such as `_foreach_max`, which the
+    library's code avoids for that reason), an upper bound for the many others torch_npu fuses (such as
+    `_foreach_abs`), whose rules this model does not cover."""
     packet = func.overloadpacket.__name__
     overload = func._overloadname
     if overload.endswith("out"):

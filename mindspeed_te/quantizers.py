@@ -135,13 +135,6 @@ class Float8Quantizer(Quantizer):
     def amax(self) -> torch.Tensor:
         return self._amax if self._state is None else _state_slot(self._state, "amax_history")
 
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy keeps the scale and amax slot as they are now, as tensors of its own, not the state (whose
-        buffers hold every module's)."""
-        copy = super().__getstate__()
-        if self._state is not None:
-            copy.update(_scale=self.scale.clone(), _amax=self.amax.clone(), _state=None)
-        return copy
 
     def scale_inverse(self) -> torch.Tensor:
         """1 / scale, a one-element float32 tensor."""
@@ -221,20 +214,12 @@ class Float8WarmupQuantizer(Quantizer):
     def __init__(self, state: tuple[Any, int], fp8_dtype: FP8Dtype, target_max: float, **usage: bool) -> None:
         """`state`: (the HIF8DelayedScaling state, this quantizer's slot), whose history slot 0 it writes."""
         super().__init__(fp8_dtype, **usage)
-        self._amax: Optional[torch.Tensor] = None
-        self._state: Optional[tuple[Any, int]] = state
+        self._state = state
         self.target_max = float(target_max)
 
     @property
     def amax(self) -> torch.Tensor:
-        return self._amax if self._state is None else _state_slot(self._state, "amax_history")
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy keeps the amax slot as it is now, a tensor of its own (see Float8Quantizer)."""
-        copy = super().__getstate__()
-        if self._state is not None:
-            copy.update(_amax=self.amax.clone(), _state=None)
-        return copy
+        return _state_slot(self._state, "amax_history")
 
     def calibrate(self, x: torch.Tensor) -> None:
         _check_input(x)

@@ -7,7 +7,7 @@ otherwise passes each slot's role (`roles`). `make_quantizers()` returns the qua
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
@@ -120,6 +120,12 @@ class RecipeState:
             if isinstance(recipe, recipe_type):
                 return state_type(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
         raise TypeError(f"unsupported recipe type {type(recipe).__name__}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle holds its own flags (not a view into the buffer every state's flags share) and none
+        of the step's pending notes (other layers' tensors); its views are made again."""
+        return {**self.__dict__, "nonfinite": self.nonfinite.clone(), "nonfinite_pending": None,
+                "slots": SlotViews()}
 
     def frozen_copy(self) -> RecipeState:
         """A copy whose quantizers use today's scales and record amaxes nowhere that matters (for the
@@ -244,7 +250,7 @@ class DelayedScalingBuffers:
     per-state tensors is one NPU launch per 16 to 48 tensors, or one per tensor off its fast route)."""
 
     def __init__(self, states: Sequence[DelayedScalingRecipeState]) -> None:
-        self.count = len(states)
+        self.count, self.columns = len(states), sum(s.num_quantizers for s in states)
         self.history = torch.cat([s.amax_history for s in states], dim=1)
         self.scale = torch.cat([s.scale for s in states])
         self.nonfinite = torch.cat([s.nonfinite for s in states])
@@ -261,10 +267,11 @@ class DelayedScalingBuffers:
 
     @classmethod
     def of(cls, states: Sequence[DelayedScalingRecipeState]) -> DelayedScalingBuffers:
-        """The buffers that hold exactly `states`, made (their current values copied in) when none do: on a
-        key's first update, and whenever the set of states that update together changes."""
+        """The buffers that hold all of `states`, made (their current values copied in) when none do: on a
+        key's first update, and when a state joins. Columns of states that did not run this step have a zero
+        newest amax, which the update leaves as it is (window and scale kept)."""
         buffers = states[0].buffers
-        if buffers is None or buffers.count != len(states) or any(s.buffers is not buffers for s in states):
+        if buffers is None or any(s.buffers is not buffers for s in states):
             buffers = cls(states)
         return buffers
 
@@ -308,9 +315,11 @@ def update_delayed_states(states: list[DelayedScalingRecipeState],
         if not any(updating):
             torch.nan_to_num(newest, nan=0.0, posinf=0.0, out=newest)
             return
-        if not all(updating):  # states that started at different steps: a column mask, made this once
-            columns = torch.tensor([u for u, s in zip(updating, states) for _ in range(s.num_quantizers)],
-                                   device=newest.device)
+        if not all(updating) or len(states) < buffers.count:  # a column mask, by each state's columns
+            mask = [False] * buffers.columns
+            for state in (s for s, u in zip(states, updating) if u):
+                mask[state.offset : state.offset + state.num_quantizers] = [True] * state.num_quantizers
+            columns = torch.tensor(mask, device=newest.device)
     buffers.update(states[0].recipe, columns)
     for state in states:
         state.scale_inv.synced = state.scale._version
@@ -328,11 +337,25 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=device)
         self.scale_inv = ScaleInv(self.scale)
         self.buffers: Optional[DelayedScalingBuffers] = None
+        self.offset = 0  # of this state's columns in `buffers`
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or pickle holds this state's own columns, contiguous, not the buffers it shares with the
+        other states of its key (it joins a key's buffers again at its first update)."""
+        copy = super().__getstate__()
+        copy.update(amax_history=self.amax_history.clone(), scale=self.scale.clone(), buffers=None, offset=0,
+                    scale_inv=None)
+        return copy
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.scale_inv = ScaleInv(self.scale)
 
     def bind(self, buffers: DelayedScalingBuffers, offset: int) -> None:
         """Take this state's columns offset.. of `buffers` as its tensors (their values are this state's)."""
         cols = slice(offset, offset + self.num_quantizers)
-        self.buffers = buffers
+        self.buffers, self.offset = buffers, offset
+        self.slots = SlotViews()  # the views of the tensors this state no longer holds go with them
         self.amax_history = buffers.history[:, cols]
         self.scale = buffers.scale[cols]
         self.nonfinite = buffers.nonfinite[cols]
