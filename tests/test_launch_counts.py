@@ -309,3 +309,25 @@ def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
     assert counter.total == {"delayed": 5, "tensorwise": 2, "mxfp8": 3}[recipe_name], dict(counter.counts)
     assert "aten._to_copy" not in counter.counts
     assert torch.equal(cached, fresh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_quantizes_all_experts_with_one_set_of_small_ops(dtype):
+    """A GroupedLinear forward quantizes every expert's input and weight in one batch: the amaxes (one
+    multi-tensor norm; bfloat16 then one stack and one cast), one history max, one non-finite mark, whatever
+    the number of experts; only the per-tensor npu_quantize grows with them (delayed scaling)."""
+    from mindspeed_te import GroupedLinear, fp8_autocast
+    from mindspeed_te.recipe import DelayedScaling
+
+    def forward_counts(experts: int) -> dict:
+        layer = GroupedLinear(experts, 128, 128, bias=False, params_dtype=dtype)
+        x = torch.randn(experts * 32, 128, dtype=dtype)
+        for _ in range(2):  # the second step, with real scales
+            with fp8_autocast(fp8_recipe=DelayedScaling()), LaunchCounter(npu) as counter:
+                layer(x, [32] * experts)
+        return counter.counts
+
+    with _simulated() as npu:
+        few, many = forward_counts(4), forward_counts(8)
+    assert many - few == {"torch_npu.npu_quantize": 8}, (few, many)
+    assert many["aten._foreach_norm"] == many["aten._foreach_maximum_"] == many["aten._foreach_add"] == 1

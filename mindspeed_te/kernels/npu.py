@@ -314,11 +314,14 @@ class NpuBackend(ReferenceBackend):
 
     @staticmethod
     def _amaxes(x2ds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """max |x| of each tensor as a float32 0-d tensor, NaN kept: float32 tensors in one multi-tensor norm,
-        others one vector norm each (the NPU's multi-tensor norm would cast each of them to float32 first,
-        see `npu_foreach`)."""
+        """max |x| of each tensor as a float32 0-d tensor, NaN kept. Float32 tensors: one multi-tensor norm.
+        Others: up to two, one vector norm each; more (a grouped linear's experts), one multi-tensor norm in
+        their own dtype (max |x| is one of their values, so exact), stacked and cast to float32 (3 launches;
+        the NPU's multi-tensor norm to float32 would cast each input first, see `npu_foreach`)."""
         if all(x.dtype == torch.float32 for x in x2ds):
             return torch._foreach_norm(list(x2ds), float("inf"))
+        if len(x2ds) > 2 and len({x.dtype for x in x2ds}) == 1:
+            return list(torch.stack(torch._foreach_norm(list(x2ds), float("inf"))).float().unbind(0))
         return [torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32) for x in x2ds]
 
     def _constant(self, value: float, device: torch.device) -> torch.Tensor:

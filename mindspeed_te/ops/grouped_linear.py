@@ -21,7 +21,7 @@ from mindspeed_te.ops.linear import (
     _finish_fused_wgrad,
     _main_grad,
     check_save_original_input,
-    quantized_weight,
+    quantize_inputs_and_weights,
 )
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
@@ -78,19 +78,20 @@ class _GroupedLinear(torch.autograd.Function):
             a_ops: list[Operand] = [xs[i] for i in active]
             b_ops: list[Operand] = [dequantize_if_quantized(weights[i]) for i in active]
         else:
-            a_ops, b_ops = [], []
-            observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
             for i in active:
                 if args.save_original_input:
                     check_save_original_input(q[i].input)
                 q[i].input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
                 q[i].weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
-                a_ops.append(backend.quantize(q[i].input, xs[i]))
-                cache = args.weight_caches[i] if args.weight_caches is not None else None
-                b_ops.append(quantized_weight(weights[i], q[i].weight, cache, args.is_first_microbatch, backend))
-                if observe is not None:
-                    observe(weights[i], "input", xs[i], a_ops[-1])
-                    observe(weights[i], "weight", dequantize_if_quantized(weights[i]), b_ops[-1])
+            caches = [args.weight_caches[i] if args.weight_caches is not None else None for i in active]
+            a_ops, b_ops = quantize_inputs_and_weights([xs[i] for i in active], [weights[i] for i in active],
+                                                       [q[i] for i in active], caches, args.is_first_microbatch,
+                                                       backend)
+            observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
+            if observe is not None:
+                for i, qx, qw in zip(active, a_ops, b_ops):
+                    observe(weights[i], "input", xs[i], qx)
+                    observe(weights[i], "weight", dequantize_if_quantized(weights[i]), qw)
         outs = backend.grouped_gemm(a_ops, b_ops, out_dtype=torch.float32)
         if biases:
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
@@ -122,13 +123,13 @@ class _GroupedLinear(torch.autograd.Function):
         if q is None or not (need_dx or ctx.fp8_wgrad):
             grads: list[Operand] = [dys[i] for i in active]
         else:
-            grads = []
-            observe = FP8GlobalStateManager.get_operand_observer()
             for i in active:
                 q[i].grad_output.set_usage(rowwise=need_dx, columnwise=ctx.fp8_wgrad)
-                grads.append(backend.quantize(q[i].grad_output, dys[i]))
-                if observe is not None:
-                    observe(weights[i], "grad_output", dys[i], grads[-1])
+            grads = backend.quantize_many([q[i].grad_output for i in active], [dys[i] for i in active])
+            observe = FP8GlobalStateManager.get_operand_observer()
+            if observe is not None:
+                for i, dy in zip(active, grads):
+                    observe(weights[i], "grad_output", dys[i], dy)
 
         dx = None
         if need_dx:
@@ -140,7 +141,7 @@ class _GroupedLinear(torch.autograd.Function):
             if ctx.fp8_wgrad and args.save_original_input:
                 for i in active:
                     q[i].input.set_usage(rowwise=False, columnwise=True)
-                saved_x = [backend.quantize(q[i].input, x) for i, x in zip(active, saved_x)]
+                saved_x = backend.quantize_many([q[i].input for i in active], saved_x)
             wgrad_a = grads if q is None or ctx.fp8_wgrad else [dys[i] for i in active]
             store = args.wgrad_store
             if store is not None and store.delay_wgrad_compute():

@@ -10,7 +10,7 @@ wgrad stays in high precision, which needs the real input).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -21,7 +21,7 @@ from mindspeed_te.quantizers import Float8Quantizer, Quantizer
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
 
-__all__ = ["LinearQuantizers", "WeightCache", "quantized_weight", "fp8_linear"]
+__all__ = ["LinearQuantizers", "WeightCache", "fp8_linear"]
 
 Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
@@ -61,39 +61,25 @@ class WeightCache:
     def keep(self, quantized: QuantizedTensorStorage, is_first_microbatch: Optional[bool]) -> None:
         self.quantized = quantized if is_first_microbatch is not None else None
 
-    def get(self, weight: torch.Tensor, quantizer: Quantizer, is_first_microbatch: Optional[bool],
-            backend) -> QuantizedTensorStorage:
-        quantized = self.cached(is_first_microbatch)
-        if quantized is None:
-            quantized = backend.quantize(quantizer, weight)
-            self.keep(quantized, is_first_microbatch)
-        return quantized
 
-
-def quantized_weight(weight: torch.Tensor, quantizer: Quantizer, cache: Optional[WeightCache],
-                     is_first_microbatch: Optional[bool], backend) -> QuantizedTensorStorage:
-    """The weight's quantized form for the GEMMs: a weight kept quantized (fp8_model_init) is used as
-    stored, never quantized again; otherwise it is quantized now or taken from the step's cache."""
-    if isinstance(weight, QuantizedTensor):
-        return weight._storage
-    if cache is not None:
-        return cache.get(weight, quantizer, is_first_microbatch, backend)
-    return backend.quantize(quantizer, weight)
-
-
-def quantize_input_and_weight(x2d: torch.Tensor, weight: torch.Tensor, q: LinearQuantizers,
-                              cache: Optional[WeightCache], is_first_microbatch: Optional[bool], backend
-                              ) -> tuple[QuantizedTensorStorage, QuantizedTensorStorage]:
-    """The fprop operands: the input quantized now, the weight as `quantized_weight` gives it; when both
-    are quantized now, in one `quantize_many` call (the backend batches their small ops)."""
-    stored = weight._storage if isinstance(weight, QuantizedTensor) else (
-        cache.cached(is_first_microbatch) if cache is not None else None)
-    if stored is not None:
-        return backend.quantize(q.input, x2d), stored
-    qx, qw = backend.quantize_many([q.input, q.weight], [x2d, weight])
-    if cache is not None:
-        cache.keep(qw, is_first_microbatch)
-    return qx, qw
+def quantize_inputs_and_weights(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                                qs: Sequence[LinearQuantizers], caches: Sequence[Optional[WeightCache]],
+                                is_first_microbatch: Optional[bool], backend
+                                ) -> tuple[list[QuantizedTensorStorage], list[QuantizedTensorStorage]]:
+    """The fprop operands of one or more GEMMs (a linear, or a grouped linear's experts): each input quantized
+    now, each weight as stored when kept quantized (fp8_model_init: never quantized again) or cached for
+    the step's later micro-batches, else quantized now; whatever is quantized now goes through one
+    `quantize_many` call, so the backend batches the small ops of all of them."""
+    stored = [w._storage if isinstance(w, QuantizedTensor) else (c.cached(is_first_microbatch) if c is not None
+                                                                   else None) for w, c in zip(weights, caches)]
+    fresh = [i for i, s in enumerate(stored) if s is None]
+    outs = backend.quantize_many([q.input for q in qs] + [qs[i].weight for i in fresh],
+                                 list(xs) + [weights[i] for i in fresh])
+    for i, qw in zip(fresh, outs[len(xs):]):
+        stored[i] = qw
+        if caches[i] is not None:
+            caches[i].keep(qw, is_first_microbatch)
+    return outs[: len(xs)], stored
 
 
 @dataclass
@@ -135,7 +121,8 @@ class _Linear(torch.autograd.Function):
                 check_save_original_input(q.input)
             q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
-            qx, qw = quantize_input_and_weight(x2d, weight, q, args.weight_cache, args.is_first_microbatch, backend)
+            (qx,), (qw,) = quantize_inputs_and_weights([x2d], [weight], [q], [args.weight_cache],
+                                                       args.is_first_microbatch, backend)
             observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
             if observe is not None:
                 observe(weight, "input", x2d, qx)
