@@ -23,6 +23,7 @@ NonfinitePair = tuple[torch.Tensor, torch.Tensor, bool]
 _CHUNK = 1 << 16  # flags per shared buffer: 256 KiB, more than any model's slots
 _chunks: dict[torch.device, list] = {}  # device -> [buffer, flags handed out]
 _indices: dict[tuple, torch.Tensor] = {}  # (positions, device) -> index tensor, made once per layout
+_heads: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element 0 of `_head`
 
 
 def take_flags(n: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -66,9 +67,6 @@ def _head(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if key not in _heads:
         _heads[key] = torch.zeros(1, dtype=dtype, device=device)
     return _heads[key]
-
-
-_heads: dict[tuple, torch.Tensor] = {}
 
 
 def _block_values(pairs: Sequence[NonfinitePair], device: torch.device) -> torch.Tensor:

@@ -227,13 +227,17 @@ class ScaleInv:
         """(the divisor for inputs of `dtype`, its exact float32 value): the bfloat16-rounded pair for
         bfloat16 inputs, the float32 reciprocal twice otherwise."""
         if self.synced != self.scale._version:
-            torch.reciprocal(self.scale, out=self.value)
-            self.value_bf16.copy_(self.value)
-            self.value_bf16_f32.copy_(self.value_bf16)
-            self.synced = self.scale._version
+            self.refresh()
         if dtype == torch.bfloat16:
             return self.value_bf16, self.value_bf16_f32
         return self.value, self.value
+
+    def refresh(self) -> None:
+        """Recompute the three forms from the scale (three ops)."""
+        torch.reciprocal(self.scale, out=self.value)
+        self.value_bf16.copy_(self.value)
+        self.value_bf16_f32.copy_(self.value_bf16)
+        self.synced = self.scale._version
 
     def slot(self, i: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`divisors` of slot i, as one-element views."""
@@ -253,10 +257,8 @@ class DelayedScalingBuffers:
         self.count, self.columns = len(states), sum(s.num_quantizers for s in states)
         self.history = torch.cat([s.amax_history for s in states], dim=1)
         self.scale = torch.cat([s.scale for s in states])
+        self.scale_inv = ScaleInv(self.scale)  # every column's; the states' are views of its forms
         self.nonfinite = torch.cat([s.nonfinite for s in states])
-        self.inv = self.scale.reciprocal()
-        self.inv_bf16 = self.inv.to(torch.bfloat16)
-        self.inv_bf16_f32 = self.inv_bf16.float()
         first = states[0]
         self.fp8_max = (torch.cat([s.targets for s in states]) if isinstance(first, HIF8DelayedScalingRecipeState)
                         else torch.tensor(first.fp8_max, dtype=torch.float32, device=self.scale.device))
@@ -277,16 +279,14 @@ class DelayedScalingBuffers:
 
     def update(self, recipe: DelayedScaling, columns: Optional[torch.Tensor] = None) -> None:
         """`batched_delayed_update` of every column (or of the True `columns`; the others keep their history,
-        slot 0 cleared of NaN/Inf, and scale), the 1/scale forms included, written in place."""
-        history, scale, inv = batched_delayed_update(self.history, self.scale, self.fp8_max, recipe.margin,
-                                                     recipe.amax_compute_algo)
+        slot 0 cleared of NaN/Inf, and scale) written in place, then the 1/scale forms of the new scales."""
+        history, scale = batched_delayed_update(self.history, self.scale, self.fp8_max, recipe.margin,
+                                                recipe.amax_compute_algo)
         if columns is not None:
             history = torch.where(columns, history, self.history)  # slot 0 was cleared in place
             scale = torch.where(columns, scale, self.scale)
-            inv = torch.where(columns, inv, self.inv)
-        torch._foreach_copy_([self.history, self.scale, self.inv], [history, scale, inv])
-        self.inv_bf16.copy_(self.inv)
-        self.inv_bf16_f32.copy_(self.inv_bf16)
+        torch._foreach_copy_([self.history, self.scale], [history, scale])
+        self.scale_inv.refresh()
 
 
 def update_delayed_states(states: list[DelayedScalingRecipeState],
@@ -359,7 +359,8 @@ class DelayedScalingRecipeState(RecipeState):
         self.amax_history = buffers.history[:, cols]
         self.scale = buffers.scale[cols]
         self.nonfinite = buffers.nonfinite[cols]
-        self.scale_inv = ScaleInv(self.scale, (buffers.inv[cols], buffers.inv_bf16[cols], buffers.inv_bf16_f32[cols]))
+        forms = buffers.scale_inv
+        self.scale_inv = ScaleInv(self.scale, (forms.value[cols], forms.value_bf16[cols], forms.value_bf16_f32[cols]))
 
     def make_quantizers(self) -> list[Quantizer]:
         # No per-quantizer non-finite flags: NaN/Inf data leaves a non-finite amax in slot 0, which the

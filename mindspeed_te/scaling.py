@@ -98,10 +98,10 @@ def delayed_scaling_update(
 
 
 def batched_delayed_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Tensor, margin: float,
-                           amax_compute_algo: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           amax_compute_algo: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`delayed_scaling_update` for the built-in algorithms in a fixed handful of device ops, whatever the
-    number of columns: (new history, new scale, new scale_inv). `amax_history` is a scratch [L, n] buffer (its
-    slot 0 is overwritten); `fp8_max` a 0-d tensor, so the quotient is one IEEE division. Same results: a
+    number of columns: (new history, new scale). Slot 0 of `amax_history` [L, n] is cleared of NaN/Inf in
+    place; `fp8_max` is a 0-d tensor or one per column, so the quotient is one IEEE division. Same results: a
     non-finite newest amax counts as 0, and a column whose newest amax is 0 keeps its window and scale."""
     newest = torch.nan_to_num(amax_history[0], nan=0.0, posinf=0.0, out=amax_history[0])
     amax = amax_history.amax(dim=0) if amax_compute_algo == "max" else newest
@@ -113,7 +113,7 @@ def batched_delayed_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_
     new_scale = torch.where(seen, new_scale, scale)
     history = torch.where(seen, torch.roll(amax_history, shifts=-1, dims=0), amax_history)
     history[0] = 0.0
-    return history, new_scale, new_scale.reciprocal()
+    return history, new_scale
 
 
 _SMALL = 1 << 16  # elements below which per-op overhead, not memory traffic, dominates

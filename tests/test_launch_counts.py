@@ -76,8 +76,7 @@ def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
     state; a multi-tensor op over per-state tensors would be one NPU launch per 16 to 48 of them): fold
     NaN/Inf amaxes into the non-finite flags (1), the update itself (9: clean the newest amax, window max,
     fp8_max / amax, FLT_MAX clamp, seen mask, keep-or-new scale, roll, keep-or-rolled window, clear slot 0),
-    1/scale (1), one multi-tensor write of window, scale and 1/scale (1), 1/scale rounded to bfloat16 and its
-    float32 value (2)."""
+    one multi-tensor write of window and scale (1), 1/scale, rounded to bfloat16, and its float32 value (3)."""
     from mindspeed_te.bench import update_launches
     from mindspeed_te.recipe import DelayedScaling
 
