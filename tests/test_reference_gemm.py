@@ -66,19 +66,26 @@ def test_reference_gemm_leaves_the_matmul_precision_setting_as_it_was():
     MXFP8Quantizer(FP8Dtype.E4M3),
 ], ids=["block-1x128", "block-128x128", "mx"])
 @pytest.mark.parametrize("columnwise", [False, True], ids=["fprop", "wgrad-layout"])
-def test_bfloat16_output_without_bias_is_the_float32_sum_rounded_once(quantizer, columnwise):
-    """Block-scaled operands holding bfloat16 values, a bfloat16 output and nothing to add: the GEMM runs as a
-    bfloat16 GEMM whose kernel rounds its own float32 sum. Its bits are those of the float32 sum (the same
-    kernel, through mm_float32) cast to bfloat16, and that sum is within float32's bound of the exact one."""
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bf16-bias"])
+def test_bfloat16_output_is_the_float32_sum_rounded_once(quantizer, columnwise, with_bias):
+    """Block-scaled operands holding bfloat16 values, a bfloat16 output and nothing or a bfloat16 bias to add:
+    the GEMM runs as a bfloat16 GEMM whose kernel rounds its own float32 sum (plus the bias) once. At this size
+    oneDNN blocks k alike for both output dtypes, so its bits are those of the float32 sum (the same kernel,
+    through mm_float32) plus the bias, cast to bfloat16; and that sum is within float32's bound of the exact
+    one."""
     a, b = _operands(scale_rows=True)
     quantizer.set_usage(rowwise=True, columnwise=True)
     if columnwise:  # contract the first dim: the wgrad form, a (K, M) and b (K, N) given transposed
         a, b = a.t().contiguous(), b.t().contiguous()
     qa, qb = quantizer.quantize(a), quantizer.quantize(b)
+    n = b.shape[1] if columnwise else b.shape[0]
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)).bfloat16() if with_bias else None
     backend = ReferenceBackend()
-    got = backend.gemm(qa, qb, a_columnwise=columnwise, b_columnwise=columnwise, out_dtype=torch.bfloat16)
+    got = backend.gemm(qa, qb, a_columnwise=columnwise, b_columnwise=columnwise, out_dtype=torch.bfloat16,
+                       bias=bias)
     as_float32 = backend.gemm(qa, qb, a_columnwise=columnwise, b_columnwise=columnwise, out_dtype=torch.float32)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, as_float32.bfloat16())
+    want = as_float32 + bias.float() if with_bias else as_float32
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
     a_values = qa.dequantize(torch.float32, columnwise=columnwise)
     b_values = qb.dequantize(torch.float32, columnwise=columnwise)
     if columnwise:

@@ -75,8 +75,11 @@ def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Ten
 def bf16_kernel_rounds(a: Operand, b: Operand, a_columnwise: bool) -> bool:
     """Whether a · bᵀ may run as a bfloat16 GEMM with bfloat16 output: both operands hold bfloat16 values
     (block scales inside them, nothing to apply after the sum) on the CPU, and the GEMM is large enough for
-    `mm_float32` to take oneDNN's bf16 kernel. That kernel then rounds its own float32 sum to bfloat16: the
-    bits of mm_float32's sum cast to bfloat16, with neither float32 operands nor a float32 output written."""
+    `mm_float32` to take oneDNN's bf16 kernel. That kernel then rounds its own float32 sum (plus a bfloat16
+    bias) once to bfloat16, with neither float32 operands nor a float32 output written. Its sum is a float32 sum
+    of the same exact products as mm_float32's; oneDNN may block the sum over k differently for the two output
+    dtypes (seen from k = 2048 on, or from 1024 for some shapes), which moves a few outputs by one bfloat16 ulp,
+    so the bits are those of mm_float32's sum cast to bfloat16 only where both block k alike."""
     if not (holds_bf16_values(a) and holds_bf16_values(b) and _on_cpu(a) and _on_cpu(b)):
         return False
     a_numel, b_numel = math.prod(a.shape), math.prod(b.shape)
@@ -175,10 +178,12 @@ class ReferenceBackend(KernelBackend):
             result = mm_float32(a_values.t() if a_columnwise else a_values,
                                 b_values if b_columnwise else b_values.t(), bf16_values=True)
             scales = (as_float32(b.scale_inv), as_float32(a.scale_inv))
-        elif (self.bf16_output_gemm and out is None and bias is None and out_dtype == torch.bfloat16
-              and bf16_kernel_rounds(a, b, a_columnwise)):
-            return torch.mm(self.gemm_operand(a, a_columnwise, torch.bfloat16),
-                            self.gemm_operand(b, b_columnwise, torch.bfloat16).t())
+        elif (self.bf16_output_gemm and out is None and out_dtype == torch.bfloat16
+              and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_rounds(a, b, a_columnwise)):
+            a_values = self.gemm_operand(a, a_columnwise, torch.bfloat16)
+            b_values = self.gemm_operand(b, b_columnwise, torch.bfloat16).t()
+            # A bfloat16 bias is exact in float32: the kernel adds it to its float32 sum before its one rounding.
+            return torch.mm(a_values, b_values) if bias is None else torch.addmm(bias, a_values, b_values)
         else:
             result = mm_float32(self.gemm_operand(a, a_columnwise), self.gemm_operand(b, b_columnwise).t(),
                                 bf16_values=holds_bf16_values(a) and holds_bf16_values(b))
