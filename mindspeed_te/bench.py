@@ -24,6 +24,7 @@ from mindspeed_te import fused_cast
 from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
 from mindspeed_te.formats import hif8_encode
 from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
+from mindspeed_te.modules.grouped_linear import GroupedLinear
 from mindspeed_te.modules.linear import Linear
 from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
 from mindspeed_te.recipe import (
@@ -249,6 +250,27 @@ def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[Launc
     return forward, backward
 
 
+def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8
+                     ) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of one `GroupedLinear(experts, 256, 256)` forward (weight quantization included) and backward,
+    32 tokens per expert, in the second step, as `linear_launches` measures a Linear (the layer is the second of
+    two, so the per-step amax update and flag fold are counted elsewhere)."""
+    first = Linear(256, 256, params_dtype=dtype)
+    layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=dtype)
+    x = torch.randn(32 * experts, 256, dtype=dtype)
+    for _ in range(2):
+        forward, backward = LaunchCounter(npu), LaunchCounter(npu)
+        with fp8_autocast(fp8_recipe=recipe):
+            h = first(x).detach().requires_grad_()
+            with forward:
+                y = layer(h, [32] * experts)
+        dy = torch.ones_like(y)
+        layer.zero_grad(set_to_none=True)  # gradient accumulation into .grad is not the layer's work
+        with backward:
+            y.backward(dy)
+    return forward, backward
+
+
 def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 2
                     ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of the per-step delayed-scaling update (forward, backward) of `layers` Linear(256, 256), in
@@ -315,6 +337,11 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                     rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
                     rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
     with npu_simulated() as npu:
+        for dtype in (torch.bfloat16, torch.float32):
+            forward, backward = grouped_launches(DelayedScaling(), dtype, npu)
+            detail = f"delayed E4M3 {str(dtype).replace('torch.', '')}, 8 experts"
+            rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
+            rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
         for layers in (2, 32):
             forward, backward = update_launches(DelayedScaling(), layers, npu)
             rows.append(("NPU launches, delayed update per step", float(forward.total), f"{layers} layers, forward"))

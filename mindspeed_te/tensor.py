@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from copy import copy as shallow_copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,6 +35,25 @@ def _as_2d(shape: torch.Size) -> tuple[int, int]:
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t.to(dtype)` without the call when nothing changes (host overhead matters on small GEMMs)."""
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether 2-D `b` is the row block right after 2-D `a` in one contiguous buffer (as `torch.split` along
+    the rows leaves them): the same columns, dtype and storage, both contiguous, b starting where a ends."""
+    return (a.dim() == b.dim() == 2 and a.shape[1] == b.shape[1] and a.dtype == b.dtype and a.device == b.device
+            and a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel())  # (an empty block's data_ptr is 0)
+
+
+def joined_rows(blocks: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The 2-D view spanning `blocks` when each follows the one before (`rows_follow`: the experts' pieces of
+    a grouped linear's input), so that one kernel reads them all without a concatenation; else None."""
+    if not blocks or any(not rows_follow(a, b) for a, b in zip(blocks, blocks[1:])) or blocks[0].dim() != 2:
+        return None
+    first = blocks[0]
+    k = first.shape[1]
+    return first.as_strided((sum(t.shape[0] for t in blocks), k), (k, 1), first.storage_offset())
 
 
 def _nbytes(*tensors: Optional[torch.Tensor]) -> int:

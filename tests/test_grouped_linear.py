@@ -308,3 +308,21 @@ def test_save_original_input_gives_the_same_results(name):
         results.append([y.detach(), xr.grad] + [w.grad for w in grouped.weights])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_joined_rows_spans_only_row_blocks_in_order_of_one_buffer():
+    """`joined_rows` is what lets one kernel read all experts' rows: it must view exactly the split blocks,
+    and refuse anything that a view cannot span (another order, a gap, another buffer, a transposed block)."""
+    from mindspeed_te.tensor import joined_rows
+
+    x = torch.arange(40.0).reshape(10, 4)
+    blocks = list(torch.split(x, [3, 0, 5, 2]))
+    joined = joined_rows(blocks)
+    assert joined is not None and joined.data_ptr() == x.data_ptr() and torch.equal(joined, x)
+    assert torch.equal(joined_rows(blocks[2:]), x[3:])
+    assert joined_rows([blocks[2], blocks[0]]) is None  # out of order
+    assert joined_rows([blocks[0], blocks[3]]) is None  # a gap
+    assert joined_rows([blocks[0], x[3:8].clone()]) is None  # another buffer
+    assert joined_rows([x[:4, :2], x[4:8, :2]]) is None  # column slices: not contiguous
+    assert joined_rows([x.t()[:2], x.t()[2:]]) is None
+    assert joined_rows([]) is None

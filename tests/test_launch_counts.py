@@ -1,5 +1,7 @@
 """Device launches counted the way an NPU runs them: every aten op that is not a view or an allocation, plus
 every torch_npu kernel (the simulator's own torch ops inside a kernel are not launches)."""
+from collections import Counter
+
 import pytest
 import torch
 
@@ -313,20 +315,30 @@ def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_linear_quantizes_all_experts_with_one_set_of_small_ops(dtype):
     """A GroupedLinear forward quantizes every expert's input and weight in one batch: the amaxes (one
-    multi-tensor norm; bfloat16 then one stack and one cast), one history max, one non-finite mark, whatever
-    the number of experts; only the per-tensor npu_quantize grows with them (delayed scaling)."""
+    multi-tensor norm; bfloat16 then one stack and one cast), one history max, one non-finite mark, and the
+    experts' inputs (row blocks of one tensor) in one npu_quantize with a divisor per row, whatever the number
+    of experts; only the weights' npu_quantize grows with them (delayed scaling). The grouped GEMM reads the
+    input codes and writes the output rows in place: no concatenation of either. The backward quantizes every
+    expert's grad_output in one npu_quantize too."""
     from mindspeed_te import GroupedLinear, fp8_autocast
     from mindspeed_te.recipe import DelayedScaling
 
-    def forward_counts(experts: int) -> dict:
+    def counts(experts: int) -> tuple[Counter, Counter]:
         layer = GroupedLinear(experts, 128, 128, bias=False, params_dtype=dtype)
-        x = torch.randn(experts * 32, 128, dtype=dtype)
+        x = torch.randn(experts * 32, 128, dtype=dtype, requires_grad=True)
         for _ in range(2):  # the second step, with real scales
-            with fp8_autocast(fp8_recipe=DelayedScaling()), LaunchCounter(npu) as counter:
-                layer(x, [32] * experts)
-        return counter.counts
+            with fp8_autocast(fp8_recipe=DelayedScaling()), LaunchCounter(npu) as forward:
+                y = layer(x, [32] * experts)
+            layer.zero_grad(set_to_none=True)  # accumulating into .grad is not the layer's work
+            x.grad = None
+            with LaunchCounter(npu) as backward:
+                y.backward(torch.ones_like(y))
+        return forward.counts, backward.counts
 
     with _simulated() as npu:
-        few, many = forward_counts(4), forward_counts(8)
-    assert many - few == {"torch_npu.npu_quantize": 8}, (few, many)
+        (few, few_back), (many, many_back) = counts(4), counts(8)
+    assert many - few == {"torch_npu.npu_quantize": 4}, (few, many)
     assert many["aten._foreach_norm"] == many["aten._foreach_maximum_"] == many["aten._foreach_add"] == 1
+    # the per-row divisors, the per-row scales of the GEMM's x1, the weights' scales: no cat of codes or outputs
+    assert many["aten.cat"] == 3, many
+    assert many_back["torch_npu.npu_quantize"] == 1 and many_back - few_back == {}, (few_back, many_back)

@@ -250,6 +250,9 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
         assert sim.launch_counts["npu_grouped_matmul"] == 3  # fprop, dgrad, wgrad: one call each
     else:
         assert sim.launch_counts["npu_quant_matmul"] == 6  # MX: no grouped kernel form; one GEMM per expert
+    if name.startswith("delayed"):
+        # the two experts' inputs, and their grad_outputs, each in one call; the weights one by one
+        assert sim.launch_counts["npu_quantize"] == 4
 
 
 def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):

@@ -91,3 +91,50 @@ def test_bfloat16_output_is_the_float32_sum_rounded_once(quantizer, columnwise, 
     if columnwise:
         a_values, b_values = a_values.t(), b_values.t()
     _check_float32_sum(as_float32, a_values, b_values)
+
+
+def test_read_twice_decodes_a_per_tensor_operand_once_with_the_same_results(monkeypatch):
+    """Within `read_twice(dy)` the dgrad and the wgrad share dy's decoded codes (both layouts are views of
+    them): one decode instead of two, the same bits, and nothing kept after the block."""
+    from mindspeed_te.kernels import reference
+
+    g = torch.Generator().manual_seed(5)
+    dy, w, x = (torch.randn(*shape, generator=g) for shape in ((64, 48), (48, 32), (64, 32)))
+    q = Float8CurrentScalingQuantizer(FP8Dtype.E4M3, 448.0)
+    qdy, qw, qx = q.quantize(dy), q.quantize(w), q.quantize(x)
+    backend = ReferenceBackend()
+
+    def backward() -> tuple[torch.Tensor, torch.Tensor]:
+        dx = backend.gemm(qdy, qw, b_columnwise=True)
+        dw = backend.gemm(qdy, qx, a_columnwise=True, b_columnwise=True)
+        return dx, dw
+
+    want = backward()
+    decoded = []
+    real = reference.cast_from_fp8
+    monkeypatch.setattr(reference, "cast_from_fp8", lambda data, fmt: decoded.append(data) or real(data, fmt))
+    with backend.read_twice(qdy):
+        got = backward()
+    assert sum(d is qdy.data for d in decoded) == 1 and len(decoded) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not backend._kept_decodes
+    decoded.clear()
+    backward()
+    assert sum(d is qdy.data for d in decoded) == 2
+
+
+def test_linear_backward_decodes_grad_output_once(monkeypatch):
+    """A per-tensor FP8 linear on the reference backend decodes x and w in the forward, then grad_output once
+    for both backward GEMMs, w and x: five decodes, not six."""
+    from mindspeed_te import Float8CurrentScaling, Linear, fp8_autocast
+    from mindspeed_te.kernels import reference
+
+    layer = Linear(32, 48)
+    x = torch.randn(64, 32, requires_grad=True)
+    calls = []
+    real = reference.cast_from_fp8
+    monkeypatch.setattr(reference, "cast_from_fp8", lambda data, fmt: calls.append(data.shape) or real(data, fmt))
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        y = layer(x)
+    y.backward(torch.randn_like(y))
+    assert calls == [(64, 32), (48, 32), (64, 48), (48, 32), (64, 32)]

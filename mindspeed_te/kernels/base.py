@@ -7,6 +7,7 @@ do beyond the common core is asked through `capabilities`, never through its nam
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -55,6 +56,11 @@ class KernelBackend(ABC):
         """`quantize` of several tensors at once (a linear's input and weight): a backend may batch their
         small per-tensor ops into multi-tensor launches."""
         return [self.quantize(q, x) for q, x in zip(quantizers, tensors)]
+
+    def read_twice(self, t: Operand) -> AbstractContextManager:
+        """A block in which several GEMMs read operand `t` (a backward's dgrad and wgrad both read grad_output):
+        a backend may keep what it derives from `t` for all of them, and drops it when the block ends."""
+        return nullcontext()
 
     def gemm_bias(self, bias: torch.Tensor, weight: Operand) -> torch.Tensor:
         """The bias in the form this backend's quantized `gemm` with `weight` takes, made once so that a caller

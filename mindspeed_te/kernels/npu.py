@@ -61,6 +61,8 @@ from mindspeed_te.tensor import (
     MXFP8TensorStorage,
     QuantizedTensorStorage,
     _TiledTensor,
+    joined_rows,
+    rows_follow,
 )
 
 _HIF8_DST_MAX = (15.0, 56.0, 224.0, 32768.0)
@@ -112,6 +114,13 @@ def _tiled_data(t: _TiledTensor, columnwise: bool) -> torch.Tensor:
     return t.columnwise_data if columnwise else t.rowwise_data.reshape(-1, t.shape[-1])
 
 
+def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The groups' row blocks as one (rows, k) tensor: a view when they lie in order in one buffer (codes that
+    one npu_quantize made for all experts), else their concatenation."""
+    joined = joined_rows(blocks)
+    return joined if joined is not None else torch.cat(blocks)
+
+
 def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(data (rows, k), E8M0 scales in the layout npu_quant_matmul wants) of an MXFP8 operand form, None when
     k is not a multiple of 64 (the scales travel in pairs along k): as x1 (rows, k/64, 2); as x2, which the
@@ -158,6 +167,7 @@ class NpuBackend(ReferenceBackend):
     bf16_output_gemm = False  # the dequantize fallback runs as the device would run it
 
     def __init__(self, torch_npu: Any) -> None:
+        super().__init__()
         self.npu = torch_npu
         device_name = torch_npu.npu.get_device_name()
         self.device_name = device_name
@@ -255,14 +265,41 @@ class NpuBackend(ReferenceBackend):
                 outs[i] = out if out is not None else q.quantize(x)
         return list(record_nonfinite_many(quantizers, outs))
 
-    def _npu_quantize(self, q: Quantizer, x: torch.Tensor, x2d: torch.Tensor, divisor: torch.Tensor,
-                      scale_inv: torch.Tensor) -> Float8TensorStorage:
-        """codes = npu_quantize(x, divisor) (x / divisor, saturated), stored with `scale_inv`."""
+    def _npu_quantize(self, q: Quantizer, x2d: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+        """The codes of npu_quantize(x2d, divisor) (x / divisor, saturated): one divisor, or one per row."""
         src = x2d if x2d.dtype == divisor.dtype else x2d.float()  # float16/float64: divide in float32
-        y = self.npu.npu_quantize(src, divisor, None, self._npu_dtype(q.fp8_dtype), -1, True)
-        if q.fp8_dtype is FP8Dtype.HIF8:
-            y = y.view(torch.uint8)
-        return Float8TensorStorage(q.fp8_dtype, x.shape, x.dtype, data=y.reshape(x.shape), scale_inv=scale_inv)
+        y = self.npu.npu_quantize(src, divisor, None, self._npu_dtype(q.fp8_dtype), 0 if divisor.numel() > 1 else -1,
+                                  True)
+        return y.view(torch.uint8) if q.fp8_dtype is FP8Dtype.HIF8 else y
+
+    def _npu_quantize_all(self, qs: Sequence[Quantizer], xs: Sequence[torch.Tensor], x2ds: Sequence[torch.Tensor],
+                          divisors: Sequence[torch.Tensor], scale_invs: Sequence[torch.Tensor]
+                          ) -> list[Float8TensorStorage]:
+        """Each tensor's codes (`_npu_quantize`), stored with its `scale_inv`. Consecutive tensors that are row
+        blocks of one buffer (`rows_follow`: a grouped linear's experts) with one format and divisor dtype take
+        one npu_quantize with a divisor per row (their divisors expanded over their rows in one concatenation):
+        two launches for all the experts instead of one each."""
+        outs: list[Float8TensorStorage] = []
+        start = 0
+        for stop in range(1, len(qs) + 1):
+            if (stop < len(qs) and rows_follow(x2ds[stop - 1], x2ds[stop])
+                    and qs[stop].fp8_dtype is qs[start].fp8_dtype and divisors[stop].dtype == divisors[start].dtype):
+                continue
+            run = range(start, stop)
+            if len(run) == 1:
+                codes = self._npu_quantize(qs[start], x2ds[start], divisors[start])
+            else:
+                per_row = torch.cat([divisors[i].reshape(1).expand(x2ds[i].shape[0]) for i in run])
+                codes = self._npu_quantize(qs[start], joined_rows([x2ds[i] for i in run]), per_row)
+            row = 0
+            for i in run:
+                rows = x2ds[i].shape[0]
+                outs.append(Float8TensorStorage(qs[i].fp8_dtype, xs[i].shape, xs[i].dtype,
+                                                data=codes[row: row + rows].reshape(xs[i].shape),
+                                                scale_inv=scale_invs[i]))
+                row += rows
+            start = stop
+        return outs
 
     def _quantize_current(self, qs: Sequence[Float8CurrentScalingQuantizer], xs: Sequence[torch.Tensor],
                           x2ds: Sequence[torch.Tensor]) -> Optional[list[Float8TensorStorage]]:
@@ -293,8 +330,8 @@ class NpuBackend(ReferenceBackend):
             zero = torch.eq(amax, 0, out=torch.empty_like(amax))
             scale_inv = torch.addcdiv(zero, amax, self._constant(q0.target_max, amax.device))
             scale_inv.clamp_(min=1.0 / FLT_MAX)
-            outs = [self._npu_quantize(q, x, x2d, scale_inv[i : i + 1], scale_inv[i : i + 1])
-                    for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds))]
+            per_tensor = [scale_inv[i : i + 1] for i in range(len(qs))]
+            outs = self._npu_quantize_all(qs, xs, x2ds, per_tensor, per_tensor)
         else:
             return None
         return list(record_nonfinite_many(qs, outs))
@@ -309,8 +346,7 @@ class NpuBackend(ReferenceBackend):
         torch._foreach_maximum_([q.amax for q in qs], amaxes)
         divisors = [q.divisor(x.dtype) for q, x in zip(qs, xs)]
         scale_invs = torch._foreach_add([exact for _, exact in divisors], amaxes, alpha=0.0)
-        return [self._npu_quantize(q, x, x2d, div, scale_inv)
-                for q, x, x2d, (div, _), scale_inv in zip(qs, xs, x2ds, divisors, scale_invs)]
+        return self._npu_quantize_all(qs, xs, x2ds, [div for div, _ in divisors], scale_invs)
 
     @staticmethod
     def _amaxes(x2ds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -624,16 +660,16 @@ class NpuBackend(ReferenceBackend):
             sizes = [r.shape[0] for r in rows]
             per_token = torch.cat([t.scale_inv.reshape(1).expand(m) for t, m in zip(a, sizes)])
             (y,) = self.npu.npu_grouped_matmul(
-                [torch.cat(rows)], [b_codes], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
+                [_rows_of(rows)], [b_codes], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
                 per_token_scale=[per_token], group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=0, output_dtype=mm_dtype, **hif8)
             results = list(torch.split(y, sizes))
         else:
             # K-split: x = the concatenated (tokens, N) codes transposed, weight the (tokens, K) codes.
             sizes = [r.shape[0] for r in rows]
-            x_rows = torch.cat([t.data.reshape(-1, t.shape[-1]) for t in b])
+            x_rows = _rows_of([t.data.reshape(-1, t.shape[-1]) for t in b])
             (y,) = self.npu.npu_grouped_matmul(
-                [torch.cat(rows).t()], [x_rows], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
+                [_rows_of(rows).t()], [x_rows], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
                 per_token_scale=[torch.cat([t.scale_inv.reshape(1) for t in a])],
                 group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=2, output_dtype=mm_dtype, **hif8)

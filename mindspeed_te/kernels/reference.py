@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -31,12 +32,6 @@ def operand_2d(t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32)
     return values.t() if columnwise else values
 
 
-def _decoded_2d(t: Float8TensorStorage, columnwise: bool) -> torch.Tensor:
-    """The float32 codes (unscaled) of a per-tensor operand's data flattened to 2-D, (M, K); its
-    columnwise form is the transpose of this (checked here, taken by the caller)."""
-    t._require(columnwise)
-    values = cast_from_fp8(t.data, t.fp8_dtype)
-    return values if values.dim() == 2 else values.reshape(-1, values.shape[-1])
 
 
 def holds_bf16_values(t: Operand) -> bool:
@@ -134,6 +129,10 @@ class ReferenceBackend(KernelBackend):
     # A device backend that falls back to this gemm keeps the op sequence its launch counts describe.
     bf16_output_gemm = True
 
+    def __init__(self) -> None:
+        # id of an operand in a `read_twice` block -> its decoded codes once made (None until then)
+        self._kept_decodes: dict[int, Optional[torch.Tensor]] = {}
+
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         return record_nonfinite(quantizer, quantizer.quantize(x))
 
@@ -150,6 +149,33 @@ class ReferenceBackend(KernelBackend):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                                scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s_q, b, h * v.shape[-1])
+
+    @contextmanager
+    def read_twice(self, t: Operand) -> Iterator[None]:
+        """A per-tensor operand's codes are decoded once in the block: both of its layouts are views of the same
+        codes (`_decoded_2d`)."""
+        if not isinstance(t, Float8TensorStorage):
+            yield
+            return
+        self._kept_decodes[id(t)] = None
+        try:
+            yield
+        finally:
+            del self._kept_decodes[id(t)]
+
+    def _decoded_2d(self, t: Float8TensorStorage, columnwise: bool) -> torch.Tensor:
+        """The float32 codes (unscaled) of a per-tensor operand's data flattened to 2-D, (M, K); its
+        columnwise form is the transpose of this (checked here, taken by the caller). Within `read_twice(t)`
+        the first decode serves the block."""
+        t._require(columnwise)
+        kept = self._kept_decodes.get(id(t))
+        if kept is not None:
+            return kept
+        values = cast_from_fp8(t.data, t.fp8_dtype)
+        values = values if values.dim() == 2 else values.reshape(-1, values.shape[-1])
+        if id(t) in self._kept_decodes:
+            self._kept_decodes[id(t)] = values
+        return values
 
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x², trailing gamma dims) + eps) · gamma in float32 (float64 stays), x's dtype out."""
@@ -174,7 +200,7 @@ class ReferenceBackend(KernelBackend):
         if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
-            a_values, b_values = _decoded_2d(a, a_columnwise), _decoded_2d(b, b_columnwise)
+            a_values, b_values = self._decoded_2d(a, a_columnwise), self._decoded_2d(b, b_columnwise)
             result = mm_float32(a_values.t() if a_columnwise else a_values,
                                 b_values if b_columnwise else b_values.t(), bf16_values=True)
             scales = (as_float32(b.scale_inv), as_float32(a.scale_inv))

@@ -26,7 +26,7 @@ from mindspeed_te.ops.linear import (
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
 from mindspeed_te.state import FP8GlobalStateManager
-from mindspeed_te.tensor import QuantizedTensorStorage
+from mindspeed_te.tensor import QuantizedTensorStorage, joined_rows
 
 __all__ = ["check_m_splits", "grouped_linear"]
 
@@ -43,10 +43,12 @@ def check_m_splits(inp: torch.Tensor, m_splits: Sequence[int], num_gemms: int) -
 
 
 def _concat_rows(pieces: list[torch.Tensor], cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The experts' row blocks stacked back in order (experts without rows contribute none)."""
+    """The experts' row blocks stacked back in order (experts without rows contribute none): a view when the
+    grouped GEMM wrote them in order into one buffer, else a concatenation."""
     if not pieces:
         return like.new_zeros(0, cols, dtype=dtype)
-    return torch.cat(pieces).to(dtype)
+    joined = joined_rows(pieces)
+    return (joined if joined is not None else torch.cat(pieces)).to(dtype)
 
 
 @dataclass

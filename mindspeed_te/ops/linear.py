@@ -9,6 +9,7 @@ wgrad stays in high precision, which needs the real input).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -176,10 +177,11 @@ class _Linear(torch.autograd.Function):
             observe = FP8GlobalStateManager.get_operand_observer()
             if qdy is not None and observe is not None:
                 observe(weight, "grad_output", dy, qdy)
-            if need_dx:
-                dx = backend.gemm(qdy, saved_w, b_columnwise=True, out_dtype=ctx.input_dtype)
-            if need_dw:
-                dw = _wgrad_now_or_later(args, weight, qdy if fp8_wgrad else dy, saved_x, backend)
+            with backend.read_twice(qdy) if need_dx and fp8_wgrad else nullcontext():
+                if need_dx:
+                    dx = backend.gemm(qdy, saved_w, b_columnwise=True, out_dtype=ctx.input_dtype)
+                if need_dw:
+                    dw = _wgrad_now_or_later(args, weight, qdy if fp8_wgrad else dy, saved_x, backend)
             if args.reduce_amax_in_backward:
                 # This is the first FP8 module of the step, so its backward is the last one to run.
                 FP8GlobalStateManager.reduce_backward_amaxes(ctx)
