@@ -1,6 +1,7 @@
 """The fused C quantize kernels against the oracles (ml_dtypes / en_dtypes) and against the torch-op path."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -433,6 +434,33 @@ def test_dequantize_tiles_equals_decode_times_expanded_scales(fmt, shape, rows, 
         np.testing.assert_array_equal(got.view(torch.int16).numpy()[~nan], rounded.view(np.int16)[~nan])
         return
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", list(FP8Dtype))
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_bfloat16_dequantize_at_the_edges_of_exact_power_of_2_scales(fmt, e8m0, simd):
+    """bfloat16 output of power-of-2 tile scales: where every product is a normal number the AVX-512 path adds
+    the scale's exponent to each value's bits instead of multiplying; at the shifts that take the format's
+    smallest value below float32's normal range or its largest above its finite range (and one inside each
+    edge) it must still give ml_dtypes' rounding of the float32 product. Every code in every tile."""
+    finite = [v for v in formats.decode_table(fmt, torch.device("cpu")).tolist() if v != 0 and math.isfinite(v)]
+    low, high = min(math.frexp(abs(v))[1] for v in finite) - 1, max(math.frexp(abs(v))[1] for v in finite) - 1
+    shifts = [-126 - low - 1, -126 - low, 127 - high, 127 - high + 1, 0, -127]  # -127: E8M0's byte 0, 2^-127
+    codes = torch.arange(256, dtype=torch.uint8).repeat(2 * len(shifts), 1)  # rows of all 256 codes
+    if e8m0:
+        stored = torch.tensor([[d + 127 if d + 127 in range(255) else 0] * 8 for d in shifts for _ in range(2)],
+                              dtype=torch.uint8)
+        scales = torch.from_numpy(stored.numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
+    else:
+        scales = stored = torch.tensor([[2.0**d] * 8 for d in shifts for _ in range(2)], dtype=torch.float32)
+    got = fused_cast.dequantize_tiles(codes, formats.decode_table(fmt, torch.device("cpu")), stored, 1, 32,
+                                      torch.bfloat16)
+    decoded = torch.from_numpy(codes.numpy().view(NP_DTYPES[FORMATS[fmt.value]]).astype(np.float32))
+    want = (decoded * scales.repeat_interleave(32, 1)).numpy().astype(ml_dtypes.bfloat16)
+    nan = np.isnan(want)
+    assert np.array_equal(torch.isnan(got).numpy(), nan)
+    np.testing.assert_array_equal(got.view(torch.int16).numpy()[~nan], want.view(np.int16)[~nan])
+    assert (got.view(torch.int16)[torch.isnan(got)] == 0x7FC0).all()  # NaN as torch's cast writes it
 
 
 def test_dequantize_tiles_of_no_rows_is_empty():

@@ -283,6 +283,19 @@ AVX512 static inline __m256i bf16_bits16(__m512 y) {
 }
 #endif
 
+/* The powers of two 2^d, d in [lo, hi], that take every nonzero finite value of a table to a normal number:
+ * multiplying by one is then exact (decode64_bf16_pow2 adds d to the exponent field). lo > hi when a value is
+ * subnormal (no exponent field to add to). */
+typedef struct { int lo, hi; } Pow2Range;
+
+/* d when s = 2^d with d in r (a positive normal power of two), else 0 through *ok. */
+static inline int pow2_shift(float s, Pow2Range r, int *ok) {
+    const uint32_t u = bits_of(s);
+    const int e = (int)(u >> 23), d = e - 127;
+    *ok = (u & 0x807FFFFFu) == 0 && e != 0 && e != 0xFF && d >= r.lo && d <= r.hi;
+    return *ok ? d : 0;
+}
+
 /* Fills p from values; 0 when some value is not a bfloat16 value (then the gather decodes). */
 static int bf16_planes(const float *values, Bf16Planes *p) {
     for (int i = 0; i < 256; ++i) {
@@ -294,21 +307,40 @@ static int bf16_planes(const float *values, Bf16Planes *p) {
     return 1;
 }
 
+static Pow2Range pow2_range(const Bf16Planes *p) {
+    int emin = 0xFE, emax = 1;
+    for (int i = 0; i < 256; ++i) {
+        const int word = p->lo[i] | (p->hi[i] << 8), e = (word >> 7) & 0xFF;
+        if ((word & 0x7FFF) == 0 || e == 0xFF) continue; /* zeros, Infs and NaNs keep their words */
+        if (e == 0) return (Pow2Range){1, 0};
+        emin = e < emin ? e : emin;
+        emax = e > emax ? e : emax;
+    }
+    return (Pow2Range){1 - emin, 0xFE - emax};
+}
+
 #if defined(__x86_64__)
 /* Decoding 64 codes at a time with byte permutes instead of gathers: each of the two byte planes is looked up
  * with two 128-entry VPERMI2B (the code's top bit picks the half), the planes are interleaved into bfloat16
  * words and the words widened to float32 by placing them in the top half of each lane. The unpacks
  * interleave within 128-bit lanes, so the codes are first permuted into the order that makes the 4 float32
  * vectors come out consecutive. VbmiTable holds the registers: that permutation and the planes' quarters. */
-typedef struct { __m512i order, lo[4], hi[4]; } VbmiTable;
+typedef struct { __m512i order, word_order, lo[4], hi[4]; } VbmiTable;
 
 AVX512 static inline VbmiTable vbmi_table(const Bf16Planes *p) {
-    uint8_t order[64];
+    uint8_t order[64], word_order[64];
     for (int lane = 0; lane < 4; ++lane)
         for (int g = 0; g < 4; ++g)
             for (int b = 0; b < 4; ++b) order[lane * 16 + g * 4 + b] = (uint8_t)(g * 16 + lane * 4 + b);
+    /* For decode64_bf16_pow2: the byte unpacks of lane L then give the words of codes 8L.. and 32 + 8L.. */
+    for (int lane = 0; lane < 4; ++lane)
+        for (int b = 0; b < 8; ++b) {
+            word_order[lane * 16 + b] = (uint8_t)(8 * lane + b);
+            word_order[lane * 16 + 8 + b] = (uint8_t)(32 + 8 * lane + b);
+        }
     VbmiTable t;
     t.order = _mm512_loadu_si512(order);
+    t.word_order = _mm512_loadu_si512(word_order);
     for (int q = 0; q < 4; ++q) {
         t.lo[q] = _mm512_loadu_si512(p->lo + 64 * q);
         t.hi[q] = _mm512_loadu_si512(p->hi + 64 * q);
@@ -334,6 +366,30 @@ AVX512 static inline __attribute__((always_inline)) void decode64_vbmi(const Vbm
     for (int g = 0; g < 4; ++g) {
         if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + 16 * g), bf16_bits16(v[g]));
         else _mm512_storeu_ps((float *)out + 16 * g, v[g]);
+    }
+}
+
+/* The bfloat16 words of out[0..64) = values[in[0..64)] * 2^d[g] for the 16 codes from 16 g on, where every
+ * product is a normal bfloat16 number or a zero, Inf or NaN of the table (the caller's check, `Pow2Range`):
+ * the product is then exact, so adding d to the exponent field gives the bits bf16_bits gives the float32
+ * product, without the float32 detour. `inc[0]` holds d[0] << 7 in words 0-15 and d[1] << 7 in words 16-31,
+ * `inc[1]` d[2] and d[3] likewise. Zeros and Infs keep their words, NaNs become 0x7FC0 (as bf16_bits). */
+AVX512 static inline __attribute__((always_inline)) void decode64_bf16_pow2(const VbmiTable *t, const uint8_t *in,
+                                                                            uint16_t *out, const __m512i inc[2]) {
+    const __m512i c = _mm512_permutexvar_epi8(t->word_order, _mm512_loadu_si512(in));
+    const __mmask64 top = _mm512_movepi8_mask(c);
+    const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], c, t->lo[1]),
+                                              _mm512_permutex2var_epi8(t->lo[2], c, t->lo[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], c, t->hi[1]),
+                                              _mm512_permutex2var_epi8(t->hi[2], c, t->hi[3]));
+    const __m512i words[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+    const __m512i magnitude_mask = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
+    for (int h = 0; h < 2; ++h) {
+        const __m512i mag = _mm512_and_si512(words[h], magnitude_mask);
+        const __mmask32 keep = _mm512_cmpeq_epi16_mask(mag, _mm512_setzero_si512()) | _mm512_cmpeq_epi16_mask(mag, inf);
+        __m512i r = _mm512_mask_mov_epi16(_mm512_add_epi16(words[h], inc[h]), keep, words[h]);
+        r = _mm512_mask_mov_epi16(r, _mm512_cmpgt_epu16_mask(mag, inf), _mm512_set1_epi16(0x7FC0));
+        _mm512_storeu_si512(out + 32 * h, r);
     }
 }
 
@@ -1440,6 +1496,7 @@ typedef struct {
     int64_t k, scale_cols, rows, cols, row_begin, row_end;
     int e8m0, bf16;
     const Bf16Planes *planes; /* values as byte planes, or NULL (see decode_vbmi) */
+    Pow2Range shifts;         /* the tile scales decode64_bf16_pow2 may apply (pow2_range of planes) */
 } DequantJob;
 
 /* The float32 value 2^(b - 127) of an E8M0 byte (b = 0 gives the subnormal 2^-127, 0xFF NaN), as torch's
@@ -1493,7 +1550,8 @@ __attribute__((target("avx2"))) static void dequant_rows_avx2(const DequantJob *
 
 /* dequant_rows through decode64_vbmi, for tiles whose width is a multiple of 16: each 16 codes of a 64-code
  * step lie in one tile and are multiplied by its scale (the tile is counted along, not divided for: an integer
- * division per 16 codes cost more than the decode). A row's last codes (fewer than 64) go one at a time. */
+ * division per 16 codes cost more than the decode). A bfloat16 step whose tiles all have scales that
+ * decode64_bf16_pow2 can apply takes that path. A row's last codes (fewer than 64) go one at a time. */
 AVX512 static inline __attribute__((always_inline)) void dequant_rows_vbmi(const DequantJob *j, const int bf16) {
     const VbmiTable t = vbmi_table(j->planes);
     const int64_t k = j->k, cols = j->cols, elem = bf16 ? 2 : 4;
@@ -1502,17 +1560,33 @@ AVX512 static inline __attribute__((always_inline)) void dequant_rows_vbmi(const
         const int64_t first = (r / j->rows) * j->scale_cols;
         char *out = (char *)j->out + r * k * elem;
         int64_t c0 = 0, tile = 0, left = cols; /* the tile of the next 16 codes, and its codes still to come */
-        __m512 scale = _mm512_set1_ps(tile_scale(j, first));
+        float scale_f = tile_scale(j, first);
+        __m512 scale = _mm512_set1_ps(scale_f);
+        int pow2, shift = pow2_shift(scale_f, j->shifts, &pow2); /* bfloat16: the scale as an exponent shift */
         for (; c0 + 64 <= k; c0 += 64) {
             __m512 s[4];
+            int shifts[4], fast = bf16;
             for (int g = 0; g < 4; ++g) {
                 s[g] = scale;
+                shifts[g] = shift;
+                fast &= pow2;
                 if ((left -= 16) == 0 && ++tile * cols < k) {
                     left = cols;
-                    scale = _mm512_set1_ps(tile_scale(j, first + tile));
+                    scale_f = tile_scale(j, first + tile);
+                    scale = _mm512_set1_ps(scale_f);
+                    shift = pow2_shift(scale_f, j->shifts, &pow2);
                 }
             }
-            decode64_vbmi(&t, in + c0, out + c0 * elem, s, bf16);
+            if (fast) {
+                const __m512i inc[2] = {
+                    _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(shifts[0] << 7)),
+                                            _mm512_set1_epi16((short)(shifts[1] << 7))),
+                    _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(shifts[2] << 7)),
+                                            _mm512_set1_epi16((short)(shifts[3] << 7)))};
+                decode64_bf16_pow2(&t, in + c0, (uint16_t *)out + c0, inc);
+            } else {
+                decode64_vbmi(&t, in + c0, out + c0 * elem, s, bf16);
+            }
         }
         for (int64_t c1; c0 < k; c0 = c1) {
             c1 = (c0 / cols + 1) * cols < k ? (c0 / cols + 1) * cols : k;
@@ -1560,12 +1634,13 @@ static PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     DequantJob jobs[MAX_THREADS];
     Bf16Planes planes;
     const Bf16Planes *have_planes = bf16_planes((const float *)values, &planes) ? &planes : NULL;
+    const Pow2Range shifts = have_planes ? pow2_range(have_planes) : (Pow2Range){1, 0};
     Py_BEGIN_ALLOW_THREADS
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const void *)scales, (void *)out,
                                k, scale_cols, rows, cols, i * step < m ? i * step : m,
-                               (i + 1) * step < m ? (i + 1) * step : m, e8m0, bf16 != 0, have_planes};
+                               (i + 1) * step < m ? (i + 1) * step : m, e8m0, bf16 != 0, have_planes, shifts};
     }
     run_jobs(run_dequant, jobs, sizeof(DequantJob), t);
     Py_END_ALLOW_THREADS
