@@ -348,17 +348,27 @@ AVX512 static inline VbmiTable vbmi_table(const Bf16Planes *p) {
     return t;
 }
 
-/* out[0..64) = values[in[0..64)], the 16 values from out + 16 g on multiplied by s[g]; as float32, or as
- * bfloat16 (bf16_bits of the float32 product) when bf16. */
-AVX512 static inline __attribute__((always_inline)) void decode64_vbmi(const VbmiTable *t, const uint8_t *in,
-                                                                        void *out, const __m512 s[4], const int bf16) {
-    const __m512i c = _mm512_permutexvar_epi8(t->order, _mm512_loadu_si512(in));
+/* The bfloat16 words of the 64 codes at `in`, permuted by `order` first, as two vectors of 32: the planes'
+ * bytes looked up and interleaved within 128-bit lanes. */
+AVX512 static inline __attribute__((always_inline)) void plane_words(const VbmiTable *t, __m512i order,
+                                                                      const uint8_t *in, __m512i words[2]) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(in));
     const __mmask64 top = _mm512_movepi8_mask(c);
     const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], c, t->lo[1]),
                                               _mm512_permutex2var_epi8(t->lo[2], c, t->lo[3]));
     const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], c, t->hi[1]),
                                               _mm512_permutex2var_epi8(t->hi[2], c, t->hi[3]));
-    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi), zero = _mm512_setzero_si512();
+    words[0] = _mm512_unpacklo_epi8(lo, hi);
+    words[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* out[0..64) = values[in[0..64)], the 16 values from out + 16 g on multiplied by s[g]; as float32, or as
+ * bfloat16 (bf16_bits of the float32 product) when bf16. */
+AVX512 static inline __attribute__((always_inline)) void decode64_vbmi(const VbmiTable *t, const uint8_t *in,
+                                                                        void *out, const __m512 s[4], const int bf16) {
+    __m512i w[2];
+    plane_words(t, t->order, in, w);
+    const __m512i w0 = w[0], w1 = w[1], zero = _mm512_setzero_si512();
     const __m512 v[4] = {_mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w0)), s[0]),
                          _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, w0)), s[1]),
                          _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, w1)), s[2]),
@@ -376,13 +386,8 @@ AVX512 static inline __attribute__((always_inline)) void decode64_vbmi(const Vbm
  * `inc[1]` d[2] and d[3] likewise. Zeros and Infs keep their words, NaNs become 0x7FC0 (as bf16_bits). */
 AVX512 static inline __attribute__((always_inline)) void decode64_bf16_pow2(const VbmiTable *t, const uint8_t *in,
                                                                             uint16_t *out, const __m512i inc[2]) {
-    const __m512i c = _mm512_permutexvar_epi8(t->word_order, _mm512_loadu_si512(in));
-    const __mmask64 top = _mm512_movepi8_mask(c);
-    const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->lo[0], c, t->lo[1]),
-                                              _mm512_permutex2var_epi8(t->lo[2], c, t->lo[3]));
-    const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(t->hi[0], c, t->hi[1]),
-                                              _mm512_permutex2var_epi8(t->hi[2], c, t->hi[3]));
-    const __m512i words[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+    __m512i words[2];
+    plane_words(t, t->word_order, in, words);
     const __m512i magnitude_mask = _mm512_set1_epi16(0x7FFF), inf = _mm512_set1_epi16(0x7F80);
     for (int h = 0; h < 2; ++h) {
         const __m512i mag = _mm512_and_si512(words[h], magnitude_mask);
