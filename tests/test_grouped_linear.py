@@ -315,7 +315,7 @@ def test_joined_rows_spans_only_row_blocks_in_order_of_one_buffer():
     and refuse anything that a view cannot span (another order, a gap, another buffer, a transposed block)."""
     from mindspeed_te.tensor import joined_rows
 
-    x = torch.arange(40.0).reshape(10, 4)
+    x = torch.arange(40.0).reshape(10, 4).clone()  # a base of its own, as a GEMM output
     blocks = list(torch.split(x, [3, 0, 5, 2]))
     joined = joined_rows(blocks)
     assert joined is not None and joined.data_ptr() == x.data_ptr() and torch.equal(joined, x)
@@ -325,4 +325,23 @@ def test_joined_rows_spans_only_row_blocks_in_order_of_one_buffer():
     assert joined_rows([blocks[0], x[3:8].clone()]) is None  # another buffer
     assert joined_rows([x[:4, :2], x[4:8, :2]]) is None  # column slices: not contiguous
     assert joined_rows([x.t()[:2], x.t()[2:]]) is None
+    assert joined_rows([x.t()]) is None and joined_rows([x[:, :2]]) is None  # a lone block is checked too
     assert joined_rows([]) is None
+    assert joined_rows(blocks) is x and joined_rows([x]) is x  # the base itself, not a view of it
+    assert joined_rows(blocks[2:])._base is x  # a part of the base: a view
+
+
+@pytest.mark.parametrize("splits, fp8", [([64], False), ([0, 64], True), ([5, 37, 22], True)])
+def test_grouped_linear_output_can_be_modified_in_place(splits, fp8):
+    """Megatron scales the experts' output by the router's probabilities, possibly in place: the output must not
+    be a view made inside the autograd function (which autograd refuses to modify in place), whether the
+    experts' rows come back as one GEMM output (one expert here) or from several."""
+    from mindspeed_te import fp8_autocast
+
+    layer = GroupedLinear(len(splits), 64, 32, bias=False)
+    x = torch.randn(sum(splits), 64, requires_grad=True)
+    with fp8_autocast(enabled=fp8, fp8_recipe=DelayedScaling()):
+        y = layer(x, splits)
+    y.mul_(0.5)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

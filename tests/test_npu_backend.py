@@ -255,6 +255,37 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
         assert sim.launch_counts["npu_quantize"] == 4
 
 
+@pytest.mark.parametrize("splits", [[48], [0, 48], [16, 32]])
+def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypatch, use_backend):
+    """A transposed input, quantized by torch ops that keep its strides (current scaling with power-of-2
+    scales), gives the codes of a contiguous one: the grouped GEMM must read a lone expert's codes in their
+    real layout, and the output must stay modifiable in place."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.modules import GroupedLinear
+    from mindspeed_te.recipe import Float8CurrentScaling, QParams
+
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    pow2 = QParams(power_2_scale=True)
+    recipe = Float8CurrentScaling(fp8_quant_fwd_inp=pow2, fp8_quant_fwd_weight=pow2, fp8_quant_bwd_grad=pow2)
+
+    def run(contiguous: bool):
+        torch.manual_seed(0)
+        layer = GroupedLinear(len(splits), 64, 32, bias=False)
+        base = torch.randn(64, sum(splits))
+        x = (base.t().contiguous() if contiguous else base.t()).requires_grad_()
+        with fp8_autocast(fp8_recipe=recipe):
+            y = layer(x, splits)
+        y.mul_(1.0)
+        y.backward(torch.ones_like(y))
+        return [y.detach(), x.grad] + [w.grad for w in layer.weights if w.grad is not None]
+
+    for got, want in zip(run(False), run(True)):
+        assert torch.equal(got, want)
+    assert sim.launch_counts["npu_grouped_matmul"] == 6  # fprop, dgrad, wgrad of each of the two runs
+
+
 def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):
     """query [s_q, 2, 4, 16] and key/value with `groups` heads (value head dim d_v), needing gradients."""
     g = torch.Generator().manual_seed(0)

@@ -43,12 +43,13 @@ def check_m_splits(inp: torch.Tensor, m_splits: Sequence[int], num_gemms: int) -
 
 
 def _concat_rows(pieces: list[torch.Tensor], cols: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The experts' row blocks stacked back in order (experts without rows contribute none): a view when the
-    grouped GEMM wrote them in order into one buffer, else a concatenation."""
+    """The experts' row blocks stacked back in order (experts without rows contribute none): the grouped GEMM's
+    own output when the blocks tile it in order, else a concatenation. Never a view: an autograd function's
+    output that is a view made inside it cannot be modified in place (a router's scaling, a residual add)."""
     if not pieces:
         return like.new_zeros(0, cols, dtype=dtype)
     joined = joined_rows(pieces)
-    return (joined if joined is not None else torch.cat(pieces)).to(dtype)
+    return (joined if joined is not None and joined._base is None else torch.cat(pieces)).to(dtype)
 
 
 @dataclass
