@@ -139,7 +139,12 @@ def encode(x: torch.Tensor, dtype: Dtype, saturate: bool = True) -> torch.Tensor
 
 
 def decode(data: torch.Tensor, dtype: Dtype) -> torch.Tensor:
-    """float32 values of codes of `dtype` (native float8 tensors, or HiF8 codes in uint8/bits8)."""
+    """float32 values of codes of `dtype` (native float8 tensors, or HiF8 codes in uint8/bits8), in the codes'
+    layout: a transposed view (an x2 given as torch_npu takes it) gives a transposed result. The GEMMs then
+    multiply operands laid out as the reference backend's, whose decoded codes are such views too: on the CPU,
+    torch.mm may sum in another order when an operand's layout differs (seen with one or two rows)."""
+    if data.dim() >= 2 and not data.is_contiguous() and data.transpose(-1, -2).is_contiguous():
+        return decode(data.transpose(-1, -2), dtype).transpose(-1, -2)
     codes = data.view(torch.uint8).contiguous().to(torch.int64)
     return code_table(dtype).values.to(torch.float32)[codes]
 
