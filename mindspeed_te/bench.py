@@ -228,47 +228,42 @@ def launch_recipes() -> dict[str, Recipe]:
     return recipes
 
 
-def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
-    """Launches of one `Linear(256, 256, bias=True)` forward (weight quantization included) and backward in a
-    training step, on 128 tokens. The measured layer is the second of two, so its backward does not carry
+def _second_layer_launches(recipe: Recipe, layer: torch.nn.Module, tokens: int, npu: Any, *args: Any
+                           ) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of `layer(h, *args)` forward and backward in a training step, h of `tokens` rows from a
+    Linear(256, 256) before it. The measured layer is the second of two, so its backward does not carry
     what runs once per step for all layers at the step's end: the backward amax update (counted by
     `update_launches`) and the fold of the non-finite flag updates its quantizes noted (counted by
     `fold_launches`; here it runs at the next step's entry, outside both counts). The second step is
     measured, so delayed scaling runs with real scales."""
-    first, layer = (Linear(256, 256, bias=True, params_dtype=dtype) for _ in range(2))
-    x = torch.randn(128, 256, dtype=dtype)
+    dtype = next(layer.parameters()).dtype
+    first = Linear(256, 256, bias=True, params_dtype=dtype)
+    x = torch.randn(tokens, 256, dtype=dtype)
     for _ in range(2):
         forward, backward = LaunchCounter(npu), LaunchCounter(npu)
         with fp8_autocast(fp8_recipe=recipe):
             h = first(x).detach().requires_grad_()
             with forward:
-                y = layer(h)
+                y = layer(h, *args)
         dy = torch.ones_like(y)
         layer.zero_grad(set_to_none=True)  # gradient accumulation into .grad is not the layer's work
         with backward:
             y.backward(dy)
     return forward, backward
+
+
+def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of one `Linear(256, 256, bias=True)` forward (weight quantization included) and backward in a
+    training step, on 128 tokens (`_second_layer_launches`)."""
+    return _second_layer_launches(recipe, Linear(256, 256, bias=True, params_dtype=dtype), 128, npu)
 
 
 def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8
                      ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of one `GroupedLinear(experts, 256, 256)` forward (weight quantization included) and backward,
-    32 tokens per expert, in the second step, as `linear_launches` measures a Linear (the layer is the second of
-    two, so the per-step amax update and flag fold are counted elsewhere)."""
-    first = Linear(256, 256, params_dtype=dtype)
+    32 tokens per expert, measured as `linear_launches` measures a Linear."""
     layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=dtype)
-    x = torch.randn(32 * experts, 256, dtype=dtype)
-    for _ in range(2):
-        forward, backward = LaunchCounter(npu), LaunchCounter(npu)
-        with fp8_autocast(fp8_recipe=recipe):
-            h = first(x).detach().requires_grad_()
-            with forward:
-                y = layer(h, [32] * experts)
-        dy = torch.ones_like(y)
-        layer.zero_grad(set_to_none=True)  # gradient accumulation into .grad is not the layer's work
-        with backward:
-            y.backward(dy)
-    return forward, backward
+    return _second_layer_launches(recipe, layer, 32 * experts, npu, [32] * experts)
 
 
 def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 2

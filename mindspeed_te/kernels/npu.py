@@ -114,6 +114,11 @@ def _tiled_data(t: _TiledTensor, columnwise: bool) -> torch.Tensor:
     return t.columnwise_data if columnwise else t.rowwise_data.reshape(-1, t.shape[-1])
 
 
+def _per_row(values: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
+    """Each group's one-element value repeated over its rows, as one 1-D tensor (one concatenation)."""
+    return torch.cat([v.reshape(1).expand(m) for v, m in zip(values, rows)])
+
+
 def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
     """The groups' row blocks as one (rows, k) tensor: a view when they lie in order in one buffer (codes that
     one npu_quantize made for all experts), else their concatenation."""
@@ -289,7 +294,7 @@ class NpuBackend(ReferenceBackend):
             if len(run) == 1:
                 codes = self._npu_quantize(qs[start], x2ds[start], divisors[start])
             else:
-                per_row = torch.cat([divisors[i].reshape(1).expand(x2ds[i].shape[0]) for i in run])
+                per_row = _per_row([divisors[i] for i in run], [x2ds[i].shape[0] for i in run])
                 codes = self._npu_quantize(qs[start], joined_rows([x2ds[i] for i in run]), per_row)
             row = 0
             for i in run:
@@ -658,7 +663,7 @@ class NpuBackend(ReferenceBackend):
             b_codes = torch.stack([t.data.reshape(-1, t.shape[-1]) for t in b])
             b_codes = b_codes if b_columnwise else b_codes.transpose(1, 2)
             sizes = [r.shape[0] for r in rows]
-            per_token = torch.cat([t.scale_inv.reshape(1).expand(m) for t, m in zip(a, sizes)])
+            per_token = _per_row([t.scale_inv for t in a], sizes)
             (y,) = self.npu.npu_grouped_matmul(
                 [_rows_of(rows)], [b_codes], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
                 per_token_scale=[per_token], group_list=self._group_list(sizes, rows[0].device),

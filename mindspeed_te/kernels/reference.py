@@ -32,8 +32,6 @@ def operand_2d(t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32)
     return values.t() if columnwise else values
 
 
-
-
 def holds_bf16_values(t: Operand) -> bool:
     """Whether every value `operand_2d` makes of `t` is a bfloat16 value: FP8 codes (E4M3, E5M2 and HiF8
     alike) times power-of-2 scales, or a bfloat16 tensor."""
