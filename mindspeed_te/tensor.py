@@ -49,21 +49,20 @@ def rows_follow(a: torch.Tensor, b: torch.Tensor) -> bool:
 def joined_rows(blocks: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """The 2-D tensor spanning `blocks` when the first is a contiguous 2-D block and each follows the one
     before (`rows_follow`: the experts' pieces of a grouped linear's input), so that one kernel reads them all
-    without a concatenation; else None. A lone block is itself, and blocks that tile their base tensor exactly
-    give that base (a tensor a custom autograd function may return); other spans are an as_strided view."""
+    without a concatenation; else None. Blocks that tile their base tensor exactly (one or several) give that
+    base (a tensor a custom autograd function may return); another lone block is itself, other spans an
+    as_strided view."""
     if not blocks or blocks[0].dim() != 2 or not blocks[0].is_contiguous():
         return None
     if any(not rows_follow(a, b) for a, b in zip(blocks, blocks[1:])):
         return None
     first = blocks[0]
-    if len(blocks) == 1:
-        return first
     rows, k = sum(t.shape[0] for t in blocks), first.shape[1]
     base = first._base
     if (base is not None and base.shape == (rows, k) and base.is_contiguous()
             and base.storage_offset() == first.storage_offset()):
         return base
-    return first.as_strided((rows, k), (k, 1), first.storage_offset())
+    return first if len(blocks) == 1 else first.as_strided((rows, k), (k, 1), first.storage_offset())
 
 
 def _nbytes(*tensors: Optional[torch.Tensor]) -> int:

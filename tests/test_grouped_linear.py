@@ -328,6 +328,7 @@ def test_joined_rows_spans_only_row_blocks_in_order_of_one_buffer():
     assert joined_rows([x.t()]) is None and joined_rows([x[:, :2]]) is None  # a lone block is checked too
     assert joined_rows([]) is None
     assert joined_rows(blocks) is x and joined_rows([x]) is x  # the base itself, not a view of it
+    assert joined_rows([x[:]]) is x  # one block spanning its base (one expert with rows): the base too
     assert joined_rows(blocks[2:])._base is x  # a part of the base: a view
 
 
