@@ -331,6 +331,12 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                              f"{backward.npu_kernels} torch_npu)"
                     rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
                     rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
+    for chip, name in (("Ascend950PR", "blockwise E4M3"), ("Ascend950DT", "mxfp8 E4M3")):
+        with npu_simulated(chip) as npu:  # block-scaled experts: one quantize and GEMMs per expert
+            forward, backward = grouped_launches(launch_recipes()[name], torch.bfloat16, npu)
+            detail = f"{name} bfloat16 {chip}, 8 experts"
+            rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
+            rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
     with npu_simulated() as npu:
         for dtype in (torch.bfloat16, torch.float32):
             forward, backward = grouped_launches(DelayedScaling(), dtype, npu)

@@ -342,3 +342,25 @@ def test_grouped_linear_quantizes_all_experts_with_one_set_of_small_ops(dtype):
     # the per-row divisors, the per-row scales of the GEMM's x1, the weights' scales: no cat of codes or outputs
     assert many["aten.cat"] == 3, many
     assert many_back["torch_npu.npu_quantize"] == 1 and many_back - few_back == {}, (few_back, many_back)
+
+
+@pytest.mark.parametrize("chip, name", [("Ascend950PR", "blockwise E4M3"), ("Ascend950PR", "mxfp8 E4M3"),
+                                        ("Ascend950DT", "mxfp8 E4M3")])
+def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
+    """Block-scaled experts of 32 tokens (one 32-block along the wgrad's k): each expert adds its quantizes and
+    its three npu_quant_matmul GEMMs, with no dequantize + matmul fallback. Backward per expert: the grad_output's
+    quantizes (one dual-axis call on the 950DT, a call per layout elsewhere), the E8M0 bytes of the wgrad
+    operands (on the 950PR each MX operand's last pair padded, one op; each blockwise operand's tile bytes
+    repeated per 32-block, one index_select), the float32 scales of the blockwise dgrad (one cast), dgrad and
+    wgrad."""
+    from mindspeed_te.bench import grouped_launches, launch_recipes, npu_simulated
+
+    with npu_simulated(chip) as npu:
+        (_, few), (_, many) = (grouped_launches(launch_recipes()[name], torch.bfloat16, npu, experts=e)
+                               for e in (4, 8))
+    added = many.counts - few.counts
+    assert not few.counts - many.counts and all(n % 4 == 0 for n in added.values()), (few.counts, many.counts)
+    per_expert = {key: n // 4 for key, n in added.items()}
+    assert "aten.mm" not in many.counts and per_expert["torch_npu.npu_quant_matmul"] == 2, many.counts
+    assert sum(per_expert.values()) == {("Ascend950PR", "blockwise E4M3"): 7, ("Ascend950PR", "mxfp8 E4M3"): 6,
+                                        ("Ascend950DT", "mxfp8 E4M3"): 3}[(chip, name)], per_expert

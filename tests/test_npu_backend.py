@@ -280,6 +280,42 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
         assert sim.launch_counts["npu_quantize"] == 4
 
 
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor", "blockwise pow2/e4m3"])
+def test_wgrad_over_an_odd_number_of_32_blocks_stays_on_the_mx_gemm(name, chip, monkeypatch, use_backend):
+    """Experts, and linears, whose token count is an odd multiple of 32 give the wgrad an odd number of 32-blocks
+    along k: their E8M0 scales fill the last pair (the quantize kernels pad theirs with 0, the dual-axis kernel's
+    come padded) and the GEMM stays npu_quant_matmul's MX mode, with the reference's results bit for bit."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.modules import GroupedLinear
+
+    splits = [32, 96, 0, 160]
+
+    def run(backend_name, sim=None):
+        use_backend(backend_name)
+        if sim is not None:
+            monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+        torch.manual_seed(0)
+        layer = GroupedLinear(len(splits), 128, 256, params_dtype=torch.bfloat16)
+        x = torch.randn(sum(splits), 128).bfloat16().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPES[name]):
+            y = layer(x, splits)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
+        return [y.detach(), x.grad] + [w.grad for w in layer.weights]
+
+    sim = make_simulator(chip)
+    got = run("npu", sim)
+    for g, w in zip(got, run("reference")):
+        assert torch.equal(g, w)
+    active = sum(1 for m in splits if m)
+    assert sim.launch_counts["npu_quant_matmul"] == 3 * active  # fprop, dgrad and wgrad of each expert
+    sim = make_simulator(chip)
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=(96, 128, 256))
+    for g, w in zip(got, _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=(96, 128, 256))):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_quant_matmul"] == 3
+
+
 @pytest.mark.parametrize("splits", [[48], [0, 48], [16, 32]])
 def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypatch, use_backend):
     """A transposed input, quantized by torch ops that keep its strides (current scaling with power-of-2

@@ -25,7 +25,7 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                state manager folds the whole step's once (FP8GlobalStateManager.fold_nonfinite)
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
                blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
-               take (MX with k not a multiple of 64, high-precision operands, other 1x128 x 1x128) use
+               take (high-precision operands, other 1x128 x 1x128) use
                dequantize + matmul (HiF8 tiles decoded by one npu_dtype_cast, scaled by one broadcast
                multiply). The power-of-2 fprop and dgrad stay in [1,128,128] (an MX-mode fprop
                measured 2 more forward launches for bf16, 1 for float32): MX wants each operand's bytes
@@ -114,6 +114,13 @@ def _tiled_data(t: _TiledTensor, columnwise: bool) -> torch.Tensor:
     return t.columnwise_data if columnwise else t.rowwise_data.reshape(-1, t.shape[-1])
 
 
+@functools.lru_cache(maxsize=64)
+def _tile_of_block(blocks: int, device: torch.device) -> torch.Tensor:
+    """The 128-tile of each of `blocks` 32-blocks (j // 4), a device index made once per width: one
+    index_select then repeats a tile's E8M0 byte for its 32-blocks, contiguous, whatever the last tile holds."""
+    return torch.arange(blocks, device=device) // 4
+
+
 def _per_row(values: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
     """Each group's one-element value repeated over its rows, as one 1-D tensor (one concatenation)."""
     return torch.cat([v.reshape(1).expand(m) for v, m in zip(values, rows)])
@@ -126,20 +133,21 @@ def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
     return joined if joined is not None else torch.cat(blocks)
 
 
-def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(data (rows, k), E8M0 scales in the layout npu_quant_matmul wants) of an MXFP8 operand form, None when
-    k is not a multiple of 64 (the scales travel in pairs along k): as x1 (rows, k/64, 2); as x2, which the
-    GEMM takes transposed, (k/64, rows, 2). A columnwise form made by the dual-axis kernel is a transposed
-    view whose scales are already the kernel's (M/64, K, 2) pairs: the layout the GEMM wants for that view as
-    x2 (its (M, K) self, contiguous), permuted as x1."""
+def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data (rows, k), E8M0 scales in the layout npu_quant_matmul wants) of an MXFP8 operand form: pairs of
+    32-block bytes along k, as x1 (rows, ceil(k/64), 2); as x2, which the GEMM takes transposed,
+    (ceil(k/64), rows, 2). An odd number of blocks (k an odd multiple of 32: a grouped linear's expert or a
+    micro-batch of 32 * odd tokens in the wgrad) pads its last pair with a 0 byte, as the quantize kernels pad
+    theirs (aclnnDynamicMxQuant mxscaleOut: "并对其进行偶数pad，pad填充值为0"). A columnwise form made by the
+    dual-axis kernel is a transposed view whose scales are already the kernel's (ceil(M/64), K, 2) pairs: the
+    layout the GEMM wants for that view as x2 (its (M, K) self, contiguous), permuted as x1."""
     pairs = t.columnwise_scale_pairs if columnwise else None
     if pairs is not None:
         t._require(True)
-        data = t.columnwise_data
-        return None if data.shape[1] % 64 else (data, pairs if as_x2 else pairs.permute(1, 0, 2))
+        return t.columnwise_data, pairs if as_x2 else pairs.permute(1, 0, 2)
     data, scale_inv = _tiled_pair(t, columnwise)
-    if data.shape[1] % 64:
-        return None
+    if scale_inv.shape[1] % 2:
+        scale_inv = torch.nn.functional.pad(scale_inv, (0, 1))
     pairs = scale_inv.reshape(scale_inv.shape[0], scale_inv.shape[1] // 2, 2)
     return data, pairs.transpose(0, 1) if as_x2 else pairs
 
@@ -714,10 +722,7 @@ class NpuBackend(ReferenceBackend):
             b2d = b.columnwise_data if b_col else b.data.reshape(-1, b.shape[-1])
             return x1, b2d.t(), dict(scale=b.scale_inv, pertoken_scale=a.scale_inv, **hif8)
         if isinstance(a, MXFP8TensorStorage):
-            x1_pair, x2_pair = _mx_pair(a, a_col, as_x2=False), _mx_pair(b, b_col, as_x2=True)
-            if x1_pair is None or x2_pair is None:
-                return None
-            (x1, s1), (b2d, s2) = x1_pair, x2_pair
+            (x1, s1), (b2d, s2) = _mx_pair(a, a_col, as_x2=False), _mx_pair(b, b_col, as_x2=True)
             e8m0 = self.npu.float8_e8m0fnu
             return x1, b2d.t(), dict(scale=s2, pertoken_scale=s1, scale_dtype=e8m0, pertoken_scale_dtype=e8m0,
                                      group_sizes=[1, 1, 32])
@@ -732,23 +737,23 @@ class NpuBackend(ReferenceBackend):
                           b_col: bool) -> Optional[tuple[torch.Tensor, torch.Tensor, dict]]:
         """1x128 x 1x128 tiles (the blockwise wgrad), which no blockwise mode takes ([1, 128, 128] wants
         128x128 tiles on x2), in the MX mode when every scale is a power of two: a 128-tile is four 32-blocks
-        with the same E8M0 exponent, so the kernel's sum of per-block products is the blockwise product."""
+        with the same E8M0 exponent, so the kernel's sum of per-block products is the blockwise product. k must
+        be whole 32-blocks; an odd number of them fills its last pair with the byte of the tile it ends."""
         x1, b2d = _tiled_data(a, a_col), _tiled_data(b, b_col)
         k = x1.shape[1]
-        if not (a.power_2_scale and b.power_2_scale) or a.fp8_dtype is FP8Dtype.HIF8 or k % 64:
+        if not (a.power_2_scale and b.power_2_scale) or a.fp8_dtype is FP8Dtype.HIF8 or k % 32:
             return None
+        blocks = 2 * -(-k // 64)  # whole pairs: a 128-tile's four bytes cover them
 
         def e8m0_pairs(t: Float8BlockwiseQTensorStorage, columnwise: bool) -> torch.Tensor:
-            # Each 128-tile's E8M0 byte repeated for its four 32-blocks, contiguous, as (rows, k / 64, 2) pairs:
-            # the bytes the quantize kernel made, or those of the float32 scales (a power-of-2 float32, 2^-127
-            # included, a subnormal, has its E8M0 byte in bits 23..30; NaN -> 0xFF), cast from the sliced view.
+            # Each 128-tile's E8M0 byte repeated for its 32-blocks as (rows, ceil(k / 64), 2) pairs: the bytes the
+            # quantize kernel made, or those of the float32 scales (a power-of-2 float32, 2^-127 included, a
+            # subnormal, has its E8M0 byte in bits 23..30; NaN -> 0xFF).
             codes = t.columnwise_scale_e8m0 if columnwise else None
-            if codes is not None:
-                pairs = codes.repeat_interleave(4, dim=1)[:, : k // 32].contiguous()
-            else:
+            if codes is None:
                 scale_inv = t.columnwise_scale_inv if columnwise else t.rowwise_scale_inv
-                exponents = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).repeat_interleave(4, dim=1)
-                pairs = exponents[:, : k // 32].to(torch.uint8)
+                codes = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).to(torch.uint8)
+            pairs = codes.index_select(1, _tile_of_block(blocks, codes.device))
             return pairs.reshape(pairs.shape[0], -1, 2)
 
         e8m0 = self.npu.float8_e8m0fnu
