@@ -35,6 +35,7 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
 """
 from __future__ import annotations
 
+import copy
 import functools
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Union
@@ -119,6 +120,20 @@ def _tile_of_block(blocks: int, device: torch.device) -> torch.Tensor:
     """The 128-tile of each of `blocks` 32-blocks (j // 4), a device index made once per width: one
     index_select then repeats a tile's E8M0 byte for its 32-blocks, contiguous, whatever the last tile holds."""
     return torch.arange(blocks, device=device) // 4
+
+
+def _config(q: Quantizer) -> dict[str, Any]:
+    """What a quantizer's output depends on: its attributes but its non-finite bookkeeping."""
+    return {name: value for name, value in vars(q).items() if name not in ("nonfinite", "nonfinite_pending")}
+
+
+def _with_usage(q: Quantizer, **usage: bool) -> Quantizer:
+    """A shallow copy of `q` making only the forms `usage` leaves on (copy.copy would clone its non-finite
+    flag, a launch; the copy's quantizes are noted against `q` by the caller)."""
+    other = object.__new__(type(q))
+    other.__dict__.update(vars(q))
+    other.set_usage(**usage)
+    return other
 
 
 def _per_row(values: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
@@ -271,12 +286,52 @@ class NpuBackend(ReferenceBackend):
                 if out is not None:
                     return out
         outs: list = self._quantize_hif8_tiles(quantizers, tensors, x2ds)  # all the pass's HiF8 tiles at once
+        self._quantize_joined_rows(quantizers, tensors, x2ds, outs)
         for i, (q, x, x2d) in enumerate(zip(quantizers, tensors, x2ds)):
             if outs[i] is None:
                 kernel = _QUANTIZE_KERNELS.get(type(q))
                 out = kernel(self, q, x, x2d) if kernel is not None else None
                 outs[i] = out if out is not None else q.quantize(x)
         return list(record_nonfinite_many(quantizers, outs))
+
+    def _quantize_joined_rows(self, qs: Sequence[Quantizer], xs: Sequence[torch.Tensor],
+                              x2ds: Sequence[torch.Tensor], outs: list[Optional[QuantizedTensorStorage]]) -> None:
+        """Fill `outs` for runs of row blocks of one buffer (`rows_follow`: a grouped linear's experts' inputs or
+        grad_outputs) that block-scaled quantizers of one configuration take along the rows (1x128 tiles, MX
+        blocks): the rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its
+        rows of that output, views); each block's columnwise form, whose tiles start at the block's first row,
+        is made on its own. Not where the 950DT's dual-axis kernel makes both forms of each block in one call."""
+        start = 0
+        for stop in range(1, len(qs) + 1):
+            if (stop < len(qs) and outs[stop] is None and outs[start] is None
+                    and rows_follow(x2ds[stop - 1], x2ds[stop]) and _config(qs[stop]) == _config(qs[start])):
+                continue
+            run, start = range(start, stop), stop
+            q = qs[run[0]]
+            row_local = isinstance(q, MXFP8Quantizer) or (isinstance(q, Float8BlockQuantizer)
+                                                          and q.block_scaling_dim == 1)
+            if len(run) < 2 or outs[run[0]] is not None or not (q.rowwise_usage and row_local):
+                continue
+            joined = joined_rows([x2ds[i] for i in run])
+            if joined is None or (isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)):
+                continue
+            whole = _QUANTIZE_KERNELS[type(q)](self, _with_usage(q, columnwise=False), joined, joined)
+            if whole is None:
+                continue
+            row = 0
+            for i in run:
+                rows = slice(row, row + x2ds[i].shape[0])
+                row = rows.stop
+                if q.columnwise_usage:
+                    columnwise = _with_usage(qs[i], rowwise=False)
+                    kernel = _QUANTIZE_KERNELS[type(q)](self, columnwise, xs[i], x2ds[i])
+                    out = kernel if kernel is not None else columnwise.quantize(xs[i])
+                else:
+                    out = copy.copy(whole)
+                    out.shape = xs[i].shape
+                out.rowwise_data = whole.rowwise_data[rows].reshape(xs[i].shape)
+                out.rowwise_scale_inv = whole.rowwise_scale_inv[rows]
+                outs[i] = out
 
     def _npu_quantize(self, q: Quantizer, x2d: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
         """The codes of npu_quantize(x2d, divisor) (x / divisor, saturated): one divisor, or one per row."""
