@@ -344,11 +344,30 @@ def test_experts_rowwise_forms_from_one_quantize_equal_the_reference(name, dtype
         assert torch.equal(g, w)
 
 
-@pytest.mark.parametrize("splits", [[48], [0, 48], [16, 32]])
+@pytest.mark.parametrize("chip, name", [("Ascend950PR", "tensorwise/e4m3"), ("Ascend950PR", "delayed/hif8"),
+                                        ("Ascend950PR", "blockwise pow2/e4m3"), ("Ascend950PR", "mxfp8/hybrid"),
+                                        ("Ascend950DT", "mxfp8/hybrid")])
+def test_wgrad_over_more_tokens_than_the_kernel_takes(chip, name, monkeypatch, use_backend):
+    """npu_quant_matmul takes last dims up to 65535 ("x1与x2最后一维的shape大小不能超过65535"): the wgrad of a
+    micro-batch of more tokens is summed over parts of the token dim, each an npu_quant_matmul; the result is
+    the reference's up to the float32 rounding of the parts' sum (per-tensor scales apply within each part)."""
+    sim = make_simulator(chip)
+    shape = (65536 + 128, 128, 128)
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=shape)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=shape)
+    for g, w in zip(got[:2] + got[3:], want[:2] + want[3:]):  # y, x.grad, bias grad: k is 128 there
+        assert torch.equal(g, w)
+    # the weight gradient, summed in parts: float32 sums of the same exact products, rounded in another order
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-6 * want[2].abs().max().item())
+    assert sim.launch_counts["npu_quant_matmul"] == 4  # fprop, dgrad and the wgrad's two parts
+
+
+@pytest.mark.parametrize("splits", [[160], [0, 160], [64, 96], [16, 32]])
 def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypatch, use_backend):
     """A transposed input, quantized by torch ops that keep its strides (current scaling with power-of-2
     scales), gives the codes of a contiguous one: the grouped GEMM must read a lone expert's codes in their
-    real layout, and the output must stay modifiable in place."""
+    real layout, and the output must stay modifiable in place. Fewer than 128 tokens in all take one wgrad
+    GEMM per expert (the K-split grouped form reads its scales in other modes there)."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
     from mindspeed_te.recipe import Float8CurrentScaling, QParams
@@ -372,7 +391,11 @@ def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypat
 
     for got, want in zip(run(False), run(True)):
         assert torch.equal(got, want)
-    assert sim.launch_counts["npu_grouped_matmul"] == 6  # fprop, dgrad, wgrad of each of the two runs
+    experts = sum(1 for m in splits if m)
+    if sum(splits) >= 128:
+        assert sim.launch_counts["npu_grouped_matmul"] == 6  # fprop, dgrad, wgrad of each of the two runs
+    else:
+        assert sim.launch_counts["npu_grouped_matmul"] == 4 and sim.launch_counts["npu_quant_matmul"] == 2 * experts
 
 
 def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):

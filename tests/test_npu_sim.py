@@ -537,16 +537,19 @@ def test_grouped_matmul_fp8_split_m(sim, fmt, list_type):
 
 
 def test_grouped_matmul_fp8_split_k(sim):
-    m, k, n, sizes = 6, 40, 5, [16, 24]
+    m, k, n, sizes = 6, 160, 5, [64, 96]
     xt, vxt = random_codes((k, m), "E5M2", 14)  # x is the transposed view of a contiguous (k, m)
     w, vw = random_codes((k, n), "E4M3", 15)
     scale, pts = torch.tensor([0.5, 2.0]), torch.tensor([4.0, 4.0])
-    (out,) = sim.npu_grouped_matmul([xt.t()], [w], scale=[scale], per_token_scale=[pts],
-                                    group_list=torch.tensor(sizes), split_item=2, group_type=2,
-                                    group_list_type=1, output_dtype=torch.bfloat16)
+    kwargs = dict(scale=[scale], per_token_scale=[pts], split_item=2, group_type=2, group_list_type=1,
+                  output_dtype=torch.bfloat16)
+    (out,) = sim.npu_grouped_matmul([xt.t()], [w], group_list=torch.tensor(sizes), **kwargs)
     assert out.shape == (2, m, n) and out.dtype == torch.bfloat16
-    expected = np.stack([vxt[:16].T @ vw[:16] * 0.5 * 4, vxt[16:].T @ vw[16:] * 2.0 * 4])
+    expected = np.stack([vxt[:64].T @ vw[:64] * 0.5 * 4, vxt[64:].T @ vw[64:] * 2.0 * 4])
     torch.testing.assert_close(out, torch.from_numpy(expected).to(torch.bfloat16), rtol=0, atol=0)
+    # Below k = 128 the kernel picks the scales' modes by M, N and k ("K小于128 ... x则选择pergroup量化"): refused.
+    with pytest.raises(NpuSimNotImplemented, match="k = 127"):
+        sim.npu_grouped_matmul([xt[:127].t()], [w[:127]], group_list=torch.tensor([64, 63]), **kwargs)
 
 
 def test_grouped_matmul_bf16(sim):
@@ -617,13 +620,13 @@ def test_grouped_matmul_contract(sim):
     assert_raises(lambda: call(ws=(w[:, :16],)), NpuValueError, "k")
     assert_raises(lambda: call(xs=(x.t().contiguous().t(),)), NpuValueError, "x[0]")
     # k-split layouts: transposed x, contiguous weight
-    xt, _ = random_codes((k, m), "E4M3", 5)
-    w2, _ = random_codes((k, n), "E4M3", 6)
-    ks = dict(group_type=2, group_list=torch.tensor([16, 16]))
+    xt, _ = random_codes((160, m), "E4M3", 5)
+    w2, _ = random_codes((160, n), "E4M3", 6)
+    ks = dict(group_type=2, group_list=torch.tensor([64, 96]))
     call(xs=(xt.t(),), ws=(w2,), **ks)
     assert_raises(lambda: call(xs=(xt.t().contiguous(),), ws=(w2,), **ks), NpuValueError, "x[0]")
     assert_raises(lambda: call(xs=(xt.t(),), ws=(w2.t().contiguous().t(),), **ks), NpuValueError, "weight[0]")
-    assert_raises(lambda: call(xs=(xt.t(),), ws=(w2,), group_type=2, group_list=torch.tensor([16, 17])),
+    assert_raises(lambda: call(xs=(xt.t(),), ws=(w2,), group_type=2, group_list=torch.tensor([64, 97])),
                   NpuValueError, "group_list")
     # bf16 path
     xb, wb = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(g, k, n, dtype=torch.bfloat16)
@@ -947,18 +950,18 @@ def test_grouped_matmul_scale_shapes_of_the_950(sim):
         assert_raises(lambda bad=bad: _gmm_fp8(sim, per_token_scale=[bad]), NpuValueError, "per_token_scale")
     assert_raises(lambda: _gmm_fp8(sim, scale=[torch.ones(1)]), NpuValueError, "scale")
     # k split: per-row scales of x for each group
-    m, k, n = 3, 40, 5
+    m, k, n = 3, 160, 5
     xt, vxt = random_codes((k, m), "E5M2", 33)
     w, vw = random_codes((k, n), "E4M3", 34)
     pts = torch.tensor([[1.0, 2.0, 4.0], [0.5, 0.25, 8.0]])
     (out,) = sim.npu_grouped_matmul([xt.t()], [w], scale=[torch.tensor([1.0, 2.0])], per_token_scale=[pts],
-                                    group_list=torch.tensor([16, 24]), split_item=3, group_type=2,
+                                    group_list=torch.tensor([64, 96]), split_item=3, group_type=2,
                                     group_list_type=1, output_dtype=torch.float32)
-    expected = np.stack([vxt[:16].T @ vw[:16] * f32(pts)[0][:, None],
-                         vxt[16:].T @ vw[16:] * 2.0 * f32(pts)[1][:, None]])
+    expected = np.stack([vxt[:64].T @ vw[:64] * f32(pts)[0][:, None],
+                         vxt[64:].T @ vw[64:] * 2.0 * f32(pts)[1][:, None]])
     close(out, expected)
     assert_raises(lambda: sim.npu_grouped_matmul([xt.t()], [w], scale=[torch.ones(2)], per_token_scale=[torch.ones(1)],
-                                                 group_list=torch.tensor([16, 24]), split_item=3, group_type=2,
+                                                 group_list=torch.tensor([64, 96]), split_item=3, group_type=2,
                                                  group_list_type=1, output_dtype=torch.float32),
                   NpuValueError, "per_token_scale")
 
@@ -1208,3 +1211,44 @@ def test_fusion_attention_rows_without_keys(sim):
     assert not fixed[2].any() and torch.equal(fixed[[0, 1, 3]], plain[[0, 1, 3]])
     assert_raises(lambda: sim.npu_fusion_attention(q, k, v, 2, "SBH", atten_mask=mask, inner_precise=3),
                   NpuValueError, "inner_precise")
+
+
+def test_quant_matmul_last_dims_at_most_65535(sim):
+    """torch_npu npu_quant_matmul: "其他情况, x1与x2最后一维的shape大小不能超过65535" (x1's k; x2's n, as passed)."""
+    k_ok, _ = random_codes((2, 65535), "E4M3", 40)
+    k_big, _ = random_codes((2, 65536), "E4M3", 41)
+    args = dict(pertoken_scale=torch.ones(1), output_dtype=torch.float32)
+    assert sim.npu_quant_matmul(k_ok, k_ok.t(), torch.ones(1), **args).shape == (2, 2)
+    assert_raises(lambda: sim.npu_quant_matmul(k_big, k_big.t(), torch.ones(1), **args), NpuValueError, "65535")
+    n_big, _ = random_codes((65536, 2), "E4M3", 42)
+    assert_raises(lambda: sim.npu_quant_matmul(k_big[:, :2], n_big.t(), torch.ones(1), **args), NpuValueError,
+                  "65535")
+
+
+def test_quant_matmul_without_pertoken_scale_truncates_the_scale(sim):
+    """Without pertoken_scale torch_npu turns a float32 scale into the static form (npu_trans_quant_param), whose
+    aclnnTransQuantParamV2 keeps "高19位": the scale's 13 low mantissa bits are dropped."""
+    x, vx = random_codes((4, 32), "E4M3", 43)
+    w, vw = random_codes((32, 3), "E4M3", 44)
+    scale = torch.tensor([1.0 + 2.0 ** -20 + 2.0 ** -9])  # bit 3 and bit 14 of the mantissa set
+    out = sim.npu_quant_matmul(x, w, scale, output_dtype=torch.float32)
+    np.testing.assert_array_equal(out.numpy(), (vx @ vw * (1.0 + 2.0 ** -9)).astype(np.float32))
+    exact = sim.npu_quant_matmul(x, w, scale, pertoken_scale=torch.ones(1), output_dtype=torch.float32)
+    np.testing.assert_array_equal(exact.numpy(), (vx @ vw * f32(scale)[0]).astype(np.float32))
+
+
+def test_quantize_and_dynamic_quant_refuse_what_torch_npu_refuses(sim):
+    """npu_quantize's dtype map holds the native float8 dtypes and HiF8, not torch_npu's numbers 291/292; with a
+    group_index, npu_dynamic_quant takes at most as many experts as x has rows ("专家数不超过x剔除最后一维的各个维度
+    乘积")."""
+    x = torch.randn(4, 8)
+    for number in (291, 292):
+        assert_raises(lambda n=number: sim.npu_quantize(x, torch.ones(1), None, n, -1, True), NpuTypeError, "dtype")
+    assert sim.npu_quantize(x, torch.ones(1), None, torch.float8_e4m3fn, -1, True).dtype == torch.float8_e4m3fn
+    xb = torch.randn(2, 4, dtype=torch.bfloat16)
+    smooth = torch.ones(3, 4, dtype=torch.bfloat16)
+    assert_raises(lambda: sim.npu_dynamic_quant(xb, smooth_scales=smooth, dst_type=torch.float8_e4m3fn,
+                                                group_index=torch.tensor([0, 2, 2], dtype=torch.int32)),
+                  NpuValueError, "experts")
+    sim.npu_dynamic_quant(xb, smooth_scales=smooth[:2], dst_type=torch.float8_e4m3fn,
+                          group_index=torch.tensor([1, 2], dtype=torch.int32))

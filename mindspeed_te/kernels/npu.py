@@ -24,7 +24,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
   flags        a quantize pass only notes its non-finite flag updates (quantizers.record_nonfinite_many); the
                state manager folds the whole step's once (FP8GlobalStateManager.fold_nonfinite)
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
-               blockwise wgrad in the MX mode when its scales are powers of 2); shapes the kernels cannot
+               blockwise wgrad in the MX mode when its scales are powers of 2; a k past the kernel's 65535,
+               a wgrad over more tokens, summed over parts); shapes the kernels cannot
                take (high-precision operands, other 1x128 x 1x128) use
                dequantize + matmul (HiF8 tiles decoded by one npu_dtype_cast, scaled by one broadcast
                multiply). The power-of-2 fprop and dgrad stay in [1,128,128] (an MX-mode fprop
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -120,6 +122,23 @@ def _tile_of_block(blocks: int, device: torch.device) -> torch.Tensor:
     """The 128-tile of each of `blocks` 32-blocks (j // 4), a device index made once per width: one
     index_select then repeats a tile's E8M0 byte for its 32-blocks, contiguous, whatever the last tile holds."""
     return torch.arange(blocks, device=device) // 4
+
+
+# torch_npu, npu_quant_matmul 约束说明: "其他情况, x1与x2最后一维的shape大小不能超过65535"; a longer k is summed in
+# parts of whole 128-tiles (and E8M0 pairs of 32-blocks).
+_MAX_LAST_DIM = 65535
+_K_PART = 511 * 128
+
+
+def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """t[start:stop] along `dim` in a layout npu_quant_matmul takes, the one t had: contiguous, or the transposed
+    view (of the last two dims of a matrix, the first two of E8M0 pairs) of a contiguous tensor; a copy only
+    where the narrowing broke it."""
+    part = t.narrow(dim, start, stop - start)
+    if t.is_contiguous():
+        return part.contiguous()
+    dims = (-2, -1) if t.dim() == 2 else (0, 1)
+    return part.transpose(*dims).contiguous().transpose(*dims)
 
 
 def _config(q: Quantizer) -> dict[str, Any]:
@@ -697,6 +716,11 @@ class NpuBackend(ReferenceBackend):
             # 时，输出为空tensor"): a sum over nothing (the wgrad of a rank without tokens) is the reference's zeros.
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
                                 bias=bias, out=out)
+        if x2.shape[-1] > _MAX_LAST_DIM:  # n past the kernel's limit: no FP8 layer is that wide per rank
+            return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
+                                bias=bias, out=out)
+        if x1.shape[-1] > _MAX_LAST_DIM:
+            return self._gemm_over_k_parts(x1, x2, kwargs, out_dtype, bias, out)
         # aclnnQuantMatmulV5 (Ascend 950, "G-B && B-B && mx 量化模式"): "仅mx量化模式下包含bias" -- of the block
         # modes only mx takes a bias, so blockwise adds it after a float32 product (one rounding, as the
         # reference does). The MX mode's bias is float32 only ("MX全量化 ... bias null/FLOAT32").
@@ -709,11 +733,39 @@ class NpuBackend(ReferenceBackend):
             return torch.add(result, bias, out=torch.empty_like(result, dtype=out_dtype))
         return out.add_(result) if out is not None else result
 
+    def _gemm_over_k_parts(self, x1: torch.Tensor, x2: torch.Tensor, kwargs: dict, out_dtype: torch.dtype,
+                           bias: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:
+        """A GEMM whose k passes the kernel's limit (a wgrad over more tokens than that), as float32 products
+        of k-parts of whole 128-tiles and E8M0 pairs, summed, then the bias and the output dtype. Per-tensor
+        scales apply within each part, so the last bit may differ from one GEMM's."""
+        k = x1.shape[-1]
+        groups = kwargs.get("group_sizes")
+        block = {None: 0, (1, 1, 32): 64, (1, 128, 128): 128}[None if groups is None else tuple(groups)]
+        total: Optional[torch.Tensor] = None
+        for lo in range(0, k, _K_PART):
+            hi = min(k, lo + _K_PART)
+            part = dict(kwargs)
+            if block:  # the scales' k dim: x1's (m, k / block, ...) and x2's (k / block, n, ...)
+                first, last = lo // block, -(-hi // block)
+                part["pertoken_scale"] = _narrowed(kwargs["pertoken_scale"], 1, first, last)
+                part["scale"] = _narrowed(kwargs["scale"], 0, first, last)
+            y = self.npu.npu_quant_matmul(_narrowed(x1, x1.dim() - 1, lo, hi), _narrowed(x2, x2.dim() - 2, lo, hi),
+                                          part.pop("scale"), output_dtype=torch.float32, **part)
+            total = y if total is None else total.add_(y)
+        if out is not None:
+            return out.add_(total)
+        if bias is not None:
+            total.add_(bias)
+        return total if out_dtype == torch.float32 else total.to(out_dtype)
+
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
         """Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
         all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). Other
         operands take one GEMM per group."""
-        if not self._groupable(a, b) or (a_columnwise and not b_columnwise):
+        # The K-split form over fewer than 128 tokens in all reads its scales in other modes ("K小于128 ... x则选择
+        # pergroup量化", aclnnGroupedMatmulV4): then one GEMM per group.
+        few_tokens = a_columnwise and sum(math.prod(t.shape[:-1]) for t in a) < 128
+        if not self._groupable(a, b) or (a_columnwise and not b_columnwise) or few_tokens:
             return super().grouped_gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise,
                                         out_dtype=out_dtype, out=out)
         fp8 = a[0].fp8_dtype

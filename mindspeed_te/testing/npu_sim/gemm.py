@@ -92,6 +92,11 @@ class QuantMatmulKernels:
         if x2.shape[-2] != k:
             raise NpuValueError(f"k of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
         n = x2.shape[-1]
+        # torch_npu, npu_quant_matmul 约束说明: "当x1的数据类型为float8_e4m3fn, x2_dtype为torch_npu.float4_e2m1或
+        # torch_npu.float4_e1m2的情况下, ... 其他情况, x1与x2最后一维的shape大小不能超过65535." (the shapes as
+        # passed: x1's k, and x2's n for a (k, n) x2 or its transposed view)
+        if x1.shape[-1] > 65535 or x2.shape[-1] > 65535:
+            raise NpuValueError(f"the last dims of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} may not exceed 65535")
         # x1, x2, x1Scale, x2Scale: "不支持空Tensor", except on the Ascend 950: "x2为ND格式时，当输入参数x1为m=0的空
         # tensor或x2为n=0的空tensor时，输出为空tensor" -- an empty k or batch is refused.
         if k == 0 or 0 in x1.shape[:-2] or 0 in x2.shape[:-2]:
@@ -126,6 +131,11 @@ class QuantMatmulKernels:
                 raise NpuValueError(f"batch dims of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} do not "
                                     "broadcast") from None
             self._validate_plain_scales(scale, pertoken_scale, out_dtype, m, n)
+            if pertoken_scale is None:
+                # torch_npu (QuantMatmulKernelNpuOpApi.cpp) hands a float32 scale without pertoken_scale to
+                # npu_trans_quant_param first, and aclnnTransQuantParamV2 keeps its top 19 bits: "scale按bit位取
+                # 高19位截断".
+                scale = (scale.view(torch.int32) & -0x2000).view(torch.float32)
             acc = cube_matmul(a, b) * scale.float()
             if pertoken_scale is not None:
                 acc = acc * pertoken_scale.float().reshape(-1, 1)

@@ -238,6 +238,14 @@ class GroupedMatmulKernels:
             check_layout("weight[0]", w, ("row",))
             sizes = self._group_sizes_from_list(group_list, group_list_type, k, "columns of k")
             g = len(sizes)
+            # aclnnGroupedMatmulV4, Ascend 950, 动态量化特殊场景处理: "在动态量化场景K分组情况下，K小于128，
+            # N小于等于128且scaleOptional的shape为（g, 1）时，...此种场景现一律按照G-B量化处理"; "K小于128, M不等于1时，
+            # 如果N小于等于128，x则选择pergroup量化；如果N大于128，...weight如果是perchannel或者pertensor量化，x选择
+            # pertoken量化".
+            # Below 128 the kernel reads the scales in modes the simulator does not model.
+            if k < 128:
+                raise NpuSimNotImplemented(f"a K-split grouped GEMM over k = {k} < 128: the kernel picks the scales' "
+                                           "quantization modes by M, N and k there (not simulated)")
             self._check_weight_scale(s, g, n)
             # perTokenScaleOptional, groupType 2: "pertoken场景：每个tensor 2维，shape为（g, M）；pertensor场景：每个
             # tensor 2维或1维，shape为（g, 1）或（g,）"

@@ -26,6 +26,8 @@ from mindspeed_te.testing.npu_sim.checks import (
 from mindspeed_te.testing.npu_sim.codecs import encode, format_max
 from mindspeed_te.testing.npu_sim.dtypes import (
     FLOAT4_E2M1FN_X2,
+    FLOAT8_E4M3FN,
+    FLOAT8_E5M2,
     FLOATS,
     FP4,
     FP8_NATIVE,
@@ -34,7 +36,7 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     Dtype,
     DtypeArg,
 )
-from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuValueError
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuTypeError, NpuValueError
 
 HIF8_DST_MAX = (0.0, 15.0, 56.0, 224.0, 32768.0)  # HiF8 targets of npu_dynamic_block_quant (aclnnDynamicBlockQuantV2)
 HIF8_DST_MAX_RANGE = (0.0, 32768.0)  # HiF8 target range of npu_dynamic_quant (aclnnDynamicQuantV4)
@@ -78,8 +80,13 @@ class QuantizeKernels:
         check_tensor("input", input, FLOATS)
         check_dims("input", input, 1, 8)
         check_tensor("scales", scales)
-        out = dtype_arg("dtype", dtype, required=True)
         # torch_npu: "Param (dtype) must be Int8, UInt8, Int32, HiFloat8, Float8_e4m3fn, Float8_e5m2"
+        # (QUANTIZE_SUPPORT_MAP keys are ScalarTypes plus HIFLOAT8: torch_npu's FP8 numbers 291/292, which other
+        # kernels take for the native float8 dtypes, are not among them)
+        if dtype in (FLOAT8_E5M2, FLOAT8_E4M3FN):
+            raise NpuTypeError(f"dtype={dtype}: npu_quantize takes torch.float8_e5m2 / torch.float8_e4m3fn, not "
+                               "torch_npu's FP8 numbers")
+        out = dtype_arg("dtype", dtype, required=True)
         # (QUANTIZE_SUPPORT_MAP also takes qint8/quint8/qint32); quint4x2 is div_mode=False only.
         check_dtype("dtype", out, (*FP8_NATIVE, HIFLOAT8, torch.qint8, torch.quint8, torch.qint32,
                                     torch.int8, torch.uint8, torch.int32, torch.quint4x2))
@@ -209,6 +216,9 @@ class QuantizeKernels:
             raise NpuValueError(f"smooth_scales may hold at most {MAX_EXPERTS} experts, got {smooth.shape[0]}")
         check_shape("group_index", group_index, (smooth.shape[0],))
         rows = x.numel() // n
+        # aclnnDynamicQuantV4 约束说明: "当有groupIndexOptional时，专家数不超过x剔除最后一维的各个维度乘积。"
+        if smooth.shape[0] > rows:
+            raise NpuValueError(f"smooth_scales holds {smooth.shape[0]} experts, more than the {rows} rows of x")
         ends = group_index.tolist()
         # 约束说明: "groupIndexOptional的值需要是一组不小于零且非递减的数组，且最后一个值和x剔除最后一维的各个维度乘积
         # 相等。若不满足该条件，结果无实际意义。" (the kernel computes garbage; the simulator refuses)
