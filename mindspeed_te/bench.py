@@ -60,6 +60,8 @@ TARGETS = {
     "NPU launches, linear backward, blockwise": (6, False),
     "NPU launches, linear forward, mxfp8": (4, False),
     "NPU launches, linear backward, mxfp8": (6, False),
+    **{f"NPU launches, later micro-batch forward, {kind}": (6 if kind == "delayed" else 4, False)
+       for kind in ("delayed", "tensorwise", "blockwise", "mxfp8")},
     "NPU launches, delayed update per step": (16, False),
     "NPU launches, HiF8 delayed update per step": (16, False),
     "NPU launches, non-finite fold per step": (4, False),
@@ -258,6 +260,20 @@ def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[Launc
     return _second_layer_launches(recipe, Linear(256, 256, bias=True, params_dtype=dtype), 128, npu)
 
 
+def microbatch_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> LaunchCounter:
+    """Launches of a later micro-batch's forward of `Linear(256, 256, bias=True)` on 128 tokens (TE's
+    is_first_microbatch=False, as Megatron passes it: the weight's quantized form and the GEMM's bias are the
+    step's first micro-batch's), in the second step."""
+    layer = Linear(256, 256, bias=True, params_dtype=dtype)
+    x = torch.randn(128, 256, dtype=dtype, requires_grad=True)
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            layer(x, is_first_microbatch=True)
+            with LaunchCounter(npu) as counter:
+                layer(x, is_first_microbatch=False)
+    return counter
+
+
 def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8
                      ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of one `GroupedLinear(experts, 256, 256)` forward (weight quantization included) and backward,
@@ -331,6 +347,9 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                              f"{backward.npu_kernels} torch_npu)"
                     rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
                     rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
+                later = microbatch_launches(recipe, torch.bfloat16, npu)
+                rows.append((f"NPU launches, later micro-batch forward, {kind}", float(later.total),
+                             f"{name} bfloat16 {chip}, weight and bias kept from the first"))
     for chip, name in (("Ascend950PR", "blockwise E4M3"), ("Ascend950DT", "mxfp8 E4M3")):
         with npu_simulated(chip) as npu:  # block-scaled experts: one quantize and GEMMs per expert
             forward, backward = grouped_launches(launch_recipes()[name], torch.bfloat16, npu)

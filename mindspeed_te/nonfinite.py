@@ -23,7 +23,6 @@ NonfinitePair = tuple[torch.Tensor, torch.Tensor, bool]
 _CHUNK = 1 << 16  # flags per shared buffer: 256 KiB, more than any model's slots
 _chunks: dict[torch.device, list] = {}  # device -> [buffer, flags handed out]
 _indices: dict[tuple, torch.Tensor] = {}  # (positions, device) -> index tensor, made once per layout
-_heads: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> the one-element 0 of `_head`
 
 
 def take_flags(n: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -61,47 +60,37 @@ def _index(positions: Sequence[int], device: torch.device) -> torch.Tensor:
     return index
 
 
-def _head(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A one-element 0 of `dtype`, made once: the finite head of concatenated block scales."""
-    key = (dtype, device)
-    if key not in _heads:
-        _heads[key] = torch.zeros(1, dtype=dtype, device=device)
-    return _heads[key]
+def _as_values(scales: torch.Tensor) -> torch.Tensor:
+    """Decode scales as float32 values whose NaN/Inf mark a non-finite tensor: float32 as they are, MX E8M0
+    bytes as their values (0xFF is E8M0's NaN; the others are finite powers of 2), one cast."""
+    return scales.view(torch.float8_e8m0fnu).float() if scales.dtype == torch.uint8 else scales
 
 
-def _block_values(pairs: Sequence[NonfinitePair], device: torch.device) -> torch.Tensor:
-    """Per pair 0 if all its scales are finite, else NaN: per dtype, the scales concatenated behind a finite
-    head, their non-finite elements (NaN/Inf; MX: the byte 0xFF) counted by one cumulative sum read before
-    and at each tensor's last element (one index_select), and sqrt(count before - count through)."""
-    values = None
+def _fold_blocks(buffer: torch.Tensor, positions: list[int], scales: list[torch.Tensor]) -> None:
+    """Fold block scales (scales[j] for the flag at buffer position positions[j]) into one flag buffer:
+    per dtype, the scales concatenated in the order of their flags' positions, each element's position made by
+    one repeat of the segment lengths (a segment per position between the first flag and the last, empty where
+    no scale is noted), then one indexed add of 0 * value into that range of the buffer: NaN where a value is
+    NaN or Inf. Three launches for float32 scales (cat, repeat, add), four for E8M0 bytes (and their cast)."""
+    device = buffer.device
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, (_, scales, _) in enumerate(pairs):
-        by_dtype.setdefault(scales.dtype, []).append(i)
-    for dtype, members in by_dtype.items():
-        scales = [pairs[i][1].reshape(-1) for i in members]
-        flat = torch.cat([_head(dtype, device), *scales])
-        # NaN/Inf: x * 0 != 0 (two kernels; isfinite is one on the NPU, but four ops where it is composite)
-        bad = torch.eq(flat, 0xFF) if dtype == torch.uint8 else torch.ne(flat.mul(0.0), 0.0)
-        counts = torch.cumsum(bad, 0, dtype=torch.int32)
-        before, through, position = [], [], 0
-        for t in scales:
-            before.append(position)
-            position += t.numel()
-            through.append(position)
-        around = counts.index_select(0, _index(before + through, device)).view(2, -1)
-        folded = torch.sqrt(torch.sub(around[0], around[1]))
-        if len(by_dtype) == 1:
-            return folded
-        if values is None:
-            values = torch.empty(len(pairs), dtype=torch.float32, device=device)
-        values.index_copy_(0, _index(members, device), folded)
-    return values
+    for j in sorted(range(len(scales)), key=positions.__getitem__):
+        by_dtype.setdefault(scales[j].dtype, []).append(j)
+    for members in by_dtype.values():
+        first, last = positions[members[0]], positions[members[-1]]
+        lengths = [0] * (last - first + 1)
+        for j in members:
+            lengths[positions[j] - first] += scales[j].numel()
+        flat = torch.cat([scales[j].reshape(-1) for j in members]) if len(members) > 1 else scales[members[0]]
+        values = _as_values(flat.reshape(-1))
+        where = torch.repeat_interleave(_index(lengths, device), output_size=values.numel())
+        buffer.narrow(0, first, len(lengths)).index_add_(0, where, values, alpha=0.0)
 
 
 def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
     """Fold decode scales into their flags: flag + 0 * value, NaN where a value is NaN or Inf. No host sync,
-    and a fixed number of ops for one pair as for a whole step's: the per-tensor scales concatenated (block
-    scales first reduced by `_block_values`), then one indexed add per flag buffer."""
+    and a fixed number of ops for one pair as for a whole step's: per flag buffer, the per-tensor scales
+    concatenated and one indexed add, the block scales `_fold_blocks`."""
     if not pairs:
         return
     if len(pairs) == 1 and not pairs[0][2]:  # one per-tensor quantize: one op
@@ -109,14 +98,14 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
         flag.add_(scale_inv if scale_inv.shape == flag.shape else scale_inv.reshape(flag.shape), alpha=0.0)
         return
     device = pairs[0][0].device
-    if any(reduce for _, _, reduce in pairs):
-        values = _block_values(pairs, device)
-    else:
-        values = torch.cat([scale_inv.reshape(1) for _, scale_inv, _ in pairs])
-    groups = _by_buffer([flag for flag, _, _ in pairs])
-    for buffer, positions, members in groups.values():
-        mine = values if len(groups) == 1 else values.index_select(0, _index(members, device))
-        buffer.index_add_(0, _index(positions, device), mine, alpha=0.0)
+    for buffer, positions, members in _by_buffer([flag for flag, _, _ in pairs]).values():
+        blocks = [j for j, i in enumerate(members) if pairs[i][2]]
+        if blocks:
+            _fold_blocks(buffer, [positions[j] for j in blocks], [pairs[members[j]][1] for j in blocks])
+        tensors = [j for j, i in enumerate(members) if not pairs[i][2]]
+        if tensors:
+            values = torch.cat([pairs[members[j]][1].reshape(1) for j in tensors])
+            buffer.index_add_(0, _index([positions[j] for j in tensors], device), values, alpha=0.0)
 
 
 def clear_flags(flags: Sequence[torch.Tensor]) -> None:
