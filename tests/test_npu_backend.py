@@ -66,6 +66,23 @@ def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.
     return y.detach(), x.grad, w.main_grad, b.grad
 
 
+def _grouped_step(use_backend, backend_name, monkeypatch, recipe, splits, sim=None, dtype=torch.bfloat16):
+    """(output, input grad, weight grads) of one forward and backward of GroupedLinear(len(splits), 128, 256)."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.modules import GroupedLinear
+
+    use_backend(backend_name)
+    if sim is not None:
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(splits), 128, 256, params_dtype=dtype)
+    x = (torch.randn(sum(splits), 128) * 3).to(dtype).requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):
+        y = layer(x, splits)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    return [y.detach(), x.grad] + [w.grad for w in layer.weights]
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backend):
     recipe = RECIPES[name]
@@ -286,26 +303,10 @@ def test_wgrad_over_an_odd_number_of_32_blocks_stays_on_the_mx_gemm(name, chip, 
     """Experts, and linears, whose token count is an odd multiple of 32 give the wgrad an odd number of 32-blocks
     along k: their E8M0 scales fill the last pair (the quantize kernels pad theirs with 0, the dual-axis kernel's
     come padded) and the GEMM stays npu_quant_matmul's MX mode, with the reference's results bit for bit."""
-    from mindspeed_te import fp8_autocast
-    from mindspeed_te.modules import GroupedLinear
-
     splits = [32, 96, 0, 160]
-
-    def run(backend_name, sim=None):
-        use_backend(backend_name)
-        if sim is not None:
-            monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-        torch.manual_seed(0)
-        layer = GroupedLinear(len(splits), 128, 256, params_dtype=torch.bfloat16)
-        x = torch.randn(sum(splits), 128).bfloat16().requires_grad_()
-        with fp8_autocast(fp8_recipe=RECIPES[name]):
-            y = layer(x, splits)
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
-        return [y.detach(), x.grad] + [w.grad for w in layer.weights]
-
     sim = make_simulator(chip)
-    got = run("npu", sim)
-    for g, w in zip(got, run("reference")):
+    got = _grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
+    for g, w in zip(got, _grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)):
         assert torch.equal(g, w)
     active = sum(1 for m in splits if m)
     assert sim.launch_counts["npu_quant_matmul"] == 3 * active  # fprop, dgrad and wgrad of each expert
@@ -322,25 +323,9 @@ def test_experts_rowwise_forms_from_one_quantize_equal_the_reference(name, dtype
     """On the 950PR the experts' inputs and grad_outputs, row blocks of one tensor, get their rowwise forms
     (1x128 tiles, MX blocks: row-local) from one quantize of the joined rows and their columnwise forms one by
     one; every result equals the reference's bit for bit, an empty expert and float32 inputs included."""
-    from mindspeed_te import fp8_autocast
-    from mindspeed_te.modules import GroupedLinear
-
-    splits = [64, 0, 32, 160]
-
-    def run(backend_name, sim=None):
-        use_backend(backend_name)
-        if sim is not None:
-            monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-        torch.manual_seed(0)
-        layer = GroupedLinear(len(splits), 128, 256, params_dtype=dtype)
-        x = (torch.randn(sum(splits), 128) * 3).to(dtype).requires_grad_()
-        with fp8_autocast(fp8_recipe=RECIPES[name]):
-            y = layer(x, splits)
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
-        return [y.detach(), x.grad] + [w.grad for w in layer.weights]
-
-    sim = make_simulator("Ascend950PR")
-    for g, w in zip(run("npu", sim), run("reference")):
+    splits, recipe = [64, 0, 32, 160], RECIPES[name]
+    got = _grouped_step(use_backend, "npu", monkeypatch, recipe, splits, make_simulator("Ascend950PR"), dtype)
+    for g, w in zip(got, _grouped_step(use_backend, "reference", monkeypatch, recipe, splits, dtype=dtype)):
         assert torch.equal(g, w)
 
 
