@@ -220,8 +220,9 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
 
     parallel_state.initialize_model_parallel(world_size, 1)
     torch.manual_seed(0)
-    experts = dict(num_moe_experts=4, moe_grouped_gemm=True, moe_router_topk=2,
-                   moe_token_dispatcher_type="alltoall") if moe else {}
+    # the experts' token counts padded to the FP8 GEMMs' alignment (--moe-router-padding-for-fp8; MXFP8 needs 32)
+    experts = dict(num_moe_experts=4, moe_grouped_gemm=True, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                   moe_router_padding_for_quantization=fp8 is not None) if moe else {}
     precision = dict(params_dtype=torch.bfloat16, bf16=True) if backend is not None else {}
     config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size, **experts, **precision)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4 if moe else None, moe_grouped_gemm=moe)
@@ -358,14 +359,18 @@ def test_every_te_gated_importer_is_patched_or_deliberately_left_alone():
     assert not set(NOT_PATCHED) - found, "NOT_PATCHED lists modules that no longer import the TE extension"
 
 
-@pytest.mark.parametrize("fp8,recipe,quantize_kernel", [("hif8", "tensorwise", "npu_dynamic_quant"),
-                                                         ("hif8", "delayed", "npu_quantize"),
-                                                         ("e4m3", "mxfp8", "npu_dynamic_mx_quant")])
-def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, quantize_kernel):
+@pytest.mark.parametrize("fp8,recipe,quantize_kernel,moe", [("hif8", "tensorwise", "npu_dynamic_quant", False),
+                                                             ("hif8", "delayed", "npu_quantize", False),
+                                                             ("e4m3", "mxfp8", "npu_dynamic_mx_quant", False),
+                                                             ("e4m3", "mxfp8", "npu_dynamic_mx_quant", True),
+                                                             ("e4m3", "blockwise", "npu_dynamic_mx_quant", True)])
+def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, quantize_kernel, moe):
     """A bf16 GPT from Megatron's spec, its GEMMs and quantizations through torch_npu's kernels (checked
-    against their contract by the simulator): the same losses, bit for bit, as the reference backend."""
-    npu = run_distributed(_train_gpt, 1, fp8, recipe, None, False, "npu")[0]
-    reference = run_distributed(_train_gpt, 1, fp8, recipe, None, False, "reference")[0]
+    against their contract by the simulator): the same losses, bit for bit, as the reference backend; with
+    `moe`, 4 experts of grouped GEMMs (block-scaled: one GEMM per expert, the experts' rowwise forms from one
+    quantize)."""
+    npu = run_distributed(_train_gpt, 1, fp8, recipe, None, moe, "npu")[0]
+    reference = run_distributed(_train_gpt, 1, fp8, recipe, None, moe, "reference")[0]
     launches = npu["npu_launches"]
     assert launches.get("npu_quant_matmul", 0) > 0 and launches.get(quantize_kernel, 0) > 0, launches
     assert npu["losses"] == reference["losses"]
