@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["NonfinitePair", "take_flags", "fold_nonfinite_pairs", "clear_flags"]
+__all__ = ["NonfinitePair", "PendingPairs", "take_flags", "fold_nonfinite_pairs", "clear_flags"]
 
 # (a quantizer's one-element flag, the decode scales of a tensor it quantized, whether those are block scales
 # (any number of them) rather than one per-tensor scale): what quantizers note and `fold_nonfinite_pairs` folds.
@@ -106,6 +106,28 @@ def fold_nonfinite_pairs(pairs: Sequence[NonfinitePair]) -> None:
         if tensors:
             values = torch.cat([pairs[members[j]][1].reshape(1) for j in tensors])
             buffer.index_add_(0, _index([positions[j] for j in tensors], device), values, alpha=0.0)
+
+
+class PendingPairs(list):
+    """The pairs a step's quantizes noted, for one fold at the step's end (`fold`). Once they hold `FOLD_AT`
+    scale elements they are folded at once, so that neither the scales a long step (many micro-batches of a
+    large model) keeps alive for its fold nor the fold's own buffers, a few times their size, grow with it."""
+
+    FOLD_AT = 1 << 23
+    elements = 0
+
+    def note(self, pair: NonfinitePair) -> None:
+        self.append(pair)
+        self.elements += pair[1].numel()
+        if self.elements >= self.FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Fold every pair noted so far. The pairs are taken first: a failure cannot leave them behind."""
+        pairs = list(self)
+        self.clear()
+        self.elements = 0
+        fold_nonfinite_pairs(pairs)
 
 
 def clear_flags(flags: Sequence[torch.Tensor]) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
-from mindspeed_te.nonfinite import NonfinitePair, fold_nonfinite_pairs
+from mindspeed_te.nonfinite import NonfinitePair, PendingPairs, fold_nonfinite_pairs
 from mindspeed_te.scaling import (
     current_scale_inv,
     e8m0_encode,
@@ -71,7 +71,7 @@ class Quantizer:
         # where record_nonfinite_many notes the flag's updates until the state manager folds the step's at
         # once; None: each quantize folds its own.
         self.nonfinite: Optional[torch.Tensor] = None
-        self.nonfinite_pending: Optional[list[NonfinitePair]] = None
+        self.nonfinite_pending: Optional[PendingPairs] = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles (a saved FP8 parameter keeps its quantizer) leave out the pending notes: they are
@@ -361,9 +361,9 @@ def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[Quanti
                           ) -> Sequence[QuantizedTensorStorage]:
     """Note each quantized tensor's decode scales for its quantizer's non-finite flag (those that have one)
     and return `outs`. A quantizer with a `nonfinite_pending` list (a watched module's: the state manager's
-    list for the whole step) only appends (flag, scales) there, no device op; the state manager folds the
-    step's pairs at once (`FP8GlobalStateManager.fold_nonfinite`) before it reads the flags. Without one the
-    pairs are folded now."""
+    list for the whole step) only notes (flag, scales) there, no device op; the state manager folds the
+    step's pairs at once (`FP8GlobalStateManager.fold_nonfinite`) before it reads the flags, the list itself
+    sooner in a large step (`PendingPairs`). Without one the pairs are folded now."""
     now: list[NonfinitePair] = []
     for q, out in zip(quantizers, outs):
         if q.nonfinite is None:
@@ -375,7 +375,10 @@ def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[Quanti
             if not scales.numel():  # an empty tensor (an expert without tokens) has none
                 continue
             pair = (q.nonfinite, scales, True)
-        (now if q.nonfinite_pending is None else q.nonfinite_pending).append(pair)
+        if q.nonfinite_pending is None:
+            now.append(pair)
+        else:
+            q.nonfinite_pending.note(pair)
     if now:
         fold_nonfinite_pairs(now)
     return outs

@@ -11,7 +11,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 
-from mindspeed_te.nonfinite import NonfinitePair, take_flags
+from mindspeed_te.nonfinite import PendingPairs, take_flags
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -96,7 +96,7 @@ class RecipeState:
         # FP8GlobalStateManager.check_nonfinite). `nonfinite_pending`: the state manager's list of the step's
         # flag updates, given to this state's quantizers (set by FP8GlobalStateManager.watch_nonfinite).
         self.nonfinite = take_flags(num_quantizers, device)
-        self.nonfinite_pending: Optional[list[NonfinitePair]] = None
+        self.nonfinite_pending: Optional[PendingPairs] = None
         self.slots = SlotViews()
 
     @staticmethod

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mindspeed_te.distributed import check_same_on_all_ranks
 from mindspeed_te.kernels import get_backend, reset_backend
-from mindspeed_te.nonfinite import NonfinitePair, clear_flags, fold_nonfinite_pairs
+from mindspeed_te.nonfinite import PendingPairs, clear_flags, fold_nonfinite_pairs
 from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -128,8 +128,8 @@ class FP8GlobalState:
     nonfinite_steps: int = 0
     nonfinite_counts: Counter = field(default_factory=Counter)
     # The flag updates the watched states' quantizers noted since the last fold (quantizers.
-    # record_nonfinite_many), folded once per step for all layers (fold_nonfinite).
-    nonfinite_pending: list[NonfinitePair] = field(default_factory=list)
+    # record_nonfinite_many), folded once per step for all layers (fold_nonfinite), or sooner in large steps.
+    nonfinite_pending: PendingPairs = field(default_factory=PendingPairs)
     # reduction groups (by id) whose ranks were checked to run the same recipe
     recipe_agreed_groups: set[int] = field(default_factory=set)
     # Sees every quantized GEMM operand when set (the numerics report of mindspeed_te.debug registers here,
@@ -393,13 +393,10 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fold_nonfinite(cls) -> None:
-        """Fold the flag updates noted since the last fold into the flags, all layers' at once: one
-        multi-tensor max over their block scales and one multi-tensor maximum into the flags (per dtype,
-        `quantizers.fold_nonfinite_pairs`). Runs before the flags are read and at the end of every step, so
-        the list never outlives a step. The pairs are taken first: a failure cannot leave them behind."""
-        qstate = cls.quantization_state
-        pairs, qstate.nonfinite_pending[:] = list(qstate.nonfinite_pending), []
-        fold_nonfinite_pairs(pairs)
+        """Fold the flag updates noted since the last fold into the flags, all layers' at once
+        (`nonfinite.fold_nonfinite_pairs`: a fixed handful of ops). Runs before the flags are read and at the
+        end of every step, so the list never outlives a step."""
+        cls.quantization_state.nonfinite_pending.fold()
 
     @classmethod
     def _end_step_nonfinite(cls) -> None:

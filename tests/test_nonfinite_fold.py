@@ -169,3 +169,21 @@ def test_fold_marks_exactly_the_flags_whose_scales_held_a_non_finite_value():
         assert [math.isnan(f.item()) for f in flags] == expected
     clear_flags(flags)
     assert not any(f.item() for f in flags)
+
+
+def test_a_large_step_folds_its_notes_as_they_reach_the_bound(monkeypatch):
+    """The notes of a step are folded as soon as they hold `PendingPairs.FOLD_AT` scale elements, so a long step
+    of a large model keeps neither its scales nor an unbounded fold buffer; the flags and the step's report are
+    those of one fold at its end."""
+    from mindspeed_te.nonfinite import PendingPairs
+
+    monkeypatch.setattr(PendingPairs, "FOLD_AT", 64 * 2)  # the MX scales of two 64x64 tensors
+    layer = Linear(64, 64, name="fc")
+    x, dy = _inputs(bad_at=(3, 4))
+    with fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
+        y = layer(x)
+    assert _pending() == [] and _pending().elements == 0  # input and weight: 128 scale bytes, folded
+    assert layer.fp8_states[0].nonfinite.isnan().any()
+    with pytest.warns(RuntimeWarning, match="fc input"):
+        y.backward(dy)
+    assert FP8GlobalStateManager.get_nonfinite_counts() == {"steps": 1, "fc input": 1}
