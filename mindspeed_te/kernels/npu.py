@@ -40,7 +40,7 @@ import copy
 import functools
 import math
 import os
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -144,6 +144,20 @@ def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 def _config(q: Quantizer) -> dict[str, Any]:
     """What a quantizer's output depends on: its attributes but its non-finite bookkeeping."""
     return {name: value for name, value in vars(q).items() if name not in ("nonfinite", "nonfinite_pending")}
+
+
+def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
+              outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[range]:
+    """Runs of two or more consecutive tensors not quantized yet that are row blocks of one buffer in order
+    (`rows_follow`) with quantizers of one configuration."""
+    start = 0
+    for stop in range(1, len(qs) + 1):
+        if (stop < len(qs) and outs[stop] is None and outs[start] is None
+                and rows_follow(x2ds[stop - 1], x2ds[stop]) and _config(qs[stop]) == _config(qs[start])):
+            continue
+        if stop - start > 1 and outs[start] is None:
+            yield range(start, stop)
+        start = stop
 
 
 def _with_usage(q: Quantizer, **usage: bool) -> Quantizer:
@@ -320,19 +334,13 @@ class NpuBackend(ReferenceBackend):
         blocks): the rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its
         rows of that output, views); each block's columnwise form, whose tiles start at the block's first row,
         is made on its own. Not where the 950DT's dual-axis kernel makes both forms of each block in one call."""
-        start = 0
-        for stop in range(1, len(qs) + 1):
-            if (stop < len(qs) and outs[stop] is None and outs[start] is None
-                    and rows_follow(x2ds[stop - 1], x2ds[stop]) and _config(qs[stop]) == _config(qs[start])):
-                continue
-            run, start = range(start, stop), stop
+        for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
+            joined = joined_rows([x2ds[i] for i in run])
             row_local = isinstance(q, MXFP8Quantizer) or (isinstance(q, Float8BlockQuantizer)
                                                           and q.block_scaling_dim == 1)
-            if len(run) < 2 or outs[run[0]] is not None or not (q.rowwise_usage and row_local):
-                continue
-            joined = joined_rows([x2ds[i] for i in run])
-            if joined is None or (isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)):
+            if joined is None or not (q.rowwise_usage and row_local) or (
+                    isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)):
                 continue
             whole = _QUANTIZE_KERNELS[type(q)](self, _with_usage(q, columnwise=False), joined, joined)
             if whole is None:
