@@ -350,7 +350,8 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                 later = microbatch_launches(recipe, torch.bfloat16, npu)
                 rows.append((f"NPU launches, later micro-batch forward, {kind}", float(later.total),
                              f"{name} bfloat16 {chip}, weight and bias kept from the first"))
-    for chip, name in (("Ascend950PR", "blockwise E4M3"), ("Ascend950DT", "mxfp8 E4M3")):
+    for chip, name in (("Ascend950PR", "blockwise E4M3"), ("Ascend950PR", "blockwise HIF8"),
+                       ("Ascend950DT", "mxfp8 E4M3")):
         with npu_simulated(chip) as npu:  # block-scaled experts: one quantize and GEMMs per expert
             forward, backward = grouped_launches(launch_recipes()[name], torch.bfloat16, npu)
             detail = f"{name} bfloat16 {chip}, 8 experts"
