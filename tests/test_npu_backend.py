@@ -347,6 +347,25 @@ def test_wgrad_over_more_tokens_than_the_kernel_takes(chip, name, monkeypatch, u
     assert sim.launch_counts["npu_quant_matmul"] == 4  # fprop, dgrad and the wgrad's two parts
 
 
+def test_experts_without_tokens_and_quantizers_holding_tensors(monkeypatch, use_backend):
+    """A rank whose experts all received no tokens runs on the NPU path as on the reference (zeros); quantizers
+    that hold tensors (TE's Float8Quantizer(scale, amax, ...)) meet the experts' row-block batching without a
+    host sync."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8Quantizer
+
+    splits, recipe = [0, 0, 0], MXFP8BlockScaling()
+    got = _grouped_step(use_backend, "npu", monkeypatch, recipe, splits, make_simulator("Ascend950PR"))
+    for g, w in zip(got, _grouped_step(use_backend, "reference", monkeypatch, recipe, splits)):
+        assert torch.equal(g, w)
+    backend = NpuBackend(make_simulator("Ascend950PR"))
+    parts = list(torch.split(torch.randn(96, 64, dtype=torch.bfloat16), [32, 0, 64]))
+    quantizers = [Float8Quantizer(torch.ones(1) * s, torch.zeros(1), FP8Dtype.E4M3) for s in (1.0, 2.0, 4.0)]
+    with HostSyncCounter() as syncs:
+        backend.quantize_many(quantizers, parts)
+    assert syncs.total == 0, dict(syncs.counts)
+
+
 @pytest.mark.parametrize("splits", [[160], [0, 160], [64, 96], [16, 32]])
 def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypatch, use_backend):
     """A transposed input, quantized by torch ops that keep its strides (current scaling with power-of-2

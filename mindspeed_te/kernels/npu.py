@@ -132,8 +132,8 @@ _K_PART = 511 * 128
 
 def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     """t[start:stop] along `dim` in a layout npu_quant_matmul takes, the one t had: contiguous, or the transposed
-    view (of the last two dims of a matrix, the first two of E8M0 pairs) of a contiguous tensor; a copy only
-    where the narrowing broke it."""
+    view (of the last two dims of a matrix, the first two of E8M0 pairs) of a contiguous tensor; a copy unless
+    the part is one already (narrowing along k mostly breaks it)."""
     part = t.narrow(dim, start, stop - start)
     if t.is_contiguous():
         return part.contiguous()
@@ -141,21 +141,28 @@ def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     return part.transpose(*dims).contiguous().transpose(*dims)
 
 
-def _config(q: Quantizer) -> dict[str, Any]:
-    """What a quantizer's output depends on: its attributes but its non-finite bookkeeping."""
-    return {name: value for name, value in vars(q).items() if name not in ("nonfinite", "nonfinite_pending")}
+def _row_local_config(q: Quantizer) -> Optional[tuple]:
+    """What the output of a quantizer whose rowwise form is row-local (1x128 tiles, MX blocks) depends on, or
+    None for other quantizers."""
+    if isinstance(q, MXFP8Quantizer):
+        return type(q), q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, q.block_len, q.rounding
+    if isinstance(q, Float8BlockQuantizer) and q.block_scaling_dim == 1:
+        return (type(q), q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, q.block_len, q.target_max,
+                q.amax_epsilon, q.power_2_scale)
+    return None
 
 
 def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
               outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[range]:
     """Runs of two or more consecutive tensors not quantized yet that are row blocks of one buffer in order
-    (`rows_follow`) with quantizers of one configuration."""
+    (`rows_follow`) with row-local quantizers of one configuration (`_row_local_config`)."""
+    configs = [_row_local_config(q) for q in qs]
     start = 0
     for stop in range(1, len(qs) + 1):
-        if (stop < len(qs) and outs[stop] is None and outs[start] is None
-                and rows_follow(x2ds[stop - 1], x2ds[stop]) and _config(qs[stop]) == _config(qs[start])):
+        if (stop < len(qs) and configs[start] is not None and configs[stop] == configs[start]
+                and outs[stop] is None and outs[start] is None and rows_follow(x2ds[stop - 1], x2ds[stop])):
             continue
-        if stop - start > 1 and outs[start] is None:
+        if stop - start > 1:
             yield range(start, stop)
         start = stop
 
@@ -268,11 +275,7 @@ class NpuBackend(ReferenceBackend):
         transposed views (aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入"; the
         mx case of aclnnAllGatherMatmulV2: "x1不转置，x2转置，x1Scale不转置， x2Scale转置"); the columnwise form the
         dual-axis kernel makes lies the other way, so its data and scales are copied."""
-        x1_pair, x2_pair = _mx_pair(a, False, as_x2=False), _mx_pair(b, b_columnwise, as_x2=True)
-        if x1_pair is None or x2_pair is None:
-            raise ValueError("the fused MXFP8 communication GEMMs need a contraction dim divisible by 64 (E8M0 "
-                             "scales go in pairs)")
-        (x1, s1), (b2d, s2) = x1_pair, x2_pair
+        (x1, s1), (b2d, s2) = _mx_pair(a, False, as_x2=False), _mx_pair(b, b_columnwise, as_x2=True)
         x2 = b2d.t()
         if x2.is_contiguous():
             x2, s2 = b2d.contiguous().t(), s2.transpose(0, 1).contiguous().transpose(0, 1)
@@ -309,6 +312,8 @@ class NpuBackend(ReferenceBackend):
         """Per-tensor delayed and current scaling of several tensors share their small ops (one multi-tensor
         amax, one history update, one non-finite mark for all), and so do the HiF8 power-of-2 tiles of the
         pass (`_quantize_hif8_tiles`); the rest one by one."""
+        if not quantizers:
+            return []  # a rank whose experts all received no tokens
         x2ds = [x.detach().reshape(-1, x.shape[-1]) for x in tensors]
         kind = type(quantizers[0])
         if all(type(q) is kind for q in quantizers) and all(t.numel() for t in x2ds):
@@ -337,9 +342,7 @@ class NpuBackend(ReferenceBackend):
         for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
-            row_local = isinstance(q, MXFP8Quantizer) or (isinstance(q, Float8BlockQuantizer)
-                                                          and q.block_scaling_dim == 1)
-            if joined is None or not (q.rowwise_usage and row_local) or (
+            if joined is None or not q.rowwise_usage or (
                     isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)):
                 continue
             whole = _QUANTIZE_KERNELS[type(q)](self, _with_usage(q, columnwise=False), joined, joined)
@@ -744,8 +747,9 @@ class NpuBackend(ReferenceBackend):
     def _gemm_over_k_parts(self, x1: torch.Tensor, x2: torch.Tensor, kwargs: dict, out_dtype: torch.dtype,
                            bias: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:
         """A GEMM whose k passes the kernel's limit (a wgrad over more tokens than that), as float32 products
-        of k-parts of whole 128-tiles and E8M0 pairs, summed, then the bias and the output dtype. Per-tensor
-        scales apply within each part, so the last bit may differ from one GEMM's."""
+        of k-parts of whole 128-tiles and E8M0 pairs, summed, then the bias and the output dtype: float32 sums of
+        the same products in another order than one GEMM's (and the reference's), so an output can differ from
+        theirs by the rounding of those sums, relative to the size of its terms (many ulps where they cancel)."""
         k = x1.shape[-1]
         groups = kwargs.get("group_sizes")
         block = {None: 0, (1, 1, 32): 64, (1, 128, 128): 128}[None if groups is None else tuple(groups)]
