@@ -81,8 +81,8 @@ def _fold_blocks(buffer: torch.Tensor, positions: list[int], scales: list[torch.
         lengths = [0] * (last - first + 1)
         for j in members:
             lengths[positions[j] - first] += scales[j].numel()
-        flat = torch.cat([scales[j].reshape(-1) for j in members]) if len(members) > 1 else scales[members[0]]
-        values = _as_values(flat.reshape(-1))
+        flat = [scales[j].reshape(-1) for j in members]
+        values = _as_values(torch.cat(flat) if len(flat) > 1 else flat[0])
         where = torch.repeat_interleave(_index(lengths, device), output_size=values.numel())
         buffer.narrow(0, first, len(lengths)).index_add_(0, where, values, alpha=0.0)
 

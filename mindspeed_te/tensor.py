@@ -184,12 +184,11 @@ class _TiledTensor(QuantizedTensorStorage):
         m, k = values.shape
         # Along each dim whole tiles, or one tile cut short (a dim below the tile: an expert of 32 tokens under
         # 1x128 tiles along them) that counts as whole at its own length.
-        rows, cols = (rows if m % rows == 0 else m), (cols if k % cols == 0 else k)
-        if m % rows == 0 and k % cols == 0 and scales.shape == (m // rows, k // cols):
+        r, c = (rows if m % rows == 0 else m), (cols if k % cols == 0 else k)
+        if m % r == 0 and k % c == 0 and scales.shape == (m // r, k // c):
             # Each tile's scale broadcast over it in the one multiply, no expanded copy of the scales.
-            tiles = values.reshape(m // rows, rows, k // cols, cols)
-            return (tiles * scales.reshape(m // rows, 1, k // cols, 1)).reshape(m, k)
-        rows, cols = self._tile()
+            tiles = values.reshape(m // r, r, k // c, c)
+            return (tiles * scales.reshape(m // r, 1, k // c, 1)).reshape(m, k)
         scales = scales.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
         return values * scales
 

@@ -40,7 +40,7 @@ import copy
 import functools
 import math
 import os
-from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -152,19 +152,36 @@ def _row_local_config(q: Quantizer) -> Optional[tuple]:
     return None
 
 
+def _runs(count: int, joins: Callable[[int, int], bool]) -> Iterator[range]:
+    """The indices 0..count-1 cut into maximal runs of consecutive ones, index i joining the run that starts
+    at s when `joins(s, i)`."""
+    start = 0
+    for stop in range(1, count + 1):
+        if stop < count and joins(start, stop):
+            continue
+        yield range(start, stop)
+        start = stop
+
+
+def _row_spans(x2ds: Sequence[torch.Tensor], run: range) -> Iterator[tuple[int, slice]]:
+    """(i, its rows in the joined tensor) for each row block i of `run`."""
+    row = 0
+    for i in run:
+        yield i, slice(row, row + x2ds[i].shape[0])
+        row += x2ds[i].shape[0]
+
+
 def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
               outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[range]:
     """Runs of two or more consecutive tensors not quantized yet that are row blocks of one buffer in order
     (`rows_follow`) with row-local quantizers of one configuration (`_row_local_config`)."""
     configs = [_row_local_config(q) for q in qs]
-    start = 0
-    for stop in range(1, len(qs) + 1):
-        if (stop < len(qs) and configs[start] is not None and configs[stop] == configs[start]
-                and outs[stop] is None and outs[start] is None and rows_follow(x2ds[stop - 1], x2ds[stop])):
-            continue
-        if stop - start > 1:
-            yield range(start, stop)
-        start = stop
+
+    def joins(start: int, i: int) -> bool:
+        return (configs[start] is not None and configs[i] == configs[start] and outs[i] is None
+                and outs[start] is None and rows_follow(x2ds[i - 1], x2ds[i]))
+
+    return (run for run in _runs(len(qs), joins) if len(run) > 1)
 
 
 def _with_usage(q: Quantizer, **usage: bool) -> Quantizer:
@@ -348,10 +365,7 @@ class NpuBackend(ReferenceBackend):
             whole = _QUANTIZE_KERNELS[type(q)](self, _with_usage(q, columnwise=False), joined, joined)
             if whole is None:
                 continue
-            row = 0
-            for i in run:
-                rows = slice(row, row + x2ds[i].shape[0])
-                row = rows.stop
+            for i, rows in _row_spans(x2ds, run):
                 if q.columnwise_usage:
                     columnwise = _with_usage(qs[i], rowwise=False)
                     kernel = _QUANTIZE_KERNELS[type(q)](self, columnwise, xs[i], x2ds[i])
@@ -377,26 +391,21 @@ class NpuBackend(ReferenceBackend):
         blocks of one buffer (`rows_follow`: a grouped linear's experts) with one format and divisor dtype take
         one npu_quantize with a divisor per row (their divisors expanded over their rows in one concatenation):
         two launches for all the experts instead of one each."""
+        def joins(start: int, i: int) -> bool:
+            return (rows_follow(x2ds[i - 1], x2ds[i]) and qs[i].fp8_dtype is qs[start].fp8_dtype
+                    and divisors[i].dtype == divisors[start].dtype)
+
         outs: list[Float8TensorStorage] = []
-        start = 0
-        for stop in range(1, len(qs) + 1):
-            if (stop < len(qs) and rows_follow(x2ds[stop - 1], x2ds[stop])
-                    and qs[stop].fp8_dtype is qs[start].fp8_dtype and divisors[stop].dtype == divisors[start].dtype):
-                continue
-            run = range(start, stop)
+        for run in _runs(len(qs), joins):
+            start = run[0]
             if len(run) == 1:
                 codes = self._npu_quantize(qs[start], x2ds[start], divisors[start])
             else:
                 per_row = _per_row([divisors[i] for i in run], [x2ds[i].shape[0] for i in run])
                 codes = self._npu_quantize(qs[start], joined_rows([x2ds[i] for i in run]), per_row)
-            row = 0
-            for i in run:
-                rows = x2ds[i].shape[0]
+            for i, rows in _row_spans(x2ds, run):
                 outs.append(Float8TensorStorage(qs[i].fp8_dtype, xs[i].shape, xs[i].dtype,
-                                                data=codes[row: row + rows].reshape(xs[i].shape),
-                                                scale_inv=scale_invs[i]))
-                row += rows
-            start = stop
+                                                data=codes[rows].reshape(xs[i].shape), scale_inv=scale_invs[i]))
         return outs
 
     def _quantize_current(self, qs: Sequence[Float8CurrentScalingQuantizer], xs: Sequence[torch.Tensor],

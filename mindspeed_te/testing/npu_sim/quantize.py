@@ -81,13 +81,13 @@ class QuantizeKernels:
         check_dims("input", input, 1, 8)
         check_tensor("scales", scales)
         # torch_npu: "Param (dtype) must be Int8, UInt8, Int32, HiFloat8, Float8_e4m3fn, Float8_e5m2"
-        # (QUANTIZE_SUPPORT_MAP keys are ScalarTypes plus HIFLOAT8: torch_npu's FP8 numbers 291/292, which other
-        # kernels take for the native float8 dtypes, are not among them)
+        # (QUANTIZE_SUPPORT_MAP also takes qint8/quint8/qint32); quint4x2 is div_mode=False only. Its keys are
+        # ScalarTypes plus HIFLOAT8: torch_npu's FP8 numbers 291/292, which other kernels take for the native
+        # float8 dtypes, are not among them.
         if dtype in (FLOAT8_E5M2, FLOAT8_E4M3FN):
             raise NpuTypeError(f"dtype={dtype}: npu_quantize takes torch.float8_e5m2 / torch.float8_e4m3fn, not "
                                "torch_npu's FP8 numbers")
         out = dtype_arg("dtype", dtype, required=True)
-        # (QUANTIZE_SUPPORT_MAP also takes qint8/quint8/qint32); quint4x2 is div_mode=False only.
         check_dtype("dtype", out, (*FP8_NATIVE, HIFLOAT8, torch.qint8, torch.quint8, torch.qint32,
                                     torch.int8, torch.uint8, torch.int32, torch.quint4x2))
         if out not in (*FP8_NATIVE, HIFLOAT8):
