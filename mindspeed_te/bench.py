@@ -234,23 +234,25 @@ def _second_layer_launches(recipe: Recipe, layer: torch.nn.Module, tokens: int, 
                            ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of `layer(h, *args)` forward and backward in a training step, h of `tokens` rows from a
     Linear(256, 256) before it. The measured layer is the second of two, so its backward does not carry
-    what runs once per step for all layers at the step's end: the backward amax update (counted by
-    `update_launches`) and the fold of the non-finite flag updates its quantizes noted (counted by
-    `fold_launches`; here it runs at the next step's entry, outside both counts). The second step is
-    measured, so delayed scaling runs with real scales."""
+    what runs once per step for all layers at the step's end, after the first layer's backward: the
+    backward amax update (counted by `update_launches`) and the fold of the non-finite flag updates its
+    quantizes noted (counted by `fold_launches`). Both run, uncounted, as in a training step. The second step
+    is measured, so delayed scaling runs with real scales."""
     dtype = next(layer.parameters()).dtype
     first = Linear(256, 256, bias=True, params_dtype=dtype)
     x = torch.randn(tokens, 256, dtype=dtype)
     for _ in range(2):
         forward, backward = LaunchCounter(npu), LaunchCounter(npu)
         with fp8_autocast(fp8_recipe=recipe):
-            h = first(x).detach().requires_grad_()
+            h0 = first(x)
+            h = h0.detach().requires_grad_()  # this layer's backward stops at h
             with forward:
                 y = layer(h, *args)
         dy = torch.ones_like(y)
         layer.zero_grad(set_to_none=True)  # gradient accumulation into .grad is not the layer's work
         with backward:
             y.backward(dy)
+        h0.backward(h.grad)  # the rest of the step
     return forward, backward
 
 
@@ -263,14 +265,15 @@ def linear_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> tuple[Launc
 def microbatch_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> LaunchCounter:
     """Launches of a later micro-batch's forward of `Linear(256, 256, bias=True)` on 128 tokens (TE's
     is_first_microbatch=False, as Megatron passes it: the weight's quantized form and the GEMM's bias are the
-    step's first micro-batch's), in the second step."""
+    step's first micro-batch's), in the second step. Each micro-batch's forward is an autocast region of its
+    own, as in Megatron (its transformer block enters one)."""
     layer = Linear(256, 256, bias=True, params_dtype=dtype)
     x = torch.randn(128, 256, dtype=dtype, requires_grad=True)
     for _ in range(2):
         with fp8_autocast(fp8_recipe=recipe):
             layer(x, is_first_microbatch=True)
-            with LaunchCounter(npu) as counter:
-                layer(x, is_first_microbatch=False)
+        with fp8_autocast(fp8_recipe=recipe), LaunchCounter(npu) as counter:
+            layer(x, is_first_microbatch=False)
     return counter
 
 

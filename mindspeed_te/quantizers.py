@@ -109,6 +109,13 @@ def _state_slot(state_slot: tuple[Any, int], name: str) -> torch.Tensor:
     return state.slots(getattr(state, name))[i]
 
 
+def _amax_slot(state_slot: tuple[Any, int]) -> torch.Tensor:
+    """The amax slot, for whatever use: it no longer counts as fresh (see `Float8Quantizer.fresh_amax`)."""
+    state, i = state_slot
+    state.fresh[i] = False
+    return _state_slot(state_slot, "amax_history")
+
+
 class Float8Quantizer(Quantizer):
     """Delayed scaling: cast with the scale computed at the last update, and max-accumulate this tensor's
     amax into `amax` (slot 0 of its history column) for the next update.
@@ -133,7 +140,16 @@ class Float8Quantizer(Quantizer):
 
     @property
     def amax(self) -> torch.Tensor:
-        return self._amax if self._state is None else _state_slot(self._state, "amax_history")
+        return self._amax if self._state is None else _amax_slot(self._state)
+
+    def fresh_amax(self) -> Optional[torch.Tensor]:
+        """The amax slot when it is zero and unwritten since the state's last update or reset: the caller
+        writes its amax there (it is then the slot's max) instead of max-accumulating. None otherwise, and
+        for a quantizer without a state."""
+        if self._state is None:
+            return None
+        state, i = self._state
+        return state.fresh_amax_slot(i)
 
 
     def scale_inverse(self) -> torch.Tensor:
@@ -219,7 +235,7 @@ class Float8WarmupQuantizer(Quantizer):
 
     @property
     def amax(self) -> torch.Tensor:
-        return _state_slot(self._state, "amax_history")
+        return _amax_slot(self._state)
 
     def calibrate(self, x: torch.Tensor) -> None:
         _check_input(x)

@@ -305,7 +305,7 @@ def update_delayed_states(states: list[DelayedScalingRecipeState],
         for state in states:
             state.update()
         return
-    columns = None
+    columns, updating = None, [True] * len(states)
     if isinstance(states[0], HIF8DelayedScalingRecipeState):
         # Every state counts the step; those at an update step are updated, the others keep accumulating
         # slot 0, cleared of NaN/Inf (flagged above) so that it recovers at once.
@@ -321,8 +321,10 @@ def update_delayed_states(states: list[DelayedScalingRecipeState],
                 mask[state.offset : state.offset + state.num_quantizers] = [True] * state.num_quantizers
             columns = torch.tensor(mask, device=newest.device)
     buffers.update(states[0].recipe, columns)
-    for state in states:
+    for state, updated in zip(states, updating):
         state.scale_inv.synced = state.scale._version
+        if updated:  # the update cleared slot 0 (other states' columns keep accumulating)
+            state.fresh = [True] * state.num_quantizers
 
 
 class DelayedScalingRecipeState(RecipeState):
@@ -338,13 +340,15 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale_inv = ScaleInv(self.scale)
         self.buffers: Optional[DelayedScalingBuffers] = None
         self.offset = 0  # of this state's columns in `buffers`
+        # Per column: slot 0 is zero and nothing has written it since (`fresh_amax_slot`).
+        self.fresh = [True] * num_quantizers
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or pickle holds this state's own columns, contiguous, not the buffers it shares with the
         other states of its key (it joins a key's buffers again at its first update)."""
         copy = super().__getstate__()
         copy.update(amax_history=self.amax_history.clone(), scale=self.scale.clone(), buffers=None, offset=0,
-                    scale_inv=None)
+                    scale_inv=None, fresh=[False] * self.num_quantizers)
         return copy
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -361,6 +365,17 @@ class DelayedScalingRecipeState(RecipeState):
         self.nonfinite = buffers.nonfinite[cols]
         forms = buffers.scale_inv
         self.scale_inv = ScaleInv(self.scale, (forms.value[cols], forms.value_bf16[cols], forms.value_bf16_f32[cols]))
+
+    def fresh_amax_slot(self, i: int) -> Optional[torch.Tensor]:
+        """Slot 0 of column i when it is zero and unwritten since its last update or reset, so a quantize may
+        write its amax there instead of max-accumulating (one launch fewer on an NPU); None otherwise. Either
+        way the slot counts as written from now on, as after any other use of it (`Float8Quantizer.amax`)."""
+        fresh, self.fresh[i] = self.fresh[i], False
+        return self.slots(self.amax_history)[i] if fresh else None
+
+    def loaded(self) -> None:
+        """The history was written from outside (a checkpoint): no slot is known to be fresh."""
+        self.fresh = [False] * self.num_quantizers
 
     def make_quantizers(self) -> list[Quantizer]:
         # No per-quantizer non-finite flags: NaN/Inf data leaves a non-finite amax in slot 0, which the
@@ -392,6 +407,7 @@ class DelayedScalingRecipeState(RecipeState):
         """Forget the history and scales, back to a new state's (after a failed step)."""
         self.amax_history.zero_()
         self.scale.fill_(1.0)
+        self.fresh = [True] * self.num_quantizers
 
 class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     """HIF8DelayedScaling: per-slot targets from the per-tensor margins, current scaling while the warm-up

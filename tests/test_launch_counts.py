@@ -128,20 +128,24 @@ def test_nonfinite_fold_is_a_fixed_handful_of_launches_per_step(recipe_name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delayed_linear_launches(dtype):
-    """Forward: the amaxes of input and weight (float32: one multi-tensor norm; bfloat16: one norm each, since
-    the NPU's multi-tensor norm to float32 would cast each input first), one max into their history slots,
-    one NaN mark of their decode scales, two npu_quantize, the GEMM with its bias (6; bfloat16 8). Backward:
-    the same small ops and npu_quantize for grad_output, dgrad, wgrad, the bias gradient (7). bfloat16
-    inputs need no upcast: they are divided by the bfloat16-rounded 1/scale prepared at the update. A
-    bfloat16 bias is cast to float32 for the GEMM: aclnnQuantMatmulV5's FP8 tables take a float32 bias only."""
+    """Forward: the amaxes of input and weight (float32: one multi-tensor norm, then one max into their
+    history slots; bfloat16: one norm each, since the NPU's multi-tensor norm to float32 would cast each
+    input first, written straight into the slots, still clear since the update), one NaN mark of their
+    decode scales, two npu_quantize, the GEMM with its bias (6; bfloat16 7). Backward: grad_output's norm
+    into its slot, the NaN mark, npu_quantize, dgrad, wgrad, the bias gradient (6). bfloat16 inputs need no
+    upcast: they are divided by the bfloat16-rounded 1/scale prepared at the update. A bfloat16 bias is cast
+    to float32 for the GEMM: aclnnQuantMatmulV5's FP8 tables take a float32 bias only."""
     from mindspeed_te.bench import linear_launches
     from mindspeed_te.recipe import DelayedScaling, Format
 
+    bf16 = dtype == torch.bfloat16
     with _simulated() as npu:
         for fmt in (Format.E4M3, Format.HYBRID, Format.HIF8):
             forward, backward = linear_launches(DelayedScaling(fp8_format=fmt), dtype, npu)
-            assert forward.total == 6 + 2 * (dtype == torch.bfloat16), dict(forward.counts)
-            assert backward.total == 7, dict(backward.counts)
+            assert forward.total == 6 + bf16, dict(forward.counts)
+            assert backward.total == 6, dict(backward.counts)
+            assert forward.counts.get("aten._foreach_maximum_", 0) == (not bf16)
+            assert "aten._foreach_maximum_" not in backward.counts
             assert forward.counts["torch_npu.npu_quantize"] == 2 and backward.counts["torch_npu.npu_quant_matmul"] == 2
             assert forward.counts.get("aten._to_copy", 0) == (dtype == torch.bfloat16)  # the bias only
             assert "aten._to_copy" not in backward.counts
@@ -289,10 +293,12 @@ def test_mxfp8_linear_launches(chip):
 def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
     """is_first_microbatch=False (TE's micro-batch cache): the weight's quantized form and the bias in the
     GEMM's float32 form are kept from the step's first micro-batch, so a later bf16 forward quantizes only the
-    input and casts nothing -- delayed: amax, history max, NaN mark, npu_quantize, GEMM (5); tensorwise:
-    npu_dynamic_quant, GEMM (2); MXFP8: two layouts, GEMM (3) -- and gives the same output as quantizing and
-    casting again."""
+    input and casts nothing -- delayed: amax, history max, NaN mark, npu_quantize, GEMM (5; in a region of its
+    own, as Megatron runs each micro-batch, the amax goes straight into its slot, cleared at the last
+    region's update: 4); tensorwise: npu_dynamic_quant, GEMM (2); MXFP8: two layouts, GEMM (3) -- and gives
+    the same output as quantizing and casting again."""
     from mindspeed_te import Linear, fp8_autocast
+    from mindspeed_te.bench import microbatch_launches
     from mindspeed_te.diagnostics import LaunchCounter
     from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
@@ -310,6 +316,9 @@ def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
     assert counter.total == {"delayed": 5, "tensorwise": 2, "mxfp8": 3}[recipe_name], dict(counter.counts)
     assert "aten._to_copy" not in counter.counts
     assert torch.equal(cached, fresh)
+    with _simulated() as npu:
+        own_region = microbatch_launches(recipe, torch.bfloat16, npu)
+    assert own_region.total == {"delayed": 4, "tensorwise": 2, "mxfp8": 3}[recipe_name], dict(own_region.counts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -819,3 +819,49 @@ def test_bfloat16_main_grad_matches_the_reference(name, monkeypatch, use_backend
     assert got[2].dtype == torch.bfloat16
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_fresh_amax_slot_is_written_once_then_accumulated(monkeypatch, use_backend):
+    """The NPU path writes a tensor's amax straight into its history slot when nothing has written the slot
+    since it was cleared (the step's first quantize: one launch fewer) and max-accumulates otherwise. The
+    input's slot must hold max |x| over every input quantized since the last update: two forwards in one
+    region, a checkpoint taken after a forward and loaded into a new module, and HIF8DelayedScaling's steps
+    between updates. Writing where it should accumulate would leave the smaller, later amax."""
+    from mindspeed_te import HIF8DelayedScaling, Linear, fp8_autocast
+
+    use_backend("npu")
+    g = torch.Generator().manual_seed(0)
+    big = (torch.randn(16, 64, generator=g) * 8).bfloat16()
+    small = (torch.randn(16, 64, generator=g) / 8).bfloat16()
+    amax_big = big.abs().max().float()
+
+    def input_slot(layer: torch.nn.Module) -> torch.Tensor:
+        return layer.fp8_states[0].amax_history[0, 0]  # forward state, column 0: the input
+
+    layer = Linear(64, 64, params_dtype=torch.bfloat16)
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(big)
+        assert input_slot(layer) == amax_big  # written into the fresh slot
+        saved = layer.state_dict()
+        layer(small)
+        assert input_slot(layer) == amax_big
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(small)
+        assert input_slot(layer) == small.abs().max().float()  # the update cleared the slot
+
+    loaded = Linear(64, 64, params_dtype=torch.bfloat16)
+    loaded.load_state_dict(saved)
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        loaded(small)
+        assert input_slot(loaded) == amax_big  # the checkpoint's slot 0 is accumulated into
+
+    # HiF8: each state counts its own steps. `late` joins a step after `early`, so at the end of step 2 only
+    # `early` updates, and `late` keeps its step-1 amax through its step 2.
+    hif8 = HIF8DelayedScaling(amax_collect_interval=0, scale_update_interval=2)  # updates after steps 2, 4, ...
+    early, late = Linear(64, 64, params_dtype=torch.bfloat16), Linear(64, 64, params_dtype=torch.bfloat16)
+    for layers, x in (((early,), small), ((early, late), big), ((early, late), small)):
+        with fp8_autocast(fp8_recipe=hif8):
+            for layer in layers:
+                layer(x)
+            kept = input_slot(late).clone() if late in layers else None
+    assert kept == amax_big

@@ -1166,7 +1166,9 @@ def test_cube_matmul_sums_exact_products_in_float32():
 
 def test_cube_matmul_rounded_is_the_float32_sum_rounded_once():
     """A bfloat16 output of bfloat16 values (oneDNN's bf16 kernel rounding its own sum) and of other values
-    (the float32 sum, cast) both are cube_matmul's float32 sum rounded once."""
+    (the float32 sum, cast) both are a float32 sum of the exact products rounded once: cube_matmul's, except
+    where the exact sum lies within float32 summation error of a bfloat16 tie, which a sum in another order
+    may round the other way (oneDNN's bf16 kernel blocks k its own way on CPUs with bf16 dot products)."""
     from mindspeed_te.testing.npu_sim.cube import cube_matmul, cube_matmul_rounded
 
     g = torch.Generator().manual_seed(3)
@@ -1174,9 +1176,15 @@ def test_cube_matmul_rounded_is_the_float32_sum_rounded_once():
     codes[(codes & 0x7F) == 0x7F] = 0
     a, b = (codecs.decode(c, torch.float8_e4m3fn) * 2.0**-20 for c in codes)
     for x in (a, a * 1.1):
+        exact = x.double() @ b.t().double()
+        summation_error = 320 * 2.0**-24 * (x.double().abs() @ b.t().double().abs())
         for dtype in (torch.bfloat16, torch.float32):
-            got = cube_matmul_rounded(x, b.t(), dtype)
-            assert got.dtype == dtype and torch.equal(got, cube_matmul(x, b.t()).to(dtype))
+            got, once = cube_matmul_rounded(x, b.t(), dtype), cube_matmul(x, b.t()).to(dtype)
+            assert got.dtype == dtype
+            other = got != once
+            tie = (got.double() + once.double()) / 2
+            assert ((exact - tie).abs() <= summation_error)[other].all()
+            assert other.sum() <= 8  # a rare case: 3 of 16384 on an AVX-512 BF16 machine
 
 
 def test_empty_operands(sim):

@@ -445,27 +445,41 @@ class NpuBackend(ReferenceBackend):
 
     def _quantize_delayed(self, qs: Sequence[Float8Quantizer], xs: Sequence[torch.Tensor],
                           x2ds: Sequence[torch.Tensor]) -> list[Float8TensorStorage]:
-        """The amaxes (`_amaxes`) max-accumulated into the history slots in one op, one op marking
-        the stored scale_invs NaN where the data held NaN/Inf, then npu_quantize per tensor with the divisor
-        prepared at the last per-step update (bfloat16 inputs: 1/scale rounded to bfloat16, see
-        Float8Quantizer)."""
-        amaxes = [a.reshape(1) for a in self._amaxes(x2ds)]
-        torch._foreach_maximum_([q.amax for q in qs], amaxes)
+        """The amaxes max-accumulated into the history slots, one op marking the stored scale_invs NaN where
+        the data held NaN/Inf, then npu_quantize per tensor with the divisor prepared at the last per-step
+        update (bfloat16 inputs: 1/scale rounded to bfloat16, see Float8Quantizer). Several tensors of one
+        dtype, two of them float32: one multi-tensor norm (`_amaxes`) and one multi-tensor maximum. Otherwise
+        one vector norm each, which writes the amax straight into a slot still fresh since the update (the
+        step's first quantize into it: nothing to accumulate), and one maximum for the others."""
+        dtypes = {x.dtype for x in x2ds}
+        if len(dtypes) == 1 and (len(x2ds) > 2 or (len(x2ds) == 2 and torch.float32 in dtypes)):
+            amaxes = [a.reshape(1) for a in self._amaxes(x2ds)]
+            torch._foreach_maximum_([q.amax for q in qs], amaxes)
+        else:
+            amaxes, accumulate = [], []
+            for q, x in zip(qs, x2ds):
+                slot = q.fresh_amax()
+                if slot is None:
+                    amaxes.append(torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1))
+                    accumulate.append((q.amax, amaxes[-1]))
+                else:
+                    torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=slot.view(()))
+                    amaxes.append(slot)
+            if accumulate:
+                torch._foreach_maximum_(*map(list, zip(*accumulate)))
         divisors = [q.divisor(x.dtype) for q, x in zip(qs, xs)]
         scale_invs = torch._foreach_add([exact for _, exact in divisors], amaxes, alpha=0.0)
         return self._npu_quantize_all(qs, xs, x2ds, [div for div, _ in divisors], scale_invs)
 
     @staticmethod
     def _amaxes(x2ds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """max |x| of each tensor as a float32 0-d tensor, NaN kept. Float32 tensors: one multi-tensor norm.
-        Others: up to two, one vector norm each; more (a grouped linear's experts), one multi-tensor norm in
-        their own dtype (max |x| is one of their values, so exact), stacked and cast to float32 (3 launches;
-        the NPU's multi-tensor norm to float32 would cast each input first, see `npu_foreach`)."""
-        if all(x.dtype == torch.float32 for x in x2ds):
+        """max |x| of each tensor (one dtype) as a float32 0-d tensor, NaN kept. Float32: one multi-tensor norm.
+        Others (a grouped linear's experts): one multi-tensor norm in their own dtype (max |x| is one of
+        their values, so exact), stacked and cast to float32 (3 launches; the NPU's multi-tensor norm to
+        float32 would cast each input first, see `npu_foreach`)."""
+        if x2ds[0].dtype == torch.float32:
             return torch._foreach_norm(list(x2ds), float("inf"))
-        if len(x2ds) > 2 and len({x.dtype for x in x2ds}) == 1:
-            return list(torch.stack(torch._foreach_norm(list(x2ds), float("inf"))).float().unbind(0))
-        return [torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32) for x in x2ds]
+        return list(torch.stack(torch._foreach_norm(list(x2ds), float("inf"))).float().unbind(0))
 
     def _constant(self, value: float, device: torch.device) -> torch.Tensor:
         """A float32 0-d device tensor of `value`, made once (a Python scalar in a tensor op is a launch)."""
