@@ -277,11 +277,28 @@ def microbatch_launches(recipe: Recipe, dtype: torch.dtype, npu: Any) -> LaunchC
     return counter
 
 
-def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8
-                     ) -> tuple[LaunchCounter, LaunchCounter]:
+def megatron_parameter_buffer(module: torch.nn.Module) -> None:
+    """Lay the module's parameters out as Megatron's DDP does with the distributed optimizer: views of one
+    contiguous buffer, in reverse order of registration (so a GroupedLinear's weights, without biases, are
+    row blocks from the last expert's to the first's)."""
+    params = list(module.parameters())
+    buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in reversed(params):
+        view = buffer[offset : offset + p.numel()].view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        offset += p.numel()
+
+
+def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8,
+                     parameter_buffer: bool = False) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of one `GroupedLinear(experts, 256, 256)` forward (weight quantization included) and backward,
-    32 tokens per expert, measured as `linear_launches` measures a Linear."""
+    32 tokens per expert, measured as `linear_launches` measures a Linear; with `parameter_buffer`, its
+    weights laid out as in Megatron's (`megatron_parameter_buffer`)."""
     layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=dtype)
+    if parameter_buffer:
+        megatron_parameter_buffer(layer)
     return _second_layer_launches(recipe, layer, 32 * experts, npu, [32] * experts)
 
 
@@ -361,9 +378,10 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
             rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
             rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
     with npu_simulated() as npu:
-        for dtype in (torch.bfloat16, torch.float32):
-            forward, backward = grouped_launches(DelayedScaling(), dtype, npu)
-            detail = f"delayed E4M3 {str(dtype).replace('torch.', '')}, 8 experts"
+        for dtype, packed in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
+            forward, backward = grouped_launches(DelayedScaling(), dtype, npu, parameter_buffer=packed)
+            detail = f"delayed E4M3 {str(dtype).replace('torch.', '')}, 8 experts" + \
+                (", weights in Megatron's parameter buffer" if packed else "")
             rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
             rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
         for layers in (2, 32):

@@ -151,7 +151,6 @@ class Float8Quantizer(Quantizer):
         state, i = self._state
         return state.fresh_amax_slot(i)
 
-
     def scale_inverse(self) -> torch.Tensor:
         """1 / scale, a one-element float32 tensor."""
         return self.divisor(torch.float32)[0]

@@ -409,6 +409,7 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale.fill_(1.0)
         self.fresh = [True] * self.num_quantizers
 
+
 class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):
     """HIF8DelayedScaling: per-slot targets from the per-tensor margins, current scaling while the warm-up
     fills the history, then delayed scales updated every `scale_update_interval` steps."""

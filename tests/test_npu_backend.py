@@ -297,6 +297,46 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
         assert sim.launch_counts["npu_quantize"] == 4
 
 
+@pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "mxfp8/hybrid", "blockwise/hif8"])
+def test_expert_weights_in_megatrons_parameter_buffer_quantize_together(name, monkeypatch, use_backend):
+    """Expert weights that are row blocks of one buffer in reverse (Megatron's contiguous parameter buffer,
+    --use-distributed-optimizer, no biases) are quantized as one tensor where the rowwise form is row-local
+    or per-tensor with a divisor per row: delayed scaling, one npu_quantize for all of them (and one for the
+    inputs), MXFP8 on the 950PR one rowwise quantize of all weights. Results equal the reference bit for bit,
+    and those of the same layer with its weights apart."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.bench import megatron_parameter_buffer
+    from mindspeed_te.modules import GroupedLinear
+
+    def run(backend_name, packed: bool, sim=None):
+        use_backend(backend_name)
+        if sim is not None:
+            monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+        torch.manual_seed(0)
+        layer = GroupedLinear(4, 128, 64, bias=False, params_dtype=torch.bfloat16)
+        if packed:
+            megatron_parameter_buffer(layer)
+        x = torch.randn(128, 128).bfloat16().requires_grad_()
+        for _ in range(2):  # the second step with real delayed scales
+            with fp8_autocast(fp8_recipe=RECIPES[name]):
+                y = layer(x, [32, 32, 32, 32])
+            y.backward(torch.randn(128, 64, generator=torch.Generator().manual_seed(1)).bfloat16())
+        return [y.detach(), x.grad] + [w.grad for w in layer.weights]
+
+    sim = make_simulator()
+    got = run("npu", True, sim)
+    launches = dict(sim.launch_counts)
+    for want in (run("reference", True), run("npu", False, make_simulator())):
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    if name.startswith("delayed"):
+        assert launches["npu_quantize"] == 2 * 3  # per step: inputs, weights, grad_outputs
+    if name.startswith("mxfp8"):
+        # per step, for weights, inputs and grad_outputs alike: the experts' rowwise forms in one call, each
+        # expert's columnwise form on its own
+        assert launches["npu_dynamic_mx_quant"] == 2 * 3 * (1 + 4), launches
+
+
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
 @pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor", "blockwise pow2/e4m3"])
 def test_wgrad_over_an_odd_number_of_32_blocks_stays_on_the_mx_gemm(name, chip, monkeypatch, use_backend):

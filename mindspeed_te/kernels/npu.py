@@ -152,18 +152,27 @@ def _row_local_config(q: Quantizer) -> Optional[tuple]:
     return None
 
 
-def _runs(count: int, joins: Callable[[int, int], bool]) -> Iterator[range]:
-    """The indices 0..count-1 cut into maximal runs of consecutive ones, index i joining the run that starts
-    at s when `joins(s, i)`."""
-    start = 0
-    for stop in range(1, count + 1):
-        if stop < count and joins(start, stop):
-            continue
-        yield range(start, stop)
-        start = stop
+def _memory_order(x2ds: Sequence[torch.Tensor]) -> list[int]:
+    """The indices of `x2ds` by where their data lies (buffer, then offset; ties keep their order), so that
+    row blocks of one buffer are neighbours in the order they lie: a grouped linear's expert inputs as given,
+    its weights in Megatron's contiguous parameter buffer (--use-distributed-optimizer) in reverse."""
+    return sorted(range(len(x2ds)), key=lambda i: (x2ds[i].untyped_storage().data_ptr(), x2ds[i].storage_offset()))
 
 
-def _row_spans(x2ds: Sequence[torch.Tensor], run: range) -> Iterator[tuple[int, slice]]:
+def _runs(order: Sequence[int], joins: Callable[[int, int, int], bool]) -> Iterator[list[int]]:
+    """`order` cut into maximal runs of neighbours, index i joining the run that starts at index s and ends
+    at index p when `joins(s, p, i)`."""
+    run: list[int] = []
+    for i in order:
+        if run and not joins(run[0], run[-1], i):
+            yield run
+            run = []
+        run.append(i)
+    if run:
+        yield run
+
+
+def _row_spans(x2ds: Sequence[torch.Tensor], run: Sequence[int]) -> Iterator[tuple[int, slice]]:
     """(i, its rows in the joined tensor) for each row block i of `run`."""
     row = 0
     for i in run:
@@ -172,16 +181,16 @@ def _row_spans(x2ds: Sequence[torch.Tensor], run: range) -> Iterator[tuple[int, 
 
 
 def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
-              outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[range]:
-    """Runs of two or more consecutive tensors not quantized yet that are row blocks of one buffer in order
-    (`rows_follow`) with row-local quantizers of one configuration (`_row_local_config`)."""
+              outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[list[int]]:
+    """Runs of two or more tensors not quantized yet that are row blocks of one buffer (`rows_follow`, in
+    `_memory_order`) with row-local quantizers of one configuration (`_row_local_config`)."""
     configs = [_row_local_config(q) for q in qs]
 
-    def joins(start: int, i: int) -> bool:
+    def joins(start: int, prev: int, i: int) -> bool:
         return (configs[start] is not None and configs[i] == configs[start] and outs[i] is None
-                and outs[start] is None and rows_follow(x2ds[i - 1], x2ds[i]))
+                and outs[start] is None and rows_follow(x2ds[prev], x2ds[i]))
 
-    return (run for run in _runs(len(qs), joins) if len(run) > 1)
+    return (run for run in _runs(_memory_order(x2ds), joins) if len(run) > 1)
 
 
 def _with_usage(q: Quantizer, **usage: bool) -> Quantizer:
@@ -387,16 +396,17 @@ class NpuBackend(ReferenceBackend):
     def _npu_quantize_all(self, qs: Sequence[Quantizer], xs: Sequence[torch.Tensor], x2ds: Sequence[torch.Tensor],
                           divisors: Sequence[torch.Tensor], scale_invs: Sequence[torch.Tensor]
                           ) -> list[Float8TensorStorage]:
-        """Each tensor's codes (`_npu_quantize`), stored with its `scale_inv`. Consecutive tensors that are row
-        blocks of one buffer (`rows_follow`: a grouped linear's experts) with one format and divisor dtype take
-        one npu_quantize with a divisor per row (their divisors expanded over their rows in one concatenation):
-        two launches for all the experts instead of one each."""
-        def joins(start: int, i: int) -> bool:
-            return (rows_follow(x2ds[i - 1], x2ds[i]) and qs[i].fp8_dtype is qs[start].fp8_dtype
+        """Each tensor's codes (`_npu_quantize`), stored with its `scale_inv`. Tensors that are row blocks of
+        one buffer (`rows_follow`, in `_memory_order`: a grouped linear's experts' inputs, or its weights in
+        Megatron's contiguous parameter buffer) with one format and divisor dtype take one npu_quantize with a
+        divisor per row (their divisors expanded over their rows in one concatenation): two launches for all
+        the experts instead of one each."""
+        def joins(start: int, prev: int, i: int) -> bool:
+            return (rows_follow(x2ds[prev], x2ds[i]) and qs[i].fp8_dtype is qs[start].fp8_dtype
                     and divisors[i].dtype == divisors[start].dtype)
 
-        outs: list[Float8TensorStorage] = []
-        for run in _runs(len(qs), joins):
+        outs: list[Optional[Float8TensorStorage]] = [None] * len(qs)
+        for run in _runs(_memory_order(x2ds), joins):
             start = run[0]
             if len(run) == 1:
                 codes = self._npu_quantize(qs[start], x2ds[start], divisors[start])
@@ -404,8 +414,8 @@ class NpuBackend(ReferenceBackend):
                 per_row = _per_row([divisors[i] for i in run], [x2ds[i].shape[0] for i in run])
                 codes = self._npu_quantize(qs[start], joined_rows([x2ds[i] for i in run]), per_row)
             for i, rows in _row_spans(x2ds, run):
-                outs.append(Float8TensorStorage(qs[i].fp8_dtype, xs[i].shape, xs[i].dtype,
-                                                data=codes[rows].reshape(xs[i].shape), scale_inv=scale_invs[i]))
+                outs[i] = Float8TensorStorage(qs[i].fp8_dtype, xs[i].shape, xs[i].dtype,
+                                              data=codes[rows].reshape(xs[i].shape), scale_inv=scale_invs[i])
         return outs
 
     def _quantize_current(self, qs: Sequence[Float8CurrentScalingQuantizer], xs: Sequence[torch.Tensor],
