@@ -144,12 +144,23 @@ class Float8Quantizer(Quantizer):
 
     def fresh_amax(self) -> Optional[torch.Tensor]:
         """The amax slot when it is zero and unwritten since the state's last update or reset: the caller
-        writes its amax there (it is then the slot's max) instead of max-accumulating. None otherwise, and
-        for a quantizer without a state."""
+        writes its amax there (it is then the slot's max) instead of max-accumulating, then calls
+        `amax_written`. None otherwise, and for a quantizer without a state."""
         if self._state is None:
             return None
         state, i = self._state
         return state.fresh_amax_slot(i)
+
+    @property
+    def slot_id(self) -> Optional[tuple[int, int]]:
+        """Which state's amax slot this quantizer writes ((id of the state, column), or None without one)."""
+        return None if self._state is None else (id(self._state[0]), self._state[1])
+
+    def amax_written(self) -> None:
+        """Note that the caller has just written this quantizer's amax slot, so that its state does not take
+        the write for one from outside (see `fresh_amax`)."""
+        if self._state is not None:
+            self._state[0].amax_written()
 
     def scale_inverse(self) -> torch.Tensor:
         """1 / scale, a one-element float32 tensor."""

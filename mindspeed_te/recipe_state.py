@@ -245,6 +245,22 @@ class ScaleInv:
         return self.slots(div)[i], self.slots(exact)[i]
 
 
+class HistoryWatch:
+    """What the library knows of an amax history tensor's writes: its version counter after the last write
+    the library made and noted (`version`), and an epoch that moves on whenever the counter shows a write it
+    did not note (a user writing through fp8_meta, a TE-style quantizer over the state's tensors, an in-place
+    reduction), so that no slot of that history counts as fresh until the next update."""
+
+    def __init__(self, history: torch.Tensor) -> None:
+        self.version, self.epoch = history._version, 0
+
+    def check(self, history: torch.Tensor) -> int:
+        """The epoch, moved on first if `history` was written since the last noted write."""
+        if history._version != self.version:
+            self.version, self.epoch = history._version, self.epoch + 1
+        return self.epoch
+
+
 class DelayedScalingBuffers:
     """One contiguous copy of the tensors of the delayed-scaling states that update together (one (recipe,
     group) key): amax histories [L, N], scales, the 1/scale forms of `ScaleInv`, the non-finite flags and
@@ -259,6 +275,7 @@ class DelayedScalingBuffers:
         self.scale = torch.cat([s.scale for s in states])
         self.scale_inv = ScaleInv(self.scale)  # every column's; the states' are views of its forms
         self.nonfinite = torch.cat([s.nonfinite for s in states])
+        self.watch = HistoryWatch(self.history)
         first = states[0]
         self.fp8_max = (torch.cat([s.targets for s in states]) if isinstance(first, HIF8DelayedScalingRecipeState)
                         else torch.tensor(first.fp8_max, dtype=torch.float32, device=self.scale.device))
@@ -323,8 +340,8 @@ def update_delayed_states(states: list[DelayedScalingRecipeState],
     buffers.update(states[0].recipe, columns)
     for state, updated in zip(states, updating):
         state.scale_inv.synced = state.scale._version
-        if updated:  # the update cleared slot 0 (other states' columns keep accumulating)
-            state.fresh = [True] * state.num_quantizers
+        # The update cleared slot 0; the others' columns keep accumulating (and took the reduction's amaxes).
+        state.set_fresh(updated)
 
 
 class DelayedScalingRecipeState(RecipeState):
@@ -340,20 +357,22 @@ class DelayedScalingRecipeState(RecipeState):
         self.scale_inv = ScaleInv(self.scale)
         self.buffers: Optional[DelayedScalingBuffers] = None
         self.offset = 0  # of this state's columns in `buffers`
-        # Per column: slot 0 is zero and nothing has written it since (`fresh_amax_slot`).
-        self.fresh = [True] * num_quantizers
+        self.own_watch = HistoryWatch(self.amax_history)
+        self.set_fresh(True)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or pickle holds this state's own columns, contiguous, not the buffers it shares with the
         other states of its key (it joins a key's buffers again at its first update)."""
         copy = super().__getstate__()
         copy.update(amax_history=self.amax_history.clone(), scale=self.scale.clone(), buffers=None, offset=0,
-                    scale_inv=None, fresh=[False] * self.num_quantizers)
+                    scale_inv=None)
         return copy
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.scale_inv = ScaleInv(self.scale)
+        self.own_watch = HistoryWatch(self.amax_history)
+        self.set_fresh(False)  # a copy's slot 0 holds what it held (states pickled before this flag included)
 
     def bind(self, buffers: DelayedScalingBuffers, offset: int) -> None:
         """Take this state's columns offset.. of `buffers` as its tensors (their values are this state's)."""
@@ -366,16 +385,28 @@ class DelayedScalingRecipeState(RecipeState):
         forms = buffers.scale_inv
         self.scale_inv = ScaleInv(self.scale, (forms.value[cols], forms.value_bf16[cols], forms.value_bf16_f32[cols]))
 
+    def _watch(self) -> HistoryWatch:
+        return self.buffers.watch if self.buffers is not None else self.own_watch
+
+    def set_fresh(self, fresh: bool) -> None:
+        """After an update or reset (True: slot 0 is clear) or anything else that leaves slot 0 as it is."""
+        watch = self._watch()
+        self.fresh, self.fresh_epoch = [fresh] * self.num_quantizers, watch.check(self.amax_history)
+        watch.version = self.amax_history._version
+
     def fresh_amax_slot(self, i: int) -> Optional[torch.Tensor]:
         """Slot 0 of column i when it is zero and unwritten since its last update or reset, so a quantize may
-        write its amax there instead of max-accumulating (one launch fewer on an NPU); None otherwise. Either
-        way the slot counts as written from now on, as after any other use of it (`Float8Quantizer.amax`)."""
-        fresh, self.fresh[i] = self.fresh[i], False
+        write its amax there instead of max-accumulating (one launch fewer on an NPU; the caller then calls
+        `amax_written`); None otherwise. Either way the slot counts as written from now on, as after any
+        other use of it (`Float8Quantizer.amax`). A write to the history the library did not note (its
+        version counter tells) makes no slot of it fresh until the next update."""
+        fresh = self.fresh[i] and self.fresh_epoch == self._watch().check(self.amax_history)
+        self.fresh[i] = False
         return self.slots(self.amax_history)[i] if fresh else None
 
-    def loaded(self) -> None:
-        """The history was written from outside (a checkpoint): no slot is known to be fresh."""
-        self.fresh = [False] * self.num_quantizers
+    def amax_written(self) -> None:
+        """Note that the library has just written amaxes into the history (not a write from outside)."""
+        self._watch().version = self.amax_history._version
 
     def make_quantizers(self) -> list[Quantizer]:
         # No per-quantizer non-finite flags: NaN/Inf data leaves a non-finite amax in slot 0, which the
@@ -407,7 +438,7 @@ class DelayedScalingRecipeState(RecipeState):
         """Forget the history and scales, back to a new state's (after a failed step)."""
         self.amax_history.zero_()
         self.scale.fill_(1.0)
-        self.fresh = [True] * self.num_quantizers
+        self.set_fresh(True)
 
 
 class HIF8DelayedScalingRecipeState(DelayedScalingRecipeState):

@@ -905,3 +905,49 @@ def test_fresh_amax_slot_is_written_once_then_accumulated(monkeypatch, use_backe
                 layer(x)
             kept = input_slot(late).clone() if late in layers else None
     assert kept == amax_big
+
+
+def test_fresh_amax_slot_is_not_taken_after_writes_the_library_did_not_make(monkeypatch, use_backend):
+    """The fresh-slot write relies on slot 0 being clear since the update. A write the library did not make
+    (through fp8_meta, as TE code may do; a TE-style quantizer holding views of the state's tensors) shows in
+    the history's version counter, and the NPU path then max-accumulates, as the reference does. One quantizer
+    given two tensors in one call accumulates both, so each tensor's decode scale is marked by its own amax
+    (an Inf in the second leaves the first finite). A state pickled without the freshness fields loads."""
+    import copy
+
+    from mindspeed_te import Float8Quantizer, FP8Dtype, Linear, fp8_autocast
+    from mindspeed_te.recipe_state import update_delayed_states
+
+    use_backend("npu")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    layer = Linear(64, 64, params_dtype=torch.bfloat16)
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(x)
+    history = layer.fp8_meta["scaling_fwd"].amax_history
+    history[0, layer.fp8_meta_index("input")] = 1000.0  # after the update, before the next quantize
+    with fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(x)
+        assert history[0, 0] == 1000.0
+
+    state = RecipeState.create(DelayedScaling(), forward=True, num_quantizers=3)
+    update_delayed_states([state])
+    te_style = Float8Quantizer(state.scale[0:1], state.amax_history[0][0:1], FP8Dtype.E4M3)
+    get_backend().quantize(te_style, torch.full((4, 64), 50.0).bfloat16())
+    get_backend().quantize(state.make_quantizers()[0], torch.ones(4, 64).bfloat16())
+    assert state.amax_history[0, 0] == 50.0
+
+    q = state.make_quantizers()[1]
+    update_delayed_states([state])
+    with_inf = torch.ones(4, 64).bfloat16()
+    with_inf[0, 0] = float("inf")
+    first, second = get_backend().quantize_many([q, q], [torch.ones(4, 64).bfloat16(), with_inf])
+    assert first.scale_inv.isfinite().all() and not second.scale_inv.isfinite().all()
+
+    pickled = copy.copy(state.__getstate__())
+    for name in ("fresh", "fresh_epoch", "own_watch"):
+        pickled.pop(name, None)
+    pickled["amax_history"][0, 0] = 50.0  # pickled between a quantize and the update
+    old = object.__new__(type(state))
+    old.__setstate__(pickled)
+    get_backend().quantize(old.make_quantizers()[0], torch.full((4, 64), 2.0).bfloat16())
+    assert old.amax_history[0, 0] == 50.0  # the copy's slot 0, accumulated into

@@ -461,22 +461,27 @@ class NpuBackend(ReferenceBackend):
         dtype, two of them float32: one multi-tensor norm (`_amaxes`) and one multi-tensor maximum. Otherwise
         one vector norm each, which writes the amax straight into a slot still fresh since the update (the
         step's first quantize into it: nothing to accumulate), and one maximum for the others."""
-        dtypes = {x.dtype for x in x2ds}
+        dtypes, slot_ids = {x.dtype for x in x2ds}, [q.slot_id for q in qs]
         if len(dtypes) == 1 and (len(x2ds) > 2 or (len(x2ds) == 2 and torch.float32 in dtypes)):
             amaxes = [a.reshape(1) for a in self._amaxes(x2ds)]
             torch._foreach_maximum_([q.amax for q in qs], amaxes)
         else:
             amaxes, accumulate = [], []
-            for q, x in zip(qs, x2ds):
-                slot = q.fresh_amax()
+            for q, x, slot_id in zip(qs, x2ds, slot_ids):
+                # A slot taken twice in one call is accumulated both times: each NaN mark needs its own amax.
+                slot = q.fresh_amax() if slot_ids.count(slot_id) == 1 else None
                 if slot is None:
                     amaxes.append(torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1))
                     accumulate.append((q.amax, amaxes[-1]))
                 else:
                     torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=slot.view(()))
+                    q.amax_written()
                     amaxes.append(slot)
             if accumulate:
                 torch._foreach_maximum_(*map(list, zip(*accumulate)))
+        if None not in slot_ids:  # a stateless quantizer's write (to whatever history) stays unnoted
+            for q in qs:
+                q.amax_written()
         divisors = [q.divisor(x.dtype) for q, x in zip(qs, xs)]
         scale_invs = torch._foreach_add([exact for _, exact in divisors], amaxes, alpha=0.0)
         return self._npu_quantize_all(qs, xs, x2ds, [div for div, _ in divisors], scale_invs)

@@ -298,7 +298,6 @@ class FP8ModuleBase(torch.nn.Module):
                 raise RuntimeError(f"{type(self).__name__}: corrupt _extra_state, {prefix} amax history "
                                    f"{tuple(history.shape)} does not fit {tuple(state.amax_history.shape)}")
             state.amax_history.copy_(history)
-            state.loaded()
             state.scale.copy_(scale)
             if hasattr(state, "steps") and f"{prefix}_steps" in meta:
                 state.steps = int(meta[f"{prefix}_steps"])
