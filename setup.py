@@ -9,7 +9,8 @@ from setuptools.errors import CCompilerError
 # -ffp-contract=off: every multiply and add rounds on its own, as in the torch ops the kernels replace.
 fused_cast = Extension(
     "mindspeed_te._fused_cast",
-    sources=["mindspeed_te/csrc/fused_cast.c"],
+    sources=["mindspeed_te/csrc/fused_cast.c", "mindspeed_te/csrc/gemm_bf16.c"],
+    depends=["mindspeed_te/csrc/kernels.h"],
     extra_compile_args=["-O3", "-fno-trapping-math", "-ffp-contract=off", "-pthread"],
     extra_link_args=["-pthread"],
     optional=True,

@@ -186,6 +186,7 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
     small = best_time(_linear_case(recipe, 64, 64, 64)[0], repeats * 20)
     rows.append(("host overhead 64x64 fwd+bwd / nn.Linear", small / small_base,
                  f"fp8 {small * 1e6:.0f} us, nn.Linear {small_base * 1e6:.0f} us"))
+    rows.append(_per_tensor_gemm_row(repeats * 4))
     for recipe in (DelayedScaling(fp8_format=Format.HIF8), Float8BlockScaling(), MXFP8BlockScaling()):
         x = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
@@ -195,6 +196,20 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
         _linear_case(DelayedScaling(fp8_format=Format.HIF8), 64, 64, 64)[0]()
     rows.append(("host syncs per fp8 linear fwd+bwd", float(counter.total), str(dict(counter.counts)) or "none"))
     return rows
+
+
+def _per_tensor_gemm_row(repeats: int, m: int = 512, k: int = 1024, n: int = 256) -> tuple[str, float, str]:
+    """A per-tensor GEMM of a GPT's MLP (the float32 sum of two operands' decoded codes, then scales, to
+    bfloat16) against torch's bf16 GEMM of the same shape: on the CPU the cost that decides the GPT step."""
+    a, b = torch.randn(m, k), torch.randn(n, k)
+    qa, qb = (_quantizer(Float8CurrentScaling(fp8_format=Format.E4M3)).quantize(t) for t in (a, b))
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    backend = get_backend()
+    ours = best_time(lambda: backend.gemm(qa, qb, out_dtype=torch.bfloat16), repeats)
+    base = best_time(lambda: torch.mm(a16, b16.t()), repeats)
+    return (f"per-tensor fp8 GEMM {m}x{k}x{n} / bf16 torch.mm", ours / base,
+            f"fp8 {ours * 1e3:.2f} ms, bf16 {base * 1e3:.2f} ms ({backend.name} backend, "
+            f"bf16 GEMM of our own: {'yes' if fused_cast.gemm_bf16_applies() else 'no'})")
 
 
 @contextmanager

@@ -21,7 +21,8 @@ try:
 except ImportError:  # not built (no compiler at install time, or a source tree without `pip install -e .`)
     _ext = None
 
-__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "gemm_epilogue", "quantize_current",
+__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "gemm_bf16", "gemm_bf16_applies",
+           "gemm_epilogue", "quantize_current",
            "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd", "simd_level"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
@@ -163,6 +164,53 @@ def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: O
                            0 if scale_a is None else scale_a.data_ptr(), 0 if bias is None else bias.data_ptr(),
                            target.data_ptr(), kind, _threads(acc.numel()))
     return target
+
+
+_GEMM_KINDS = {torch.bfloat16: 0, torch.float32: 1}
+_GEMM_CODES = 2
+_gemm_bf16_cpu: Optional[bool] = None
+
+
+def gemm_bf16_applies() -> bool:
+    """Whether `gemm_bf16` runs here: the extension is on and the CPU has AVX-512 BF16 but no AMX (where
+    oneDNN's AMX kernel is the faster way to the same class of sums, the caller keeps it)."""
+    global _gemm_bf16_cpu
+    if not available():
+        return False
+    if _gemm_bf16_cpu is None:
+        _gemm_bf16_cpu = bool(_ext.gemm_bf16_supported()) and not torch.cpu._is_amx_tile_supported()
+    return _gemm_bf16_cpu
+
+
+def _gemm_operand(t: torch.Tensor, values: Optional[torch.Tensor]) -> Optional[tuple[int, int, int, int, int]]:
+    if not t.is_cpu:
+        return None
+    if values is not None:
+        if t.element_size() != 1 or values.dtype != torch.float32 or values.numel() != 256 or not values.is_cpu:
+            return None
+        return t.data_ptr(), t.stride(0), t.stride(1), _GEMM_CODES, values.data_ptr()
+    kind = _GEMM_KINDS.get(t.dtype)
+    return None if kind is None else (t.data_ptr(), t.stride(0), t.stride(1), kind, 0)
+
+
+def gemm_bf16(a: torch.Tensor, b: torch.Tensor, a_values: Optional[torch.Tensor] = None,
+              b_values: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """a · bᵀ as a float32 (M, N) tensor, for 2-D a (M, K) and b (N, K) of any strides whose values are all
+    bfloat16 values: bfloat16 tensors, float32 tensors holding bfloat16 values, or FP8/HiF8 codes (1-byte
+    dtypes) with `*_values` their format's 256 float32 values (then read straight from the codes). Each output
+    is a float32 sum of exact products in a fixed order (csrc/gemm_bf16.c: for k = 0, 2, ..., the product of
+    k + 1, then that of k), values below float32's normal range counting as zero. None where
+    `gemm_bf16_applies` is False or an operand is none of those."""
+    if not (gemm_bf16_applies() and a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1]):
+        return None
+    a_op, b_op = _gemm_operand(a, a_values), _gemm_operand(b, b_values)
+    if a_op is None or b_op is None:
+        return None
+    (m, k), n = a.shape, b.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    if out.numel():
+        _ext.gemm_bf16(a_op, b_op, out.data_ptr(), m, n, k, torch.get_num_threads())
+    return out
 
 
 def current_scale_inv(amax: torch.Tensor, fp8_max: float, amax_epsilon: float,

@@ -10,8 +10,8 @@
  * compiler has it (the jobs then run on torch's OpenMP threads; `openmp` in the module says which), else with
  * pthreads; without it the package uses the torch ops (mindspeed_te.fused_cast decides).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "kernels.h"
+
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -23,7 +23,6 @@
 
 enum { IN_F32 = 0, IN_BF16 = 1 };
 enum { OUT_E4M3 = 0, OUT_E5M2 = 1, OUT_HIF8 = 2 };
-#define MAX_THREADS 64
 #define MIN_PER_THREAD (1 << 16)
 
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
@@ -432,7 +431,7 @@ static void *run_task(void *arg) { Task *t = (Task *)arg; t->fn(t->job); return 
  * still spinning after the last torch op, so they start at once instead of a new thread competing with them
  * for a core. Without OpenMP: jobs 1.. on new threads (here when no thread can be started), job 0 on the
  * caller's thread. */
-static void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t) {
+void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t) {
     char *job = (char *)jobs;
 #if defined(_OPENMP)
     if (t < 2) { /* no region at all: the caller's thread alone (as in a forked child, where torch uses one) */
@@ -1739,6 +1738,10 @@ static PyObject *py_gemm_epilogue(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_gemm_bf16_supported(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(gemm_bf16_supported());
+}
+
 static PyMethodDef methods[] = {
     {"scaled_cast", py_scaled_cast, METH_VARARGS,
      "scaled_cast(in, in_dtype, n, scale_inv, out, out_format, table, threads): out = sat(in / *scale_inv)"},
@@ -1755,6 +1758,10 @@ static PyMethodDef methods[] = {
     {"gemm_epilogue", py_gemm_epilogue, METH_VARARGS,
      "gemm_epilogue(acc, m, n, scale_b, scale_a, bias, out, kind, threads): out = (acc * *scale_b) * *scale_a + "
      "bias as float32 (kind 0) or bfloat16 (1), or out += (acc * *scale_b) * *scale_a (2)"},
+    {"gemm_bf16", py_gemm_bf16, METH_VARARGS,
+     "gemm_bf16(a, b, c, m, n, k, threads): c = a . b^T in float32, a and b given as (data, rs, cs, kind, table) "
+     "with kind 0 bfloat16, 1 float32 holding bfloat16 values, 2 uint8 codes of the 256 float32 values at table"},
+    {"gemm_bf16_supported", py_gemm_bf16_supported, METH_NOARGS, "whether this CPU runs gemm_bf16 (AVX-512 BF16)"},
     {"set_simd", py_set_simd, METH_VARARGS,
      "set_simd(limit): use vector code up to 0 (scalar), 1 (AVX2) or 2 (AVX-512); returns the level in effect"},
     {"current_scale_inv", py_current_scale_inv, METH_VARARGS,

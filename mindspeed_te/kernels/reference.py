@@ -8,7 +8,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from mindspeed_te import fused_cast
-from mindspeed_te.formats import as_float32, cast_from_fp8
+from mindspeed_te.formats import as_float32, cast_from_fp8, decode_table
 from mindspeed_te.kernels.base import KernelBackend, Operand
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import (
@@ -50,13 +50,16 @@ BF16_KERNEL_MIN_MACS = 1 << 22
 
 def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Tensor:
     """a @ b of float32 matrices, summed in float32. When every value is a bfloat16 value (`bf16_values`) and
-    the GEMM is large enough, oneDNN may convert the inputs to bfloat16 without loss and run its bf16 GEMM
-    (exact products, float32 sums): the same result class as the float32 GEMM, at the bf16 GEMM's speed on
-    CPUs with bf16 dot products. Values below float32's normal range (2^-126) may be flushed to zero on that
-    path. The switch is torch's process-wide matmul precision, set for this call only."""
+    the GEMM is large enough, it runs on bfloat16 dot products (exact products, float32 sums): the same result
+    class as the float32 GEMM, at the bf16 GEMM's speed. That is the extension's `gemm_bf16` where it applies
+    (its fixed summation order), else oneDNN's bf16 GEMM, chosen through torch's process-wide matmul precision
+    set for this call only. Values below float32's normal range (2^-126) may count as zero on either."""
     large = a.shape[0] * a.shape[1] * b.shape[1] >= BF16_KERNEL_MIN_MACS
     if not (bf16_values and large and a.device.type == "cpu"):
         return torch.mm(a, b)
+    result = fused_cast.gemm_bf16(a, b.t())
+    if result is not None:
+        return result
     previous = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
     torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
     try:
@@ -198,9 +201,11 @@ class ReferenceBackend(KernelBackend):
         if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
-            a_values, b_values = self._decoded_2d(a, a_columnwise), self._decoded_2d(b, b_columnwise)
-            result = mm_float32(a_values.t() if a_columnwise else a_values,
-                                b_values if b_columnwise else b_values.t(), bf16_values=True)
+            result = self._codes_gemm(a, b, a_columnwise, b_columnwise)
+            if result is None:
+                a_values, b_values = self._decoded_2d(a, a_columnwise), self._decoded_2d(b, b_columnwise)
+                result = mm_float32(a_values.t() if a_columnwise else a_values,
+                                    b_values if b_columnwise else b_values.t(), bf16_values=True)
             scales = (as_float32(b.scale_inv), as_float32(a.scale_inv))
         elif (self.bf16_output_gemm and out is None and out_dtype == torch.bfloat16
               and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_rounds(a, b, a_columnwise)):
@@ -212,6 +217,22 @@ class ReferenceBackend(KernelBackend):
             result = mm_float32(self.gemm_operand(a, a_columnwise), self.gemm_operand(b, b_columnwise).t(),
                                 bf16_values=holds_bf16_values(a) and holds_bf16_values(b))
         return gemm_epilogue(result, *scales, None if bias is None else bias.float(), out_dtype, out)
+
+    @staticmethod
+    def _codes_gemm(a: Float8TensorStorage, b: Float8TensorStorage, a_columnwise: bool,
+                    b_columnwise: bool) -> Optional[torch.Tensor]:
+        """The float32 sum of two per-tensor operands' decoded codes by `gemm_bf16` read straight from the codes
+        (no decoded copy), where mm_float32 would take that GEMM for the decoded values (the same sums); else
+        None."""
+        a._require(a_columnwise)
+        b._require(b_columnwise)
+        a_codes, b_codes = (t.data if t.data.dim() == 2 else t.data.reshape(-1, t.data.shape[-1]) for t in (a, b))
+        a_codes, b_codes = a_codes.t() if a_columnwise else a_codes, b_codes.t() if b_columnwise else b_codes
+        if (a_codes.shape[0] * a_codes.shape[1] * b_codes.shape[0] < BF16_KERNEL_MIN_MACS
+                or a_codes.device.type != "cpu" or b_codes.device.type != "cpu"):
+            return None
+        return fused_cast.gemm_bf16(a_codes, b_codes, decode_table(a.fp8_dtype, a_codes.device),
+                                    decode_table(b.fp8_dtype, b_codes.device))
 
     def gemm_operand(self, t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A GEMM operand as the float32 (rows, k) matrix that `gemm`'s dequantize + matmul multiplies (cast to

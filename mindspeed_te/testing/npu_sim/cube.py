@@ -9,12 +9,30 @@ module by the values themselves, on its own; both choose alike unless float32 bl
 bfloat16 values, and then the two sums may differ in their last bits. Products below float32's normal range
 (about 1e-38) may count as zero on the bfloat16 kernel. Where the output is bfloat16 and nothing is applied
 after the sum, both let that kernel round its float32 sum to bfloat16 itself (`cube_matmul_rounded`).
+
+The float32 sums of such a matmul may come out in any order; the reference backend sums a large one of
+bfloat16 values with mindspeed_te's own bf16 GEMM where the CPU has one (a fixed order, which the library's
+tests check against a NumPy emulation of it). `set_bf16_matmul` gives the cube that engine (mindspeed_te's
+NPU backend passes it when it runs on the simulator), so that both sum alike; the simulator itself imports
+nothing of the library.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
-__all__ = ["cube_matmul", "cube_matmul_rounded"]
+__all__ = ["cube_matmul", "cube_matmul_rounded", "set_bf16_matmul"]
+
+# (a (M, K), b (N, K)) -> a · bᵀ as float32, or None where it does not apply
+Bf16Matmul = Callable[[torch.Tensor, torch.Tensor], Optional[torch.Tensor]]
+_bf16_matmul: Optional[Bf16Matmul] = None
+
+
+def set_bf16_matmul(engine: Optional[Bf16Matmul]) -> None:
+    """Sum the matmuls the bfloat16 kernel applies to with `engine` (None: oneDNN's bfloat16 kernel)."""
+    global _bf16_matmul
+    _bf16_matmul = engine
 
 # Below this many multiply-adds the float32 kernel is the faster one; the reference backend draws the line at
 # the same size (its BF16_KERNEL_MIN_MACS), so the two sum alike.
@@ -44,6 +62,10 @@ def cube_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = a.float(), b.float()
     if not exact_in_bf16:
         return torch.matmul(a, b)
+    if _bf16_matmul is not None and a.dim() == 2 and b.dim() == 2:
+        summed = _bf16_matmul(a, b.t())
+        if summed is not None:
+            return summed
     matmul_flags = torch.backends.mkldnn.matmul
     kept = matmul_flags.fp32_precision
     matmul_flags.fp32_precision = "bf16"

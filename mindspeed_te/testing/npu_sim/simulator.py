@@ -18,6 +18,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     kernel,
 )
 from mindspeed_te.testing.npu_sim.codecs import decode, encode
+from mindspeed_te.testing.npu_sim.cube import Bf16Matmul, set_bf16_matmul
 from mindspeed_te.testing.npu_sim.dtypes import (
     FLOAT4_E1M2FN_X2,
     FLOAT4_E2M1FN_X2,
@@ -65,6 +66,11 @@ class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc
         npu.device_count = lambda: 1
         self.npu = npu
         self._groups: dict[str, Any] = {}
+
+    @staticmethod
+    def set_bf16_matmul(engine: Bf16Matmul) -> None:
+        """Simulator only: the engine the cube sums matmuls of bfloat16 values with (`cube.set_bf16_matmul`)."""
+        set_bf16_matmul(engine)
 
     def hcom_of(self, group: Any) -> str:
         """Simulator stand-in for `group._get_backend(npu).get_hccl_comm_name(rank)`: the communicator name
