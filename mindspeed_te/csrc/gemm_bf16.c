@@ -31,8 +31,12 @@ typedef struct {
 
 #define MR 12   /* rows of a and columns of b per micro-kernel call */
 #define NR 32
+#ifndef KC
 #define KC 256  /* k per block (even) */
+#endif
+#ifndef MC
 #define MC 96   /* rows of a per packed block (a multiple of MR) */
+#endif
 
 #if defined(MINDSPEED_HAVE_AVX512BF16)
 #include <immintrin.h>
@@ -180,37 +184,80 @@ AVX512BF16 static void micro_kernel(const uint32_t *a, const uint32_t *b, int64_
     }
 }
 
+/* Both operands are packed once, before any product, by all threads: panels of MR rows of a and of NR rows of
+ * b, per block of KC k (k block kb starts at pairs offset kb * KC / 2 of every panel's run of blocks). */
+typedef struct {
+    uint32_t *data;
+    int64_t panels;  /* ceil(rows / width) */
+    int width;
+} Packed;
+
+static inline uint32_t *panel(const Packed *p, int64_t k0, int64_t pairs, int64_t q) {
+    return p->data + p->panels * p->width * (k0 / 2) + q * p->width * pairs;
+}
+
 typedef struct {
     const Operand *a, *b;
+    const Packed *ap, *bp;
     float *c;
-    int64_t n, k, m0, m1, n0, n1;  /* this job: rows [m0, m1) and columns [n0, n1) of c (n columns) */
-    int failed;
+    int64_t m, n, k;
+    int64_t a0, a1, b0, b1;  /* packing: panels [a0, a1) of a and [b0, b1) of b */
+    int64_t m0, m1, n0, n1;  /* products: rows [m0, m1) and columns [n0, n1) of c (multiples of MR and NR) */
 } GemmJob;
 
-static void gemm_block(GemmJob *j) {
-    const int64_t panels = (j->n1 - j->n0 + NR - 1) / NR;
-    uint32_t *bp = malloc((size_t)panels * NR * (KC / 2) * 4 + 64);
-    uint32_t *ap = malloc((size_t)MC * (KC / 2) * 4 + 64);
-    if (!bp || !ap) { j->failed = 1; free(bp); free(ap); return; }
+static void pack_job(GemmJob *j) {
     for (int64_t k0 = 0; k0 < j->k; k0 += KC) {
         const int64_t kc = j->k - k0 < KC ? j->k - k0 : KC, pairs = (kc + 1) / 2;
-        for (int64_t q = 0; q < panels; ++q) {
-            const int64_t c0 = j->n0 + q * NR;
-            pack(bp + q * NR * pairs, NR, j->b, c0, j->n1 - c0, k0, kc);
-        }
+        for (int64_t q = j->a0; q < j->a1; ++q) pack(panel(j->ap, k0, pairs, q), MR, j->a, q * MR, j->m - q * MR, k0, kc);
+        for (int64_t q = j->b0; q < j->b1; ++q) pack(panel(j->bp, k0, pairs, q), NR, j->b, q * NR, j->n - q * NR, k0, kc);
+    }
+}
+
+/* For each k block: MC rows of a at a time against every panel of b, so that those rows stay in cache. */
+static void product_job(GemmJob *j) {
+    for (int64_t k0 = 0; k0 < j->k; k0 += KC) {
+        const int64_t kc = j->k - k0 < KC ? j->k - k0 : KC, pairs = (kc + 1) / 2;
         for (int64_t i0 = j->m0; i0 < j->m1; i0 += MC) {
-            const int64_t mc = j->m1 - i0 < MC ? j->m1 - i0 : MC;
-            for (int64_t r = 0; r < mc; r += MR) pack(ap + r * pairs, MR, j->a, i0 + r, mc - r, k0, kc);
-            for (int64_t q = 0; q < panels; ++q) {
-                const int64_t c0 = j->n0 + q * NR, cols = j->n1 - c0 < NR ? j->n1 - c0 : NR;
-                for (int64_t r = 0; r < mc; r += MR)
-                    micro_kernel(ap + r * pairs, bp + q * NR * pairs, pairs, j->c + (i0 + r) * j->n + c0, j->n,
-                                 (int)(mc - r < MR ? mc - r : MR), (int)cols, k0 == 0);
+            const int64_t i1 = j->m1 - i0 < MC ? j->m1 : i0 + MC;
+            for (int64_t c0 = j->n0; c0 < j->n1; c0 += NR) {
+                const int cols = (int)(j->n1 - c0 < NR ? j->n1 - c0 : NR);
+                for (int64_t r = i0; r < i1; r += MR)
+                    micro_kernel(panel(j->ap, k0, pairs, r / MR), panel(j->bp, k0, pairs, c0 / NR), pairs,
+                                 j->c + r * j->n + c0, j->n, (int)(i1 - r < MR ? i1 - r : MR), cols, k0 == 0);
             }
         }
     }
-    free(bp);
-    free(ap);
+}
+
+static void *run_pack(void *arg) { pack_job((GemmJob *)arg); return NULL; }
+static void *run_product(void *arg) { product_job((GemmJob *)arg); return NULL; }
+
+/* [i * step, (i + 1) * step) clipped to [0, n). */
+static inline int64_t part(int64_t i, int64_t step, int64_t n) { return i * step < n ? i * step : n; }
+
+/* c = a · bᵀ on t threads: the packing split by panels, the products by the longer side of c. */
+static int gemm_run(const Operand *a, const Operand *b, float *c, int64_t m, int64_t n, int64_t k, int64_t t) {
+    const int64_t pairs = (k + 1) / 2;
+    Packed ap = {NULL, (m + MR - 1) / MR, MR}, bp = {NULL, (n + NR - 1) / NR, NR};
+    ap.data = malloc((size_t)(ap.panels * MR * pairs) * 4);
+    bp.data = malloc((size_t)(bp.panels * NR * pairs) * 4);
+    if (!ap.data || !bp.data) { free(ap.data); free(bp.data); return 0; }
+    GemmJob jobs[MAX_THREADS];
+    const int64_t a_step = (ap.panels + t - 1) / t, b_step = (bp.panels + t - 1) / t;
+    const int split_m = m >= n;
+    const int64_t side = split_m ? m : n, tile = split_m ? MR : NR;
+    const int64_t step = ((side + t - 1) / t + tile - 1) / tile * tile;
+    for (int64_t i = 0; i < t; ++i) {
+        const int64_t s0 = part(i, step, side), s1 = part(i + 1, step, side);
+        jobs[i] = (GemmJob){a, b, &ap, &bp, c, m, n, k, part(i, a_step, ap.panels), part(i + 1, a_step, ap.panels),
+                            part(i, b_step, bp.panels), part(i + 1, b_step, bp.panels),
+                            split_m ? s0 : 0, split_m ? s1 : m, split_m ? 0 : s0, split_m ? n : s1};
+    }
+    run_jobs(run_pack, jobs, sizeof(GemmJob), t);
+    run_jobs(run_product, jobs, sizeof(GemmJob), t);
+    free(ap.data);
+    free(bp.data);
+    return 1;
 }
 
 int gemm_bf16_supported(void) {
@@ -219,10 +266,6 @@ int gemm_bf16_supported(void) {
 }
 #else
 int gemm_bf16_supported(void) { return 0; }
-#endif
-
-#if defined(MINDSPEED_HAVE_AVX512BF16)
-static void *run_gemm(void *arg) { gemm_block((GemmJob *)arg); return NULL; }
 #endif
 
 /* Reads one operand's arguments: (data, rs, cs, kind, table): table is the address of the 256 float32 values of
@@ -269,30 +312,19 @@ PyObject *py_gemm_bf16(PyObject *self, PyObject *args) {
         free(ops);
         return NULL;
     }
-    int failed = 0;
+    int done = 1;
 #if defined(MINDSPEED_HAVE_AVX512BF16)
-    /* split the longer side of c, in whole micro-tiles, over threads that each get 2^17 multiply-adds or more */
-    const int split_m = m >= n;
-    const int64_t side = split_m ? m : n, tile = split_m ? MR : NR;
+    /* threads that each get 2^17 multiply-adds or more, and a row of micro-tiles */
     int64_t t = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (t > (side + tile - 1) / tile) t = (side + tile - 1) / tile;
-    if (t > 1 && m * n * k < ((int64_t)t << 17)) t = 1;
-    const int64_t step = ((side + t - 1) / t + tile - 1) / tile * tile;
-    GemmJob jobs[MAX_THREADS];
+    const int64_t tiles = m >= n ? (m + MR - 1) / MR : (n + NR - 1) / NR;
+    if (t > tiles) t = tiles;
+    if (t > 1 && m * n * k < (t << 17)) t = 1;
     Py_BEGIN_ALLOW_THREADS
     if (k == 0) memset((void *)c, 0, (size_t)(m * n) * sizeof(float));
-    else {
-        for (int64_t i = 0; i < t; ++i) {
-            const int64_t s0 = i * step < side ? i * step : side, s1 = (i + 1) * step < side ? (i + 1) * step : side;
-            jobs[i] = (GemmJob){&ops[0], &ops[1], (float *)c, n, k, split_m ? s0 : 0, split_m ? s1 : m,
-                                split_m ? 0 : s0, split_m ? n : s1, 0};
-        }
-        run_jobs(run_gemm, jobs, sizeof(GemmJob), t);
-        for (int64_t i = 0; i < t; ++i) failed |= jobs[i].failed;
-    }
+    else done = gemm_run(&ops[0], &ops[1], (float *)c, m, n, k, t);
     Py_END_ALLOW_THREADS
 #endif
     free(ops);
-    if (failed) return PyErr_NoMemory();
+    if (!done) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
