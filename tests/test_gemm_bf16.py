@@ -146,6 +146,21 @@ def test_reference_per_tensor_gemm_reads_the_codes(fmt):
         np.testing.assert_array_equal(got.numpy(), expected)
 
 
+def test_a_per_tensor_linear_decodes_nothing(monkeypatch):
+    """Forward and backward of a per-tensor FP8 Linear (small GEMMs included) read the codes: no decode."""
+    from mindspeed_te import Float8CurrentScaling, Linear, fp8_autocast
+    from mindspeed_te.kernels import reference
+
+    calls = []
+    monkeypatch.setattr(reference, "cast_from_fp8", lambda data, fmt: calls.append(data.shape))
+    layer = Linear(32, 48)
+    x = torch.randn(64, 32, requires_grad=True)
+    with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+        y = layer(x)
+    y.backward(torch.randn_like(y))
+    assert calls == [] and x.grad is not None and layer.weight.grad is not None
+
+
 @pytest.mark.parametrize("recipe_format", ["E4M3", "HYBRID"])
 def test_simulated_cube_sums_as_the_reference_backend(recipe_format, monkeypatch):
     """The NPU backend on the simulator hands the cube the reference backend's GEMM: a per-tensor Linear large

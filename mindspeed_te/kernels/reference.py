@@ -44,22 +44,25 @@ def holds_bf16_values(t: Operand) -> bool:
 
 # From this many multiply-adds on, oneDNN's bf16 GEMM beats its float32 one (2^22 measured as the crossover on
 # 2 cores with AMX; 64^3 took 22 us in bf16 and 5 us in float32, 256^3 53 us and 103 us). npu_sim's
-# cube_matmul uses the same bound, so that the two sum alike.
+# cube_matmul uses the same bound, so that the two sum alike. (The extension's gemm_bf16, where it applies,
+# takes every size.)
 BF16_KERNEL_MIN_MACS = 1 << 22
 
 
 def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Tensor:
-    """a @ b of float32 matrices, summed in float32. When every value is a bfloat16 value (`bf16_values`) and
-    the GEMM is large enough, it runs on bfloat16 dot products (exact products, float32 sums): the same result
-    class as the float32 GEMM, at the bf16 GEMM's speed. That is the extension's `gemm_bf16` where it applies
-    (its fixed summation order), else oneDNN's bf16 GEMM, chosen through torch's process-wide matmul precision
-    set for this call only. Values below float32's normal range (2^-126) may count as zero on either."""
+    """a @ b of float32 matrices, summed in float32. When every value is a bfloat16 value (`bf16_values`), it
+    runs on bfloat16 dot products (exact products, float32 sums): the same result class as the float32 GEMM, at
+    the bf16 GEMM's speed. That is the extension's `gemm_bf16` where it applies (any size; its fixed summation
+    order), else, for GEMMs large enough, oneDNN's bf16 GEMM, chosen through torch's process-wide matmul
+    precision set for this call only. Values below float32's normal range (2^-126) may count as zero on
+    either."""
+    if bf16_values and a.device.type == "cpu":
+        result = fused_cast.gemm_bf16(a, b.t())
+        if result is not None:
+            return result
     large = a.shape[0] * a.shape[1] * b.shape[1] >= BF16_KERNEL_MIN_MACS
     if not (bf16_values and large and a.device.type == "cpu"):
         return torch.mm(a, b)
-    result = fused_cast.gemm_bf16(a, b.t())
-    if result is not None:
-        return result
     previous = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
     torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
     try:
@@ -222,14 +225,12 @@ class ReferenceBackend(KernelBackend):
     def _codes_gemm(a: Float8TensorStorage, b: Float8TensorStorage, a_columnwise: bool,
                     b_columnwise: bool) -> Optional[torch.Tensor]:
         """The float32 sum of two per-tensor operands' decoded codes by `gemm_bf16` read straight from the codes
-        (no decoded copy), where mm_float32 would take that GEMM for the decoded values (the same sums); else
-        None."""
+        (no decoded copy: the sums mm_float32 makes of the decoded values), or None where it does not apply."""
         a._require(a_columnwise)
         b._require(b_columnwise)
         a_codes, b_codes = (t.data if t.data.dim() == 2 else t.data.reshape(-1, t.data.shape[-1]) for t in (a, b))
         a_codes, b_codes = a_codes.t() if a_columnwise else a_codes, b_codes.t() if b_columnwise else b_codes
-        if (a_codes.shape[0] * a_codes.shape[1] * b_codes.shape[0] < BF16_KERNEL_MIN_MACS
-                or a_codes.device.type != "cpu" or b_codes.device.type != "cpu"):
+        if a_codes.device.type != "cpu" or b_codes.device.type != "cpu":
             return None
         return fused_cast.gemm_bf16(a_codes, b_codes, decode_table(a.fp8_dtype, a_codes.device),
                                     decode_table(b.fp8_dtype, b_codes.device))

@@ -10,9 +10,9 @@ bfloat16 values, and then the two sums may differ in their last bits. Products b
 (about 1e-38) may count as zero on the bfloat16 kernel. Where the output is bfloat16 and nothing is applied
 after the sum, both let that kernel round its float32 sum to bfloat16 itself (`cube_matmul_rounded`).
 
-The float32 sums of such a matmul may come out in any order; the reference backend sums a large one of
-bfloat16 values with mindspeed_te's own bf16 GEMM where the CPU has one (a fixed order, which the library's
-tests check against a NumPy emulation of it). `set_bf16_matmul` gives the cube that engine (mindspeed_te's
+The float32 sums of such a matmul may come out in any order; the reference backend sums one of bfloat16
+values, of any size, with mindspeed_te's own bf16 GEMM where the CPU has one (a fixed order, which the
+library's tests check against a NumPy emulation of it). `set_bf16_matmul` gives the cube that engine (mindspeed_te's
 NPU backend passes it when it runs on the simulator), so that both sum alike; the simulator itself imports
 nothing of the library.
 """
@@ -30,7 +30,7 @@ _bf16_matmul: Optional[Bf16Matmul] = None
 
 
 def set_bf16_matmul(engine: Optional[Bf16Matmul]) -> None:
-    """Sum the matmuls the bfloat16 kernel applies to with `engine` (None: oneDNN's bfloat16 kernel)."""
+    """Sum every 2-D matmul of bfloat16 values with `engine` where it takes it (None: oneDNN, as below)."""
     global _bf16_matmul
     _bf16_matmul = engine
 
@@ -58,14 +58,15 @@ def cube_matmul_rounded(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype
 
 def cube_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul of float32 (or bfloat16, taken as float32) operands with exact products and float32 sums."""
+    if (_bf16_matmul is not None and a.dim() == 2 and b.dim() == 2 and a.device.type == "cpu"
+            and _all_bfloat16(a) and _all_bfloat16(b)):
+        summed = _bf16_matmul(a, b.t())
+        if summed is not None:
+            return summed
     exact_in_bf16 = _bf16_kernel_applies(a, b)
     a, b = a.float(), b.float()
     if not exact_in_bf16:
         return torch.matmul(a, b)
-    if _bf16_matmul is not None and a.dim() == 2 and b.dim() == 2:
-        summed = _bf16_matmul(a, b.t())
-        if summed is not None:
-            return summed
     matmul_flags = torch.backends.mkldnn.matmul
     kept = matmul_flags.fp32_precision
     matmul_flags.fp32_precision = "bf16"
