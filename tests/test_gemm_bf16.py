@@ -161,11 +161,13 @@ def test_a_per_tensor_linear_decodes_nothing(monkeypatch):
     assert calls == [] and x.grad is not None and layer.weight.grad is not None
 
 
+@pytest.mark.parametrize("engine", ["gemm_bf16", "off"])
 @pytest.mark.parametrize("recipe_format", ["E4M3", "HYBRID"])
-def test_simulated_cube_sums_as_the_reference_backend(recipe_format, monkeypatch):
-    """The NPU backend on the simulator hands the cube the reference backend's GEMM: a per-tensor Linear large
-    enough for it gives the reference's bits, forward and backward. With oneDNN's sums in the cube instead, the
-    two differ (inputs over a wide range of exponents make the float32 sums round)."""
+def test_simulated_cube_sums_as_the_reference_backend(recipe_format, engine, monkeypatch):
+    """The NPU backend on the simulator hands the cube the reference backend's GEMM: a per-tensor Linear gives
+    the reference's bits, forward and backward. With oneDNN's sums in the cube only, the two differ (inputs
+    over a wide range of exponents make the float32 sums round). With the GEMM off for both (as on a CPU
+    without it), both sum on oneDNN and agree again."""
     from mindspeed_te import Linear, fp8_autocast
     from mindspeed_te.recipe import DelayedScaling, Format
 
@@ -186,10 +188,14 @@ def test_simulated_cube_sums_as_the_reference_backend(recipe_format, monkeypatch
         FP8GlobalStateManager.reset()
         return y.detach(), x.grad, layer.weight.grad
 
+    if engine == "off":
+        monkeypatch.setattr(fused_cast, "_gemm_bf16_cpu", False)
     reference = run("reference")
     npu = run("npu")
     for got, want in zip(npu, reference):
         assert torch.equal(got, want)
+    if engine == "off":
+        return
     monkeypatch.setattr(NpuSimulator, "set_bf16_matmul", staticmethod(lambda engine: set_bf16_matmul(None)))
     try:
         onednn = run("npu")
