@@ -1,6 +1,7 @@
 """Run a function on N real gloo processes and collect what each rank returns."""
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -22,6 +23,9 @@ def _entry(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callabl
     # Leave without interpreter finalization: there, gloo worker threads that still hold tensors can abort the
     # process (pytorch/pytorch#179291; the likeliest cause of one CI abort, "terminate called without an active
     # exception" with no Python exception). A failing rank raised above and is reported by mp.spawn as usual.
+    # os._exit skips multiprocessing's exit finalizers too, so run them first: Megatron's checkpoint writer starts
+    # a multiprocessing Manager whose server process would otherwise outlive the test (330 MB each, forever).
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

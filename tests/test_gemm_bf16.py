@@ -10,7 +10,7 @@ from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels.reference import BF16_KERNEL_MIN_MACS, ReferenceBackend
 from mindspeed_te.quantizers import Float8Quantizer
-from mindspeed_te.testing.npu_sim import NpuSimulator
+from mindspeed_te.testing.npu_sim import NpuSimulator, make_simulator
 from mindspeed_te.testing.npu_sim.cube import set_bf16_matmul
 from tests.oracles import np_decode
 
@@ -45,7 +45,7 @@ def layouts(t: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 # (M, K, N): odd and even K, K over one block of 256, edges of the 12 x 32 tiles, sizes split over threads
-SHAPES = [(1, 1, 1), (5, 3, 100), (12, 32, 32), (13, 600, 37), (97, 513, 70), (200, 300, 130)]
+SHAPES = [(4, 1, 4), (5, 3, 100), (12, 32, 32), (13, 600, 37), (97, 513, 70), (200, 300, 130), (33, 1025, 4)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -110,14 +110,37 @@ def test_codes_are_read_through_their_values(a_fmt, b_fmt, shape):
     np.testing.assert_array_equal(got.numpy(), expected)
 
 
+def test_a_float32_nan_stays_nan_whatever_its_payload():
+    """A float32 NaN whose payload lies in its low 16 bits only is still NaN (its top half alone is Inf)."""
+    a = torch.zeros(4, 6)
+    a.view(torch.int32)[1, 2] = 0x7F800001
+    a.view(torch.int32)[2, 4] = -0x007FFFFF  # 0xFF800001: a negative NaN
+    got = fused_cast.gemm_bf16(a, torch.ones(5, 6))
+    assert got[1].isnan().all() and got[2].isnan().all() and (got[[0, 3]] == 0).all()
+
+
 def test_operands_it_does_not_take_give_none():
     x = torch.ones(4, 8, dtype=torch.bfloat16)
+    values = torch.arange(512, dtype=torch.float32)
     assert fused_cast.gemm_bf16(x.half(), x) is None  # float16
     assert fused_cast.gemm_bf16(x, x[:, :4]) is None  # k differs
     assert fused_cast.gemm_bf16(x.to(torch.uint8), x.to(torch.uint8)) is None  # codes without their values
+    assert fused_cast.gemm_bf16(x.to(torch.uint8), x.to(torch.uint8), values[::2], values[::2]) is None
     assert fused_cast.gemm_bf16(x[None], x) is None  # not 2-D
-    empty = fused_cast.gemm_bf16(torch.ones(3, 0, dtype=torch.bfloat16), torch.ones(5, 0, dtype=torch.bfloat16))
-    assert torch.equal(empty, torch.zeros(3, 5))
+    assert fused_cast.gemm_bf16(x[:3], x) is None and fused_cast.gemm_bf16(x, x[:3]) is None  # matrix-vector
+    empty = fused_cast.gemm_bf16(torch.ones(4, 0, dtype=torch.bfloat16), torch.ones(5, 0, dtype=torch.bfloat16))
+    assert torch.equal(empty, torch.zeros(4, 5))
+
+
+def test_the_simd_cap_turns_it_off():
+    """set_simd below AVX-512 runs what a CPU without it runs: not this GEMM."""
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    try:
+        fused_cast.set_simd("avx2")
+        assert not fused_cast.gemm_bf16_applies() and fused_cast.gemm_bf16(x, x) is None
+    finally:
+        fused_cast.set_simd("avx512")
+    assert fused_cast.gemm_bf16(x, x) is not None
 
 
 def _per_tensor(x: torch.Tensor, fmt: FP8Dtype, scale: float):
@@ -144,6 +167,24 @@ def test_reference_per_tensor_gemm_reads_the_codes(fmt):
         # scale_inv are powers of 2 here, so applying them rounds nothing
         expected = ordered_sum(a_values, b_values) / np.float32(scale)
         np.testing.assert_array_equal(got.numpy(), expected)
+
+
+@pytest.mark.parametrize("m", [16, 2])
+def test_a_nan_code_changes_no_other_output_on_the_simulator(m, monkeypatch):
+    """A per-tensor GEMM with a NaN code: the simulated kernel and the reference give NaN in its row and the
+    same bits elsewhere (the simulator takes the same engine whether or not a NaN is present; with 2 rows the
+    engine declines on both sides)."""
+    from mindspeed_te.kernels.npu import NpuBackend
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(s, generator=gen) * torch.exp2(torch.randint(-6, 6, s, generator=gen).float())
+            for s in ((m, 256), (32, 256)))
+    qx, qw = _per_tensor(x, FP8Dtype.E4M3, 1.0), _per_tensor(w, FP8Dtype.E4M3, 1.0)
+    qx.data.view(torch.uint8)[0, 3] = 0x7F  # E4M3's NaN
+    want = ReferenceBackend().gemm(qx, qw, out_dtype=torch.float32)
+    got = NpuBackend(make_simulator()).gemm(qx, qw, out_dtype=torch.float32)
+    assert want[0].isnan().all() and want[1:].isfinite().all()
+    assert got[0].isnan().all() and torch.equal(got[1:], want[1:])
 
 
 def test_a_per_tensor_linear_decodes_nothing(monkeypatch):

@@ -29,6 +29,12 @@ typedef struct {
     uint16_t lut[256];  /* OP_CODES: the bfloat16 bits of each code's value */
 } Operand;
 
+/* The top half of a float32 holding a bfloat16 value; a NaN whose payload lies in the low half only would
+ * become Inf there, so NaNs keep their sign and become the quiet NaN. */
+static inline uint16_t f32_to_bf16_bits(uint32_t u) {
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)((u >> 16) | 0x7FC0u) : (uint16_t)(u >> 16);
+}
+
 #define MR 12   /* rows of a and columns of b per micro-kernel call */
 #define NR 32
 #ifndef KC
@@ -37,6 +43,7 @@ typedef struct {
 #ifndef MC
 #define MC 96   /* rows of a per packed block (a multiple of MR) */
 #endif
+_Static_assert(KC % 2 == 0 && MC % MR == 0 && NR == 32 && MR <= 16, "the blocking the packing and kernel assume");
 
 #if defined(MINDSPEED_HAVE_AVX512BF16)
 #include <immintrin.h>
@@ -47,7 +54,7 @@ typedef struct {
 static inline uint16_t element(const Operand *o, int64_t r, int64_t k) {
     const int64_t i = r * o->rs + k * o->cs;
     if (o->kind == OP_CODES) return o->lut[((const uint8_t *)o->data)[i]];
-    if (o->kind == OP_F32) { uint32_t u; memcpy(&u, (const float *)o->data + i, 4); return (uint16_t)(u >> 16); }
+    if (o->kind == OP_F32) { uint32_t u; memcpy(&u, (const float *)o->data + i, 4); return f32_to_bf16_bits(u); }
     return ((const uint16_t *)o->data)[i];
 }
 
@@ -66,14 +73,22 @@ static void pack_any(uint32_t *out, int w, const Operand *o, int64_t r0, int64_t
 }
 
 
+/* f32_to_bf16_bits of 16 lanes, in the low half of each. */
+AVX512BF16 static inline __m512i top_halves(__m512i u) {
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    const __m512i top = _mm512_srli_epi32(u, 16);
+    return _mm512_mask_or_epi32(top, nan, top, _mm512_set1_epi32(0x7FC0));
+}
+
 /* n (<= 32) contiguous elements from p as 32 bfloat16 bit patterns, zero past n. */
 AVX512BF16 static inline __m512i load32(const Operand *o, const void *p, int n) {
     const __mmask32 m = n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << n) - 1);
     if (o->kind == OP_BF16) return _mm512_maskz_loadu_epi16(m, p);
     if (o->kind == OP_F32) {
         const float *f = (const float *)p;
-        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_maskz_loadu_ps((__mmask16)m, f)), 16);
-        const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_maskz_loadu_ps((__mmask16)(m >> 16), f + 16)), 16);
+        const __m512i lo = top_halves(_mm512_castps_si512(_mm512_maskz_loadu_ps((__mmask16)m, f)));
+        const __m512i hi = top_halves(_mm512_castps_si512(_mm512_maskz_loadu_ps((__mmask16)(m >> 16), f + 16)));
         return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
     }
     /* codes: 4 lookups of 64 entries (bits 0..5 of each code), chosen by bits 6 and 7 */
@@ -101,7 +116,8 @@ AVX512BF16 static void pack_rows(uint32_t *out, int w, const Operand *o, int64_t
                                  int64_t kc) {
     const int64_t pairs = (kc + 1) / 2;
     for (int i0 = 0; i0 < w; i0 += 16) {
-        const int64_t n_rows = rows - i0 < 0 ? 0 : rows - i0 > 16 ? 16 : rows - i0;
+        const int64_t in_panel = w - i0 < 16 ? w - i0 : 16;
+        const int64_t n_rows = rows - i0 < 0 ? 0 : rows - i0 > in_panel ? in_panel : rows - i0;
         const __mmask16 keep = (__mmask16)((1u << (w - i0 < 16 ? w - i0 : 16)) - 1);
         for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
             const int n = (int)(kc - 2 * p0 < 32 ? kc - 2 * p0 : 32);
@@ -154,7 +170,7 @@ AVX512BF16 static void pack_cols(uint32_t *out, int w, const Operand *o, int64_t
 
 static void pack(uint32_t *out, int w, const Operand *o, int64_t r0, int64_t rows, int64_t k0, int64_t kc) {
     if (o->cs == 1) pack_rows(out, w, o, r0, rows, k0, kc);
-    else if (o->rs == 1 && w <= 32) pack_cols(out, w, o, r0, rows, k0, kc);
+    else if (o->rs == 1) pack_cols(out, w, o, r0, rows, k0, kc);
     else pack_any(out, w, o, r0, rows, k0, kc);
 }
 
@@ -202,7 +218,7 @@ typedef struct {
     float *c;
     int64_t m, n, k;
     int64_t a0, a1, b0, b1;  /* packing: panels [a0, a1) of a and [b0, b1) of b */
-    int64_t m0, m1, n0, n1;  /* products: rows [m0, m1) and columns [n0, n1) of c (multiples of MR and NR) */
+    int64_t m0, m1, n0, n1;  /* products: rows [m0, m1) and columns [n0, n1) of c (m0, n0: multiples of MR, NR) */
 } GemmJob;
 
 static void pack_job(GemmJob *j) {
@@ -285,7 +301,7 @@ static int parse_operand(PyObject *args, Operand *o) {
         for (int i = 0; i < 256; ++i) {
             uint32_t u;
             memcpy(&u, (const float *)table + i, 4);
-            o->lut[i] = (uint16_t)(u >> 16);
+            o->lut[i] = f32_to_bf16_bits(u);
         }
     return 1;
 }
@@ -306,12 +322,8 @@ PyObject *py_gemm_bf16(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "gemm_bf16: negative shape");
         return NULL;
     }
-    Operand *ops = malloc(2 * sizeof(Operand));
-    if (!ops) return PyErr_NoMemory();
-    if (!parse_operand(a_args, &ops[0]) || !parse_operand(b_args, &ops[1])) {
-        free(ops);
-        return NULL;
-    }
+    Operand ops[2];
+    if (!parse_operand(a_args, &ops[0]) || !parse_operand(b_args, &ops[1])) return NULL;
     int done = 1;
 #if defined(MINDSPEED_HAVE_AVX512BF16)
     /* threads that each get 2^17 multiply-adds or more, and a row of micro-tiles */
@@ -323,8 +335,9 @@ PyObject *py_gemm_bf16(PyObject *self, PyObject *args) {
     if (k == 0) memset((void *)c, 0, (size_t)(m * n) * sizeof(float));
     else done = gemm_run(&ops[0], &ops[1], (float *)c, m, n, k, t);
     Py_END_ALLOW_THREADS
+#else
+    (void)threads;
 #endif
-    free(ops);
     if (!done) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }

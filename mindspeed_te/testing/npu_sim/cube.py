@@ -34,13 +34,18 @@ def set_bf16_matmul(engine: Optional[Bf16Matmul]) -> None:
     global _bf16_matmul
     _bf16_matmul = engine
 
+
 # Below this many multiply-adds the float32 kernel is the faster one; the reference backend draws the line at
 # the same size (its BF16_KERNEL_MIN_MACS), so the two sum alike.
 MIN_MACS_FOR_BF16 = 4_194_304
 
 
 def _all_bfloat16(t: torch.Tensor) -> bool:
-    return t.dtype == torch.bfloat16 or (t.dtype == torch.float32 and torch.equal(t, t.bfloat16().float()))
+    """Whether every value is a bfloat16 value (NaN counts as one: a NaN code decodes to one)."""
+    if t.dtype != torch.float32:
+        return t.dtype == torch.bfloat16
+    numbers = t.nan_to_num(0.0, posinf=float("inf"), neginf=float("-inf"))
+    return torch.equal(numbers, numbers.bfloat16().float())
 
 
 def _bf16_kernel_applies(a: torch.Tensor, b: torch.Tensor) -> bool:
