@@ -18,22 +18,29 @@ fused_cast = Extension(
 # With OpenMP the kernels run on the OpenMP threads of torch's libgomp.so.1 (the loader binds the extension's
 # libgomp.so.1 to the copy torch has already loaded); a compiler without it builds the pthread code instead.
 OPENMP_FLAGS = ["-fopenmp"]
+# A toolchain that cannot assemble AVX-512 BF16 still builds the quantize kernels; gemm_bf16 then reports itself
+# unsupported and the GEMMs take torch's path.
+NO_BF16_FLAGS = ["-DMINDSPEED_TE_NO_AVX512BF16"]
 
 
 class BuildExt(build_ext):
-    """Builds the extension with OpenMP, or without it when the compiler or linker refuses the flag."""
+    """Builds the extension with OpenMP and the AVX-512 BF16 GEMM, else without what the toolchain refuses."""
 
     def build_extension(self, ext: Extension) -> None:
-        plain = (list(ext.extra_compile_args), list(ext.extra_link_args))
-        ext.extra_compile_args = plain[0] + OPENMP_FLAGS
-        ext.extra_link_args = plain[1] + OPENMP_FLAGS
-        try:
-            super().build_extension(ext)
-            return
-        except CCompilerError as error:
-            print(f"building {ext.name} without OpenMP ({error})")
-        ext.extra_compile_args, ext.extra_link_args = plain
-        super().build_extension(ext)
+        compile_args, link_args = list(ext.extra_compile_args), list(ext.extra_link_args)
+        attempts = [("OpenMP, BF16 GEMM", OPENMP_FLAGS, []), ("OpenMP, no BF16 GEMM", OPENMP_FLAGS, NO_BF16_FLAGS),
+                    ("no OpenMP, BF16 GEMM", [], []), ("no OpenMP, no BF16 GEMM", [], NO_BF16_FLAGS)]
+        for number, (_, openmp, defines) in enumerate(attempts, 1):
+            ext.extra_compile_args = compile_args + openmp + defines
+            ext.extra_link_args = link_args + openmp
+            try:
+                super().build_extension(ext)
+                return
+            except CCompilerError as error:
+                if number == len(attempts):
+                    raise
+                print(f"building {ext.name} again ({attempts[number][0]}): {error}")
+
 
 setup(
     name="mindspeed_te",

@@ -9,9 +9,10 @@
 
 #define MAX_THREADS 64
 
-/* Compilers that know AVX-512 BF16 (GCC 10, clang 9 on): without it gemm_bf16 reports itself unsupported. */
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 9) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
+/* Compilers that know AVX-512 BF16 (GCC 10, clang 9 on), unless the build turns it off (setup.py does when the
+ * toolchain cannot assemble it): without it gemm_bf16 reports itself unsupported. */
+#if !defined(MINDSPEED_TE_NO_AVX512BF16) && defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10))
 #define MINDSPEED_HAVE_AVX512BF16 1
 #endif
 
