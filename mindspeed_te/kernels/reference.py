@@ -226,10 +226,12 @@ class ReferenceBackend(KernelBackend):
                     b_columnwise: bool) -> Optional[torch.Tensor]:
         """The float32 sum of two per-tensor operands' decoded codes by `gemm_bf16` read straight from the codes
         (no decoded copy: the sums mm_float32 makes of the decoded values), or None where it does not apply."""
+        if not fused_cast.gemm_bf16_applies():
+            return None
         a._require(a_columnwise)
         b._require(b_columnwise)
-        a_codes, b_codes = (t.data if t.data.dim() == 2 else t.data.reshape(-1, t.data.shape[-1]) for t in (a, b))
-        a_codes, b_codes = a_codes.t() if a_columnwise else a_codes, b_codes.t() if b_columnwise else b_codes
+        a_codes, b_codes = (t.columnwise_data if columnwise else t.data.reshape(-1, t.shape[-1])
+                            for t, columnwise in ((a, a_columnwise), (b, b_columnwise)))
         if a_codes.device.type != "cpu" or b_codes.device.type != "cpu":
             return None
         return fused_cast.gemm_bf16(a_codes, b_codes, decode_table(a.fp8_dtype, a_codes.device),
