@@ -385,20 +385,21 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                 later = microbatch_launches(recipe, torch.bfloat16, npu)
                 rows.append((f"NPU launches, later micro-batch forward, {kind}", float(later.total),
                              f"{name} bfloat16 {chip}, weight and bias kept from the first"))
-    for chip, name in (("Ascend950PR", "blockwise E4M3"), ("Ascend950PR", "blockwise HIF8"),
-                       ("Ascend950DT", "mxfp8 E4M3")):
-        with npu_simulated(chip) as npu:  # block-scaled experts: one quantize and GEMMs per expert
-            forward, backward = grouped_launches(launch_recipes()[name], torch.bfloat16, npu)
-            detail = f"{name} bfloat16 {chip}, 8 experts"
-            rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
-            rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
+    grouped = [("Ascend950PR", "blockwise E4M3", torch.bfloat16, False),
+               ("Ascend950PR", "blockwise E4M3", torch.bfloat16, True),
+               ("Ascend950PR", "blockwise HIF8", torch.bfloat16, False),
+               ("Ascend950DT", "mxfp8 E4M3", torch.bfloat16, False),
+               ("Ascend950PR", "mxfp8 E4M3", torch.bfloat16, True),
+               ("1", "delayed E4M3", torch.bfloat16, False), ("1", "delayed E4M3", torch.float32, False),
+               ("1", "delayed E4M3", torch.bfloat16, True)]
+    for chip, name, dtype, packed in grouped:
+        with npu_simulated(chip) as npu:
+            forward, backward = grouped_launches(launch_recipes()[name], dtype, npu, parameter_buffer=packed)
+        detail = f"{name} {str(dtype).replace('torch.', '')}" + ("" if chip == "1" else f" {chip}") + ", 8 experts"
+        detail += ", weights in Megatron's parameter buffer" if packed else ""
+        rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
+        rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
     with npu_simulated() as npu:
-        for dtype, packed in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
-            forward, backward = grouped_launches(DelayedScaling(), dtype, npu, parameter_buffer=packed)
-            detail = f"delayed E4M3 {str(dtype).replace('torch.', '')}, 8 experts" + \
-                (", weights in Megatron's parameter buffer" if packed else "")
-            rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
-            rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
         for layers in (2, 32):
             forward, backward = update_launches(DelayedScaling(), layers, npu)
             rows.append(("NPU launches, delayed update per step", float(forward.total), f"{layers} layers, forward"))

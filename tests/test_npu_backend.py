@@ -262,9 +262,11 @@ def test_rms_norm_runs_the_fused_kernel(monkeypatch, use_backend):
     assert x.grad is not None and norm.weight.grad is not None
 
 
-@pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "tensorwise/hif8", "mxfp8/hybrid"])
+@pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "tensorwise/hif8", "mxfp8/hybrid",
+                                  "blockwise/e4m3", "blockwise/hif8"])
 def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backend):
-    """MoE experts: per-tensor recipes use one npu_grouped_matmul per GEMM kind; results equal the reference."""
+    """MoE experts: per-tensor recipes use one npu_grouped_matmul per GEMM kind, MXFP8 and blockwise one for
+    fprop and one for dgrad (its MX and G-B modes); results equal the reference."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
 
@@ -291,19 +293,22 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
     if name.startswith(("delayed", "tensorwise")):
         assert sim.launch_counts["npu_grouped_matmul"] == 3  # fprop, dgrad, wgrad: one call each
     else:
-        assert sim.launch_counts["npu_quant_matmul"] == 6  # MX: no grouped kernel form; one GEMM per expert
+        assert sim.launch_counts["npu_grouped_matmul"] == 2  # fprop, dgrad; the wgrad takes one GEMM per expert
+        if name.startswith("mxfp8"):
+            assert sim.launch_counts["npu_quant_matmul"] == 2  # the two experts with tokens
     if name.startswith("delayed"):
         # the two experts' inputs, and their grad_outputs, each in one call; the weights one by one
         assert sim.launch_counts["npu_quantize"] == 4
 
 
-@pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "mxfp8/hybrid", "blockwise/hif8"])
+@pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "mxfp8/hybrid", "blockwise/hif8",
+                                  "blockwise/e4m3", "blockwise pow2/e4m3"])
 def test_expert_weights_in_megatrons_parameter_buffer_quantize_together(name, monkeypatch, use_backend):
     """Expert weights that are row blocks of one buffer in reverse (Megatron's contiguous parameter buffer,
     --use-distributed-optimizer, no biases) are quantized as one tensor where the rowwise form is row-local
     or per-tensor with a divisor per row: delayed scaling, one npu_quantize for all of them (and one for the
-    inputs), MXFP8 on the 950PR one rowwise quantize of all weights. Results equal the reference bit for bit,
-    and those of the same layer with its weights apart."""
+    inputs), MXFP8 on the 950PR one rowwise quantize of all weights, 128x128 tiles (each expert whole tiles)
+    one quantize. Results equal the reference bit for bit, and those of the same layer with its weights apart."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.bench import megatron_parameter_buffer
     from mindspeed_te.modules import GroupedLinear
@@ -313,22 +318,27 @@ def test_expert_weights_in_megatrons_parameter_buffer_quantize_together(name, mo
         if sim is not None:
             monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
         torch.manual_seed(0)
-        layer = GroupedLinear(4, 128, 64, bias=False, params_dtype=torch.bfloat16)
+        layer = GroupedLinear(4, 128, 128, bias=False, params_dtype=torch.bfloat16)
         if packed:
             megatron_parameter_buffer(layer)
         x = torch.randn(128, 128).bfloat16().requires_grad_()
         for _ in range(2):  # the second step with real delayed scales
             with fp8_autocast(fp8_recipe=RECIPES[name]):
                 y = layer(x, [32, 32, 32, 32])
-            y.backward(torch.randn(128, 64, generator=torch.Generator().manual_seed(1)).bfloat16())
+            y.backward(torch.randn(128, 128, generator=torch.Generator().manual_seed(1)).bfloat16())
         return [y.detach(), x.grad] + [w.grad for w in layer.weights]
 
-    sim = make_simulator()
+    sim, apart = make_simulator(), make_simulator()
     got = run("npu", True, sim)
     launches = dict(sim.launch_counts)
-    for want in (run("reference", True), run("npu", False, make_simulator())):
+    for want in (run("reference", True), run("npu", False, apart)):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+    if name in ("blockwise/e4m3", "blockwise pow2/e4m3"):  # the experts' 128x128 tiles: one quantize per step
+
+        def quantizes(counts: dict) -> int:
+            return sum(n for kernel, n in counts.items() if kernel.startswith("npu_dynamic"))
+        assert quantizes(launches) == quantizes(apart.launch_counts) - 2 * 3, launches
     if name.startswith("delayed"):
         assert launches["npu_quantize"] == 2 * 3  # per step: inputs, weights, grad_outputs
     if name.startswith("mxfp8"):
@@ -349,7 +359,8 @@ def test_wgrad_over_an_odd_number_of_32_blocks_stays_on_the_mx_gemm(name, chip, 
     for g, w in zip(got, _grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)):
         assert torch.equal(g, w)
     active = sum(1 for m in splits if m)
-    assert sim.launch_counts["npu_quant_matmul"] == 3 * active  # fprop, dgrad and wgrad of each expert
+    assert sim.launch_counts["npu_quant_matmul"] == active  # each expert's wgrad
+    assert sim.launch_counts["npu_grouped_matmul"] == 2  # fprop and dgrad of all experts
     sim = make_simulator(chip)
     got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=(96, 128, 256))
     for g, w in zip(got, _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=(96, 128, 256))):

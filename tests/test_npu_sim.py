@@ -553,6 +553,92 @@ def test_grouped_matmul_fp8_split_k(sim):
         sim.npu_grouped_matmul([xt[:127].t()], [w[:127]], group_list=torch.tensor([64, 63]), **kwargs)
 
 
+@pytest.mark.parametrize("fmt", ["E4M3", "HIF8"])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_grouped_matmul_mx_and_gb_split_m(sim, fmt, transposed):
+    """The 950's MX and G-B grouped modes (aclnnGroupedMatmulV4, 动态量化（mx量化）/（G-B量化）场景): rows of group i
+    times weight i, each element dequantized by its 32-block's E8M0 scale (MX: per_token_scale (M, ceil(K/64), 2),
+    scale (g, ceil(K/64), N, 2)) or its tile's float32 scale (G-B: (M, ceil(K/128)) and (g, ceil(K/128),
+    ceil(N/128))), against NumPy; the weight and its scales transposed views, or contiguous, together."""
+    m, k, n, sizes = 20, 160, 136, [5, 0, 9]  # 6 trailing rows belong to no group; partial 32-blocks and tiles
+    x, vx = random_codes((m, k), fmt, 41)
+    w, vw = random_codes((3, n, k), fmt, 42)  # (g, n, k): the (g, k, n) weight is its transposed view
+    gen = np.random.default_rng(43)
+    group_list = torch.tensor(np.cumsum(sizes), dtype=torch.int64)
+    weight = w.transpose(1, 2) if transposed else w.transpose(1, 2).contiguous()
+    kw = dict(group_list=group_list, split_item=3, group_type=0, output_dtype=torch.float32)
+    cases = [("G-B", 128)] + ([("MX", 32)] if fmt == "E4M3" else [])
+    for mode, block in cases:
+        kb, nb = -(-k // block), -(-n // 128)
+        if mode == "MX":
+            x_bytes = gen.integers(120, 135, (m, 2 * -(-k // 64))).astype(np.uint8)
+            w_bytes = gen.integers(120, 135, (3, n, 2 * -(-k // 64))).astype(np.uint8)
+            pts = torch.from_numpy(x_bytes).reshape(m, -1, 2)
+            sc = torch.from_numpy(w_bytes).reshape(3, n, -1, 2).transpose(1, 2)  # (g, ceil(k/64), n, 2)
+            sx = np.repeat(2.0 ** (x_bytes[:, :kb].astype(np.float64) - 127), 32, 1)[:, :k]
+            sw = np.repeat(2.0 ** (w_bytes[:, :, :kb].astype(np.float64) - 127), 32, 2)[:, :, :k]
+            extra = dict(scale_dtype=sim.float8_e8m0fnu, per_token_scale_dtype=sim.float8_e8m0fnu)
+        else:
+            x_tiles = gen.uniform(0.5, 2, (m, kb)).astype(np.float32)
+            w_tiles = gen.uniform(0.5, 2, (3, nb, kb)).astype(np.float32)
+            pts = torch.from_numpy(x_tiles)
+            sc = torch.from_numpy(w_tiles).transpose(1, 2)  # (g, ceil(k/128), ceil(n/128))
+            sx = np.repeat(x_tiles.astype(np.float64), 128, 1)[:, :k]
+            sw = np.repeat(np.repeat(w_tiles.astype(np.float64), 128, 1)[:, :n], 128, 2)[:, :, :k]
+            extra = dict(x_dtype=sim.hifloat8, weight_dtype=sim.hifloat8) if fmt == "HIF8" else {}
+        if not transposed:
+            sc = sc.contiguous()
+        (out,) = sim.npu_grouped_matmul([x], [weight], scale=[sc], per_token_scale=[pts], **kw, **extra)
+        expected = np.zeros((m, n))
+        start = 0
+        for g, size in enumerate(sizes):
+            rows = slice(start, start + size)
+            expected[rows] = (vx[rows] * sx[rows]) @ (vw[g] * sw[g]).T
+            start += size
+        close(out, expected)
+        # the scale in the other layout than its weight: refused ("transposed view exactly when its data is")
+        other = sc.contiguous() if transposed else sc.transpose(1, 2).contiguous().transpose(1, 2)
+        assert_raises(lambda other=other, pts=pts, extra=extra: sim.npu_grouped_matmul(
+            [x], [weight], scale=[other], per_token_scale=[pts], **kw, **extra), NpuValueError, "scale")
+
+
+def test_grouped_matmul_mx_and_gb_contract(sim):
+    """What the MX and G-B grouped tables refuse: a bias ("以下入参为空：biasOptional" / MX FP8 rows "null"), HiF8
+    MX operands (no such row), one E8M0 scale dtype without the other, no per_token_scale, other scale shapes;
+    the K-split forms, whose group offsets the document leaves open for groups of other sizes, are not
+    simulated."""
+    m, k, n = 8, 64, 128
+    x, _ = random_codes((m, k), "E4M3", 51)
+    w, _ = random_codes((2, k, n), "E4M3", 52)
+    e8 = dict(scale_dtype=sim.float8_e8m0fnu, per_token_scale_dtype=sim.float8_e8m0fnu)
+    mx = dict(scale=[torch.full((2, 1, n, 2), 127, dtype=torch.uint8)],
+              per_token_scale=[torch.full((m, 1, 2), 127, dtype=torch.uint8)], group_list=torch.tensor([3, 8]),
+              split_item=3, group_type=0, output_dtype=torch.bfloat16)
+    gb = dict(mx, scale=[torch.ones(2, 1, 1)], per_token_scale=[torch.ones(m, 1)])
+    gmm = sim.npu_grouped_matmul
+    gmm([x], [w], **mx, **e8)
+    gmm([x], [w], **gb)
+    assert_raises(lambda: gmm([x], [w], **mx, **e8, bias=[torch.zeros(2, n)]), NpuValueError, "bias")
+    assert_raises(lambda: gmm([x], [w], **gb, bias=[torch.zeros(2, n)]), NpuValueError, "bias")
+    assert_raises(lambda: gmm([x], [w], **mx, scale_dtype=sim.float8_e8m0fnu), NpuTypeError, "per_token_scale_dtype")
+    assert_raises(lambda: gmm([x], [w], **dict(mx, per_token_scale=None), **e8), NpuValueError, "per_token_scale")
+    assert_raises(lambda: gmm([x], [w], **dict(mx, scale=[torch.full((2, 2, n, 2), 127, dtype=torch.uint8)]),
+                              **e8), NpuValueError, "scale")
+    assert_raises(lambda: gmm([x], [w], **dict(gb, per_token_scale=[torch.ones(m, 2)])), NpuValueError,
+                  "per_token_scale")
+    assert_raises(lambda: gmm([x], [w], **dict(gb, scale=[torch.ones(2, 1, 1).double()])), NpuTypeError, "scale")
+    h, _ = random_codes((m, k), "HIF8", 53)
+    hw, _ = random_codes((2, k, n), "HIF8", 54)
+    assert_raises(lambda: gmm([h], [hw], **mx, **e8, x_dtype=sim.hifloat8, weight_dtype=sim.hifloat8),
+                  NpuTypeError, "MX")
+    xt, _ = random_codes((k * 2, m), "E4M3", 55)
+    wk, _ = random_codes((k * 2, n), "E4M3", 56)
+    with pytest.raises(NpuSimNotImplemented, match="K-split"):
+        gmm([xt.t()], [wk], **dict(mx, scale=[torch.full((4, n, 2), 127, dtype=torch.uint8)],
+                                   per_token_scale=[torch.full((4, m, 2), 127, dtype=torch.uint8)], group_type=2,
+                                   group_list=torch.tensor([64, 128])), **e8)
+
+
 def test_grouped_matmul_bf16(sim):
     m, k, n = 10, 16, 6
     x = torch.randn(m, k, dtype=torch.bfloat16)

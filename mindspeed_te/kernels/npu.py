@@ -143,14 +143,20 @@ def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 
 
 def _row_local_config(q: Quantizer) -> Optional[tuple]:
-    """What the output of a quantizer whose rowwise form is row-local (1x128 tiles, MX blocks) depends on, or
-    None for other quantizers."""
+    """What the output of a quantizer whose rowwise form is row-local (1x128 tiles, MX blocks; 128x128 tiles
+    for row blocks of whole tiles, see `_tile_rows`) depends on, or None for other quantizers."""
     if isinstance(q, MXFP8Quantizer):
         return type(q), q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, q.block_len, q.rounding
-    if isinstance(q, Float8BlockQuantizer) and q.block_scaling_dim == 1:
+    if isinstance(q, Float8BlockQuantizer):
         return (type(q), q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, q.block_len, q.target_max,
-                q.amax_epsilon, q.power_2_scale)
+                q.amax_epsilon, q.power_2_scale, q.block_scaling_dim)
     return None
+
+
+def _tile_rows(q: Quantizer) -> int:
+    """The rows of one tile of a row-local quantizer's rowwise form: 128 for 128x128 tiles (a block of rows
+    joins others only in whole tiles), else 1."""
+    return q.block_len if isinstance(q, Float8BlockQuantizer) and q.block_scaling_dim == 2 else 1
 
 
 def _memory_order(x2ds: Sequence[torch.Tensor]) -> list[int]:
@@ -188,8 +194,10 @@ def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
     configs = [_row_local_config(q) for q in qs]
 
     def joins(start: int, prev: int, i: int) -> bool:
+        tile = _tile_rows(qs[start])
         return (configs[start] is not None and configs[i] == configs[start] and outs[i] is None
-                and outs[start] is None and rows_follow(x2ds[prev], x2ds[i]))
+                and outs[start] is None and x2ds[start].shape[0] % tile == 0 and x2ds[i].shape[0] % tile == 0
+                and rows_follow(x2ds[prev], x2ds[i]))
 
     return (run for run in _runs(_memory_order(x2ds), joins) if len(run) > 1)
 
@@ -213,6 +221,27 @@ def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
     one npu_quantize made for all experts), else their concatenation."""
     joined = joined_rows(blocks)
     return joined if joined is not None else torch.cat(blocks)
+
+
+def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Row blocks (any number of dims) as one tensor along dim 0: a view when they lie in order in one buffer
+    (the scales of codes one quantize made for all experts), else their concatenation."""
+    if len(blocks) > 1 and all(t.is_contiguous() for t in blocks):
+        joined = joined_rows([t.reshape(t.shape[0], -1) for t in blocks])
+        if joined is not None:
+            return joined.view(-1, *blocks[0].shape[1:])
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
+
+def _stacked(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The groups' 2-D operands (or 3-D E8M0 pairs) stacked along a new dim 0 in the layout each has, contiguous
+    or the transposed view of its first two dims (which the grouped GEMM takes for its weight and the weight's
+    scales alike); None when their layouts differ."""
+    if all(p.is_contiguous() for p in parts):
+        return torch.stack(parts)
+    if all(p.transpose(0, 1).is_contiguous() for p in parts):
+        return torch.stack([p.transpose(0, 1) for p in parts]).transpose(1, 2)
+    return None
 
 
 def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,10 +393,12 @@ class NpuBackend(ReferenceBackend):
     def _quantize_joined_rows(self, qs: Sequence[Quantizer], xs: Sequence[torch.Tensor],
                               x2ds: Sequence[torch.Tensor], outs: list[Optional[QuantizedTensorStorage]]) -> None:
         """Fill `outs` for runs of row blocks of one buffer (`rows_follow`: a grouped linear's experts' inputs or
-        grad_outputs) that block-scaled quantizers of one configuration take along the rows (1x128 tiles, MX
-        blocks): the rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its
-        rows of that output, views); each block's columnwise form, whose tiles start at the block's first row,
-        is made on its own. Not where the 950DT's dual-axis kernel makes both forms of each block in one call."""
+        grad_outputs, or its weights in Megatron's parameter buffer) that block-scaled quantizers of one
+        configuration take along the rows (1x128 tiles, MX blocks, 128x128 tiles of blocks of whole tiles): the
+        rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its rows of that
+        output, views; for 128x128 tiles that form serves both directions); each block's columnwise form, whose
+        tiles start at the block's first row, is made on its own. Not where the 950DT's dual-axis kernel makes
+        both forms of each block in one call."""
         for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
@@ -377,8 +408,9 @@ class NpuBackend(ReferenceBackend):
             whole = _QUANTIZE_KERNELS[type(q)](self, _with_usage(q, columnwise=False), joined, joined)
             if whole is None:
                 continue
+            tile = _tile_rows(q)
             for i, rows in _row_spans(x2ds, run):
-                if q.columnwise_usage:
+                if q.columnwise_usage and tile == 1:
                     columnwise = _with_usage(qs[i], rowwise=False)
                     kernel = _QUANTIZE_KERNELS[type(q)](self, columnwise, xs[i], x2ds[i])
                     out = kernel if kernel is not None else columnwise.quantize(xs[i])
@@ -386,7 +418,7 @@ class NpuBackend(ReferenceBackend):
                     out = copy.copy(whole)
                     out.shape = xs[i].shape
                 out.rowwise_data = whole.rowwise_data[rows].reshape(xs[i].shape)
-                out.rowwise_scale_inv = whole.rowwise_scale_inv[rows]
+                out.rowwise_scale_inv = whole.rowwise_scale_inv[rows.start // tile : rows.stop // tile]
                 outs[i] = out
 
     def _npu_quantize(self, q: Quantizer, x2d: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
@@ -813,8 +845,14 @@ class NpuBackend(ReferenceBackend):
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
         """Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
-        all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). Other
-        operands take one GEMM per group."""
+        all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). MXFP8 and
+        blockwise (1x128 by 128x128 tiles) fprop/dgrad take its M-split MX and G-B modes
+        (`_grouped_block_gemm`). Other operands take one GEMM per group."""
+        if not a_columnwise:
+            y = self._grouped_block_gemm(a, b, b_columnwise, torch.float32 if out is not None else out_dtype)
+            if y is not None:
+                results = list(torch.split(y, [math.prod(t.shape[:-1]) for t in a]))
+                return [o.add_(r) for o, r in zip(out, results)] if out is not None else results
         # The K-split form over fewer than 128 tokens in all reads its scales in other modes ("K小于128 ... x则选择
         # pergroup量化", aclnnGroupedMatmulV4): then one GEMM per group.
         few_tokens = a_columnwise and sum(math.prod(t.shape[:-1]) for t in a) < 128
@@ -850,6 +888,40 @@ class NpuBackend(ReferenceBackend):
         if out is not None:
             return [o.add_(r) for o, r in zip(out, results)]
         return results
+
+    def _grouped_block_gemm(self, a, b, b_columnwise: bool, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """a_i · b_iᵀ of every group as one M-split npu_grouped_matmul in the MX or G-B mode, (rows, n), or None
+        when the operands do not fit one (other storages, a HiF8 MX operand, 128x128 tiles on a, groups whose
+        weights differ in layout). Each group's x1, x2 and scales are those npu_quant_matmul takes in the same
+        mode (`_quant_matmul_args`); the rows of a and their scales are concatenated (a view when one quantize
+        made them all) and the weights and their scales stacked, transposed views as they are."""
+        if not a or any(type(t) is not type(a[0]) for t in (*a, *b)):
+            return None
+        if isinstance(a[0], MXFP8TensorStorage):
+            if a[0].fp8_dtype is FP8Dtype.HIF8:
+                return None
+        elif not (isinstance(a[0], Float8BlockwiseQTensorStorage) and all(t.block_scaling_dim == 1 for t in a)
+                  and all(t.block_scaling_dim == 2 for t in b)):
+            return None
+        args = [self._quant_matmul_args(ai, bi, False, b_columnwise) for ai, bi in zip(a, b)]
+        if any(arg is None for arg in args) or {arg[1].shape for arg in args} != {args[0][1].shape}:
+            return None
+        weight, scale = _stacked([x2 for _, x2, _ in args]), _stacked([kw["scale"] for _, _, kw in args])
+        if weight is None or scale is None or weight.shape[-1] > _MAX_LAST_DIM or args[0][0].shape[-1] > _MAX_LAST_DIM:
+            return None
+        kwargs = args[0][2]
+        if kwargs.get("group_sizes") == [1, 1, 32]:
+            mode = dict(scale_dtype=kwargs["scale_dtype"], per_token_scale_dtype=kwargs["pertoken_scale_dtype"])
+        else:
+            mode = {name: kwargs[key] for name, key in (("x_dtype", "x1_dtype"), ("weight_dtype", "x2_dtype"))
+                    if key in kwargs}
+        x = _rows_of([x1 for x1, _, _ in args])
+        per_token = _joined([kw["pertoken_scale"] for _, _, kw in args])
+        sizes = [x1.shape[0] for x1, _, _ in args]
+        (y,) = self.npu.npu_grouped_matmul(
+            [x], [weight], scale=[scale], per_token_scale=[per_token], group_list=self._group_list(sizes, x.device),
+            split_item=3, group_type=0, output_dtype=out_dtype, **mode)
+        return y
 
     @staticmethod
     def _group_list(sizes: list[int], device: torch.device) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mindspeed_te.testing.npu_sim.checks import (
+    ceil_div,
     check_choice,
     check_dims,
     check_dtype,
@@ -22,7 +23,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     kernel,
 )
 from mindspeed_te.testing.npu_sim.codecs import decode
-from mindspeed_te.testing.npu_sim.cube import cube_matmul
+from mindspeed_te.testing.npu_sim.cube import cube_matmul, cube_matmul_rounded
 from mindspeed_te.testing.npu_sim.dtypes import (
     FLOAT8_E8M0FNU,
     FLOATS,
@@ -113,11 +114,18 @@ class GroupedMatmulKernels:
                 check_dtype(name, d, (HIFLOAT8, *FP4))
                 if d in FP4:
                     raise NpuSimNotImplemented(f"{name}={dtype_name(d)}: FP4 is not simulated")
+        e8m0 = []
         for name, d in (("scale_dtype", dtype_arg("scale_dtype", scale_dtype)),
                         ("per_token_scale_dtype", dtype_arg("per_token_scale_dtype", per_token_scale_dtype))):
             if d is not None:
+                # scaleOptional / perTokenScaleOptional: "FLOAT8_E8M0" is their only dtype named by an argument.
                 check_dtype(name, d, (FLOAT8_E8M0FNU,))
-                raise NpuSimNotImplemented(f"{name}: MX grouped GEMMs are not simulated")
+                e8m0.append(name)
+        # 动态量化（mx量化）场景: scaleOptional "FLOAT8_E8M0" with perTokenScaleOptional "FLOAT8_E8M0"
+        # (no other pairing)
+        if len(e8m0) == 1:
+            raise NpuTypeError("the MX grouped GEMM needs both scale_dtype and per_token_scale_dtype = "
+                               "torch_npu.float8_e8m0fnu")
         out_dtype = dtype_arg("output_dtype", output_dtype)
         if out_dtype is not None:
             check_dtype("output_dtype", out_dtype, (*GEMM_OUT, torch.int32))
@@ -125,7 +133,9 @@ class GroupedMatmulKernels:
         quantized = xd is not None or wd is not None or xs[0].dtype in eight_bit or ws[0].dtype in eight_bit
         if quantized:
             return self._gmm_quantized(xs, ws, xd, wd, bias, scale, per_token_scale, group_list, split_item,
-                                       group_type, group_list_type, out_dtype)
+                                       group_type, group_list_type, out_dtype, mx=bool(e8m0))
+        if e8m0:
+            raise NpuTypeError("scale_dtype/per_token_scale_dtype (E8M0) need FP8 x and weight (the MX grouped GEMM)")
         for name, value in (("scale", scale), ("per_token_scale", per_token_scale)):
             if value is not None:
                 raise NpuSimNotImplemented(f"{name} with {xs[0].dtype} inputs (integer GEMMs) is not simulated")
@@ -163,7 +173,7 @@ class GroupedMatmulKernels:
 
     @torch.no_grad()
     def _gmm_quantized(self, xs, ws, xd, wd, bias, scale, per_token_scale, group_list, split_item, group_type,
-                       group_list_type, out_dtype) -> list[torch.Tensor]:
+                       group_list_type, out_dtype, mx: bool = False) -> list[torch.Tensor]:
         if len(xs) != 1 or len(ws) != 1:
             raise NpuValueError(f"FP8/HiF8 grouped GEMMs take a single x and weight tensor, got {len(xs)} and "
                                 f"{len(ws)}")
@@ -193,6 +203,10 @@ class GroupedMatmulKernels:
             raise NpuValueError("scale is required for FP8/HiF8 grouped GEMMs")
         s = check_list("scale", scale, 1)[0]
         p = check_list("per_token_scale", per_token_scale, 1)[0] if per_token_scale is not None else None
+        # The MX and G-B modes: scales per 32-block (E8M0) or per 1x128 / 128x128 tile (FLOAT32), 3-D or 4-D
+        # weight scales (the per-tensor/per-channel ones are 1-D or 2-D).
+        if mx or s.dim() == 3:
+            return self._gmm_blocks(x, w, fx, fw, s, p, group_list, group_type, group_list_type, out_dtype, mx)
         # Dynamic T-T/T-C/K-T/K-C rows: scaleOptional "FLOAT32", perTokenScaleOptional "FLOAT32" (UINT64/INT64
         # scales are the static form, not simulated).
         check_tensor("scale[0]", s, (torch.float32,))
@@ -263,6 +277,61 @@ class GroupedMatmulKernels:
                 out[i] = part
                 start += size
         return [out.to(out_dtype)]
+
+    def _gmm_blocks(self, x, w, fx, fw, s, p, group_list, group_type, group_list_type, out_dtype, mx: bool
+                    ) -> list[torch.Tensor]:
+        """The M-split MX and G-B grouped GEMMs: group i's rows of x times weight i, each group's product the
+        single npu_quant_matmul's in the same mode ([1, 1, 32] / [1, 128, 128]), rounded once to out_dtype.
+        aclnnGroupedMatmulV4, Ascend 950, 动态量化（mx量化）/（G-B量化）场景约束."""
+        mode = "MX" if mx else "G-B"
+        # MX: "计算公式中量化block size为：gsM = gsN = 1，gsK = 32"; G-B: "当前仅支持gsM = 1， gsN = gsK = 128".
+        if group_type != 0:
+            # groupType 2 places scale_i at "((K_0 + K_1 + ...+ K_{i-1})/ gsK + g_i)" rows: which rows a group whose
+            # K_i is no multiple of gsK uses is not stated, so the simulator does not guess.
+            raise NpuSimNotImplemented(f"the K-split (group_type 2) {mode} grouped GEMM is not simulated")
+        # MX table: x/weight "FLOAT8_E5M2/FLOAT8_E4M3FN" (or FP4) only; G-B table: HIFLOAT8 or FLOAT8 pairs.
+        if mx and fx == HIFLOAT8:
+            raise NpuTypeError("the MX grouped GEMM needs float8_e4m3fn/float8_e5m2 x and weight, not HiF8")
+        if p is None:  # both tables give perTokenScaleOptional a dtype, never null
+            raise NpuValueError(f"per_token_scale is required in the {mode} grouped GEMM")
+        check_same_device({"x": x, "weight": w, "scale": s, "per_token_scale": p, "group_list": group_list})
+        check_dims("x[0]", x, 2, 2)
+        # groupType 0 单单单: "weight中tensor需为3维，shape为（g, N, K）或（g, K, N）";
+        # "支持x不转置，weight转置、不转置均支持"
+        check_dims("weight[0]", w, 3, 3)
+        lay_x = check_layout("x[0]", x, ("row",))
+        lay_w = check_layout("weight[0]", w)
+        (m, k), (g, kw, n) = x.shape, w.shape
+        if kw != k:
+            raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
+        sizes = self._group_sizes_from_list(group_list, group_list_type, m, "rows", groups=g)
+        if mx:
+            # scaleOptional, groupType 0: "每个tensor 4维，当weight转置时，shape为(g, N, ceil(K / 64), 2)；
+            # 当weight不转置时，shape为(g, ceil(K / 64), N, 2)" (here the (g, ceil(K/64), N, 2) view, transposed
+            # with the weight);
+            # perTokenScaleOptional, groupType 0: "每个tensor 3维，shape为（M, ceil(K / 64), 2）".
+            check_dims("scale[0]", s, 4, 4)
+            check_shape("scale[0]", s, (g, ceil_div(k, 64), n, 2))
+            check_shape("per_token_scale[0]", p, (m, ceil_div(k, 64), 2))
+        else:
+            # scaleOptional, groupType 0: "每个tensor 3维，weight转置时shape为（g, ceil(N / gsN), ceil (K / gsK)），
+            # weight非转置时shape为（g, ceil(K / gsK), ceil(N / gsN)）"; perTokenScaleOptional: "每个tensor 2维，
+            # shape为（M, ceil(K / gsK)）".
+            check_shape("scale[0]", s, (g, ceil_div(k, 128), ceil_div(n, 128)))
+            check_shape("per_token_scale[0]", p, (m, ceil_div(k, 128)))
+        out = torch.zeros(m, n, dtype=out_dtype)
+        start = 0
+        for i, size in enumerate(sizes):
+            rows = slice(start, start + size)
+            start += size
+            if size == 0:
+                continue
+            if mx:
+                a, b = self._mx_operands(x[rows], w[i], fx, fw, s[i], p[rows], lay_x, lay_w)
+            else:
+                a, b = self._block_operands(x[rows], w[i], fx, fw, s[i], p[rows], lay_x, lay_w, (1, 128, 128))
+            out[rows] = cube_matmul_rounded(a, b, out_dtype)
+        return [out]
 
     @staticmethod
     def _check_weight_scale(s: torch.Tensor, g: int, n: int) -> None:
