@@ -25,6 +25,7 @@ from mindspeed_te.testing.npu_sim.checks import (
 from mindspeed_te.testing.npu_sim.codecs import decode
 from mindspeed_te.testing.npu_sim.cube import cube_matmul, cube_matmul_rounded
 from mindspeed_te.testing.npu_sim.dtypes import (
+    E8M0_CARRIERS,
     FLOAT8_E8M0FNU,
     FLOATS,
     FP4,
@@ -305,6 +306,9 @@ class GroupedMatmulKernels:
         if kw != k:
             raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
         sizes = self._group_sizes_from_list(group_list, group_list_type, m, "rows", groups=g)
+        # MX table: scaleOptional / perTokenScaleOptional "FLOAT8_E8M0"; G-B table: "FLOAT32" both.
+        check_tensor("scale[0]", s, E8M0_CARRIERS if mx else (torch.float32,))
+        check_tensor("per_token_scale[0]", p, E8M0_CARRIERS if mx else (torch.float32,))
         if mx:
             # scaleOptional, groupType 0: "每个tensor 4维，当weight转置时，shape为(g, N, ceil(K / 64), 2)；
             # 当weight不转置时，shape为(g, ceil(K / 64), N, 2)" (here the (g, ceil(K/64), N, 2) view, transposed
