@@ -217,20 +217,13 @@ def _per_row(values: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tenso
 
 
 def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """The groups' row blocks as one (rows, k) tensor: a view when they lie in order in one buffer (codes that
-    one npu_quantize made for all experts), else their concatenation."""
-    joined = joined_rows(blocks)
-    return joined if joined is not None else torch.cat(blocks)
-
-
-def _joined(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """Row blocks (any number of dims) as one tensor along dim 0: a view when they lie in order in one buffer
-    (the scales of codes one quantize made for all experts), else their concatenation."""
-    if len(blocks) > 1 and all(t.is_contiguous() for t in blocks):
-        joined = joined_rows([t.reshape(t.shape[0], -1) for t in blocks])
+    """The groups' row blocks (rows, ...) as one tensor along dim 0: a view when they lie in order in one buffer
+    (codes that one npu_quantize made for all experts, and their scales), else their concatenation."""
+    if all(t.is_contiguous() for t in blocks):
+        joined = joined_rows([t.reshape(t.shape[0], math.prod(t.shape[1:])) for t in blocks])
         if joined is not None:
             return joined.view(-1, *blocks[0].shape[1:])
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    return torch.cat(blocks)
 
 
 def _stacked(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -891,17 +884,15 @@ class NpuBackend(ReferenceBackend):
 
     def _grouped_block_gemm(self, a, b, b_columnwise: bool, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
         """a_i · b_iᵀ of every group as one M-split npu_grouped_matmul in the MX or G-B mode, (rows, n), or None
-        when the operands do not fit one (other storages, a HiF8 MX operand, 128x128 tiles on a, groups whose
-        weights differ in layout). Each group's x1, x2 and scales are those npu_quant_matmul takes in the same
+        when the operands do not fit one (other storages, 128x128 tiles on a, groups whose weights differ in
+        shape or layout). Each group's x1, x2 and scales are those npu_quant_matmul takes in the same
         mode (`_quant_matmul_args`); the rows of a and their scales are concatenated (a view when one quantize
         made them all) and the weights and their scales stacked, transposed views as they are."""
         if not a or any(type(t) is not type(a[0]) for t in (*a, *b)):
             return None
-        if isinstance(a[0], MXFP8TensorStorage):
-            if a[0].fp8_dtype is FP8Dtype.HIF8:
-                return None
-        elif not (isinstance(a[0], Float8BlockwiseQTensorStorage) and all(t.block_scaling_dim == 1 for t in a)
-                  and all(t.block_scaling_dim == 2 for t in b)):
+        if not isinstance(a[0], MXFP8TensorStorage) and not (
+                isinstance(a[0], Float8BlockwiseQTensorStorage) and all(t.block_scaling_dim == 1 for t in a)
+                and all(t.block_scaling_dim == 2 for t in b)):
             return None
         args = [self._quant_matmul_args(ai, bi, False, b_columnwise) for ai, bi in zip(a, b)]
         if any(arg is None for arg in args) or {arg[1].shape for arg in args} != {args[0][1].shape}:
@@ -916,7 +907,7 @@ class NpuBackend(ReferenceBackend):
             mode = {name: kwargs[key] for name, key in (("x_dtype", "x1_dtype"), ("weight_dtype", "x2_dtype"))
                     if key in kwargs}
         x = _rows_of([x1 for x1, _, _ in args])
-        per_token = _joined([kw["pertoken_scale"] for _, _, kw in args])
+        per_token = _rows_of([kw["pertoken_scale"] for _, _, kw in args])
         sizes = [x1.shape[0] for x1, _, _ in args]
         (y,) = self.npu.npu_grouped_matmul(
             [x], [weight], scale=[scale], per_token_scale=[per_token], group_list=self._group_list(sizes, x.device),
