@@ -16,7 +16,7 @@ import ctypes
 import os
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -306,14 +306,27 @@ def megatron_parameter_buffer(module: torch.nn.Module) -> None:
         offset += p.numel()
 
 
-def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8,
-                     parameter_buffer: bool = False) -> tuple[LaunchCounter, LaunchCounter]:
+def weights_apart(module: torch.nn.Module) -> None:
+    """Give each parameter storage of its own (as `.to()` into another dtype or device leaves them)."""
+    for p in module.parameters():
+        p.data = p.data.clone()
+
+
+# How a GroupedLinear's weights lie: as the module lays them out (row blocks of one buffer, expert 0 first), in
+# Megatron's parameter buffer (reverse order), or each on its own.
+GROUPED_LAYOUTS: dict[str, Optional[Callable[[torch.nn.Module], None]]] = {
+    "module": None, "megatron": megatron_parameter_buffer, "apart": weights_apart}
+
+
+def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int = 8, layout: str = "module"
+                     ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of one `GroupedLinear(experts, 256, 256)` forward (weight quantization included) and backward,
-    32 tokens per expert, measured as `linear_launches` measures a Linear; with `parameter_buffer`, its
-    weights laid out as in Megatron's (`megatron_parameter_buffer`)."""
+    32 tokens per expert, measured as `linear_launches` measures a Linear, its weights laid out as `layout`
+    (`GROUPED_LAYOUTS`) says."""
     layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=dtype)
-    if parameter_buffer:
-        megatron_parameter_buffer(layer)
+    arrange = GROUPED_LAYOUTS[layout]
+    if arrange is not None:
+        arrange(layer)
     return _second_layer_launches(recipe, layer, 32 * experts, npu, [32] * experts)
 
 
@@ -385,18 +398,20 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                 later = microbatch_launches(recipe, torch.bfloat16, npu)
                 rows.append((f"NPU launches, later micro-batch forward, {kind}", float(later.total),
                              f"{name} bfloat16 {chip}, weight and bias kept from the first"))
-    grouped = [("Ascend950PR", "blockwise E4M3", torch.bfloat16, False),
-               ("Ascend950PR", "blockwise E4M3", torch.bfloat16, True),
-               ("Ascend950PR", "blockwise HIF8", torch.bfloat16, False),
-               ("Ascend950DT", "mxfp8 E4M3", torch.bfloat16, False),
-               ("Ascend950PR", "mxfp8 E4M3", torch.bfloat16, True),
-               ("1", "delayed E4M3", torch.bfloat16, False), ("1", "delayed E4M3", torch.float32, False),
-               ("1", "delayed E4M3", torch.bfloat16, True)]
-    for chip, name, dtype, packed in grouped:
+    grouped = [("Ascend950PR", "blockwise E4M3", torch.bfloat16, "module"),
+               ("Ascend950PR", "blockwise E4M3", torch.bfloat16, "megatron"),
+               ("Ascend950PR", "blockwise E4M3", torch.bfloat16, "apart"),
+               ("Ascend950PR", "blockwise HIF8", torch.bfloat16, "module"),
+               ("Ascend950DT", "mxfp8 E4M3", torch.bfloat16, "module"),
+               ("Ascend950PR", "mxfp8 E4M3", torch.bfloat16, "module"),
+               ("1", "delayed E4M3", torch.bfloat16, "module"), ("1", "delayed E4M3", torch.bfloat16, "apart"),
+               ("1", "delayed E4M3", torch.float32, "module")]
+    where = {"module": "", "megatron": ", weights in Megatron's parameter buffer", "apart": ", weights apart"}
+    for chip, name, dtype, layout in grouped:
         with npu_simulated(chip) as npu:
-            forward, backward = grouped_launches(launch_recipes()[name], dtype, npu, parameter_buffer=packed)
+            forward, backward = grouped_launches(launch_recipes()[name], dtype, npu, layout=layout)
         detail = f"{name} {str(dtype).replace('torch.', '')}" + ("" if chip == "1" else f" {chip}") + ", 8 experts"
-        detail += ", weights in Megatron's parameter buffer" if packed else ""
+        detail += where[layout]
         rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
         rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
     with npu_simulated() as npu:

@@ -12,7 +12,9 @@ from mindspeed_te import (
     Format,
     FP8GlobalStateManager,
     MXFP8BlockScaling,
+    QuantizedTensor,
     fp8_autocast,
+    fp8_model_init,
 )
 from mindspeed_te.modules import GroupedLinear, Linear
 from mindspeed_te.ops import LinearQuantizers, WeightCache, fp8_linear
@@ -346,3 +348,31 @@ def test_grouped_linear_output_can_be_modified_in_place(splits, fp8):
     y.mul_(0.5)
     y.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+def test_expert_weights_are_row_blocks_of_one_buffer_in_order():
+    """GroupedLinear lays its experts' weights out as Megatron's parameter buffer does (there in reverse), so
+    that the NPU path can quantize them in one pass: weight i + 1 is the row block right after weight i. They
+    stay separate leaf parameters: each takes its own gradient and in-place update, and the initial values are
+    those each expert's weight gets on its own (the same init calls in the same order)."""
+    from mindspeed_te.tensor import rows_follow
+
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 64, 32, bias=True)
+    torch.manual_seed(0)
+    alone = [torch.nn.init.kaiming_uniform_(torch.empty(32, 64), a=5 ** 0.5) for _ in range(3)]
+    weights = layer.weights
+    assert all(rows_follow(a, b) for a, b in zip(weights, weights[1:]))
+    assert all(w.is_leaf and w.requires_grad for w in weights)
+    for w, want in zip(weights, alone):
+        assert torch.equal(w, want)
+    y = layer(torch.randn(6, 64), [2, 0, 4])
+    y.sum().backward()
+    assert torch.count_nonzero(weights[1].grad) == 0 and torch.count_nonzero(weights[2].grad) > 0
+    before = weights[1].detach().clone()
+    with torch.no_grad():
+        weights[0].add_(1.0)
+    assert torch.equal(weights[1], before)
+    with fp8_model_init(recipe=DelayedScaling()):
+        quantized = GroupedLinear(2, 64, 32, bias=False)
+    assert all(isinstance(w, QuantizedTensor) for w in quantized.weights)

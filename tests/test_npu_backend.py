@@ -303,24 +303,25 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
 
 @pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "mxfp8/hybrid", "blockwise/hif8",
                                   "blockwise/e4m3", "blockwise pow2/e4m3"])
-def test_expert_weights_in_megatrons_parameter_buffer_quantize_together(name, monkeypatch, use_backend):
-    """Expert weights that are row blocks of one buffer in reverse (Megatron's contiguous parameter buffer,
-    --use-distributed-optimizer, no biases) are quantized as one tensor where the rowwise form is row-local
-    or per-tensor with a divisor per row: delayed scaling, one npu_quantize for all of them (and one for the
-    inputs), MXFP8 on the 950PR one rowwise quantize of all weights, 128x128 tiles (each expert whole tiles)
-    one quantize. Results equal the reference bit for bit, and those of the same layer with its weights apart."""
+def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_backend):
+    """Expert weights that are row blocks of one buffer, in order (as GroupedLinear lays them out) or in
+    reverse (Megatron's contiguous parameter buffer, --use-distributed-optimizer, no biases), are quantized as
+    one tensor where the rowwise form is row-local or per-tensor with a divisor per row: delayed scaling, one
+    npu_quantize for all of them (and one for the inputs), MXFP8 on the 950PR one rowwise quantize of all
+    weights, 128x128 tiles (each expert whole tiles) one quantize. Results equal the reference bit for bit, and
+    those of the same layer with its weights apart (each in storage of its own)."""
     from mindspeed_te import fp8_autocast
-    from mindspeed_te.bench import megatron_parameter_buffer
+    from mindspeed_te.bench import GROUPED_LAYOUTS
     from mindspeed_te.modules import GroupedLinear
 
-    def run(backend_name, packed: bool, sim=None):
+    def run(backend_name, layout: str, sim=None):
         use_backend(backend_name)
         if sim is not None:
             monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
         torch.manual_seed(0)
         layer = GroupedLinear(4, 128, 128, bias=False, params_dtype=torch.bfloat16)
-        if packed:
-            megatron_parameter_buffer(layer)
+        if GROUPED_LAYOUTS[layout] is not None:
+            GROUPED_LAYOUTS[layout](layer)
         x = torch.randn(128, 128).bfloat16().requires_grad_()
         for _ in range(2):  # the second step with real delayed scales
             with fp8_autocast(fp8_recipe=RECIPES[name]):
@@ -328,23 +329,63 @@ def test_expert_weights_in_megatrons_parameter_buffer_quantize_together(name, mo
             y.backward(torch.randn(128, 128, generator=torch.Generator().manual_seed(1)).bfloat16())
         return [y.detach(), x.grad] + [w.grad for w in layer.weights]
 
-    sim, apart = make_simulator(), make_simulator()
-    got = run("npu", True, sim)
-    launches = dict(sim.launch_counts)
-    for want in (run("reference", True), run("npu", False, apart)):
+    sims = {layout: make_simulator() for layout in GROUPED_LAYOUTS}
+    results = {layout: run("npu", layout, sim) for layout, sim in sims.items()}
+    want = run("reference", "megatron")
+    for got in results.values():
         for g, w in zip(got, want):
             assert torch.equal(g, w)
-    if name in ("blockwise/e4m3", "blockwise pow2/e4m3"):  # the experts' 128x128 tiles: one quantize per step
+    apart = sims.pop("apart").launch_counts
+    for sim in sims.values():
+        launches = dict(sim.launch_counts)
+        if name.startswith("blockwise"):  # the experts' 128x128 tiles: one quantize per step
 
-        def quantizes(counts: dict) -> int:
-            return sum(n for kernel, n in counts.items() if kernel.startswith("npu_dynamic"))
-        assert quantizes(launches) == quantizes(apart.launch_counts) - 2 * 3, launches
-    if name.startswith("delayed"):
-        assert launches["npu_quantize"] == 2 * 3  # per step: inputs, weights, grad_outputs
-    if name.startswith("mxfp8"):
-        # per step, for weights, inputs and grad_outputs alike: the experts' rowwise forms in one call, each
-        # expert's columnwise form on its own
-        assert launches["npu_dynamic_mx_quant"] == 2 * 3 * (1 + 4), launches
+            def quantizes(counts: dict) -> int:
+                return sum(n for kernel, n in counts.items() if kernel.startswith("npu_dynamic"))
+            assert quantizes(launches) == quantizes(apart) - 2 * 3, launches
+        if name.startswith("delayed"):
+            assert launches["npu_quantize"] == 2 * 3 < apart["npu_quantize"]  # per step: inputs, weights, grad_outputs
+        if name.startswith("mxfp8"):
+            # per step, for weights, inputs and grad_outputs alike: the experts' rowwise forms in one call, each
+            # expert's columnwise form on its own
+            assert launches["npu_dynamic_mx_quant"] == 2 * 3 * (1 + 4) < apart["npu_dynamic_mx_quant"], launches
+
+
+@pytest.mark.parametrize("splits, rows, weight_calls, io_calls", [
+    ([64, 128, 32], 128, 1, 1),  # all in whole pairs: one call for the weights, the inputs, the grad_outputs
+    ([64, 128, 32], 96, 3, 1),  # weights of 96 rows (1.5 pairs): the second starts inside a pair
+    ([64, 0, 96], 128, 2, 1),  # the weights of the experts with tokens are not neighbours
+    ([32, 64, 32], 128, 1, 3),  # the second expert's tokens start inside a pair
+])
+def test_mx_experts_on_the_950dt_take_one_dual_axis_quantize(splits, rows, weight_calls, io_calls, monkeypatch,
+                                                             use_backend):
+    """On the 950DT, whose dual-axis MX kernel makes both forms in one call, row blocks of one buffer (the
+    experts' weights as GroupedLinear lays them out; their inputs and grad_outputs) each starting at a whole
+    pair of 32-row blocks take one call for all: the columnwise scales come in (ceil(M / 64), K, 2) pairs, so a
+    block cut there owns whole pairs (the last one padded with 0 when it ends on an odd 32-block, as the kernel
+    pads a tensor of its own). Blocks that start inside a pair take the kernel one by one. Results equal the
+    reference bit for bit either way."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.modules import GroupedLinear
+
+    def run(backend_name, sim=None):
+        use_backend(backend_name)
+        if sim is not None:
+            monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+        torch.manual_seed(0)
+        layer = GroupedLinear(3, 64, rows, bias=False, params_dtype=torch.bfloat16)
+        x = torch.randn(sum(splits), 64).bfloat16().requires_grad_()
+        with fp8_autocast(fp8_recipe=RECIPES["mxfp8/hybrid"]):
+            y = layer(x, splits)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
+        return [y.detach(), x.grad] + [w.grad for w in layer.weights]
+
+    sim = make_simulator("Ascend950DT")
+    got = run("npu", sim)
+    for g, w in zip(got, run("reference")):
+        assert torch.equal(g, w)
+    calls = sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"]
+    assert calls == weight_calls + 2 * io_calls, sim.launch_counts  # weights; inputs and grad_outputs alike
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])

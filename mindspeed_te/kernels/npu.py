@@ -229,11 +229,12 @@ def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
 def _stacked(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """The groups' 2-D operands (or 3-D E8M0 pairs) stacked along a new dim 0 in the layout each has, contiguous
     or the transposed view of its first two dims (which the grouped GEMM takes for its weight and the weight's
-    scales alike); None when their layouts differ."""
+    scales alike); None when their layouts differ. A view when they lie in order in one buffer (the codes and
+    scales of experts' weights one quantize made), else a copy (`_rows_of`)."""
     if all(p.is_contiguous() for p in parts):
-        return torch.stack(parts)
+        return _rows_of([p.unsqueeze(0) for p in parts])
     if all(p.transpose(0, 1).is_contiguous() for p in parts):
-        return torch.stack([p.transpose(0, 1) for p in parts]).transpose(1, 2)
+        return _rows_of([p.transpose(0, 1).unsqueeze(0) for p in parts]).transpose(1, 2)
     return None
 
 
@@ -390,20 +391,28 @@ class NpuBackend(ReferenceBackend):
         configuration take along the rows (1x128 tiles, MX blocks, 128x128 tiles of blocks of whole tiles): the
         rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its rows of that
         output, views; for 128x128 tiles that form serves both directions); each block's columnwise form, whose
-        tiles start at the block's first row, is made on its own. Not where the 950DT's dual-axis kernel makes
-        both forms of each block in one call."""
+        tiles start at the block's first row, is made on its own, except on the 950DT: its dual-axis MX kernel
+        makes both forms of the joined rows in one call where every block starts at a whole pair of 32-row
+        blocks (its columnwise scales come in (ceil(M / 64), K, 2) pairs; a block's last pair padded with 0, as
+        the kernel pads the last of a tensor of its own); other blocks take that kernel one by one."""
         for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
-            if joined is None or not q.rowwise_usage or (
-                    isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)):
+            if joined is None or not q.rowwise_usage:
                 continue
-            whole = _QUANTIZE_KERNELS[type(q)](self, _with_usage(q, columnwise=False), joined, joined)
+            dual = isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)
+            if dual and any(rows.start % 64 for _, rows in _row_spans(x2ds, run)):
+                continue
+            whole = _QUANTIZE_KERNELS[type(q)](self, q if dual else _with_usage(q, columnwise=False), joined, joined)
             if whole is None:
                 continue
             tile = _tile_rows(q)
             for i, rows in _row_spans(x2ds, run):
-                if q.columnwise_usage and tile == 1:
+                if dual:
+                    out = MXFP8TensorStorage(q.fp8_dtype, xs[i].shape, xs[i].dtype)
+                    out.columnwise_data = whole.columnwise_data[:, rows]
+                    out.columnwise_scale_pairs = whole.columnwise_scale_pairs[rows.start // 64 : -(-rows.stop // 64)]
+                elif q.columnwise_usage and tile == 1:
                     columnwise = _with_usage(qs[i], rowwise=False)
                     kernel = _QUANTIZE_KERNELS[type(q)](self, columnwise, xs[i], x2ds[i])
                     out = kernel if kernel is not None else columnwise.quantize(xs[i])
@@ -859,7 +868,7 @@ class NpuBackend(ReferenceBackend):
         if not a_columnwise:
             # x (M, K); weight (G, K, N): the stacked weight codes, transposed for fprop (W is (N, K)) and as
             # they are for dgrad (W itself is the (K, N) operand there).
-            b_codes = torch.stack([t.data.reshape(-1, t.shape[-1]) for t in b])
+            b_codes = _stacked([t.data.reshape(-1, t.shape[-1]) for t in b])
             b_codes = b_codes if b_columnwise else b_codes.transpose(1, 2)
             sizes = [r.shape[0] for r in rows]
             per_token = _per_row([t.scale_inv for t in a], sizes)

@@ -10,6 +10,7 @@ from mindspeed_te.modules.base import FP8ModuleBase
 from mindspeed_te.modules.linear import check_parallel_mode, create_linear_parameters, record_tensor_parallel
 from mindspeed_te.ops.grouped_linear import check_m_splits, grouped_linear
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache
+from mindspeed_te.quantized_tensor import QuantizedTensor
 from mindspeed_te.state import FP8GlobalStateManager
 
 
@@ -25,6 +26,11 @@ class GroupedLinear(FP8ModuleBase):
     `use_fp8_gemm=False` (MindSpeed's --no-use-gmm-fp8) keeps the expert GEMMs in high precision inside FP8
     regions. `sequence_parallel` is recorded for Megatron: the MoE token dispatcher, not this layer, moves
     expert tokens between sequence-parallel ranks.
+
+    The experts' weights are separate parameters, as in TE, but row blocks of one buffer (weight0 first; TE
+    allocates each on its own), so that on an NPU one kernel pass quantizes them all where the quantized form
+    is row-local. Anything that moves a weight elsewhere (`param.data = ...`, `.to()` into another dtype or
+    device) only loses that batching.
 
     Args:
         num_gemms: number of experts, each with its own weight{i} (and bias{i})
@@ -76,8 +82,16 @@ class GroupedLinear(FP8ModuleBase):
         self.return_bias = return_bias
         self.use_fp8_gemm = use_fp8_gemm
         self.use_bias = bias
+        buffer: Optional[torch.Tensor] = None
         for i in range(num_gemms):
             weight, bias_param = create_linear_parameters(self, shape, params_dtype, device, init_method, bias, gemm=i)
+            if not isinstance(weight, QuantizedTensor):
+                # Row block i of one buffer, as Megatron's parameter buffer lays out experts (there in reverse):
+                # the NPU path then quantizes all experts' weights in one pass where the form is row-local.
+                if buffer is None:
+                    buffer = torch.empty(num_gemms * shape[0], shape[1], dtype=weight.dtype, device=weight.device)
+                block = buffer[i * shape[0] : (i + 1) * shape[0]]
+                weight.data = block.copy_(weight.data)
             weight.allreduce = False  # Megatron reduces expert gradients over the expert-data-parallel group
             self.register_parameter(f"weight{i}", weight)
             if bias_param is not None:
