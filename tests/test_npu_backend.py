@@ -355,7 +355,8 @@ def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_b
     ([64, 128, 32], 128, 1, 1),  # all in whole pairs: one call for the weights, the inputs, the grad_outputs
     ([64, 128, 32], 96, 3, 1),  # weights of 96 rows (1.5 pairs): the second starts inside a pair
     ([64, 0, 96], 128, 2, 1),  # the weights of the experts with tokens are not neighbours
-    ([32, 64, 32], 128, 1, 3),  # the second expert's tokens start inside a pair
+    ([32, 64, 32], 128, 1, 2),  # the second expert's tokens start inside a pair: runs [32], [64, 32]
+    ([64, 32, 64, 96, 64], 128, 1, 3),  # runs [64, 32], [64, 96], [64]
 ])
 def test_mx_experts_on_the_950dt_take_one_dual_axis_quantize(splits, rows, weight_calls, io_calls, monkeypatch,
                                                              use_backend):
@@ -363,8 +364,8 @@ def test_mx_experts_on_the_950dt_take_one_dual_axis_quantize(splits, rows, weigh
     experts' weights as GroupedLinear lays them out; their inputs and grad_outputs) each starting at a whole
     pair of 32-row blocks take one call for all: the columnwise scales come in (ceil(M / 64), K, 2) pairs, so a
     block cut there owns whole pairs (the last one padded with 0 when it ends on an odd 32-block, as the kernel
-    pads a tensor of its own). Blocks that start inside a pair take the kernel one by one. Results equal the
-    reference bit for bit either way."""
+    pads a tensor of its own). A block that is not whole pairs ends its run; the next starts one. Results
+    equal the reference bit for bit either way."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
 
@@ -373,7 +374,7 @@ def test_mx_experts_on_the_950dt_take_one_dual_axis_quantize(splits, rows, weigh
         if sim is not None:
             monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
         torch.manual_seed(0)
-        layer = GroupedLinear(3, 64, rows, bias=False, params_dtype=torch.bfloat16)
+        layer = GroupedLinear(len(splits), 64, rows, bias=False, params_dtype=torch.bfloat16)
         x = torch.randn(sum(splits), 64).bfloat16().requires_grad_()
         with fp8_autocast(fp8_recipe=RECIPES["mxfp8/hybrid"]):
             y = layer(x, splits)

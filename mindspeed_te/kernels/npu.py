@@ -188,15 +188,19 @@ def _row_spans(x2ds: Sequence[torch.Tensor], run: Sequence[int]) -> Iterator[tup
 
 
 def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
-              outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[list[int]]:
+              outs: Sequence[Optional[QuantizedTensorStorage]],
+              pair_rows: Callable[[Quantizer, torch.Tensor], int]
+              ) -> Iterator[list[int]]:
     """Runs of two or more tensors not quantized yet that are row blocks of one buffer (`rows_follow`, in
-    `_memory_order`) with row-local quantizers of one configuration (`_row_local_config`)."""
+    `_memory_order`) with row-local quantizers of one configuration (`_row_local_config`), each block but the
+    last of a run whole `pair_rows(q, x2d)` rows (so that every block starts at a multiple of them in the run)."""
     configs = [_row_local_config(q) for q in qs]
 
     def joins(start: int, prev: int, i: int) -> bool:
         tile = _tile_rows(qs[start])
         return (configs[start] is not None and configs[i] == configs[start] and outs[i] is None
                 and outs[start] is None and x2ds[start].shape[0] % tile == 0 and x2ds[i].shape[0] % tile == 0
+                and x2ds[prev].shape[0] % pair_rows(qs[start], x2ds[start]) == 0
                 and rows_follow(x2ds[prev], x2ds[i]))
 
     return (run for run in _runs(_memory_order(x2ds), joins) if len(run) > 1)
@@ -392,17 +396,18 @@ class NpuBackend(ReferenceBackend):
         rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its rows of that
         output, views; for 128x128 tiles that form serves both directions); each block's columnwise form, whose
         tiles start at the block's first row, is made on its own, except on the 950DT: its dual-axis MX kernel
-        makes both forms of the joined rows in one call where every block starts at a whole pair of 32-row
-        blocks (its columnwise scales come in (ceil(M / 64), K, 2) pairs; a block's last pair padded with 0, as
-        the kernel pads the last of a tensor of its own); other blocks take that kernel one by one."""
-        for run in _row_runs(qs, x2ds, outs):
+        makes both forms of the joined rows in one call, its columnwise scales in (ceil(M / 64), K, 2) pairs, so a
+        run is cut after each block that is not whole pairs of 32-row blocks (its last pair then ends the run,
+        padded with 0 as the kernel pads the last of a tensor of its own)."""
+        def dual_axis(q: Quantizer, x2d: torch.Tensor) -> bool:
+            return isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(x2d)
+
+        for run in _row_runs(qs, x2ds, outs, lambda q, x2d: 64 if dual_axis(q, x2d) else 1):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
             if joined is None or not q.rowwise_usage:
                 continue
-            dual = isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(joined)
-            if dual and any(rows.start % 64 for _, rows in _row_spans(x2ds, run)):
-                continue
+            dual = dual_axis(q, joined)
             whole = _QUANTIZE_KERNELS[type(q)](self, q if dual else _with_usage(q, columnwise=False), joined, joined)
             if whole is None:
                 continue
