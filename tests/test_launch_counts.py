@@ -366,9 +366,9 @@ def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
     columnwise quantizes and its wgrad's npu_quant_matmul, with no dequantize + matmul fallback (the fprop and
     the dgrad of all experts are one npu_grouped_matmul each, its MX or G-B mode, whose stacked weights are a
     view of the joined codes where the experts' weights have one form for both). Backward per
-    expert: the grad_output's columnwise quantize (the 950DT: its one dual-axis call), the E8M0 bytes of the two
-    wgrad operands (950PR MX: each operand's last pair padded, one op; blockwise: each operand's tile bytes
-    repeated per 32-block, one index_select) and the wgrad. HiF8 tiles, which no
+    expert: the grad_output's columnwise quantize (the 950DT: its one dual-axis call), for blockwise the E8M0
+    bytes of the two wgrad operands (each operand's tile bytes repeated per 32-block, one index_select; MX
+    columnwise scales come in the pairs the GEMM takes, padded by the kernel) and the wgrad. HiF8 tiles, which no
     wgrad mode takes, are decoded (one npu_dtype_cast each) and scaled (one multiply each: an expert's 32
     tokens are one tile cut short) for one matmul, cast to the gradient's dtype."""
     from mindspeed_te.bench import grouped_launches, launch_recipes, npu_simulated
@@ -385,7 +385,7 @@ def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
     assert ("aten.mm" in backward) == hif8, backward
     assert "torch_npu.npu_quant_matmul" not in forward and backward.get("torch_npu.npu_quant_matmul", 0) == 1 - hif8
     want = {("Ascend950PR", "blockwise E4M3"): ({"torch_npu.npu_dynamic_mx_quant": 1}, 4),
-            ("Ascend950PR", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant": 2}, 4),
+            ("Ascend950PR", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant": 1}, 2),
             ("Ascend950DT", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant_with_dual_axis": 1}, 2),
             ("Ascend950PR", "blockwise HIF8"): ({"torch_npu.npu_dynamic_block_quant": 1}, 7)}[(chip, name)]
     assert forward == want[0], forward

@@ -346,26 +346,30 @@ def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_b
         if name.startswith("delayed"):
             assert launches["npu_quantize"] == 2 * 3 < apart["npu_quantize"]  # per step: inputs, weights, grad_outputs
         if name.startswith("mxfp8"):
-            # per step, for weights, inputs and grad_outputs alike: the experts' rowwise forms in one call, each
-            # expert's columnwise form on its own
-            assert launches["npu_dynamic_mx_quant"] == 2 * 3 * (1 + 4) < apart["npu_dynamic_mx_quant"], launches
+            # per step, for weights, inputs and grad_outputs alike: the experts' rowwise forms in one call; the
+            # columnwise forms of the weights (128 rows each: whole 64-row pairs) in one call, those of the
+            # inputs and grad_outputs (32 rows each) one by one
+            assert launches["npu_dynamic_mx_quant"] == 2 * (2 + 5 + 5) < apart["npu_dynamic_mx_quant"], launches
 
 
-@pytest.mark.parametrize("splits, rows, weight_calls, io_calls", [
-    ([64, 128, 32], 128, 1, 1),  # all in whole pairs: one call for the weights, the inputs, the grad_outputs
-    ([64, 128, 32], 96, 3, 1),  # weights of 96 rows (1.5 pairs): the second starts inside a pair
-    ([64, 0, 96], 128, 2, 1),  # the weights of the experts with tokens are not neighbours
-    ([32, 64, 32], 128, 1, 2),  # the second expert's tokens start inside a pair: runs [32], [64, 32]
-    ([64, 32, 64, 96, 64], 128, 1, 3),  # runs [64, 32], [64, 96], [64]
+# (weights, inputs and grad_outputs alike): (parts their columnwise MX forms take, runs their rowwise forms take)
+@pytest.mark.parametrize("splits, rows, weights, activations", [
+    ([64, 128, 32], 128, (1, 1), (1, 1)),  # all in whole pairs: one call for each form
+    ([64, 128, 32], 96, (3, 1), (1, 1)),  # weights of 96 rows (1.5 pairs): each ends its part
+    ([64, 0, 96], 128, (2, 2), (1, 1)),  # the weights of the experts with tokens are not neighbours
+    ([32, 64, 32], 128, (1, 1), (2, 1)),  # the first expert's 32 tokens end their part: [32], [64, 32]
+    ([64, 32, 64, 96, 64], 128, (1, 1), (3, 1)),  # parts [64, 32], [64, 96], [64]
 ])
-def test_mx_experts_on_the_950dt_take_one_dual_axis_quantize(splits, rows, weight_calls, io_calls, monkeypatch,
-                                                             use_backend):
-    """On the 950DT, whose dual-axis MX kernel makes both forms in one call, row blocks of one buffer (the
-    experts' weights as GroupedLinear lays them out; their inputs and grad_outputs) each starting at a whole
-    pair of 32-row blocks take one call for all: the columnwise scales come in (ceil(M / 64), K, 2) pairs, so a
-    block cut there owns whole pairs (the last one padded with 0 when it ends on an odd 32-block, as the kernel
-    pads a tensor of its own). A block that is not whole pairs ends its run; the next starts one. Results
-    equal the reference bit for bit either way."""
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+def test_mx_experts_take_one_quantize_per_part_of_whole_pairs(splits, rows, weights, activations, chip,
+                                                               monkeypatch, use_backend):
+    """MX columnwise forms are quantized along the rows (axis -2, or the 950DT's dual-axis kernel with the
+    rowwise form), so row blocks of one buffer (the experts' weights as GroupedLinear lays them out; their
+    inputs and grad_outputs) take one call for a part of blocks that each start at a whole pair of 32-row blocks:
+    the columnwise scales come in (ceil(M / 64), K, 2) pairs, so a block cut there owns whole pairs (the last one
+    padded with 0 when it ends on an odd 32-block, as the kernel pads a tensor of its own). A block that is not
+    whole pairs ends its part. The rowwise forms of a run take one call (on the 950DT each part's dual-axis call
+    makes them). Results equal the reference bit for bit either way."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
 
@@ -381,12 +385,15 @@ def test_mx_experts_on_the_950dt_take_one_dual_axis_quantize(splits, rows, weigh
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
         return [y.detach(), x.grad] + [w.grad for w in layer.weights]
 
-    sim = make_simulator("Ascend950DT")
+    sim = make_simulator(chip)
     got = run("npu", sim)
     for g, w in zip(got, run("reference")):
         assert torch.equal(g, w)
-    calls = sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"]
-    assert calls == weight_calls + 2 * io_calls, sim.launch_counts  # weights; inputs and grad_outputs alike
+    if chip == "Ascend950DT":
+        calls, want = sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"], weights[0] + 2 * activations[0]
+    else:
+        calls, want = sim.launch_counts["npu_dynamic_mx_quant"], sum(weights) + 2 * sum(activations)
+    assert calls == want, sim.launch_counts
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
@@ -827,10 +834,17 @@ def test_mxfp8_dual_axis_not_on_other_chips_or_float32():
     from mindspeed_te.quantizers import MXFP8Quantizer
 
     q = MXFP8Quantizer(FP8Dtype.E4M3)
+    x = torch.randn(96, 64)
+    dual = NpuBackend(make_simulator("Ascend950DT")).quantize(q, x.bfloat16())
     for chip, dtype in (("Ascend950PR", torch.bfloat16), ("Ascend950DT", torch.float32)):
         sim = make_simulator(chip)
-        out = NpuBackend(sim).quantize(q, torch.randn(64, 64).to(dtype))
-        assert sim.launch_counts == {"npu_dynamic_mx_quant": 2} and out.columnwise_scale_pairs is None
+        out = NpuBackend(sim).quantize(q, x.to(dtype))
+        assert sim.launch_counts == {"npu_dynamic_mx_quant": 2}
+        # its columnwise form is the dual-axis kernel's: quantized along the rows of x as x lies (axis -2)
+        assert out.columnwise_data.t().is_contiguous() and out.columnwise_scale_pairs.shape == (2, 64, 2)
+        if dtype == torch.bfloat16:
+            for name in ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_pairs"):
+                assert torch.equal(getattr(out, name).view(torch.uint8), getattr(dual, name).view(torch.uint8))
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])

@@ -188,22 +188,24 @@ def _row_spans(x2ds: Sequence[torch.Tensor], run: Sequence[int]) -> Iterator[tup
 
 
 def _row_runs(qs: Sequence[Quantizer], x2ds: Sequence[torch.Tensor],
-              outs: Sequence[Optional[QuantizedTensorStorage]],
-              pair_rows: Callable[[Quantizer, torch.Tensor], int]
-              ) -> Iterator[list[int]]:
+              outs: Sequence[Optional[QuantizedTensorStorage]]) -> Iterator[list[int]]:
     """Runs of two or more tensors not quantized yet that are row blocks of one buffer (`rows_follow`, in
-    `_memory_order`) with row-local quantizers of one configuration (`_row_local_config`), each block but the
-    last of a run whole `pair_rows(q, x2d)` rows (so that every block starts at a multiple of them in the run)."""
+    `_memory_order`) with row-local quantizers of one configuration (`_row_local_config`)."""
     configs = [_row_local_config(q) for q in qs]
 
     def joins(start: int, prev: int, i: int) -> bool:
         tile = _tile_rows(qs[start])
         return (configs[start] is not None and configs[i] == configs[start] and outs[i] is None
                 and outs[start] is None and x2ds[start].shape[0] % tile == 0 and x2ds[i].shape[0] % tile == 0
-                and x2ds[prev].shape[0] % pair_rows(qs[start], x2ds[start]) == 0
                 and rows_follow(x2ds[prev], x2ds[i]))
 
     return (run for run in _runs(_memory_order(x2ds), joins) if len(run) > 1)
+
+
+def _pair_parts(x2ds: Sequence[torch.Tensor], run: list[int]) -> Iterator[list[int]]:
+    """`run` cut after each block that is not whole 64-row pairs of 32-row MX blocks, so that every block of a
+    part starts at a whole pair of the part's columnwise scales."""
+    return _runs(run, lambda start, prev, i: x2ds[prev].shape[0] % 64 == 0)
 
 
 def _with_usage(q: Quantizer, **usage: bool) -> Quantizer:
@@ -247,9 +249,10 @@ def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> tuple[torc
     32-block bytes along k, as x1 (rows, ceil(k/64), 2); as x2, which the GEMM takes transposed,
     (ceil(k/64), rows, 2). An odd number of blocks (k an odd multiple of 32: a grouped linear's expert or a
     micro-batch of 32 * odd tokens in the wgrad) pads its last pair with a 0 byte, as the quantize kernels pad
-    theirs (aclnnDynamicMxQuant mxscaleOut: "并对其进行偶数pad，pad填充值为0"). A columnwise form made by the
-    dual-axis kernel is a transposed view whose scales are already the kernel's (ceil(M/64), K, 2) pairs: the
-    layout the GEMM wants for that view as x2 (its (M, K) self, contiguous), permuted as x1."""
+    theirs (aclnnDynamicMxQuant mxscaleOut: "并对其进行偶数pad，pad填充值为0"). A columnwise form the kernels
+    made (`_quantize_mx`: along the rows) is a transposed view whose scales are already the kernel's
+    (ceil(M/64), K, 2) pairs: the layout the GEMM wants for that view as x2 (its (M, K) self, contiguous),
+    permuted as x1."""
     pairs = t.columnwise_scale_pairs if columnwise else None
     if pairs is not None:
         t._require(True)
@@ -330,7 +333,8 @@ class NpuBackend(ReferenceBackend):
         """(x1, x2, scale arguments) of a quant mc2 kernel for a · bᵀ. The kernels take x2 and its scales only as
         transposed views (aclnnMatmulReduceScatterV2, Ascend 950: "mx量化场景下，x2/x2Scale仅支持转置输入"; the
         mx case of aclnnAllGatherMatmulV2: "x1不转置，x2转置，x1Scale不转置， x2Scale转置"); the columnwise form the
-        dual-axis kernel makes lies the other way, so its data and scales are copied."""
+        quantize kernels make (along the rows, `_quantize_mx`) lies the other way, so its data and scales are
+        copied."""
         (x1, s1), (b2d, s2) = _mx_pair(a, False, as_x2=False), _mx_pair(b, b_columnwise, as_x2=True)
         x2 = b2d.t()
         if x2.is_contiguous():
@@ -395,38 +399,54 @@ class NpuBackend(ReferenceBackend):
         configuration take along the rows (1x128 tiles, MX blocks, 128x128 tiles of blocks of whole tiles): the
         rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its rows of that
         output, views; for 128x128 tiles that form serves both directions); each block's columnwise form, whose
-        tiles start at the block's first row, is made on its own, except on the 950DT: its dual-axis MX kernel
-        makes both forms of the joined rows in one call, its columnwise scales in (ceil(M / 64), K, 2) pairs, so a
-        run is cut after each block that is not whole pairs of 32-row blocks (its last pair then ends the run,
-        padded with 0 as the kernel pads the last of a tensor of its own)."""
-        def dual_axis(q: Quantizer, x2d: torch.Tensor) -> bool:
-            return isinstance(q, MXFP8Quantizer) and q.columnwise_usage and self._dual_axis_mx(x2d)
-
-        for run in _row_runs(qs, x2ds, outs, lambda q, x2d: 64 if dual_axis(q, x2d) else 1):
+        tiles start at the block's first row, is made on its own, except MX: its columnwise form is quantized
+        along the rows (`_quantize_mx`), so one call makes those of several blocks too, its scales in
+        (ceil(M / 64), K, 2) pairs: one call per part of the run (`_pair_parts`: cut after each block that is not
+        whole pairs, whose last pair is then padded with 0, as the kernel pads the last of a tensor of its own).
+        On the 950DT the dual-axis kernel makes both MX forms of each part in one call."""
+        for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
             if joined is None or not q.rowwise_usage:
                 continue
-            dual = dual_axis(q, joined)
-            whole = _QUANTIZE_KERNELS[type(q)](self, q if dual else _with_usage(q, columnwise=False), joined, joined)
-            if whole is None:
+            kernel = _QUANTIZE_KERNELS[type(q)]
+            mx_columnwise = isinstance(q, MXFP8Quantizer) and q.columnwise_usage
+            parts = [(part, joined_rows([x2ds[i] for i in part])) for part in _pair_parts(x2ds, run)]
+            if mx_columnwise and self._dual_axis_mx(joined):  # both forms of each part in one call
+                wholes = [(part, kernel(self, q, rows, rows)) for part, rows in parts]
+            else:
+                wholes = [(run, kernel(self, _with_usage(q, columnwise=False), joined, joined))]
+                if mx_columnwise:
+                    wholes += [(part, kernel(self, _with_usage(q, rowwise=False), rows, rows)) for part, rows in parts]
+            if any(whole is None for _, whole in wholes):
                 continue
-            tile = _tile_rows(q)
-            for i, rows in _row_spans(x2ds, run):
-                if dual:
-                    out = MXFP8TensorStorage(q.fp8_dtype, xs[i].shape, xs[i].dtype)
-                    out.columnwise_data = whole.columnwise_data[:, rows]
-                    out.columnwise_scale_pairs = whole.columnwise_scale_pairs[rows.start // 64 : -(-rows.stop // 64)]
-                elif q.columnwise_usage and tile == 1:
+            if q.columnwise_usage and not mx_columnwise and _tile_rows(q) == 1:
+                for i in run:  # 1x128 columnwise tiles start at the block's first row
                     columnwise = _with_usage(qs[i], rowwise=False)
-                    kernel = _QUANTIZE_KERNELS[type(q)](self, columnwise, xs[i], x2ds[i])
-                    out = kernel if kernel is not None else columnwise.quantize(xs[i])
-                else:
-                    out = copy.copy(whole)
-                    out.shape = xs[i].shape
+                    out = kernel(self, columnwise, xs[i], x2ds[i])
+                    outs[i] = out if out is not None else columnwise.quantize(xs[i])
+            for part, whole in wholes:
+                self._give_rows(whole, q, xs, x2ds, part, outs)
+
+    @staticmethod
+    def _give_rows(whole: QuantizedTensorStorage, q: Quantizer, xs: Sequence[torch.Tensor],
+                   x2ds: Sequence[torch.Tensor], part: list[int], outs: list[Optional[QuantizedTensorStorage]]
+                   ) -> None:
+        """Give each row block i of `part` its rows of the forms `whole` (made for the blocks' joined rows) has:
+        views of the rowwise data and scales (a scale per `_tile_rows(q)` rows) and of the MX columnwise data
+        and scale pairs (a pair per 64 rows; the part's blocks start at whole pairs)."""
+        tile = _tile_rows(q)
+        for i, rows in _row_spans(x2ds, part):
+            out = outs[i]
+            if out is None:  # its fields are all given below (the forms whole lacks are None in it too)
+                out = outs[i] = copy.copy(whole)
+                out.shape = xs[i].shape
+            if whole.rowwise_data is not None:
                 out.rowwise_data = whole.rowwise_data[rows].reshape(xs[i].shape)
                 out.rowwise_scale_inv = whole.rowwise_scale_inv[rows.start // tile : rows.stop // tile]
-                outs[i] = out
+            if getattr(whole, "columnwise_scale_pairs", None) is not None:
+                out.columnwise_data = whole.columnwise_data[:, rows]
+                out.columnwise_scale_pairs = whole.columnwise_scale_pairs[rows.start // 64 : -(-rows.stop // 64)]
 
     def _npu_quantize(self, q: Quantizer, x2d: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
         """The codes of npu_quantize(x2d, divisor) (x / divisor, saturated): one divisor, or one per row."""
@@ -720,24 +740,23 @@ class NpuBackend(ReferenceBackend):
         out = MXFP8TensorStorage(q.fp8_dtype, x.shape, x.dtype)
         kwargs = dict(dst_type=self._npu_dtype(q.fp8_dtype), scale_alg=1 if q.rounding == "ceil" else 0)
 
-        def run(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            y, pairs = self.npu.npu_dynamic_mx_quant(t, axis=-1, **kwargs)
-            return y, pairs.reshape(t.shape[0], -1)[:, : t.shape[1] // 32]
-
+        # The columnwise form is quantized along the rows of x, in x's (M, K) layout, its scales (ceil(M/64), K, 2)
+        # with block pairs interleaved ("当axis为非尾轴时，mxscaleOut输出需要对每两行数据进行交织处理"); the storage
+        # keeps it as the (K, M) transposed view and the scales in the kernel's layout, which the GEMM takes (their
+        # (K, M/32) form is made on demand). x is read as it lies, never through a transposed view.
+        m, k = x2d.shape
         if q.rowwise_usage and q.columnwise_usage and self._dual_axis_mx(x2d):
-            # Both layouts from one read of x: y2 is quantized along the rows of x, (M, K), its scales
-            # (M/64, K, 2) with block pairs interleaved; the storage keeps y2 as the (K, M) transposed view and
-            # the scales in the kernel's layout, which the GEMM takes (their (K, M/32) form is made on demand).
+            # Both layouts from one read of x.
             y1, s1, y2, s2 = self.npu.npu_dynamic_mx_quant_with_dual_axis(x2d, **kwargs)
-            m, k = x2d.shape
             out.rowwise_data, out.rowwise_scale_inv = y1.reshape(x.shape), s1.reshape(m, -1)[:, : k // 32]
             out.columnwise_data, out.columnwise_scale_pairs = y2.t(), s2
             return out
         if q.rowwise_usage:
-            y, out.rowwise_scale_inv = run(x2d)
-            out.rowwise_data = y.reshape(x.shape)
+            y, pairs = self.npu.npu_dynamic_mx_quant(x2d, axis=-1, **kwargs)
+            out.rowwise_data, out.rowwise_scale_inv = y.reshape(x.shape), pairs.reshape(m, -1)[:, : k // 32]
         if q.columnwise_usage:
-            out.columnwise_data, out.columnwise_scale_inv = run(x2d.t())
+            y2, out.columnwise_scale_pairs = self.npu.npu_dynamic_mx_quant(x2d, axis=-2, **kwargs)
+            out.columnwise_data = y2.t()
         return out
 
     def _dual_axis_mx(self, x2d: torch.Tensor) -> bool:
