@@ -154,16 +154,18 @@ def test_pretrain_gpt_through_the_npu_kernels_matches_the_reference_backend():
     assert len(npu) == 3 and npu == reference
 
 
-def test_moe_through_the_npu_kernels_matches_the_reference_backend():
-    """Grouped-GEMM experts on torch_npu's kernels (blockwise: fprop and dgrad of all experts as one grouped GEMM
-    each, the experts' weights, which the distributed optimizer lays out in one buffer, quantized in one call)
-    give the reference backend's losses exactly."""
+@pytest.mark.parametrize("recipe, optimizer, port", [("blockwise", ("--use-distributed-optimizer",), 29625),
+                                                     ("mxfp8", (), 29629)],
+                         ids=["blockwise-distributed-optimizer", "mxfp8"])
+def test_moe_through_the_npu_kernels_matches_the_reference_backend(recipe, optimizer, port):
+    """Grouped-GEMM experts on torch_npu's kernels (blockwise and MXFP8: fprop and dgrad of all experts as one
+    grouped GEMM each; the experts' weights, which GroupedLinear, and the distributed optimizer in reverse, lay
+    out in one buffer, quantized in one pass) give the reference backend's losses exactly."""
     flags = ("--hidden-size", "128", "--num-experts", "4", "--moe-grouped-gemm", "--moe-router-topk", "2",
-             "--disable-bias-linear", "--use-distributed-optimizer", "--fp8-format", "e4m3", "--fp8-recipe",
-             "blockwise", "--bf16")
-    npu = _losses(_launch(*flags, port=29625, env_extra={"MINDSPEED_TE_BACKEND": "npu",
-                                                           "MINDSPEED_TE_NPU_SIMULATOR": "1"}))
-    reference = _losses(_launch(*flags, port=29627, env_extra={"MINDSPEED_TE_BACKEND": "reference"}))
+             "--disable-bias-linear", *optimizer, "--fp8-format", "e4m3", "--fp8-recipe", recipe, "--bf16")
+    npu = _losses(_launch(*flags, port=port, env_extra={"MINDSPEED_TE_BACKEND": "npu",
+                                                         "MINDSPEED_TE_NPU_SIMULATOR": "1"}))
+    reference = _losses(_launch(*flags, port=port + 2, env_extra={"MINDSPEED_TE_BACKEND": "reference"}))
     assert len(npu) == 3 and npu == reference
 
 
