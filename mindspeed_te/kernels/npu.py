@@ -411,13 +411,13 @@ class NpuBackend(ReferenceBackend):
                 continue
             kernel = _QUANTIZE_KERNELS[type(q)]
             mx_columnwise = isinstance(q, MXFP8Quantizer) and q.columnwise_usage
-            parts = [(part, joined_rows([x2ds[i] for i in part])) for part in _pair_parts(x2ds, run)]
-            if mx_columnwise and self._dual_axis_mx(joined):  # both forms of each part in one call
+            parts = [(part, joined_rows([x2ds[i] for i in part])) for part in _pair_parts(x2ds, run)
+                     ] if mx_columnwise else []
+            if parts and self._dual_axis_mx(joined):  # both forms of each part in one call
                 wholes = [(part, kernel(self, q, rows, rows)) for part, rows in parts]
             else:
                 wholes = [(run, kernel(self, _with_usage(q, columnwise=False), joined, joined))]
-                if mx_columnwise:
-                    wholes += [(part, kernel(self, _with_usage(q, rowwise=False), rows, rows)) for part, rows in parts]
+                wholes += [(part, kernel(self, _with_usage(q, rowwise=False), rows, rows)) for part, rows in parts]
             if any(whole is None for _, whole in wholes):
                 continue
             if q.columnwise_usage and not mx_columnwise and _tile_rows(q) == 1:
