@@ -397,7 +397,7 @@ def record_nonfinite_many(quantizers: Sequence[Quantizer], outs: Sequence[Quanti
         if isinstance(out, Float8TensorStorage):
             pair = (q.nonfinite, out.scale_inv, False)
         else:
-            scales = out.rowwise_scale_inv if out.rowwise_scale_inv is not None else out.columnwise_scale_inv
+            scales = out.nonfinite_scales()
             if not scales.numel():  # an empty tensor (an expert without tokens) has none
                 continue
             pair = (q.nonfinite, scales, True)

@@ -160,6 +160,15 @@ class _TiledTensor(QuantizedTensorStorage):
         self._require(True)
         return self.columnwise_data, self.columnwise_scale_inv
 
+    def nonfinite_scales(self) -> Optional[torch.Tensor]:
+        """Decode scales that are NaN where the quantized data held NaN/Inf, in the form held: the rowwise ones,
+        else the columnwise ones as a kernel made them (E8M0 bytes, which the non-finite fold reads as they are:
+        decoding them into the storage's own form would be a launch)."""
+        return self.rowwise_scale_inv if self.rowwise_scale_inv is not None else self._columnwise_scale_as_made()
+
+    def _columnwise_scale_as_made(self) -> Optional[torch.Tensor]:
+        return self.columnwise_scale_inv
+
     def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor,
                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The dequantized 2-D data as float32, or as bfloat16 when `dtype` is bfloat16: the fused kernel then
@@ -251,6 +260,10 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
         codes = self.columnwise_scale_e8m0
         return None if codes is None else e8m0_decode(codes)
 
+    def _columnwise_scale_as_made(self) -> Optional[torch.Tensor]:
+        codes = self.columnwise_scale_e8m0
+        return codes if codes is not None else self.columnwise_scale_inv
+
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
 
@@ -300,6 +313,10 @@ class MXFP8TensorStorage(_TiledTensor):
             return None
         blocks = -(-_as_2d(self.shape)[0] // self.block_len)
         return pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
+
+    def _columnwise_scale_as_made(self) -> Optional[torch.Tensor]:
+        pairs = self.columnwise_scale_pairs  # padded with 0 bytes: finite scales
+        return pairs if pairs is not None else self.columnwise_scale_inv
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len

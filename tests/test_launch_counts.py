@@ -390,3 +390,32 @@ def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
             ("Ascend950PR", "blockwise HIF8"): ({"torch_npu.npu_dynamic_block_quant": 1}, 7)}[(chip, name)]
     assert forward == want[0], forward
     assert sum(backward.values()) == want[1], backward
+
+
+@pytest.mark.parametrize("chip, name, kernel", [
+    ("Ascend950PR", "mxfp8 E4M3", "npu_dynamic_mx_quant"), ("Ascend950DT", "mxfp8 E4M3", "npu_dynamic_mx_quant"),
+    ("Ascend950PR", "blockwise E4M3", "npu_dynamic_mx_quant"),
+    ("Ascend950PR", "blockwise HIF8", "npu_dynamic_block_quant"),
+    ("Ascend950PR", "tensorwise E4M3", "npu_dynamic_quant")])
+@pytest.mark.parametrize("grouped", [False, True], ids=["Linear", "GroupedLinear"])
+def test_save_original_input_adds_only_the_inputs_quantize_to_backward(chip, name, kernel, grouped):
+    """With `save_original_input` (Megatron sets it on shared experts and recomputed layers) the backward quantizes
+    the saved input again, columnwise only: one kernel call more than without it, and nothing else. In
+    particular the non-finite note reads the columnwise scales as the kernel made them (MX pairs, power-of-2
+    E8M0 bytes), without decoding them. Experts of 64 tokens: their MX columnwise forms in one call."""
+    from mindspeed_te.bench import _second_layer_launches, launch_recipes, npu_simulated
+    from mindspeed_te.modules import GroupedLinear, Linear
+
+    backward = {}
+    with npu_simulated(chip) as npu:
+        for save in (False, True):
+            if grouped:
+                layer = GroupedLinear(4, 256, 256, bias=False, params_dtype=torch.bfloat16, save_original_input=save)
+                args = (256, npu, [64] * 4)
+            else:
+                layer = Linear(256, 256, bias=True, params_dtype=torch.bfloat16, save_original_input=save)
+                args = (128, npu)
+            backward[save] = _second_layer_launches(launch_recipes()[name], layer, *args)[1].counts
+    # per expert for grouped 1x128 tiles and per-tensor scales (each expert's own)
+    want = {f"torch_npu.{kernel}": 4 if grouped and not name.startswith("mxfp8") else 1}
+    assert backward[True] - backward[False] == want and not backward[False] - backward[True], backward

@@ -193,3 +193,30 @@ def test_fault_with_one_region_per_layer_is_reported_once_at_the_end_of_its_step
             else:
                 y.backward(dy)
         assert dict(counter.counts) == {"tolist": 1}
+
+
+@pytest.mark.parametrize("save_original_input", [False, True])
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+def test_mx_experts_joined_quantize_names_the_faulty_expert(chip, save_original_input, monkeypatch, use_backend):
+    """MX experts whose rows one kernel call quantizes (rowwise over the joined rows, columnwise per part of
+    whole 64-row pairs, in the kernel's padded pairs) still note each expert's own scales: an Inf in expert 1's
+    rows is named as expert 1's input and no other, also when the backward quantizes the saved input again
+    (columnwise only: the note reads the pairs as made)."""
+    from mindspeed_te import Format, MXFP8BlockScaling
+    from mindspeed_te.kernels.npu import NpuBackend
+    from mindspeed_te.modules import GroupedLinear
+    from mindspeed_te.testing.npu_sim import make_simulator
+
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(make_simulator(chip)))
+    layer = GroupedLinear(3, 64, 64, bias=False, save_original_input=save_original_input)
+    layer.name = "experts"
+    x = torch.randn(160, 64)
+    x[70, 3] = math.inf  # expert 1 has rows 64..127
+    x.requires_grad_()
+    with fp8_autocast(fp8_recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID)):
+        y = layer(x, [64, 64, 32])
+    with pytest.warns(RuntimeWarning, match=r"experts input\[1\]"):
+        y.backward(torch.randn_like(y))
+    counts = FP8GlobalStateManager.get_nonfinite_counts()
+    assert {k: v for k, v in counts.items() if k != "steps"} == {"experts input[1]": 1}, counts

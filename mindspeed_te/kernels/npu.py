@@ -400,23 +400,25 @@ class NpuBackend(ReferenceBackend):
         rowwise form is row-local, so one kernel pass over the joined rows makes every block's (its rows of that
         output, views; for 128x128 tiles that form serves both directions); each block's columnwise form, whose
         tiles start at the block's first row, is made on its own, except MX: its columnwise form is quantized
-        along the rows (`_quantize_mx`), so one call makes those of several blocks too, its scales in
+        along the rows (`_quantize_mx`), so one call makes those of several blocks too (also when they need no
+        rowwise form: inputs quantized again in backward, `save_original_input`), its scales in
         (ceil(M / 64), K, 2) pairs: one call per part of the run (`_pair_parts`: cut after each block that is not
         whole pairs, whose last pair is then padded with 0, as the kernel pads the last of a tensor of its own).
         On the 950DT the dual-axis kernel makes both MX forms of each part in one call."""
         for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
-            if joined is None or not q.rowwise_usage:
+            mx_columnwise = isinstance(q, MXFP8Quantizer) and q.columnwise_usage
+            if joined is None or not (q.rowwise_usage or mx_columnwise):
                 continue
             kernel = _QUANTIZE_KERNELS[type(q)]
-            mx_columnwise = isinstance(q, MXFP8Quantizer) and q.columnwise_usage
             parts = [(part, joined_rows([x2ds[i] for i in part])) for part in _pair_parts(x2ds, run)
                      ] if mx_columnwise else []
-            if parts and self._dual_axis_mx(joined):  # both forms of each part in one call
+            if parts and self._dual_axis_mx(joined):  # both forms of each part in one call (or the columnwise)
                 wholes = [(part, kernel(self, q, rows, rows)) for part, rows in parts]
             else:
-                wholes = [(run, kernel(self, _with_usage(q, columnwise=False), joined, joined))]
+                rowwise = _with_usage(q, columnwise=False)
+                wholes = [(run, kernel(self, rowwise, joined, joined))] if q.rowwise_usage else []
                 wholes += [(part, kernel(self, _with_usage(q, rowwise=False), rows, rows)) for part, rows in parts]
             if any(whole is None for _, whole in wholes):
                 continue
