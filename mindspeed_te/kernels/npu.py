@@ -414,7 +414,7 @@ class NpuBackend(ReferenceBackend):
             kernel = _QUANTIZE_KERNELS[type(q)]
             parts = [(part, joined_rows([x2ds[i] for i in part])) for part in _pair_parts(x2ds, run)
                      ] if mx_columnwise else []
-            if parts and self._dual_axis_mx(joined):  # both forms of each part in one call (or the columnwise)
+            if parts and self._dual_axis_mx(joined):  # each part's forms in one call (dual-axis when both)
                 wholes = [(part, kernel(self, q, rows, rows)) for part, rows in parts]
             else:
                 rowwise = _with_usage(q, columnwise=False)
@@ -446,7 +446,7 @@ class NpuBackend(ReferenceBackend):
             if whole.rowwise_data is not None:
                 out.rowwise_data = whole.rowwise_data[rows].reshape(xs[i].shape)
                 out.rowwise_scale_inv = whole.rowwise_scale_inv[rows.start // tile : rows.stop // tile]
-            if getattr(whole, "columnwise_scale_pairs", None) is not None:
+            if isinstance(whole, MXFP8TensorStorage) and whole.columnwise_scale_pairs is not None:
                 out.columnwise_data = whole.columnwise_data[:, rows]
                 out.columnwise_scale_pairs = whole.columnwise_scale_pairs[rows.start // 64 : -(-rows.stop // 64)]
 
