@@ -615,7 +615,9 @@ def test_blockwise_power_2_quantize_equals_reference(dtype, fmt, dim):
 def test_blockwise_power_2_hif8_quantize_equals_reference(dtype, target, dim):
     """HiF8 with power-of-2 tile scales (no kernel makes them): whole 128-tiles are cast by npu_quantize, one
     tile per row of the (rows * k / 128, 128) view, and give the reference quantizer's codes and scales bit for
-    bit, all-zero tiles and tiles holding NaN/Inf included; other shapes stay on the quantizer's torch ops."""
+    bit, all-zero tiles and tiles holding NaN/Inf included, the 1x128 columnwise tiles of rows that are not
+    whole tiles too (their transposed copy zero-padded); a k of partial tiles, and 128x128 tiles over rows that
+    are not whole tiles, stay on the quantizer's torch ops."""
     from mindspeed_te.formats import FP8Dtype
     from mindspeed_te.quantizers import Float8BlockQuantizer
 
@@ -631,8 +633,8 @@ def test_blockwise_power_2_hif8_quantize_equals_reference(dtype, target, dim):
         q = Float8BlockQuantizer(FP8Dtype.HIF8, target, block_scaling_dim=dim)
         sim.reset_counts()
         got, want = backend.quantize(q, x), q.quantize(x)
-        whole_tiles = shape[0] % 128 == 0 and shape[1] % 128 == 0
-        assert (sim.launch_counts.get("npu_quantize", 0) > 0) == whole_tiles, shape
+        kernel = shape[1] % 128 == 0 and (dim == 1 or shape[0] % 128 == 0)
+        assert (sim.launch_counts.get("npu_quantize", 0) > 0) == kernel, shape
         got_f, want_f = _fields(got), _fields(want)
         assert got_f.keys() == want_f.keys()
         for name, g_t in got_f.items():
@@ -719,6 +721,37 @@ def test_blockwise_power_2_hif8_scales_at_the_rule_edges(dtype, target):
         got, want = backend.quantize(q, x), q.quantize(x)
         assert sim.launch_counts["npu_quantize"] == (1 if dim == 2 else 2)
         _assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [32, 96, 200])
+def test_power_2_hif8_columnwise_tiles_cut_short_stay_on_the_kernel(dtype, rows):
+    """HiF8 power-of-2 1x128 tiles over a number of rows that is not whole tiles (an expert's tokens): the
+    columnwise layout's last tile along the rows ends short. Its transposed copy is zero-padded to whole
+    tiles in the same one op, so the tiles' amaxes and codes are their own values': one npu_quantize per
+    layout and the reference quantizer's codes and scales bit for bit, an all-zero row included (instead of
+    the quantizer's torch ops, about 17 launches a layout)."""
+    from mindspeed_te.diagnostics import LaunchCounter
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer
+
+    sim = make_simulator()
+    backend = NpuBackend(sim)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g) * torch.exp2(torch.randint(-30, 30, (rows, 1), generator=g).float())
+    x[3] = 0.0
+    x = x.to(dtype)
+    q = Float8BlockQuantizer(FP8Dtype.HIF8, 224.0, block_scaling_dim=1)
+    with LaunchCounter(sim) as counter:
+        got = backend.quantize(q, x)
+    want = q.quantize(x)
+    assert sim.launch_counts == {"npu_quantize": 2}
+    _assert_same_bits(got, want)
+    whole = torch.randn(256, 256, generator=g).to(dtype)
+    with LaunchCounter(sim) as whole_tiles:
+        backend.quantize(q, whole)
+    # the pad takes the transposed copy's place; the codes of the padded rows are cut off in one more op
+    assert counter.total == whole_tiles.total + 1, (counter.counts, whole_tiles.counts)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

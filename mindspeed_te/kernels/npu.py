@@ -631,12 +631,13 @@ class NpuBackend(ReferenceBackend):
     @staticmethod
     def _hif8_tiles_apply(q: Quantizer, x2d: torch.Tensor) -> bool:
         """Whether `_quantize_hif8_tiles` takes this quantizer and tensor: HiF8 power-of-2 128-tiles without
-        amax_epsilon, bfloat16 or float32 (a float16 divisor could underflow), whole tiles."""
+        amax_epsilon, bfloat16 or float32 (a float16 divisor could underflow), whole tiles along k and, for
+        128x128 tiles, along m (1x128 columnwise tiles may end short: an expert's tokens)."""
         if not (isinstance(q, Float8BlockQuantizer) and q.fp8_dtype is FP8Dtype.HIF8 and q.power_2_scale
                 and q.amax_epsilon == 0 and q.block_len == 128 and x2d.dtype in (torch.bfloat16, torch.float32)):
             return False
         m, k = x2d.shape
-        return m > 0 and k > 0 and k % 128 == 0 and not (m % 128 and (q.block_scaling_dim == 2 or q.columnwise_usage))
+        return m > 0 and k > 0 and k % 128 == 0 and not (m % 128 and q.block_scaling_dim == 2)
 
     def _quantize_hif8_tiles(self, qs: Sequence[Quantizer], xs: Sequence[torch.Tensor],
                              x2ds: Sequence[torch.Tensor]) -> list[Optional[Float8BlockwiseQTensorStorage]]:
@@ -661,8 +662,10 @@ class NpuBackend(ReferenceBackend):
             if q.rowwise_usage:
                 layouts.append(_TileLayout(out, q, "rowwise", x2d, x2d.reshape(m, k // 128, 128), -1))
             if q.columnwise_usage:
-                t = x2d.t().contiguous()
-                layouts.append(_TileLayout(out, q, "columnwise", t, t.reshape(k, m // 128, 128), -1))
+                # The transposed copy, its rows zero-padded to whole tiles (one op either way): a cut-short
+                # tile's amax and codes are those of its own values.
+                t = torch.nn.functional.pad(x2d.t(), (0, -m % 128)) if m % 128 else x2d.t().contiguous()
+                layouts.append(_TileLayout(out, q, "columnwise", t, t.reshape(k, t.shape[1] // 128, 128), -1))
         for target, layouts in groups.items():
             bounds = [0]
             for layout in layouts:
@@ -683,7 +686,9 @@ class NpuBackend(ReferenceBackend):
                 codes = self._quantize_tile_rows(layout.quantizer, layout.data, div)
                 out = layout.out
                 if layout.kind == "columnwise":
-                    out.columnwise_data, out.columnwise_scale_inv = codes, scale_inv
+                    m = out.shape.numel() // out.shape[-1]
+                    out.columnwise_scale_inv = scale_inv
+                    out.columnwise_data = codes if codes.shape[1] == m else codes[:, :m].contiguous()
                 else:
                     out.rowwise_data, out.rowwise_scale_inv = codes.reshape(out.shape), scale_inv
         return outs
