@@ -265,10 +265,11 @@ def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> tuple[torc
 
 
 class _TileLayout(NamedTuple):
-    """One layout of a tensor in NpuBackend._quantize_hif8_tiles: `data` (rows, k) is cast one tile per row,
-    `tiles` is the view whose `dims` reduce to the tile amaxes."""
+    """One layout in NpuBackend._quantize_hif8_tiles: `data` (rows, k) is cast one tile per row, `tiles` is the
+    view whose `dims` reduce to the tile amaxes; `targets` are the storages it fills with their rows of data
+    (several for the rowwise form of row blocks of one buffer)."""
 
-    out: Float8BlockwiseQTensorStorage
+    targets: list[tuple[Float8BlockwiseQTensorStorage, slice]]
     quantizer: Float8BlockQuantizer
     kind: str  # "tiles" (128x128, rowwise), "rowwise" or "columnwise" (1x128)
     data: torch.Tensor
@@ -646,26 +647,39 @@ class NpuBackend(ReferenceBackend):
         layout's tile amaxes come from one vector norm written into one float32 buffer per target, whose scales
         take the reference rule in 7 ops (`_pow2_tile_scales`) and, for bfloat16 inputs, one cast of the
         divisors; then each layout is one npu_quantize (the 128x128 weight + its divisors repeated per row, a
-        1x128 columnwise layout + its transposed copy). None for the tensors `_hif8_tiles_apply` refuses."""
+        1x128 columnwise layout + its transposed copy). The rowwise form of row blocks of one buffer (`_row_runs`:
+        a grouped linear's experts' inputs, its weights) is one layout. None for the tensors
+        `_hif8_tiles_apply` refuses."""
         outs: list[Optional[Float8BlockwiseQTensorStorage]] = [None] * len(qs)
+        taken = [self._hif8_tiles_apply(q, x2d) for q, x2d in zip(qs, x2ds)]
+        runs = [run for run in _row_runs(qs, x2ds, outs) if all(taken[i] for i in run)]
+        joined = {i for run in runs for i in run}
+        for i, (q, x) in enumerate(zip(qs, xs)):
+            if taken[i]:
+                outs[i] = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, power_2_scale=True,
+                                                        block_scaling_dim=q.block_scaling_dim)
         groups: dict[float, list[_TileLayout]] = {}  # by target
-        for i, (q, x, x2d) in enumerate(zip(qs, xs, x2ds)):
-            if not self._hif8_tiles_apply(q, x2d):
-                continue
-            m, k = x2d.shape
-            out = outs[i] = Float8BlockwiseQTensorStorage(q.fp8_dtype, x.shape, x.dtype, power_2_scale=True,
-                                                          block_scaling_dim=q.block_scaling_dim)
+        for run in runs + [[i] for i in range(len(qs)) if taken[i] and i not in joined]:
+            # Row blocks of one buffer (a grouped linear's experts) share their rowwise layout: it is row-local.
+            q = qs[run[0]]
+            data = x2ds[run[0]] if len(run) == 1 else joined_rows([x2ds[i] for i in run])
+            m, k = data.shape
+            targets = [(outs[i], rows) for i, rows in _row_spans(x2ds, run)]
             layouts = groups.setdefault(q.target_max, [])
             if q.block_scaling_dim == 2:
-                layouts.append(_TileLayout(out, q, "tiles", x2d, x2d.reshape(m // 128, 128, k // 128, 128), (1, 3)))
+                layouts.append(_TileLayout(targets, q, "tiles", data, data.reshape(m // 128, 128, k // 128, 128),
+                                           (1, 3)))
                 continue
             if q.rowwise_usage:
-                layouts.append(_TileLayout(out, q, "rowwise", x2d, x2d.reshape(m, k // 128, 128), -1))
+                layouts.append(_TileLayout(targets, q, "rowwise", data, data.reshape(m, k // 128, 128), -1))
             if q.columnwise_usage:
-                # The transposed copy, its rows zero-padded to whole tiles (one op either way): a cut-short
-                # tile's amax and codes are those of its own values.
-                t = torch.nn.functional.pad(x2d.t(), (0, -m % 128)) if m % 128 else x2d.t().contiguous()
-                layouts.append(_TileLayout(out, q, "columnwise", t, t.reshape(k, t.shape[1] // 128, 128), -1))
+                for i in run:  # 1x128 columnwise tiles start at each block's first row
+                    rows, x2dt = x2ds[i].shape[0], x2ds[i].t()
+                    # The transposed copy, its rows zero-padded to whole tiles (one op either way): a cut-short
+                    # tile's amax and codes are those of its own values.
+                    t = torch.nn.functional.pad(x2dt, (0, -rows % 128)) if rows % 128 else x2dt.contiguous()
+                    layouts.append(_TileLayout([(outs[i], slice(0, rows))], q, "columnwise", t,
+                                               t.reshape(k, t.shape[1] // 128, 128), -1))
         for target, layouts in groups.items():
             bounds = [0]
             for layout in layouts:
@@ -684,13 +698,14 @@ class NpuBackend(ReferenceBackend):
                 if layout.kind == "tiles":
                     div = div.repeat_interleave(128, dim=0)
                 codes = self._quantize_tile_rows(layout.quantizer, layout.data, div)
-                out = layout.out
-                if layout.kind == "columnwise":
-                    m = out.shape.numel() // out.shape[-1]
-                    out.columnwise_scale_inv = scale_inv
-                    out.columnwise_data = codes if codes.shape[1] == m else codes[:, :m].contiguous()
-                else:
-                    out.rowwise_data, out.rowwise_scale_inv = codes.reshape(out.shape), scale_inv
+                tile = 128 if layout.kind == "tiles" else 1
+                for out, rows in layout.targets:
+                    if layout.kind == "columnwise":
+                        out.columnwise_scale_inv = scale_inv
+                        out.columnwise_data = codes if codes.shape[1] == rows.stop else codes[:, rows].contiguous()
+                    else:
+                        out.rowwise_data = codes[rows].reshape(out.shape)
+                        out.rowwise_scale_inv = scale_inv[rows.start // tile : rows.stop // tile]
         return outs
 
     def _pow2_tile_scales(self, target: float, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
