@@ -87,8 +87,9 @@ def _host_copy(func, args, kwargs) -> str | None:
     return None
 
 
-# Allocations reserve memory; they launch no kernel on the device.
-_NOT_LAUNCHES = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+# Allocations reserve memory and dtype arithmetic runs on the host; neither launches a kernel on the device.
+_NOT_LAUNCHES = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "promote_types",
+                 "result_type")
 
 
 class LaunchCounter(TorchDispatchMode):

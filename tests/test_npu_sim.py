@@ -769,6 +769,51 @@ def test_rms_norm(sim):
     assert_raises(lambda: sim.npu_rms_norm(x.int(), gamma.int()), NpuTypeError, "input")
 
 
+def _rms_norm_grads(x, gamma, dy, eps):
+    """Float64 autograd of y = x / sqrt(mean(x^2) + eps) * gamma: the oracle of dx and dgamma."""
+    x64, g64 = (torch.from_numpy(f32(t.detach()).astype(np.float64)).requires_grad_() for t in (x, gamma))
+    y = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps) * g64
+    return torch.autograd.grad(y, (x64, g64), torch.from_numpy(f32(dy).astype(np.float64)))
+
+
+@pytest.mark.parametrize("x_dtype, gamma_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.float32, torch.float32)])
+def test_rms_norm_backward_is_one_kernel_call(sim, x_dtype, gamma_dtype):
+    """op-plugin's derivatives.yaml: "npu_rms_norm ... self, gamma: npu_rms_norm_backward(grad, self, gamma,
+    result1)" -- one kernel; aclnnRmsNormGrad: dx in dy's dtype, "dgammaOut ... FLOAT32" (autograd then casts it to
+    gamma's dtype), by the document's formulas (checked against float64 autograd)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 64, generator=g).to(x_dtype).requires_grad_()
+    gamma = (torch.rand(64, generator=g) + 0.5).to(gamma_dtype).requires_grad_()
+    dy = torch.randn(3, 4, 64, generator=g).to(x_dtype)
+    y, rstd = sim.npu_rms_norm(x, gamma, epsilon=1e-5)
+    sim.reset_counts()
+    y.backward(dy)
+    assert sim.launch_counts == {"npu_rms_norm_backward": 1}
+    assert x.grad.dtype == x_dtype and gamma.grad.dtype == gamma_dtype
+    dx, dgamma = _rms_norm_grads(x, gamma, dy, 1e-5)
+    tol = dict(rtol=1e-5, atol=1e-5) if x_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad.double(), dx, **tol)
+    torch.testing.assert_close(gamma.grad.double(), dgamma, **tol)
+    raw_dx, raw_dgamma = sim.npu_rms_norm_backward(dy, x.detach(), gamma.detach(), rstd[..., 0])
+    assert raw_dgamma.dtype == torch.float32 and raw_dx.dtype == x_dtype
+
+
+def test_rms_norm_backward_contract(sim):
+    """aclnnRmsNormGrad (Ascend 950): the dtype table (dy and x of one dtype, gamma of theirs or FLOAT32, rstd
+    FLOAT32), "x ... shape与入参dy的shape保持一致", "rstd_shape = x_shape[0:n] ... n与gamma的n一致"."""
+    x, dy = torch.randn(2, 3, 16, dtype=torch.bfloat16), torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    gamma, rstd = torch.ones(16), torch.ones(2, 3)
+    sim.npu_rms_norm_backward(dy, x, gamma, rstd)
+    sim.npu_rms_norm_backward(dy, x, gamma, rstd[..., None])  # as npu_rms_norm returns it
+    assert_raises(lambda: sim.npu_rms_norm_backward(dy, x.float(), gamma, rstd), NpuTypeError, "input")
+    assert_raises(lambda: sim.npu_rms_norm_backward(dy, x, gamma.half(), rstd), NpuTypeError, "gamma")
+    assert_raises(lambda: sim.npu_rms_norm_backward(dy, x, gamma, rstd.bfloat16()), NpuTypeError, "rstd")
+    assert_raises(lambda: sim.npu_rms_norm_backward(dy, x[:1], gamma, rstd), NpuValueError, "input")
+    assert_raises(lambda: sim.npu_rms_norm_backward(dy, x, gamma, rstd[:1]), NpuValueError, "rstd")
+    assert_raises(lambda: sim.npu_rms_norm_backward(dy, x, torch.ones(8), rstd), NpuValueError, "gamma")
+
+
 # Launch counting --------------------------------------------------------------------------------------------
 def test_launch_counts():
     sim, other = make_simulator(), make_simulator()
@@ -1306,6 +1351,80 @@ def test_fusion_attention_rows_without_keys(sim):
     assert not fixed[2].any() and torch.equal(fixed[[0, 1, 3]], plain[[0, 1, 3]])
     assert_raises(lambda: sim.npu_fusion_attention(q, k, v, 2, "SBH", atten_mask=mask, inner_precise=3),
                   NpuValueError, "inner_precise")
+
+
+def _attention_oracle(q, k, v, heads, scale, masked):
+    """Float64 softmax(Q Kᵀ · scale) V of SBH tensors, `masked` [s_q, s_k] True where a key is not seen; rows
+    without keys give zeros."""
+    (s_q, b, hidden), s_k = q.shape, k.shape[0]
+    d = hidden // heads
+    qh, kh, vh = (t.detach().reshape(t.shape[0], b, heads, d).permute(1, 2, 0, 3).double().numpy() for t in (q, k, v))
+    logits = np.where(masked, -np.inf, qh @ kh.transpose(0, 1, 3, 2) * scale)
+    top = logits.max(-1, keepdims=True)
+    p = np.exp(logits - np.where(np.isinf(top), 0.0, top))
+    out = (p / np.maximum(p.sum(-1, keepdims=True), 1e-300)) @ vh
+    return out.transpose(2, 0, 1, 3).reshape(s_q, b, hidden)
+
+
+@pytest.mark.parametrize("mode, s_q, s_k, pre, nxt", [(2, 6, 9, 0, 0), (2, 9, 6, 0, 0), (3, 6, 9, 0, 0),
+                                                      (3, 9, 6, 0, 0), (4, 8, 8, 2, 0), (4, 6, 9, 3, 1),
+                                                      (4, 8, 8, 2147483647, 2)])
+def test_fusion_attention_causal_and_band_modes(sim, mode, s_q, s_k, pre, nxt):
+    """torch_npu-npu_fusion_attention.md: sparse_mode 2 "leftUpCausal ... 以左上顶点划分的下三角", 3 "rightDownCausal
+    ... 以右下顶点划分的下三角", 4 "band场景，即计算pre_tockens和next_tockens之间的部分，参数起点为右下角", each with the
+    compressed 2048x2048 mask; with Sq > Skv mode 3 turns on the invalid-row computation itself. The masks below are
+    built from those words, per query q and key k."""
+    g = torch.Generator().manual_seed(mode)
+    q = torch.randn(s_q, 2, 16, generator=g)
+    k, v = torch.randn(s_k, 2, 16, generator=g), torch.randn(s_k, 2, 16, generator=g)
+    qi, ki = np.arange(s_q)[:, None], np.arange(s_k)[None, :]
+    diagonal = ki - qi - (s_k - s_q)  # 0 on the diagonal through the bottom-right corner
+    masked = {2: ki > qi, 3: diagonal > 0, 4: (diagonal < -pre) | (diagonal > nxt)}[mode]
+    compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    out = sim.npu_fusion_attention(q, k, v, 2, "SBH", atten_mask=compressed, scale=0.5, sparse_mode=mode,
+                                   pre_tockens=pre, next_tockens=nxt, inner_precise=2 if mode == 4 else 0)[0]
+    np.testing.assert_allclose(out.double().numpy(), _attention_oracle(q, k, v, 2, 0.5, masked), rtol=1e-5, atol=1e-6)
+
+
+def test_fusion_attention_sparse_mode_contract(sim):
+    """"sparse_mode为1、2、3、4、5、6、7、8时，应传入对应正确的atten_mask，否则将导致计算结果错误": any matrix but the
+    compressed one is refused; "pre_tockens和next_tockens之间需要有交集"; modes the simulator does not model say so."""
+    q = torch.randn(4, 1, 8)
+    compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    assert_raises(lambda: sim.npu_fusion_attention(q, q, q, 1, "SBH", atten_mask=compressed[:4, :4], sparse_mode=2),
+                  NpuValueError, "atten_mask")
+    assert_raises(lambda: sim.npu_fusion_attention(q, q, q, 1, "SBH", atten_mask=compressed.t().contiguous(),
+                                                   sparse_mode=3), NpuValueError, "compressed")
+    assert_raises(lambda: sim.npu_fusion_attention(q, q, q, 1, "SBH", atten_mask=compressed, sparse_mode=4,
+                                                   pre_tockens=-2, next_tockens=1), NpuValueError, "overlap")
+    for mode in (1, 5, 6):
+        with pytest.raises(NpuSimNotImplemented):
+            sim.npu_fusion_attention(q, q, q, 1, "SBH", atten_mask=compressed, sparse_mode=mode)
+    # "当atten_mask输入为None时，sparse_mode、pre_tockens、next_tockens参数不生效，固定为全计算。"
+    full = sim.npu_fusion_attention(q, q, q, 1, "SBH", sparse_mode=2, scale=0.3)[0]
+    np.testing.assert_allclose(full.double().numpy(), _attention_oracle(q, q, q, 1, 0.3, np.zeros((4, 4), bool)),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", [0, 3])
+def test_fusion_attention_backward_is_one_grad_kernel_call(sim, mode):
+    """op-plugin's derivatives.yaml: "query, key, value, pse, sink: npu_fusion_attention_grad(...)" -- one kernel,
+    whose gradients equal float64 autograd of the masked softmax."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(6, 2, 32, generator=g, requires_grad=True) for _ in range(3))
+    masked = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    mask = masked if mode == 0 else torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    out = sim.npu_fusion_attention(q, k, v, 4, "SBH", atten_mask=mask, scale=0.25, sparse_mode=mode)[0]
+    dy = torch.randn(out.shape, generator=g)
+    sim.reset_counts()
+    out.backward(dy)
+    assert sim.launch_counts == {"npu_fusion_attention_grad": 1}
+    q64, k64, v64 = (t.detach().double().reshape(6, 2, 4, 8).permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, attn_mask=~masked, scale=0.25)
+    grads = torch.autograd.grad(want.permute(2, 0, 1, 3).reshape(6, 2, 32), (q64, k64, v64), dy.double())
+    for got, ref in zip((q.grad, k.grad, v.grad), grads):
+        torch.testing.assert_close(got.double(), ref.permute(2, 0, 1, 3).reshape(6, 2, 32), rtol=1e-5, atol=1e-6)
+    assert_raises(lambda: sim.npu_fusion_attention_grad(q, k, v, dy[:3], 4, "SBH"), NpuValueError, "dy")
 
 
 def test_quant_matmul_last_dims_at_most_65535(sim):

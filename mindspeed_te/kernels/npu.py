@@ -49,6 +49,7 @@ from mindspeed_te.distributed import group_size
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.kernels.base import Capabilities, Operand
+from mindspeed_te.kernels.masks import CausalMask
 from mindspeed_te.kernels.reference import ReferenceBackend, check_accumulate
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
@@ -128,6 +129,8 @@ def _tile_of_block(blocks: int, device: torch.device) -> torch.Tensor:
 # torch_npu, npu_quant_matmul 约束说明: "其他情况, x1与x2最后一维的shape大小不能超过65535"; a longer k is summed in
 # parts of whole 128-tiles (and E8M0 pairs of 32-blocks).
 _MAX_LAST_DIM = 65535
+# npu_fusion_attention: pre_tockens / next_tockens "默认值为2147483647" (no band limit on that side).
+_ALL_TOKENS = 2147483647
 _K_PART = 511 * 128
 
 
@@ -797,23 +800,57 @@ class NpuBackend(ReferenceBackend):
         return self.npu.npu_rms_norm(x, gamma if gamma.dtype in (x.dtype, torch.float32) else gamma.float(), eps)[0]
 
     def attention(self, query, key, value, mask, scale, dropout, *, empty_rows=False):
-        """npu_fusion_attention in the SBH layout with a boolean mask (True = masked), broadcast to one of the
-        shapes it takes ("BNSS格式、B1SS格式、11SS格式、SS格式"), and no dropout; with `empty_rows` its invalid-row
-        computation is switched on ("inner_precise ... 2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而
-        导致精度有损失"; the kernel cannot see such rows in an explicit mask). Other cases (dropout, additive
-        masks, value heads narrower than the key heads: "输入key和value的shape必须一致") run the reference."""
+        """npu_fusion_attention in the SBH layout, and no dropout. A `CausalMask` takes the kernel's causal or band
+        mode (`_sparse_mode`); a boolean mask (True = masked for the kernel) is broadcast to one of the shapes it
+        takes ("BNSS格式、B1SS格式、11SS格式、SS格式"). With `empty_rows` the invalid-row computation is switched on
+        ("inner_precise ... 2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而导致精度有损失"; the kernel
+        cannot see such rows in an explicit mask). Other cases (dropout, additive masks, value heads narrower than
+        the key heads: "输入key和value的shape必须一致") run the reference."""
         s_q, b, h, d = query.shape
         s_k = key.shape[0]
         if (dropout > 0 or value.shape[-1] != key.shape[-1]
-                or (mask is not None and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
+                or (isinstance(mask, torch.Tensor) and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
             return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows)
-        if mask is not None and mask.dim() == 4 and mask.shape[2:] != (s_q, s_k):
-            mask = mask.expand(*mask.shape[:2], s_q, s_k).contiguous()  # e.g. a key-padding mask [b, 1, 1, s_k]
+        kwargs: dict = {}
+        if isinstance(mask, CausalMask):
+            kwargs = self._sparse_mode(mask, s_q, s_k, query.device) or {}
+            if not kwargs:
+                mask = mask.allowed(s_q, s_k, query.device)
+            # Only a top-left causal mask keeps a key for every query whatever the lengths.
+            empty_rows = empty_rows or (kwargs.get("sparse_mode") != 2 and s_q > s_k)
+        if isinstance(mask, torch.Tensor):
+            if mask.dim() == 4 and mask.shape[2:] != (s_q, s_k):
+                mask = mask.expand(*mask.shape[:2], s_q, s_k).contiguous()  # e.g. a key-padding mask [b, 1, 1, s_k]
+            kwargs = dict(atten_mask=~mask)
         out = self.npu.npu_fusion_attention(
             query.reshape(s_q, b, h * d), key.reshape(s_k, b, -1), value.reshape(s_k, b, -1),
-            h, "SBH", atten_mask=None if mask is None else ~mask, scale=scale, keep_prob=1.0,
-            inner_precise=2 if empty_rows else 0)[0]
+            h, "SBH", scale=scale, keep_prob=1.0, inner_precise=2 if empty_rows else 0, **kwargs)[0]
         return out
+
+    def _sparse_mode(self, mask: CausalMask, s_q: int, s_k: int, device: torch.device) -> Optional[dict]:
+        """npu_fusion_attention's arguments for a causal or sliding-window pattern, or None for the explicit
+        matrix. sparse_mode 2 is "leftUpCausal" (causal from the top-left corner), 3 "rightDownCausal" (from the
+        bottom-right one), 4 "band场景，即计算pre_tockens和next_tockens之间的部分，参数起点为右下角": each takes the
+        compressed mask, "优化后的压缩下三角矩阵（2048*2048）", made once per device, and the kernel skips the masked
+        blocks. A top-left causal window over s_q != s_k keys is no band of the bottom-right diagonal."""
+        if mask.window is None:
+            mode, pre, nxt = (3 if mask.bottom_right else 2), _ALL_TOKENS, _ALL_TOKENS
+        elif mask.causal and not mask.bottom_right and s_q != s_k:
+            return None
+        else:
+            left, right = mask.window
+            mode, pre = 4, left if left >= 0 else _ALL_TOKENS
+            nxt = 0 if mask.causal else (right if right >= 0 else _ALL_TOKENS)
+        return dict(atten_mask=self._compressed_mask(device), sparse_mode=mode, pre_tockens=pre, next_tockens=nxt)
+
+    def _compressed_mask(self, device: torch.device) -> torch.Tensor:
+        """The 2048x2048 causal mask of the sparse modes, True above the diagonal, made once per device (one made
+        under inference mode serves only there, as autograd cannot save it)."""
+        cache = self.__dict__.setdefault("_compressed_masks", {})
+        key = (device, torch.is_inference_mode_enabled())
+        if key not in cache:
+            cache[key] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+        return cache[key]
 
     # GEMM ----------------------------------------------------------------------------------------------------
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import as_float32, cast_from_fp8, decode_table
 from mindspeed_te.kernels.base import KernelBackend, Operand
+from mindspeed_te.kernels.masks import CausalMask
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
@@ -141,11 +142,14 @@ class ReferenceBackend(KernelBackend):
         return record_nonfinite(quantizer, quantizer.quantize(x))
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  mask: Optional[torch.Tensor], scale: float, dropout: float, *, empty_rows: bool = False
-                  ) -> torch.Tensor:
+                  mask: Optional[Union[torch.Tensor, CausalMask]], scale: float, dropout: float, *,
+                  empty_rows: bool = False) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs (key/value may have fewer heads);
-        `mask` is a boolean "may attend" mask or an additive float one. Returns [s, b, heads · d]."""
+        `mask` is a boolean "may attend" mask, an additive float one or a `CausalMask` (its cached matrix).
+        Returns [s, b, heads · d]."""
         s_q, b, h, _ = query.shape
+        if isinstance(mask, CausalMask):
+            mask = mask.allowed(s_q, key.shape[0], query.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         if k.shape[1] != h:
             k = k.repeat_interleave(h // k.shape[1], dim=1)

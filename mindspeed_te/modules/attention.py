@@ -7,19 +7,22 @@ Every case reduces to one boolean "may attend" matrix built from where each quer
 packed sequence (segment), its position inside that sequence, and whether it is padding. Under context
 parallelism each rank holds chunks r and 2·cp-1-r of every sequence (Megatron's load-balanced split): the
 keys and values of all ranks are gathered (their gradients reduce-scattered back) and the matrix is built
-from the gathered tokens' global positions, so every cp_comm_type computes exactly full attention."""
+from the gathered tokens' global positions, so every cp_comm_type computes exactly full attention. A causal or
+sliding-window mask alone reaches the backend as its pattern (`CausalMask`): the NPU's fused attention has modes for
+those that skip the masked blocks and need no matrix of the sequence's size."""
 from __future__ import annotations
 
 import contextlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
 from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel_region, group_rank, group_size
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.kernels.masks import CausalMask, window_band
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
 from mindspeed_te.state import FP8GlobalStateManager
@@ -56,17 +59,6 @@ def _layout(local: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_padded: O
     per_rank = (bounds[1:] - bounds[:-1]) // cp_size
     segment = torch.repeat_interleave(torch.arange(per_rank.numel(), device=device), per_rank)
     return _Layout(segment, position, position < lengths[segment])
-
-
-def _window_band(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
-    """Keys within (left, right) of the query's position; -1 leaves that side unbounded."""
-    left, right = window
-    band = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
-    if left >= 0:
-        band &= k_pos[None, :] >= q_pos[:, None] - left
-    if right >= 0:
-        band &= k_pos[None, :] <= q_pos[:, None] + right
-    return band
 
 
 class DotProductAttention(torch.nn.Module):
@@ -192,6 +184,8 @@ class DotProductAttention(torch.nn.Module):
                                 if fmt == "thd" else None)
         mask = allowed
         if self.softmax_type != "vanilla" or attention_bias is not None:
+            if isinstance(allowed, CausalMask):
+                allowed = allowed.allowed(query.shape[0], key.shape[0], query.device)
             mask, key, value = self._additive_mask(allowed, attention_bias, query, key, value)
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
@@ -205,8 +199,10 @@ class DotProductAttention(torch.nn.Module):
         return out.squeeze(1) if fmt == "thd" else out
 
     def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
-                 device: torch.device, cp_size: int, packed: Optional[tuple]) -> Optional[torch.Tensor]:
-        """Boolean "may attend" mask for SDPA (True = attend), or None for no mask."""
+                 device: torch.device, cp_size: int, packed: Optional[tuple]
+                 ) -> Optional[Union[torch.Tensor, CausalMask]]:
+        """Boolean "may attend" mask for SDPA (True = attend), None for no mask, or a `CausalMask` when the mask
+        is a causal or sliding-window pattern alone (a kernel may have a mode for it)."""
         allowed = None
         if "padding" in mask_type and packed is None:
             if attention_mask is None:
@@ -215,16 +211,8 @@ class DotProductAttention(torch.nn.Module):
         if packed is None and cp_size == 1:
             if "causal" not in mask_type and self.window_size is None:
                 return allowed
-            q_pos = torch.arange(s_q, device=device)
-            k_pos = torch.arange(s_k, device=device)
-            shift = s_k - s_q
-            causal_q = q_pos + shift if mask_type.endswith("bottom_right") else q_pos
-            structure = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
-            if "causal" in mask_type:
-                structure &= k_pos[None, :] <= causal_q[:, None]
-            if self.window_size is not None:
-                structure &= _window_band(q_pos + shift, k_pos, self.window_size)
-            return structure if allowed is None else allowed & structure
+            pattern = CausalMask("causal" in mask_type, mask_type.endswith("bottom_right"), self.window_size)
+            return pattern if allowed is None else allowed & pattern.allowed(s_q, s_k, device)
         cu_q = cu_q_padded = cu_k = cu_k_padded = None
         if packed is not None:
             cu_q, cu_q_padded, cu_k, cu_k_padded = packed
@@ -236,7 +224,7 @@ class DotProductAttention(torch.nn.Module):
         if "causal" in mask_type:
             structure &= k.position[None, :] <= q.position[:, None]
         if self.window_size is not None:
-            structure &= _window_band(q.position, k.position, self.window_size)
+            structure &= window_band(q.position, k.position, self.window_size)
         return structure if allowed is None else allowed & structure
 
     def _additive_mask(self, allowed: Optional[torch.Tensor], bias: Optional[torch.Tensor], query: torch.Tensor,

@@ -9,9 +9,7 @@ import torch
 
 from mindspeed_te.testing.npu_sim.attention import AttentionKernels
 from mindspeed_te.testing.npu_sim.checks import (
-    check_dims,
     check_dtype,
-    check_float,
     check_tensor,
     dtype_arg,
     dtype_name,
@@ -25,7 +23,6 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     FLOAT8_E4M3FN,
     FLOAT8_E5M2,
     FLOAT8_E8M0FNU,
-    FLOATS,
     FP8_NATIVE,
     HIF8_CARRIERS,
     HIFLOAT8,
@@ -33,17 +30,18 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     NPU_ONLY_NAMES,
     DtypeArg,
 )
-from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuTypeError, NpuValueError
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuTypeError
 from mindspeed_te.testing.npu_sim.gemm import QuantMatmulKernels
 from mindspeed_te.testing.npu_sim.grouped_gemm import GroupedMatmulKernels
 from mindspeed_te.testing.npu_sim.mc2 import Mc2Kernels
+from mindspeed_te.testing.npu_sim.norm import NormKernels
 from mindspeed_te.testing.npu_sim.quantize import QuantizeKernels
 
 FP8_SOC_PREFIX = "Ascend950"
 
 
 class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc2Kernels, AttentionKernels,
-                   types.ModuleType):
+                   NormKernels, types.ModuleType):
     """Module object usable in place of `torch_npu`; see the module docstring."""
 
     hifloat8 = HIFLOAT8
@@ -118,35 +116,6 @@ class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc
         if out == HIFLOAT8:
             return encode(values.float(), HIFLOAT8, saturate=False)
         return values.to(out)
-
-    @kernel(differentiable=True)
-    def npu_rms_norm(self, input: torch.Tensor, /, gamma: torch.Tensor, epsilon: float = 1e-6
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """y = input * rstd * gamma over the trailing gamma.dim() dims, in float32, returned in input's dtype;
-        rstd = 1 / sqrt(mean(input^2) + epsilon), float32 of shape input.shape[:-gamma.dim()] + (1,) * gamma.dim()."""
-        # aclnnRmsNorm.md, "各平台支持数据类型说明" (A2, A3, Ascend 950PR/950DT): x FLOAT16 with gamma FLOAT32 or
-        # FLOAT16, x BFLOAT16 with gamma FLOAT32 or BFLOAT16, x FLOAT32 with gamma FLOAT32; y in x's dtype, rstd
-        # FLOAT32.
-        check_tensor("input", input, FLOATS)
-        check_tensor("gamma", gamma, (input.dtype, torch.float32))
-        # torch_npu doc: self "shape支持2-8维度"; aclnnRmsNorm: gamma "1-8" dims, "shape需要满足gamma_shape =
-        # x_shape[n:], n < x_shape.dims()".
-        check_dims("input", input, 2, 8)
-        check_dims("gamma", gamma, 1, input.dim())
-        if tuple(gamma.shape) != tuple(input.shape[input.dim() - gamma.dim():]):
-            raise NpuValueError(f"gamma {tuple(gamma.shape)} must match the trailing dims of input "
-                                f"{tuple(input.shape)}")
-        eps = check_float("epsilon", epsilon)
-        dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
-        x = input.float()
-        rstd = torch.rsqrt(x.square().mean(dim=dims, keepdim=True) + eps)
-        y = x * rstd * gamma.float()
-        # aclnnRmsNorm 约束说明 (A2, A3, Ascend 950PR/950DT): "当输入是Inf时，输出为Inf。当输入是NaN时，输出为NaN。"
-        # NaN propagates through the formula; an Inf element would give Inf * rstd(= 0) = NaN, so it is set to
-        # x * gamma (Inf with gamma's sign). The document says nothing of the finite elements of such a row
-        # (here x * 0 = 0).
-        y = torch.where(torch.isinf(x), x * gamma.float(), y)
-        return y.to(input.dtype), rstd
 
 
 def make_simulator(soc_name: str = "Ascend950PR") -> NpuSimulator:

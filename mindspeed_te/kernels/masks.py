@@ -1,0 +1,50 @@
+"""Attention masks made only of where the queries and keys sit, handed to the backends as a pattern rather than a
+matrix: a kernel with modes for them (the NPU's fused attention: causal and band modes on one fixed 2048x2048 mask,
+skipping the masked blocks) takes the pattern as it is, and the others build its matrix once per shape."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def window_band(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """Keys within (left, right) of the query's position; -1 leaves that side unbounded."""
+    left, right = window
+    band = torch.ones(q_pos.numel(), k_pos.numel(), dtype=torch.bool, device=q_pos.device)
+    if left >= 0:
+        band &= k_pos[None, :] >= q_pos[:, None] - left
+    if right >= 0:
+        band &= k_pos[None, :] <= q_pos[:, None] + right
+    return band
+
+
+@dataclass(frozen=True)
+class CausalMask:
+    """Keys after the query masked (`causal`), the query at position i aligned with key i (top-left) or the last
+    query with the last key (`bottom_right`), and/or only keys within `window` = (left, right) of the query's
+    bottom-right aligned position (-1 = unbounded)."""
+
+    causal: bool
+    bottom_right: bool
+    window: Optional[tuple[int, int]] = None
+
+    def allowed(self, s_q: int, s_k: int, device: torch.device) -> torch.Tensor:
+        """The boolean "may attend" matrix [s_q, s_k], made once per shape and device (do not modify it); one made
+        under inference mode serves only there, as autograd cannot save it."""
+        return _allowed(self, s_q, s_k, torch.device(device), torch.is_inference_mode_enabled())
+
+
+@functools.lru_cache(maxsize=16)
+def _allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device, inference: bool) -> torch.Tensor:
+    q_pos = torch.arange(s_q, device=device)
+    k_pos = torch.arange(s_k, device=device)
+    shift = s_k - s_q
+    structure = torch.ones(s_q, s_k, dtype=torch.bool, device=device)
+    if mask.causal:
+        structure &= k_pos[None, :] <= (q_pos + shift if mask.bottom_right else q_pos)[:, None]
+    if mask.window is not None:
+        structure &= window_band(q_pos + shift, k_pos, mask.window)
+    return structure
