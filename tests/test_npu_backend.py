@@ -542,6 +542,44 @@ def test_attention_runs_npu_fusion_attention(mask_type, groups, monkeypatch, use
     assert q.grad is not None and k.grad is not None
 
 
+@pytest.mark.parametrize("mask_type, window, s_q, s_k, mode", [
+    ("causal", None, 8, 8, 2), ("causal", None, 5, 8, 2), ("causal_bottom_right", None, 5, 8, 3),
+    ("causal_bottom_right", None, 8, 5, 3), ("causal", (2, 0), 8, 8, 4), ("no_mask", (3, 1), 6, 8, 4),
+    ("causal_bottom_right", (1, 0), 8, 5, 4), ("causal", (2, 0), 5, 8, None)])
+def test_causal_and_window_masks_take_the_kernels_sparse_modes(mask_type, window, s_q, s_k, mode, monkeypatch,
+                                                               use_backend):
+    """A causal or sliding-window mask alone reaches npu_fusion_attention as sparse_mode 2 (from the top-left
+    corner), 3 (from the bottom-right) or 4 (a band around the bottom-right diagonal) on the compressed 2048x2048
+    mask, with no matrix of the sequence's size; a top-left causal window over unequal lengths, which is no such
+    band, keeps the explicit matrix. Outputs and gradients equal the reference's bit for bit; after the first call a
+    forward is the one kernel launch and its backward the one grad kernel."""
+    from mindspeed_te.diagnostics import LaunchCounter
+    from mindspeed_te.modules import DotProductAttention
+
+    attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type=mask_type, window_size=window)
+    qkv = _attention_case(s_q=s_q, s_k=s_k)
+    got, want, sim = _attention_on_both(attn, qkv, None, monkeypatch, use_backend)
+    assert torch.equal(got, want)
+    dy = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
+    want_grads = torch.autograd.grad(want, qkv, dy)
+    got_grads = torch.autograd.grad(got, qkv, dy)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+    seen = []
+    kernel = sim.npu_fusion_attention
+    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append(kw) or kernel(*a, **kw))
+    with LaunchCounter(sim) as forward:
+        out = attn(*qkv)
+    with LaunchCounter(sim) as backward:
+        torch.autograd.grad(out, qkv, dy)
+    assert seen[0].get("sparse_mode", 0) == (mode or 0)
+    if mode is None:
+        assert seen[0]["atten_mask"].shape == (s_q, s_k)
+        return
+    assert seen[0]["atten_mask"].shape == (2048, 2048)
+    assert forward.counts == {"torch_npu.npu_fusion_attention": 1}
+    assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
+
+
 def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch, use_backend):
     """aclnnQuantMatmulV5 (Ascend 950): of the G-B, B-B and mx modes only mx takes a bias, so a blockwise
     GEMM with a bias adds it after the kernel; the result still equals the reference bit for bit."""

@@ -134,6 +134,13 @@ _ALL_TOKENS = 2147483647
 _K_PART = 511 * 128
 
 
+@functools.lru_cache(maxsize=4)
+def _compressed_mask(device: torch.device, inference: bool) -> torch.Tensor:
+    """The 2048x2048 causal mask of npu_fusion_attention's sparse modes, True above the diagonal, made once per
+    device (one made under inference mode serves only there, as autograd cannot save it)."""
+    return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
+
+
 def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     """t[start:stop] along `dim` in a layout npu_quant_matmul takes, the one t had: contiguous, or the transposed
     view (of the last two dims of a matrix, the first two of E8M0 pairs) of a contiguous tensor; a copy unless
@@ -816,8 +823,9 @@ class NpuBackend(ReferenceBackend):
             kwargs = self._sparse_mode(mask, s_q, s_k, query.device) or {}
             if not kwargs:
                 mask = mask.allowed(s_q, s_k, query.device)
-            # Only a top-left causal mask keeps a key for every query whatever the lengths.
-            empty_rows = empty_rows or (kwargs.get("sparse_mode") != 2 and s_q > s_k)
+            # The sparse modes keep a key for every query unless (modes 3 and 4) there are more queries than keys;
+            # a pattern's explicit matrix is not searched for rows without keys.
+            empty_rows = empty_rows or not kwargs or (kwargs["sparse_mode"] != 2 and s_q > s_k)
         if isinstance(mask, torch.Tensor):
             if mask.dim() == 4 and mask.shape[2:] != (s_q, s_k):
                 mask = mask.expand(*mask.shape[:2], s_q, s_k).contiguous()  # e.g. a key-padding mask [b, 1, 1, s_k]
@@ -841,16 +849,7 @@ class NpuBackend(ReferenceBackend):
             left, right = mask.window
             mode, pre = 4, left if left >= 0 else _ALL_TOKENS
             nxt = 0 if mask.causal else (right if right >= 0 else _ALL_TOKENS)
-        return dict(atten_mask=self._compressed_mask(device), sparse_mode=mode, pre_tockens=pre, next_tockens=nxt)
-
-    def _compressed_mask(self, device: torch.device) -> torch.Tensor:
-        """The 2048x2048 causal mask of the sparse modes, True above the diagonal, made once per device (one made
-        under inference mode serves only there, as autograd cannot save it)."""
-        cache = self.__dict__.setdefault("_compressed_masks", {})
-        key = (device, torch.is_inference_mode_enabled())
-        if key not in cache:
-            cache[key] = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
-        return cache[key]
+        return dict(atten_mask=_compressed_mask(device, torch.is_inference_mode_enabled()), sparse_mode=mode, pre_tockens=pre, next_tockens=nxt)
 
     # GEMM ----------------------------------------------------------------------------------------------------
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:

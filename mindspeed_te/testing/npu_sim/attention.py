@@ -139,12 +139,15 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _
     kv_heads = key.shape[2] // d
     k = key.reshape(key.shape[0], b, kv_heads, d).permute(1, 2, 0, 3).repeat_interleave(head // kv_heads, 1)
     v = value.reshape(value.shape[0], b, kv_heads, d).permute(1, 2, 0, 3).repeat_interleave(head // kv_heads, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=call.allowed, scale=call.scale)
-    if call.allowed is not None:
+    if call.allowed is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=call.scale)
+    else:
         # A query whose keys are all masked (an invalid row): zeros with the invalid-row computation, else NaN --
         # the simulator's stand-in for the precision loss the document warns of (it does not say what the kernel
-        # writes there).
+        # writes there). Such a row is computed over every key and then overwritten, so that it sends no gradient.
         empty = ~call.allowed.any(-1, keepdim=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=call.allowed | empty,
+                                                               scale=call.scale)
         out = out.masked_fill(empty, 0.0 if call.zero_empty_rows else float("nan"))
     return out.permute(2, 0, 1, 3).reshape(s_q, b, hidden)
 
