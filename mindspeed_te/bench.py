@@ -24,7 +24,9 @@ from mindspeed_te import fused_cast
 from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
 from mindspeed_te.formats import hif8_encode
 from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
+from mindspeed_te.modules.attention import DotProductAttention
 from mindspeed_te.modules.grouped_linear import GroupedLinear
+from mindspeed_te.modules.layernorm_linear import LayerNormLinear
 from mindspeed_te.modules.linear import Linear
 from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
 from mindspeed_te.recipe import (
@@ -330,6 +332,29 @@ def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int 
     return _second_layer_launches(recipe, layer, 32 * experts, npu, [32] * experts)
 
 
+def norm_linear_launches(recipe: Recipe, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of one `LayerNormLinear(256, 256, bias=True, RMSNorm)` in bfloat16, measured as `linear_launches`
+    measures a Linear: the norm's kernel (and its backward kernel) and the cast of its gamma to float32 on top."""
+    layer = LayerNormLinear(256, 256, bias=True, params_dtype=torch.bfloat16, normalization="RMSNorm")
+    return _second_layer_launches(recipe, layer, 128, npu)
+
+
+def attention_launches(npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of a causal `DotProductAttention` (8 heads of 64, 2 x 256 tokens, bfloat16) forward and backward,
+    in a second call (what is made once, such as a kernel's fixed mask, is made in the first)."""
+    attn = DotProductAttention(8, 64, attn_mask_type="causal")
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(256, 2, 8, 64, generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    for _ in range(2):
+        forward, backward = LaunchCounter(npu), LaunchCounter(npu)
+        with forward:
+            out = attn(*qkv)
+        dy = torch.ones_like(out)
+        with backward:
+            torch.autograd.grad(out, qkv, dy)  # into fresh tensors: accumulation into .grad is not attention's work
+    return forward, backward
+
+
 def update_launches(recipe: DelayedScaling, layers: int, npu: Any, steps: int = 2
                     ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of the per-step delayed-scaling update (forward, backward) of `layers` Linear(256, 256), in
@@ -414,6 +439,17 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
         detail += where[layout]
         rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
         rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
+    for chip, name in (("Ascend950PR", "delayed HIF8"), ("Ascend950PR", "tensorwise E4M3"),
+                       ("Ascend950PR", "blockwise E4M3"), ("Ascend950DT", "mxfp8 E4M3")):
+        with npu_simulated(chip) as npu:
+            forward, backward = norm_linear_launches(launch_recipes()[name], npu)
+        detail = f"{name} bfloat16 {chip}, RMSNorm"
+        rows.append(("NPU launches, LayerNormLinear forward", float(forward.total), detail))
+        rows.append(("NPU launches, LayerNormLinear backward", float(backward.total), detail))
+    with npu_simulated() as npu:
+        forward, backward = attention_launches(npu)
+    rows.append(("NPU launches, attention forward", float(forward.total), "causal, 8 heads of 64, 2 x 256 tokens"))
+    rows.append(("NPU launches, attention backward", float(backward.total), "causal, 8 heads of 64, 2 x 256 tokens"))
     with npu_simulated() as npu:
         for layers in (2, 32):
             forward, backward = update_launches(DelayedScaling(), layers, npu)

@@ -419,3 +419,34 @@ def test_save_original_input_adds_only_the_inputs_quantize_to_backward(chip, nam
     # per expert for grouped 1x128 tiles and per-tensor scales (each expert's own)
     want = {f"torch_npu.{kernel}": 4 if grouped and not name.startswith("mxfp8") else 1}
     assert backward[True] - backward[False] == want and not backward[False] - backward[True], backward
+
+
+@pytest.mark.parametrize("name", ["delayed HIF8", "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3"])
+def test_layernorm_linear_adds_the_norms_kernel_and_its_gamma_cast_each_way(name):
+    """A LayerNormLinear (RMSNorm) launches what a Linear on the norm's output does plus, forward, npu_rms_norm and
+    the cast of its gamma to float32 and, backward, the one kernel torch_npu's autograd runs for the norm
+    (npu_rms_norm_backward: dx and dgamma) and the cast of the float32 dgamma to the parameter's dtype."""
+    from mindspeed_te.bench import launch_recipes, linear_launches, norm_linear_launches
+
+    recipe = launch_recipes()[name]
+    with _simulated("Ascend950DT") as npu:
+        norm_forward, norm_backward = norm_linear_launches(recipe, npu)
+        forward, backward = linear_launches(recipe, torch.bfloat16, npu)
+    added_forward = Counter(norm_forward.counts)
+    added_forward.subtract(forward.counts)
+    added_backward = Counter(norm_backward.counts)
+    added_backward.subtract(backward.counts)
+    assert +added_forward == {"torch_npu.npu_rms_norm": 1, "aten._to_copy": 1}, dict(norm_forward.counts)
+    assert +added_backward == {"torch_npu.npu_rms_norm_backward": 1, "aten._to_copy": 1}, dict(norm_backward.counts)
+    assert norm_forward.total == forward.total + 2 and norm_backward.total == backward.total + 2
+
+
+def test_causal_attention_is_one_kernel_each_way():
+    """npu_fusion_attention's causal mode on its fixed 2048x2048 mask: no mask of the sequence's size is built per
+    call, and the backward is torch_npu's one grad kernel."""
+    from mindspeed_te.bench import attention_launches
+
+    with _simulated() as npu:
+        forward, backward = attention_launches(npu)
+    assert forward.counts == {"torch_npu.npu_fusion_attention": 1}
+    assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}

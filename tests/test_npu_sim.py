@@ -1356,7 +1356,7 @@ def test_fusion_attention_rows_without_keys(sim):
 def _attention_oracle(q, k, v, heads, scale, masked):
     """Float64 softmax(Q Kᵀ · scale) V of SBH tensors, `masked` [s_q, s_k] True where a key is not seen; rows
     without keys give zeros."""
-    (s_q, b, hidden), s_k = q.shape, k.shape[0]
+    s_q, b, hidden = q.shape
     d = hidden // heads
     qh, kh, vh = (t.detach().reshape(t.shape[0], b, heads, d).permute(1, 2, 0, 3).double().numpy() for t in (q, k, v))
     logits = np.where(masked, -np.inf, qh @ kh.transpose(0, 1, 3, 2) * scale)
@@ -1370,10 +1370,10 @@ def _attention_oracle(q, k, v, heads, scale, masked):
                                                       (3, 9, 6, 0, 0), (4, 8, 8, 2, 0), (4, 6, 9, 3, 1),
                                                       (4, 8, 8, 2147483647, 2)])
 def test_fusion_attention_causal_and_band_modes(sim, mode, s_q, s_k, pre, nxt):
-    """torch_npu-npu_fusion_attention.md: sparse_mode 2 "leftUpCausal ... 以左上顶点划分的下三角", 3 "rightDownCausal
-    ... 以右下顶点划分的下三角", 4 "band场景，即计算pre_tockens和next_tockens之间的部分，参数起点为右下角", each with the
-    compressed 2048x2048 mask; with Sq > Skv mode 3 turns on the invalid-row computation itself. The masks below are
-    built from those words, per query q and key k."""
+    """torch_npu-npu_fusion_attention.md: sparse_mode 2 "leftUpCausal ... 以左上顶点划分的下三角", 3
+    "rightDownCausal ... 以右下顶点划分的下三角", 4 "band场景，即计算pre_tockens和next_tockens之间的部分，参数起点为
+    右下角", each with the compressed 2048x2048 mask; with Sq > Skv mode 3 turns on the invalid-row computation
+    itself. The masks below are built from those words, per query q and key k."""
     g = torch.Generator().manual_seed(mode)
     q = torch.randn(s_q, 2, 16, generator=g)
     k, v = torch.randn(s_k, 2, 16, generator=g), torch.randn(s_k, 2, 16, generator=g)

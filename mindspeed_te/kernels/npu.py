@@ -849,7 +849,8 @@ class NpuBackend(ReferenceBackend):
             left, right = mask.window
             mode, pre = 4, left if left >= 0 else _ALL_TOKENS
             nxt = 0 if mask.causal else (right if right >= 0 else _ALL_TOKENS)
-        return dict(atten_mask=_compressed_mask(device, torch.is_inference_mode_enabled()), sparse_mode=mode, pre_tockens=pre, next_tockens=nxt)
+        return dict(atten_mask=_compressed_mask(device, torch.is_inference_mode_enabled()), sparse_mode=mode,
+                    pre_tockens=pre, next_tockens=nxt)
 
     # GEMM ----------------------------------------------------------------------------------------------------
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
