@@ -580,6 +580,56 @@ def test_causal_and_window_masks_take_the_kernels_sparse_modes(mask_type, window
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
 
 
+@pytest.mark.parametrize("mask_type, padded", [("padding_causal", False), ("padding", False),
+                                              ("padding_causal", True)])
+def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, use_backend):
+    """Unpadded packed sequences (thd) reach npu_fusion_attention as input_layout "TND" with the cumulative lengths
+    ("actual_seq_qlen"/"actual_seq_kvlen"), causal by sparse_mode 2 on the compressed mask: no [t, t] matrix. The
+    lengths are read to the host once per cu_seqlens tensor, not once per layer; padded offsets keep the explicit
+    matrix. Outputs and gradients equal the reference's bit for bit; after the first call a forward is the one
+    kernel launch and its backward the one grad kernel."""
+    from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
+    from mindspeed_te.modules import DotProductAttention
+
+    attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type=mask_type, qkv_format="thd")
+    g = torch.Generator().manual_seed(6)
+    qkv = (torch.randn(16, 4, 16, generator=g, requires_grad=True),
+           *(torch.randn(16, 2, 16, generator=g, requires_grad=True) for _ in range(2)))
+    cu = torch.tensor([0, 3, 9, 10, 14 if padded else 16], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    if padded:
+        offsets = torch.tensor([0, 4, 10, 12, 16], dtype=torch.int32)
+        packed.update(cu_seqlens_q_padded=offsets, cu_seqlens_kv_padded=offsets)
+    use_backend("reference")
+    want = attn(*qkv, **packed)
+    dy = torch.randn(want.shape, generator=g)
+    want_grads = torch.autograd.grad(want, qkv, dy)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    seen = []
+    kernel = sim.npu_fusion_attention
+    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append((a[4], kw)) or kernel(*a, **kw))
+    with HostSyncCounter() as syncs:
+        got = attn(*qkv, **packed)
+        attn(*qkv, **packed)  # the next layer: the same cu_seqlens
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got, qkv, dy), want_grads))
+    layout, kwargs = seen[0]
+    if padded:
+        assert layout == "SBH" and kwargs["atten_mask"].shape == (16, 16)
+        return
+    assert layout == "TND" and kwargs["actual_seq_qlen"] == kwargs["actual_seq_kvlen"] == [3, 9, 10, 16]
+    assert kwargs.get("sparse_mode", 0) == (2 if "causal" in mask_type else 0)
+    assert sum(syncs.counts.values()) == 1, dict(syncs.counts)
+    with LaunchCounter(sim) as forward:
+        out = attn(*qkv, **packed)
+    with LaunchCounter(sim) as backward:
+        torch.autograd.grad(out, qkv, dy)
+    assert forward.counts == {"torch_npu.npu_fusion_attention": 1}
+    assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
+
+
 def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch, use_backend):
     """aclnnQuantMatmulV5 (Ascend 950): of the G-B, B-B and mx modes only mx takes a bias, so a blockwise
     GEMM with a bias adds it after the kernel; the result still equals the reference bit for bit."""

@@ -1427,6 +1427,72 @@ def test_fusion_attention_backward_is_one_grad_kernel_call(sim, mode):
     assert_raises(lambda: sim.npu_fusion_attention_grad(q, k, v, dy[:3], 4, "SBH"), NpuValueError, "dy")
 
 
+def _packed_masked(q_lens, k_lens, causal_from):
+    """[T_q, T_kv] True where a key is not seen: another sequence's, or past the causal diagonal of the sequence's
+    top-left ("tl") or bottom-right ("br") corner."""
+    masked = np.ones((sum(q_lens), sum(k_lens)), bool)
+    q0 = k0 = 0
+    for lq, lk in zip(q_lens, k_lens):
+        qi, ki = np.arange(lq)[:, None], np.arange(lk)[None, :]
+        block = np.zeros((lq, lk), bool)
+        if causal_from == "tl":
+            block = ki > qi
+        elif causal_from == "br":
+            block = ki - qi > lk - lq
+        masked[q0:q0 + lq, k0:k0 + lk] = block
+        q0, k0 = q0 + lq, k0 + lk
+    return masked
+
+
+@pytest.mark.parametrize("mode, q_lens, k_lens", [(None, [3, 5, 2], [3, 5, 2]), (2, [3, 5, 2], [3, 5, 2]),
+                                                  (2, [4, 2], [2, 5]), (3, [2, 4], [3, 4])])
+def test_fusion_attention_varlen(sim, mode, q_lens, k_lens):
+    """input_layout "TND" "即为varlen场景": each batch's queries see only its own keys, given by the cumulative
+    "actual_seq_qlen"/"actual_seq_kvlen" (host lists); no mask is full attention inside a batch, sparse_mode 2 and 3
+    causal from the batch's top-left and bottom-right corner (the modes the varlen split modes 8 and 7 start from);
+    GQA heads; the backward is one npu_fusion_attention_grad."""
+    g = torch.Generator().manual_seed(len(q_lens) + (mode or 0))
+    q = torch.randn(sum(q_lens), 4, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(sum(k_lens), 2, 8, generator=g, requires_grad=True) for _ in range(2))
+    kwargs = dict(actual_seq_qlen=np.cumsum(q_lens).tolist(), actual_seq_kvlen=np.cumsum(k_lens).tolist())
+    if mode is not None:
+        kwargs.update(atten_mask=torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1), sparse_mode=mode)
+    out = sim.npu_fusion_attention(q, k, v, 4, "TND", scale=0.3, **kwargs)[0]
+    masked = _packed_masked(q_lens, k_lens, {None: None, 2: "tl", 3: "br"}[mode])
+    k4, v4 = (t.detach().repeat_interleave(2, 1).reshape(t.shape[0], 1, 32) for t in (k, v))
+    want = _attention_oracle(q.detach().reshape(-1, 1, 32), k4, v4, 4, 0.3, masked)
+    np.testing.assert_allclose(out.detach().double().numpy(), want.reshape(out.shape), rtol=1e-5, atol=1e-6)
+    sim.reset_counts()
+    out.sum().backward()
+    assert sim.launch_counts == {"npu_fusion_attention_grad": 1} and q.grad.shape == q.shape
+
+
+def test_fusion_attention_varlen_contract(sim):
+    """actual_seq_qlen "varlen场景时需要传入此参数", cumulative ("累加和长度"), "尾部传入对应个数个0" for batches
+    left out; "B：batchsize必须相等"; "varlen场景下 ... atten_mask中不能存在某一行全1的场景"."""
+    q = torch.randn(6, 2, 8)
+    fa = sim.npu_fusion_attention
+    compressed = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    out = fa(q, q, q, 2, "TND", actual_seq_qlen=[2, 6, 0], actual_seq_kvlen=[2, 6, 0])[0]  # a trailing batch left out
+    assert out.shape == (6, 2, 8)
+    assert_raises(lambda: fa(q, q, q, 2, "TND"), NpuValueError, "actual_seq_qlen")
+    assert_raises(lambda: fa(q, q, q, 2, "TND", actual_seq_qlen=[4, 2, 6], actual_seq_kvlen=[4, 2, 6]),
+                  NpuValueError, "non-decreasing")
+    assert_raises(lambda: fa(q, q, q, 2, "TND", actual_seq_qlen=[2, 6], actual_seq_kvlen=[6]), NpuValueError,
+                  "batches")
+    assert_raises(lambda: fa(q, q[:2], q[:2], 2, "TND", actual_seq_qlen=[2, 6], actual_seq_kvlen=[2, 2]),
+                  NpuValueError, "without keys")
+    assert_raises(lambda: fa(q, q[:4], q[:4], 2, "TND", actual_seq_qlen=[2, 6], actual_seq_kvlen=[2, 4],
+                             atten_mask=compressed, sparse_mode=3), NpuValueError, "without keys")
+    assert_raises(lambda: fa(q, q, q, 3, "TND", actual_seq_qlen=[6], actual_seq_kvlen=[6]), NpuValueError, "head_num")
+    assert_raises(lambda: fa(q.reshape(6, 1, 16), q.reshape(6, 1, 16), q.reshape(6, 1, 16), 2, "SBH",
+                             actual_seq_qlen=[6], actual_seq_kvlen=[6]), NpuValueError, "TND")
+    with pytest.raises(NpuSimNotImplemented):
+        fa(q, q, q, 2, "TND", actual_seq_qlen=[2, 4], actual_seq_kvlen=[2, 4])  # tokens past the last batch
+    with pytest.raises(NpuSimNotImplemented):
+        fa(q, q, q, 2, "TND", actual_seq_qlen=[6], actual_seq_kvlen=[6], atten_mask=compressed[:6, :6])
+
+
 def test_quant_matmul_last_dims_at_most_65535(sim):
     """torch_npu npu_quant_matmul: "其他情况, x1与x2最后一维的shape大小不能超过65535" (x1's k; x2's n, as passed)."""
     k_ok, _ = random_codes((2, 65535), "E4M3", 40)

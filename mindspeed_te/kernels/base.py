@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from mindspeed_te.kernels.masks import CausalMask
+from mindspeed_te.kernels.masks import CausalMask, PackedMask
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.tensor import QuantizedTensorStorage
 
@@ -87,11 +87,11 @@ class KernelBackend(ABC):
 
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  mask: Optional[Union[torch.Tensor, CausalMask]], scale: float, dropout: float, *,
+                  mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], scale: float, dropout: float, *,
                   empty_rows: bool = False) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs; [s, b, heads · d] out. `mask` is a boolean
-        "may attend" matrix, an additive float one, or a `CausalMask` pattern. A query whose keys are all masked
-        gets zeros; `empty_rows` says that such rows may occur (a kernel may need to know)."""
+        "may attend" matrix, an additive float one, or a pattern (`CausalMask`, `PackedMask`). A query whose keys
+        are all masked gets zeros; `empty_rows` says that such rows may occur (a kernel may need to know)."""
 
     # Fused communication GEMMs (capabilities.fused_communication_gemm) -------------------------------------
     def all_gather_matmul(self, x1: torch.Tensor, x2: torch.Tensor, group: Any

@@ -1,11 +1,12 @@
 """Attention masks made only of where the queries and keys sit, handed to the backends as a pattern rather than a
 matrix: a kernel with modes for them (the NPU's fused attention: causal and band modes on one fixed 2048x2048 mask,
-skipping the masked blocks) takes the pattern as it is, and the others build its matrix once per shape."""
+skipping the masked blocks; packed sequences by their lengths) takes the pattern as it is, and the others build its
+matrix (a causal pattern's once per shape)."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,3 +49,15 @@ def _allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device, inferen
     if mask.window is not None:
         structure &= window_band(q_pos + shift, k_pos, mask.window)
     return structure
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMask:
+    """Packed sequences (thd): a query sees only the keys of its own sequence (`cu_seqlens_q` / `cu_seqlens_kv`:
+    cumulative lengths from 0, covering every token), all of them or (`causal`) those up to its own position from
+    the sequence's start. A kernel with a varlen mode takes the lengths; others call `dense` for the matrix."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    causal: bool
+    dense: Callable[[], torch.Tensor]

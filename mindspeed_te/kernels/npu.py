@@ -40,6 +40,7 @@ import copy
 import functools
 import math
 import os
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -49,7 +50,7 @@ from mindspeed_te.distributed import group_size
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.kernels.base import Capabilities, Operand
-from mindspeed_te.kernels.masks import CausalMask
+from mindspeed_te.kernels.masks import CausalMask, PackedMask
 from mindspeed_te.kernels.reference import ReferenceBackend, check_accumulate
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
@@ -132,6 +133,23 @@ _MAX_LAST_DIM = 65535
 # npu_fusion_attention: pre_tockens / next_tockens "默认值为2147483647" (no band limit on that side).
 _ALL_TOKENS = 2147483647
 _K_PART = 511 * 128
+
+
+# cu_seqlens tensor id -> (a weak reference to it, its version, its cumulative ends as a host list)
+_HOST_ENDS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+
+def _host_ends(cu_seqlens: torch.Tensor) -> list[int]:
+    """cu_seqlens[1:] as a host list, read from the device once per tensor and version: Megatron hands every layer
+    of a micro-batch the same cu_seqlens, so the read is one per micro-batch, not one per layer."""
+    entry = _HOST_ENDS.get(id(cu_seqlens))
+    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+        return entry[2]
+    ends = [int(v) for v in cu_seqlens[1:].tolist()]
+    if len(_HOST_ENDS) >= 64:
+        _HOST_ENDS.clear()
+    _HOST_ENDS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
+    return ends
 
 
 @functools.lru_cache(maxsize=4)
@@ -819,6 +837,13 @@ class NpuBackend(ReferenceBackend):
                 or (isinstance(mask, torch.Tensor) and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
             return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows)
         kwargs: dict = {}
+        if isinstance(mask, PackedMask):
+            varlen = self._varlen(mask, s_q, s_k, b)
+            if varlen is not None:
+                return self.npu.npu_fusion_attention(
+                    query.reshape(s_q, h, d), key.reshape(s_k, -1, d), value.reshape(s_k, -1, d), h, "TND",
+                    scale=scale, keep_prob=1.0, **varlen)[0].reshape(s_q, b, h * d)
+            mask = mask.dense()
         if isinstance(mask, CausalMask):
             kwargs = self._sparse_mode(mask, s_q, s_k, query.device) or {}
             if not kwargs:
@@ -834,6 +859,26 @@ class NpuBackend(ReferenceBackend):
             query.reshape(s_q, b, h * d), key.reshape(s_k, b, -1), value.reshape(s_k, b, -1),
             h, "SBH", scale=scale, keep_prob=1.0, inner_precise=2 if empty_rows else 0, **kwargs)[0]
         return out
+
+    @staticmethod
+    def _varlen(mask: PackedMask, s_q: int, s_k: int, b: int) -> Optional[dict]:
+        """npu_fusion_attention's varlen arguments for packed sequences (input_layout "TND" with the cumulative
+        lengths "actual_seq_qlen"/"actual_seq_kvlen", host lists: one device-to-host read per cu_seqlens tensor,
+        `_host_ends`), causal by sparse_mode 2 on the compressed mask; or None for the explicit matrix: lengths that
+        do not cover every token, more sequences than the kernel takes ("varlen场景下长度最大支持1K"), or a sequence
+        with queries and no keys ("varlen场景下 ... atten_mask中不能存在某一行全1的场景")."""
+        q_ends, k_ends = _host_ends(mask.cu_seqlens_q), _host_ends(mask.cu_seqlens_kv)
+        if (b != 1 or not q_ends or len(q_ends) != len(k_ends) or len(q_ends) > 1024 or q_ends[-1] != s_q
+                or k_ends[-1] != s_k):
+            return None
+        starts = [0] + k_ends[:-1]
+        if any(q1 > q0 and k1 == k0 for q0, q1, k0, k1 in zip([0] + q_ends[:-1], q_ends, starts, k_ends)):
+            return None
+        kwargs = dict(actual_seq_qlen=q_ends, actual_seq_kvlen=k_ends)
+        if mask.causal:
+            kwargs.update(atten_mask=_compressed_mask(mask.cu_seqlens_q.device, torch.is_inference_mode_enabled()),
+                          sparse_mode=2)
+        return kwargs
 
     def _sparse_mode(self, mask: CausalMask, s_q: int, s_k: int, device: torch.device) -> Optional[dict]:
         """npu_fusion_attention's arguments for a causal or sliding-window pattern, or None for the explicit

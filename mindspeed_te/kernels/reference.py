@@ -10,7 +10,7 @@ import torch
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import as_float32, cast_from_fp8, decode_table
 from mindspeed_te.kernels.base import KernelBackend, Operand
-from mindspeed_te.kernels.masks import CausalMask
+from mindspeed_te.kernels.masks import CausalMask, PackedMask
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
@@ -142,14 +142,16 @@ class ReferenceBackend(KernelBackend):
         return record_nonfinite(quantizer, quantizer.quantize(x))
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  mask: Optional[Union[torch.Tensor, CausalMask]], scale: float, dropout: float, *,
+                  mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], scale: float, dropout: float, *,
                   empty_rows: bool = False) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs (key/value may have fewer heads);
-        `mask` is a boolean "may attend" mask, an additive float one or a `CausalMask` (its cached matrix).
+        `mask` is a boolean "may attend" mask, an additive float one or a pattern (its matrix).
         Returns [s, b, heads · d]."""
         s_q, b, h, _ = query.shape
         if isinstance(mask, CausalMask):
             mask = mask.allowed(s_q, key.shape[0], query.device)
+        elif isinstance(mask, PackedMask):
+            mask = mask.dense()
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         if k.shape[1] != h:
             k = k.repeat_interleave(h // k.shape[1], dim=1)

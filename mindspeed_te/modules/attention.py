@@ -8,11 +8,13 @@ packed sequence (segment), its position inside that sequence, and whether it is 
 parallelism each rank holds chunks r and 2·cp-1-r of every sequence (Megatron's load-balanced split): the
 keys and values of all ranks are gathered (their gradients reduce-scattered back) and the matrix is built
 from the gathered tokens' global positions, so every cp_comm_type computes exactly full attention. A causal or
-sliding-window mask alone reaches the backend as its pattern (`CausalMask`): the NPU's fused attention has modes for
-those that skip the masked blocks and need no matrix of the sequence's size."""
+sliding-window mask alone reaches the backend as its pattern (`CausalMask`), and so do unpadded packed sequences
+(`PackedMask`): the NPU's fused attention has modes for those that skip the masked blocks and need no matrix of
+the sequence's size."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ import torch
 
 from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel_region, group_rank, group_size
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.masks import CausalMask, window_band
+from mindspeed_te.kernels.masks import CausalMask, PackedMask, window_band
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
 from mindspeed_te.state import FP8GlobalStateManager
@@ -186,6 +188,8 @@ class DotProductAttention(torch.nn.Module):
         if self.softmax_type != "vanilla" or attention_bias is not None:
             if isinstance(allowed, CausalMask):
                 allowed = allowed.allowed(query.shape[0], key.shape[0], query.device)
+            elif isinstance(allowed, PackedMask):
+                allowed = allowed.dense()
             mask, key, value = self._additive_mask(allowed, attention_bias, query, key, value)
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
@@ -200,9 +204,10 @@ class DotProductAttention(torch.nn.Module):
 
     def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
                  device: torch.device, cp_size: int, packed: Optional[tuple]
-                 ) -> Optional[Union[torch.Tensor, CausalMask]]:
-        """Boolean "may attend" mask for SDPA (True = attend), None for no mask, or a `CausalMask` when the mask
-        is a causal or sliding-window pattern alone (a kernel may have a mode for it)."""
+                 ) -> Optional[Union[torch.Tensor, CausalMask, PackedMask]]:
+        """Boolean "may attend" mask for SDPA (True = attend), None for no mask, or a pattern a kernel may have a
+        mode for: a `CausalMask` for a causal or sliding-window mask alone, a `PackedMask` for unpadded packed
+        sequences without context parallelism or a window."""
         allowed = None
         if "padding" in mask_type and packed is None:
             if attention_mask is None:
@@ -213,6 +218,16 @@ class DotProductAttention(torch.nn.Module):
                 return allowed
             pattern = CausalMask("causal" in mask_type, mask_type.endswith("bottom_right"), self.window_size)
             return pattern if allowed is None else allowed & pattern.allowed(s_q, s_k, device)
+        if packed is not None and cp_size == 1 and packed[1] is None and packed[3] is None and self.window_size is None:
+            return PackedMask(packed[0], packed[2], "causal" in mask_type,
+                              functools.partial(self._segments, mask_type, s_q, s_k, device, cp_size, packed))
+        structure = self._segments(mask_type, s_q, s_k, device, cp_size, packed)
+        return structure if allowed is None else allowed & structure
+
+    def _segments(self, mask_type: str, s_q: int, s_k: int, device: torch.device, cp_size: int,
+                  packed: Optional[tuple]) -> torch.Tensor:
+        """The "may attend" matrix of packed sequences and/or context parallelism, from each token's sequence,
+        position and validity."""
         cu_q = cu_q_padded = cu_k = cu_k_padded = None
         if packed is not None:
             cu_q, cu_q_padded, cu_k, cu_k_padded = packed
@@ -225,7 +240,7 @@ class DotProductAttention(torch.nn.Module):
             structure &= k.position[None, :] <= q.position[:, None]
         if self.window_size is not None:
             structure &= window_band(q.position, k.position, self.window_size)
-        return structure if allowed is None else allowed & structure
+        return structure
 
     def _additive_mask(self, allowed: Optional[torch.Tensor], bias: Optional[torch.Tensor], query: torch.Tensor,
                        key: torch.Tensor, value: torch.Tensor) -> tuple:

@@ -26,8 +26,9 @@ def compressed_causal_mask(device: torch.device) -> torch.Tensor:
 
 
 class _Call(NamedTuple):
-    """A checked call: heads, head dim, scale, "may attend" matrix (None: every key) and whether rows without
-    keys give zeros (the invalid-row computation)."""
+    """A checked call: layout, heads, head dim, scale, "may attend" matrix over all query and key tokens (None: every
+    key) and whether rows without keys give zeros (the invalid-row computation)."""
+    layout: str
     head: int
     d: int
     scale: float
@@ -37,7 +38,8 @@ class _Call(NamedTuple):
 
 def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int, input_layout: str,
                 pse: Any, padding_mask: Any, atten_mask: Optional[torch.Tensor], scale: float, keep_prob: float,
-                pre_tockens: int, next_tockens: int, inner_precise: int, prefix: Any, sparse_mode: int) -> _Call:
+                pre_tockens: int, next_tockens: int, inner_precise: int, prefix: Any, sparse_mode: int,
+                actual_seq_qlen: Any, actual_seq_kvlen: Any) -> _Call:
     """The arguments both kernels share, checked against torch_npu-npu_fusion_attention.md."""
     # query/key/value: "数据类型支持`float16`、`bfloat16`、`float32`"; "输入`query`、`key`、`value`、`pse`的数据
     # 类型必须一致。"
@@ -46,8 +48,8 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     check_tensor("value", value, (query.dtype,))
     # input_layout: "支持BSH、SBH、BSND、BNSD、TND"
     check_choice("input_layout", input_layout, ("SBH", "BSH", "BNSD", "BSND", "TND"))
-    if input_layout != "SBH":
-        raise NpuSimNotImplemented(f"input_layout={input_layout!r}: only 'SBH' is simulated")
+    if input_layout not in ("SBH", "TND"):
+        raise NpuSimNotImplemented(f"input_layout={input_layout!r}: only 'SBH' and 'TND' are simulated")
     # sparse_mode: 0 to 8 (表1).
     mode = check_int("sparse_mode", sparse_mode)
     check_choice("sparse_mode", mode, tuple(range(9)))
@@ -65,29 +67,47 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     precise = check_int("inner_precise", inner_precise)
     check_choice("inner_precise", precise, (0, 1, 2))
     head = check_int("head_num", head_num)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 3:
-            raise NpuValueError(f"{name} must be [S, B, H] for input_layout 'SBH', got shape {tuple(t.shape)}")
-    # "输入`key`和`value`的shape必须一致。"; "B：batchsize必须相等"
-    if key.shape != value.shape:
-        raise NpuValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have one shape")
-    s_q, b, hidden = query.shape
-    s_k = key.shape[0]
-    if key.shape[1] != b:
-        raise NpuValueError(f"batch sizes of query ({b}) and key/value ({key.shape[1]}) differ")
     # "Nq取值范围1~256"
     if not 1 <= head <= 256:
         raise NpuValueError(f"head_num must be in [1, 256], got {head}")
-    if hidden % head:
-        raise NpuValueError(f"query hidden size {hidden} is not a multiple of head_num {head}")
-    d = hidden // head
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 3:
+            raise NpuValueError(f"{name} must be 3-D ([S, B, H] for 'SBH', [T, N, D] for 'TND'), got shape "
+                                f"{tuple(t.shape)}")
+    # "输入`key`和`value`的shape必须一致。"
+    if key.shape != value.shape:
+        raise NpuValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have one shape")
+    if input_layout == "TND":
+        d, kv_heads = query.shape[2], key.shape[1]
+        if query.shape[1] != head:
+            raise NpuValueError(f"query's N ({query.shape[1]}) must be head_num ({head}) for input_layout 'TND'")
+        if key.shape[2] != d:
+            raise NpuValueError(f"key's D ({key.shape[2]}) must be query's ({d}): \"Dq=Dk\"")
+    else:
+        s_q, b, hidden = query.shape
+        # "B：batchsize必须相等"
+        if key.shape[1] != b:
+            raise NpuValueError(f"batch sizes of query ({b}) and key/value ({key.shape[1]}) differ")
+        if hidden % head:
+            raise NpuValueError(f"query hidden size {hidden} is not a multiple of head_num {head}")
+        d = hidden // head
+        if key.shape[2] % d:
+            raise NpuValueError(f"key/value hidden sizes {key.shape[2]}/{value.shape[2]} do not fit head_dim {d}")
+        kv_heads = key.shape[2] // d
     # "D：Head Dim必须满足Dq=Dk和Dk≥Dv，取值范围1~768。"
     if d > 768:
-        raise NpuValueError(f"head dim {d} (query hidden size / head_num) must be in [1, 768]")
+        raise NpuValueError(f"head dim {d} must be in [1, 768]")
     # "支持输入`query`的N和`key`/`value`的N不相等，但必须成比例关系，即Nq/Nkv必须是非0整数"
-    if key.shape[2] % d or head % (key.shape[2] // d):
-        raise NpuValueError(f"key/value hidden sizes {key.shape[2]}/{value.shape[2]} do not fit head_dim {d}")
+    if head % kv_heads:
+        raise NpuValueError(f"query heads ({head}) must be a multiple of key/value heads ({kv_heads})")
     pre, nxt = check_int("pre_tockens", pre_tockens), check_int("next_tockens", next_tockens)
+    if input_layout == "TND":
+        allowed, auto_precise = _varlen(mode, atten_mask, query.shape[0], key.shape[0], actual_seq_qlen,
+                                        actual_seq_kvlen)
+        return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise)
+    if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        raise NpuValueError("actual_seq_qlen / actual_seq_kvlen are for input_layout 'TND' (the varlen case)")
+    s_k = key.shape[0]
     allowed, auto_precise = None, False
     # "当atten_mask输入为None时，sparse_mode、pre_tockens、next_tockens参数不生效，固定为全计算。"
     if atten_mask is not None:
@@ -102,22 +122,78 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
                 raise NpuSimNotImplemented("sparse_mode 0 with pre_tockens/next_tockens set")
             allowed = ~atten_mask.bool()
         else:
-            allowed, auto_precise = _structured(mode, atten_mask, s_q, s_k, pre, nxt)
-    return _Call(head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise)
+            _check_compressed(mode, atten_mask)
+            allowed, auto_precise = _structured(mode, s_q, s_k, pre, nxt, atten_mask.device)
+    return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise)
 
 
-def _structured(mode: int, atten_mask: torch.Tensor, s_q: int, s_k: int, pre: int, nxt: int
-                ) -> tuple[torch.Tensor, bool]:
-    """(may-attend matrix, rows without keys get zeros) of the causal and band modes, from the mode alone."""
-    # sparse_mode 2: "leftUpCausal模式 ... 传入的atten_mask为优化后的压缩下三角矩阵（2048*2048）"; 3 (rightDownCausal)
-    # and 4 (band) take it too. "sparse_mode为1、2、3、4、5、6、7、8时，应传入对应正确的atten_mask，否则将导致计算结果
-    # 错误" -- so the simulator refuses any other matrix.
+def _cumulative(name: str, value: Any, total: int) -> list[int]:
+    """A varlen argument: "表示`query`每个S的累加和长度" -- cumulative ends, "尾部传入对应个数个0" for batches left
+    out at the end, "长度取值范围为1~2K，varlen场景下长度最大支持1K"."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                       for v in value):
+        raise NpuValueError(f"{name} must be a list of ints (cumulative lengths) for input_layout 'TND', got "
+                            f"{value!r}")
+    ends = list(value)
+    if not 1 <= len(ends) <= 1024:
+        raise NpuValueError(f"{name} must hold 1 to 1024 entries in the varlen case, got {len(ends)}")
+    used = len(ends)
+    while used > 1 and ends[used - 1] == 0:
+        used -= 1
+    if ends[0] < 0 or any(b < a for a, b in zip(ends[: used - 1], ends[1:used])):
+        raise NpuValueError(f"{name} must be non-decreasing cumulative lengths (then zeros), got {ends}")
+    if ends[used - 1] != total:
+        raise NpuSimNotImplemented(f"{name} ending at {ends[used - 1]} of {total} tokens: only packings that cover "
+                                   "every token are simulated")
+    return ends[:used]
+
+
+def _varlen(mode: int, atten_mask: Optional[torch.Tensor], t_q: int, t_k: int, actual_seq_qlen: Any,
+            actual_seq_kvlen: Any) -> tuple[torch.Tensor, bool]:
+    """(may-attend matrix [T_q, T_kv], rows without keys get zeros) of the varlen case: each batch's queries see
+    only its own keys ("input_layout为TND时即为varlen场景"; actual_seq_qlen / actual_seq_kvlen "varlen场景时需要传入
+    此参数"), all of them without a mask, causally from the batch's top-left (sparse_mode 2) or bottom-right (3)
+    corner with the compressed mask -- the modes the varlen split modes 8 and 7 start from ("用户需要确保外切前为
+    使用sparse_mode=2的场景" / "=3的场景")."""
+    q_ends = _cumulative("actual_seq_qlen", actual_seq_qlen, t_q)
+    k_ends = _cumulative("actual_seq_kvlen", actual_seq_kvlen, t_k)
+    if len(q_ends) != len(k_ends):  # "B：batchsize必须相等"
+        raise NpuValueError(f"actual_seq_qlen ({len(q_ends)} batches) and actual_seq_kvlen ({len(k_ends)}) differ")
+    device = atten_mask.device if atten_mask is not None else torch.device("cpu")
+    if atten_mask is not None:
+        if mode not in (2, 3):
+            raise NpuSimNotImplemented("varlen with an explicit mask or sparse_mode 4: only no mask, 2 and 3")
+        check_tensor("atten_mask", atten_mask, (torch.bool, torch.uint8))
+        _check_compressed(mode, atten_mask)
+    allowed = torch.zeros(t_q, t_k, dtype=torch.bool, device=device)
+    for q0, q1, k0, k1 in zip([0] + q_ends[:-1], q_ends, [0] + k_ends[:-1], k_ends):
+        # "varlen场景下 ... atten_mask输入不支持补pad，即atten_mask中不能存在某一行全1的场景": a batch's first query
+        # sees no key when the batch has none, or under sparse_mode 3 when it has more queries than keys.
+        if q1 > q0 and (k1 == k0 or (atten_mask is not None and mode == 3 and q1 - q0 > k1 - k0)):
+            raise NpuValueError(f"varlen: the batch of queries {q0}:{q1} and keys {k0}:{k1} has queries without keys, "
+                                "a fully masked row, which the varlen case does not take")
+        if atten_mask is None:  # "当atten_mask输入为None时，sparse_mode ... 不生效，固定为全计算"
+            allowed[q0:q1, k0:k1] = True
+        else:
+            allowed[q0:q1, k0:k1] = _structured(mode, q1 - q0, k1 - k0, ALL_TOKENS, ALL_TOKENS, device)[0]
+    return allowed, False
+
+
+def _check_compressed(mode: int, atten_mask: torch.Tensor) -> None:
+    """sparse_mode 2: "leftUpCausal模式 ... 传入的atten_mask为优化后的压缩下三角矩阵（2048*2048）"; 3 (rightDownCausal)
+    and 4 (band) take it too. "sparse_mode为1、2、3、4、5、6、7、8时，应传入对应正确的atten_mask，否则将导致计算结果
+    错误" -- so the simulator refuses any other matrix."""
     check_shape("atten_mask", atten_mask, (COMPRESSED, COMPRESSED))
     if not torch.equal(atten_mask.bool(), compressed_causal_mask(atten_mask.device)):
         raise NpuValueError(f"atten_mask of sparse_mode {mode} must be the compressed causal mask "
                             "(torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1))")
-    q = torch.arange(s_q, device=atten_mask.device)[:, None]
-    k = torch.arange(s_k, device=atten_mask.device)[None, :]
+
+
+def _structured(mode: int, s_q: int, s_k: int, pre: int, nxt: int, device: torch.device
+                ) -> tuple[torch.Tensor, bool]:
+    """(may-attend matrix, rows without keys get zeros) of the causal and band modes, from the mode alone."""
+    q = torch.arange(s_q, device=device)[:, None]
+    k = torch.arange(s_k, device=device)[None, :]
     if mode == 2:  # "对应以左上顶点划分的下三角场景（参数起点为左上角）"; pre/next "不会生效"
         return k <= q, False
     offset = k - q - (s_k - s_q)  # the diagonal through the bottom-right corner: 0
@@ -132,13 +208,16 @@ def _structured(mode: int, atten_mask: torch.Tensor, s_q: int, s_k: int, pre: in
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call) -> torch.Tensor:
-    """softmax(Q Kᵀ · scale) V over the allowed keys, [s_q, b, h·d] (differentiable torch ops)."""
-    s_q, b, hidden = query.shape
+    """softmax(Q Kᵀ · scale) V over the allowed keys, in the call's layout: [s_q, b, h·d] or [t, h, d]
+    (differentiable torch ops)."""
     head, d = call.head, call.d
-    q = query.reshape(s_q, b, head, d).permute(1, 2, 0, 3)
-    kv_heads = key.shape[2] // d
-    k = key.reshape(key.shape[0], b, kv_heads, d).permute(1, 2, 0, 3).repeat_interleave(head // kv_heads, 1)
-    v = value.reshape(value.shape[0], b, kv_heads, d).permute(1, 2, 0, 3).repeat_interleave(head // kv_heads, 1)
+    if call.layout == "TND":  # one batch of all tokens, the batches kept apart by the mask
+        q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
+    else:
+        s_q, b, _ = query.shape
+        q = query.reshape(s_q, b, head, d).permute(1, 2, 0, 3)
+        k, v = (t.reshape(t.shape[0], b, -1, d).permute(1, 2, 0, 3) for t in (key, value))
+    k, v = (t.repeat_interleave(head // t.shape[1], 1) for t in (k, v))
     if call.allowed is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=call.scale)
     else:
@@ -149,7 +228,9 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=call.allowed | empty,
                                                                scale=call.scale)
         out = out.masked_fill(empty, 0.0 if call.zero_empty_rows else float("nan"))
-    return out.permute(2, 0, 1, 3).reshape(s_q, b, hidden)
+    if call.layout == "TND":
+        return out[0].permute(1, 0, 2).contiguous()  # the kernel writes [t, n, d] as it lies
+    return out.permute(2, 0, 1, 3).reshape(query.shape)
 
 
 class _FusionAttention(torch.autograd.Function):
@@ -184,16 +265,20 @@ class AttentionKernels:
         """softmax(Q Kᵀ · scale, masked where atten_mask is True) V. Simulated: input_layout "SBH" ([s, b, h·d],
         key/value may carry fewer heads: GQA), sparse_mode 0 (an explicit boolean mask, [s_q, s_k] or
         [b, 1, s_q, s_k]), 2 and 3 (causal from the top-left / bottom-right corner) and 4 (a band around the
-        bottom-right diagonal), those three with the compressed 2048x2048 mask, and keep_prob 1. Returns
+        bottom-right diagonal), those three with the compressed 2048x2048 mask; input_layout "TND" ([t, n, d], the
+        varlen case: packed batches by actual_seq_qlen / actual_seq_kvlen) with no mask or sparse_mode 2 or 3; and
+        keep_prob 1. Returns
         (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels) like the kernel; only
         attention_out is computed."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
-                           keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode)
+                           keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
+                           actual_seq_kvlen)
         grad_kwargs = dict(head_num=head_num, input_layout=input_layout, atten_mask=atten_mask, scale_value=scale,
                            keep_prob=keep_prob, pre_tockens=pre_tockens, next_tockens=next_tockens,
-                           inner_precise=inner_precise, sparse_mode=sparse_mode)
+                           inner_precise=inner_precise, sparse_mode=sparse_mode, actual_seq_qlen=actual_seq_qlen,
+                           actual_seq_kvlen=actual_seq_kvlen)
         out = _FusionAttention.apply(self, query, key, value, call, grad_kwargs)
-        stats = torch.zeros(query.shape[1], call.head, query.shape[0], 8)
+        stats = torch.zeros(1 if call.layout == "TND" else query.shape[1], call.head, query.shape[0], 8)
         return out, stats, stats.clone(), query.new_empty(0), seed, offset, 0
 
     @kernel
@@ -210,7 +295,8 @@ class AttentionKernels:
         """(dq, dk, dv, dpse, dsink) of npu_fusion_attention called with the same arguments (dpse and dsink empty:
         neither is simulated). The forward's softmax statistics are not read: the simulator recomputes."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
-                           keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode)
+                           keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
+                           actual_seq_kvlen)
         check_tensor("dy", dy, (query.dtype,))
         check_shape("dy", dy, tuple(query.shape))
         with torch.enable_grad():
