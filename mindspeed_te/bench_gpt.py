@@ -55,6 +55,9 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
+        # As Megatron's schedule does at a step's first micro-batch: the FP8 modules quantize their (updated)
+        # weights again; without it they would keep the first step's quantized weights.
+        model.set_is_first_microbatch()
         loss = model(tokens, positions, mask, labels=tokens).float().mean()
         loss.backward()
         optimizer.step()
