@@ -825,12 +825,13 @@ class NpuBackend(ReferenceBackend):
         return self.npu.npu_rms_norm(x, gamma if gamma.dtype in (x.dtype, torch.float32) else gamma.float(), eps)[0]
 
     def attention(self, query, key, value, mask, scale, dropout, *, empty_rows=False):
-        """npu_fusion_attention in the SBH layout, and no dropout. A `CausalMask` takes the kernel's causal or band
-        mode (`_sparse_mode`); a boolean mask (True = masked for the kernel) is broadcast to one of the shapes it
-        takes ("BNSS格式、B1SS格式、11SS格式、SS格式"). With `empty_rows` the invalid-row computation is switched on
-        ("inner_precise ... 2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而导致精度有损失"; the kernel
-        cannot see such rows in an explicit mask). Other cases (dropout, additive masks, value heads narrower than
-        the key heads: "输入key和value的shape必须一致") run the reference."""
+        """npu_fusion_attention in the SBH layout, and no dropout. A `PackedMask` takes its varlen layout TND
+        (`_varlen`), a `CausalMask` its causal or band mode (`_sparse_mode`); a boolean mask (True = masked for
+        the kernel) is broadcast to one of the shapes it takes ("BNSS格式、B1SS格式、11SS格式、SS格式"). With
+        `empty_rows` the invalid-row computation is switched on ("inner_precise ... 2为开启无效行计算，其功能是避免
+        在计算过程中存在整行mask进而导致精度有损失"; the kernel cannot see such rows in an explicit mask). Other
+        cases (dropout, additive masks, value heads narrower than the key heads: "输入key和value的shape必须一致") run
+        the reference."""
         s_q, b, h, d = query.shape
         s_k = key.shape[0]
         if (dropout > 0 or value.shape[-1] != key.shape[-1]
@@ -887,6 +888,8 @@ class NpuBackend(ReferenceBackend):
         compressed mask, "优化后的压缩下三角矩阵（2048*2048）", made once per device, and the kernel skips the masked
         blocks. A top-left causal window over s_q != s_k keys is no band of the bottom-right diagonal."""
         if mask.window is None:
+            if not mask.causal:
+                return None  # no mask at all: the all-True matrix
             mode, pre, nxt = (3 if mask.bottom_right else 2), _ALL_TOKENS, _ALL_TOKENS
         elif mask.causal and not mask.bottom_right and s_q != s_k:
             return None
