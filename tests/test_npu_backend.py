@@ -630,6 +630,44 @@ def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, u
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
 
 
+def test_attention_dropout_runs_in_the_kernel_under_the_rng_tracker(monkeypatch, use_backend):
+    """Attention dropout is npu_fusion_attention's keep_prob: the kernel draws its mask from the default generator,
+    whose state Megatron's RNG tracker forks, so the same tracker state gives the same mask; the backward is the
+    one grad kernel; in eval mode keep_prob is 1 and the output equals the reference bit for bit."""
+    from mindspeed_te.diagnostics import LaunchCounter
+    from mindspeed_te.megatron.misc import TECudaRNGStatesTracker
+    from mindspeed_te.modules import DotProductAttention
+
+    tracker = TECudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 7)
+    attn = DotProductAttention(4, 16, num_gqa_groups=2, attention_dropout=0.25, attn_mask_type="causal",
+                               get_rng_state_tracker=lambda: tracker)
+    qkv = _attention_case()
+    attn.eval()
+    use_backend("reference")
+    want = attn(*qkv)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    assert torch.equal(attn(*qkv), want)
+    attn.train()
+    seen = []
+    kernel = sim.npu_fusion_attention
+    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append(kw["keep_prob"]) or kernel(*a, **kw))
+    states = tracker.get_states()
+    with LaunchCounter(sim) as forward:
+        a = attn(*qkv)
+    tracker.set_states(states)
+    b = attn(*qkv)
+    c = attn(*qkv)
+    assert seen == [0.75] * 3 and torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, want)
+    assert forward.counts == {"torch_npu.npu_fusion_attention": 1}
+    dy = torch.ones_like(a)
+    with LaunchCounter(sim) as backward:
+        torch.autograd.grad(a, qkv, dy)
+    assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
+
+
 def test_blockwise_gemm_never_passes_a_bias_to_the_kernel(monkeypatch, use_backend):
     """aclnnQuantMatmulV5 (Ascend 950): of the G-B, B-B and mx modes only mx takes a bias, so a blockwise
     GEMM with a bias adds it after the kernel; the result still equals the reference bit for bit."""

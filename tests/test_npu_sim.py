@@ -1254,8 +1254,6 @@ def test_fusion_attention_contract(sim):
     assert_raises(lambda: fa(q, k, v, h, "SBH", atten_mask=mask[None]), NpuValueError, "atten_mask")
     for keep in (0.0, 1.5):
         assert_raises(lambda keep=keep: fa(q, k, v, h, "SBH", keep_prob=keep), NpuValueError, "keep_prob")
-    with pytest.raises(NpuSimNotImplemented):
-        fa(q, k, v, h, "SBH", keep_prob=0.5)
     assert_raises(lambda: fa(q, k, v[:, :, :4], h, "SBH"), NpuValueError, "value")
     assert_raises(lambda: fa(q, k[:, :1], v[:, :1], h, "SBH"), NpuValueError, "batch")
     wide = torch.randn(1, 1, 257)
@@ -1491,6 +1489,32 @@ def test_fusion_attention_varlen_contract(sim):
         fa(q, q, q, 2, "TND", actual_seq_qlen=[2, 4], actual_seq_kvlen=[2, 4])  # tokens past the last batch
     with pytest.raises(NpuSimNotImplemented):
         fa(q, q, q, 2, "TND", actual_seq_qlen=[6], actual_seq_kvlen=[6], atten_mask=compressed[:6, :6])
+
+
+def test_fusion_attention_dropout_mask_is_the_grad_kernels_too(sim):
+    """keep_prob < 1 ("代表Dropout中1的比例"): the kept attention probabilities are divided by keep_prob, the others
+    are zero; the kernel returns the seed, offset and mask size it used, and its grad kernel drops the same ones.
+    With one value per key (V = I) the output is the dropped probability matrix itself, so nothing here depends
+    on how the simulator draws its mask: P_drop from the output, dV = P_dropᵀ dY from the backward."""
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(64, 1, 64, generator=g), torch.randn(64, 1, 64, generator=g)
+    v = torch.eye(64).reshape(64, 1, 64).requires_grad_()
+    plain = sim.npu_fusion_attention(q, k, v, 1, "SBH", scale=0.125)[0].detach()[:, 0]
+    torch.manual_seed(0)
+    out, *_, seed, offset, numels = sim.npu_fusion_attention(q, k, v, 1, "SBH", scale=0.125, keep_prob=0.6)
+    dropped = out.detach()[:, 0]
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], plain[kept] / 0.6)
+    assert numels == 64 * 64 and abs(kept.float().mean().item() - 0.6) < 0.04
+    torch.manual_seed(0)  # the same generator state: the same mask
+    assert torch.equal(sim.npu_fusion_attention(q, k, v, 1, "SBH", scale=0.125, keep_prob=0.6)[0].detach()[:, 0],
+                       dropped)
+    dy = torch.randn(64, 1, 64, generator=g)
+    out.backward(dy)
+    torch.testing.assert_close(v.grad[:, 0], dropped.t() @ dy[:, 0], rtol=1e-5, atol=1e-6)
+    assert_raises(lambda: sim.npu_fusion_attention_grad(q, k, v.detach(), dy, 1, "SBH", scale_value=0.125,
+                                                        keep_prob=0.6, seed=seed, offset=offset, numels=7),
+                  NpuValueError, "numels")
 
 
 def test_quant_matmul_last_dims_at_most_65535(sim):

@@ -825,16 +825,17 @@ class NpuBackend(ReferenceBackend):
         return self.npu.npu_rms_norm(x, gamma if gamma.dtype in (x.dtype, torch.float32) else gamma.float(), eps)[0]
 
     def attention(self, query, key, value, mask, scale, dropout, *, empty_rows=False):
-        """npu_fusion_attention in the SBH layout, and no dropout. A `PackedMask` takes its varlen layout TND
+        """npu_fusion_attention in the SBH layout, dropout as its keep_prob (the kernel draws its mask from the
+        device's default generator, the state Megatron's RNG tracker forks). A `PackedMask` takes its varlen layout TND
         (`_varlen`), a `CausalMask` its causal or band mode (`_sparse_mode`); a boolean mask (True = masked for
         the kernel) is broadcast to one of the shapes it takes ("BNSS格式、B1SS格式、11SS格式、SS格式"). With
         `empty_rows` the invalid-row computation is switched on ("inner_precise ... 2为开启无效行计算，其功能是避免
         在计算过程中存在整行mask进而导致精度有损失"; the kernel cannot see such rows in an explicit mask). Other
-        cases (dropout, additive masks, value heads narrower than the key heads: "输入key和value的shape必须一致") run
-        the reference."""
+        cases (additive masks, value heads narrower than the key heads: "输入key和value的shape必须一致") run the
+        reference."""
         s_q, b, h, d = query.shape
         s_k = key.shape[0]
-        if (dropout > 0 or value.shape[-1] != key.shape[-1]
+        if (value.shape[-1] != key.shape[-1]
                 or (isinstance(mask, torch.Tensor) and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
             return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows)
         kwargs: dict = {}
@@ -843,7 +844,7 @@ class NpuBackend(ReferenceBackend):
             if varlen is not None:
                 return self.npu.npu_fusion_attention(
                     query.reshape(s_q, h, d), key.reshape(s_k, -1, d), value.reshape(s_k, -1, d), h, "TND",
-                    scale=scale, keep_prob=1.0, **varlen)[0].reshape(s_q, b, h * d)
+                    scale=scale, keep_prob=1.0 - dropout, **varlen)[0].reshape(s_q, b, h * d)
             mask = mask.dense()
         if isinstance(mask, CausalMask):
             kwargs = self._sparse_mode(mask, s_q, s_k, query.device) or {}
@@ -858,7 +859,7 @@ class NpuBackend(ReferenceBackend):
             kwargs = dict(atten_mask=~mask)
         out = self.npu.npu_fusion_attention(
             query.reshape(s_q, b, h * d), key.reshape(s_k, b, -1), value.reshape(s_k, b, -1),
-            h, "SBH", scale=scale, keep_prob=1.0, inner_precise=2 if empty_rows else 0, **kwargs)[0]
+            h, "SBH", scale=scale, keep_prob=1.0 - dropout, inner_precise=2 if empty_rows else 0, **kwargs)[0]
         return out
 
     @staticmethod

@@ -6,6 +6,7 @@ backward calls its own counted `npu_fusion_attention_grad`, so a launch count of
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -34,6 +35,7 @@ class _Call(NamedTuple):
     scale: float
     allowed: Optional[torch.Tensor]
     zero_empty_rows: bool
+    keep: float
 
 
 def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int, input_layout: str,
@@ -59,8 +61,6 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     keep = check_float("keep_prob", keep_prob)
     if not 0.0 < keep <= 1.0:
         raise NpuValueError(f"keep_prob must be in (0, 1], got {keep}")
-    if keep != 1.0:
-        raise NpuSimNotImplemented("keep_prob < 1 (dropout) is not simulated")
     # inner_precise: "当前0、1为保留配置值，2为开启无效行计算，其功能是避免在计算过程中存在整行mask进而导致精度
     # 有损失，但是该配置会导致性能下降。如果算子可判断出存在无效行场景，会自动开启无效行计算，例如sparse_mode为3、
     # Sq > Skv场景。"
@@ -104,7 +104,7 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     if input_layout == "TND":
         allowed, auto_precise = _varlen(mode, atten_mask, query.shape[0], key.shape[0], actual_seq_qlen,
                                         actual_seq_kvlen)
-        return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise)
+        return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise, keep)
     if actual_seq_qlen is not None or actual_seq_kvlen is not None:
         raise NpuValueError("actual_seq_qlen / actual_seq_kvlen are for input_layout 'TND' (the varlen case)")
     s_k = key.shape[0]
@@ -124,7 +124,7 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
         else:
             _check_compressed(mode, atten_mask)
             allowed, auto_precise = _structured(mode, s_q, s_k, pre, nxt, atten_mask.device)
-    return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise)
+    return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise, keep)
 
 
 def _cumulative(name: str, value: Any, total: int) -> list[int]:
@@ -207,9 +207,18 @@ def _structured(mode: int, s_q: int, s_k: int, pre: int, nxt: int, device: torch
     return (offset >= -pre) & (offset <= nxt), False
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call) -> torch.Tensor:
+def _dropout_keeps(seed: int, offset: int, shape: torch.Size, keep: float, device: torch.device) -> torch.Tensor:
+    """Which attention probabilities dropout keeps: the simulator's stand-in for the kernel's Philox mask of
+    (seed, offset), the same for the forward and the grad kernel that is given them."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + offset) % (1 << 63))
+    return (torch.rand(shape, generator=gen) < keep).to(device)
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call,
+            keeps: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(Q Kᵀ · scale) V over the allowed keys, in the call's layout: [s_q, b, h·d] or [t, h, d]
-    (differentiable torch ops)."""
+    (differentiable torch ops). With dropout (keep_prob < 1) the probabilities `keeps` leaves are divided by
+    keep_prob and the others are zero."""
     head, d = call.head, call.d
     if call.layout == "TND":  # one batch of all tokens, the batches kept apart by the mask
         q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
@@ -218,19 +227,31 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _
         q = query.reshape(s_q, b, head, d).permute(1, 2, 0, 3)
         k, v = (t.reshape(t.shape[0], b, -1, d).permute(1, 2, 0, 3) for t in (key, value))
     k, v = (t.repeat_interleave(head // t.shape[1], 1) for t in (k, v))
-    if call.allowed is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=call.scale)
+    # A query whose keys are all masked (an invalid row): zeros with the invalid-row computation, else NaN -- the
+    # simulator's stand-in for the precision loss the document warns of (it does not say what the kernel writes
+    # there). Such a row is computed over every key and then overwritten, so that it sends no gradient.
+    empty = None if call.allowed is None else ~call.allowed.any(-1, keepdim=True)
+    seen = None if call.allowed is None else call.allowed | empty
+    if keeps is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=call.scale)
     else:
-        # A query whose keys are all masked (an invalid row): zeros with the invalid-row computation, else NaN --
-        # the simulator's stand-in for the precision loss the document warns of (it does not say what the kernel
-        # writes there). Such a row is computed over every key and then overwritten, so that it sends no gradient.
-        empty = ~call.allowed.any(-1, keepdim=True)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=call.allowed | empty,
-                                                               scale=call.scale)
+        logits = (q.float() @ k.float().transpose(-2, -1)) * call.scale
+        if seen is not None:
+            logits = logits.masked_fill(~seen, float("-inf"))
+        probs = torch.softmax(logits, dim=-1) * keeps / call.keep
+        out = (probs @ v.float()).to(q.dtype)
+    if empty is not None:
         out = out.masked_fill(empty, 0.0 if call.zero_empty_rows else float("nan"))
     if call.layout == "TND":
         return out[0].permute(1, 0, 2).contiguous()  # the kernel writes [t, n, d] as it lies
     return out.permute(2, 0, 1, 3).reshape(query.shape)
+
+
+def _probs_shape(query: torch.Tensor, key: torch.Tensor, call: _Call) -> torch.Size:
+    """[b, n, s_q, s_k] of the attention probabilities (one batch of all tokens for TND)."""
+    if call.layout == "TND":
+        return torch.Size((1, call.head, query.shape[0], key.shape[0]))
+    return torch.Size((query.shape[1], call.head, query.shape[0], key.shape[0]))
 
 
 class _FusionAttention(torch.autograd.Function):
@@ -241,7 +262,11 @@ class _FusionAttention(torch.autograd.Function):
                 grad_kwargs: dict) -> torch.Tensor:
         ctx.sim, ctx.grad_kwargs = sim, grad_kwargs
         ctx.save_for_backward(query, key, value)
-        return _attend(query, key, value, call)
+        keeps = None
+        if call.keep < 1.0:
+            keeps = _dropout_keeps(grad_kwargs["seed"], grad_kwargs["offset"], _probs_shape(query, key, call),
+                                   call.keep, query.device)
+        return _attend(query, key, value, call, keeps)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
@@ -267,19 +292,30 @@ class AttentionKernels:
         [b, 1, s_q, s_k]), 2 and 3 (causal from the top-left / bottom-right corner) and 4 (a band around the
         bottom-right diagonal), those three with the compressed 2048x2048 mask; input_layout "TND" ([t, n, d], the
         varlen case: packed batches by actual_seq_qlen / actual_seq_kvlen) with no mask or sparse_mode 2 or 3; and
-        keep_prob 1. Returns
+        dropout (keep_prob < 1) with the simulator's own mask of the seed it draws. Returns
         (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels) like the kernel; only
         attention_out is computed."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
                            actual_seq_kvlen)
+        if dropout_mask is not None:
+            raise NpuSimNotImplemented("an external dropout_mask is not simulated")
+        numels = 0
+        if call.keep < 1.0:
+            # The kernel draws its Philox seed and offset from the device's default generator (so Megatron's RNG
+            # tracker, which swaps that generator's state, decides the mask) and returns them with the mask's
+            # size for the backward. The simulator reads the state of torch's default generator on the host and
+            # advances it.
+            seed, offset = zlib.crc32(torch.default_generator.get_state().numpy().tobytes()), 0
+            torch.rand(1)
+            numels = _probs_shape(query, key, call).numel()
         grad_kwargs = dict(head_num=head_num, input_layout=input_layout, atten_mask=atten_mask, scale_value=scale,
                            keep_prob=keep_prob, pre_tockens=pre_tockens, next_tockens=next_tockens,
                            inner_precise=inner_precise, sparse_mode=sparse_mode, actual_seq_qlen=actual_seq_qlen,
-                           actual_seq_kvlen=actual_seq_kvlen)
+                           actual_seq_kvlen=actual_seq_kvlen, seed=seed, offset=offset, numels=numels)
         out = _FusionAttention.apply(self, query, key, value, call, grad_kwargs)
         stats = torch.zeros(1 if call.layout == "TND" else query.shape[1], call.head, query.shape[0], 8)
-        return out, stats, stats.clone(), query.new_empty(0), seed, offset, 0
+        return out, stats, stats.clone(), query.new_empty(0), seed, offset, numels
 
     @kernel
     def npu_fusion_attention_grad(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -299,8 +335,14 @@ class AttentionKernels:
                            actual_seq_kvlen)
         check_tensor("dy", dy, (query.dtype,))
         check_shape("dy", dy, tuple(query.shape))
+        keeps = None
+        if call.keep < 1.0:  # the forward's mask, from the seed and offset it returned
+            shape = _probs_shape(query, key, call)
+            if numels != shape.numel():
+                raise NpuValueError(f"numels ({numels}) must be the forward's dropout mask size ({shape.numel()})")
+            keeps = _dropout_keeps(seed, offset, shape, call.keep, query.device)
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
-            dq, dk, dv = torch.autograd.grad(_attend(q, k, v, call), (q, k, v), dy)
+            dq, dk, dv = torch.autograd.grad(_attend(q, k, v, call, keeps), (q, k, v), dy)
         empty = query.new_empty(0)
         return dq, dk, dv, empty, empty.clone()
