@@ -1030,12 +1030,13 @@ def test_a_linear_without_tokens_matches_the_reference(name, chip, monkeypatch, 
 
 
 @pytest.mark.parametrize("case", ["key padding", "query rows without keys", "bottom-right, more queries",
-                                  "value heads narrower"])
+                                  "value heads narrower", "no queries"])
 def test_attention_masks_the_kernel_takes_and_rows_without_keys(case, monkeypatch, use_backend):
     """npu_fusion_attention takes masks "BNSS格式、B1SS格式、11SS格式、SS格式" only, so a key-padding mask
     [b, 1, 1, s_k] is broadcast first; rows whose keys are all masked need its invalid-row computation
     ("inner_precise ... 2为开启无效行计算"; the simulator writes NaN there without it), and "key和value的shape必须
-    一致" sends narrower value heads to the reference. Every case equals the reference, zeros included."""
+    一致" sends narrower value heads to the reference, as "S：sequence length，取值范围1~1M" does a call without
+    queries. Every case equals the reference, zeros included."""
     from mindspeed_te.modules import DotProductAttention
 
     mask_type, kwargs, mask = "padding", {}, None
@@ -1047,12 +1048,14 @@ def test_attention_masks_the_kernel_takes_and_rows_without_keys(case, monkeypatc
         mask[1, :, 4, :] = True
     elif case == "bottom-right, more queries":
         mask_type, kwargs = "causal_bottom_right", dict(s_q=8, s_k=5)
+    elif case == "no queries":
+        mask_type, kwargs = "causal", dict(s_q=0)
     else:
         mask_type, kwargs = "causal", dict(d_v=8)
     attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type=mask_type)
     got, want, sim = _attention_on_both(attn, _attention_case(**kwargs), mask, monkeypatch, use_backend)
     assert torch.equal(got, want)
-    fused = case != "value heads narrower"
+    fused = case not in ("value heads narrower", "no queries")  # "S：sequence length，取值范围1~1M"
     assert sim.launch_counts["npu_fusion_attention"] == int(fused)
     if case == "query rows without keys":
         assert not got[4, 1].any() and torch.isfinite(got).all()

@@ -1237,7 +1237,8 @@ def test_mc2_legal_calls():
 
 def test_fusion_attention_contract(sim):
     """torch_npu-npu_fusion_attention.md: keep_prob "取值范围为(0, 1]"; "输入`key`和`value`的shape必须一致"; "B：
-    batchsize必须相等"; "Nq取值范围1~256"; "D ... 取值范围1~768"; atten_mask "BNSS格式、B1SS格式、11SS格式、SS格式"."""
+    batchsize必须相等"; "Nq取值范围1~256"; "D ... 取值范围1~768"; S and T from 1 to 1M; atten_mask "BNSS格式、B1SS
+    格式、11SS格式、SS格式"."""
     fa = sim.npu_fusion_attention
     s, b, h, d = 5, 2, 2, 4
     q, k, v = (torch.randn(s, b, h * d) for _ in range(3))
@@ -1260,6 +1261,12 @@ def test_fusion_attention_contract(sim):
     assert_raises(lambda: fa(wide, wide, wide, 257, "SBH"), NpuValueError, "head_num")
     deep = torch.randn(1, 1, 769)
     assert_raises(lambda: fa(deep, deep, deep, 1, "SBH"), NpuValueError, "head dim")
+    # "S：sequence length，取值范围1~1M"; varlen: "要求T（B*S）取值范围1~1M"
+    assert_raises(lambda: fa(q[:0], k, v, h, "SBH"), NpuValueError, "sequence length")
+    assert_raises(lambda: fa(q, k[:0], v[:0], h, "SBH"), NpuValueError, "sequence length")
+    flat = torch.randn(0, h, d)
+    assert_raises(lambda: fa(flat, flat, flat, h, "TND", actual_seq_qlen=[0], actual_seq_kvlen=[0]), NpuValueError,
+                  "T (0)")
 
 
 def test_rms_norm_gamma_dtypes_and_specials(sim):

@@ -831,11 +831,11 @@ class NpuBackend(ReferenceBackend):
         the kernel) is broadcast to one of the shapes it takes ("BNSS格式、B1SS格式、11SS格式、SS格式"). With
         `empty_rows` the invalid-row computation is switched on ("inner_precise ... 2为开启无效行计算，其功能是避免
         在计算过程中存在整行mask进而导致精度有损失"; the kernel cannot see such rows in an explicit mask). Other
-        cases (additive masks, value heads narrower than the key heads: "输入key和value的shape必须一致") run the
-        reference."""
+        cases (additive masks, value heads narrower than the key heads: "输入key和value的shape必须一致", no tokens)
+        run the reference."""
         s_q, b, h, d = query.shape
         s_k = key.shape[0]
-        if (value.shape[-1] != key.shape[-1]
+        if (value.shape[-1] != key.shape[-1] or 0 in (s_q, s_k, b)  # "S：... 取值范围1~1M", "B取值范围1~2M"
                 or (isinstance(mask, torch.Tensor) and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
             return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows)
         kwargs: dict = {}

@@ -95,8 +95,20 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
             raise NpuValueError(f"key/value hidden sizes {key.shape[2]}/{value.shape[2]} do not fit head_dim {d}")
         kv_heads = key.shape[2] // d
     # "D：Head Dim必须满足Dq=Dk和Dk≥Dv，取值范围1~768。"
-    if d > 768:
+    if not 1 <= d <= 768:
         raise NpuValueError(f"head dim {d} must be in [1, 768]")
+    if input_layout == "TND":
+        # varlen: "要求T（B*S）取值范围1~1M"
+        for name, t in (("query", query), ("key", key)):
+            if not 1 <= t.shape[0] <= 1 << 20:
+                raise NpuValueError(f"{name}'s T ({t.shape[0]}) must be in [1, 1M] in the varlen case")
+    else:
+        # "非varlen场景B取值范围1~2M"; "S：sequence length，取值范围1~1M"
+        if not 1 <= b <= 2 << 20:
+            raise NpuValueError(f"batch size {b} must be in [1, 2M]")
+        for name, t in (("query", query), ("key", key)):
+            if not 1 <= t.shape[0] <= 1 << 20:
+                raise NpuValueError(f"{name}'s sequence length {t.shape[0]} must be in [1, 1M]")
     # "支持输入`query`的N和`key`/`value`的N不相等，但必须成比例关系，即Nq/Nkv必须是非0整数"
     if head % kv_heads:
         raise NpuValueError(f"query heads ({head}) must be a multiple of key/value heads ({kv_heads})")
