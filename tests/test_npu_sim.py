@@ -139,6 +139,17 @@ def test_signatures_match_torch_npu_2_14():
                                "scale_dtype", "per_token_scale_dtype"],
         "npu_dtype_cast": ["input", "dtype", "input_dtype"],
         "npu_rms_norm": ["input", "gamma", "epsilon"],
+        "npu_rms_norm_backward": ["dy", "input", "gamma", "rstd"],
+        "npu_fusion_attention": ["query", "key", "value", "head_num", "input_layout", "pse", "padding_mask",
+                                 "atten_mask", "scale", "keep_prob", "pre_tockens", "next_tockens", "inner_precise",
+                                 "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode", "gen_mask_parallel",
+                                 "sync", "softmax_layout", "sink", "dropout_mask", "seed", "offset"],
+        "npu_fusion_attention_grad": ["query", "key", "value", "dy", "head_num", "input_layout", "pse",
+                                      "padding_mask", "atten_mask", "softmax_max", "softmax_sum", "softmax_in",
+                                      "attention_in", "scale_value", "keep_prob", "pre_tockens", "next_tockens",
+                                      "inner_precise", "seed", "offset", "numels", "prefix", "actual_seq_qlen",
+                                      "actual_seq_kvlen", "sparse_mode", "gen_mask_parallel", "sync",
+                                      "softmax_layout", "sink"],
     }
     for name, params in expected.items():
         assert list(inspect.signature(getattr(sim, name)).parameters) == params, name

@@ -72,9 +72,10 @@ class NormKernels:
         return _RmsNorm.apply(self, input, gamma, check_float("epsilon", epsilon), dims)
 
     @kernel
-    def npu_rms_norm_backward(self, dy: torch.Tensor, /, input: torch.Tensor, gamma: torch.Tensor,
+    def npu_rms_norm_backward(self, dy: torch.Tensor, input: torch.Tensor, /, gamma: torch.Tensor,
                               rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dx in dy's dtype, dgamma float32) of y = input * rstd * gamma, by the document's formulas in float32:
+        """(dx in dy's dtype, dgamma float32) of y = input * rstd * gamma, by the document's formulas in float32
+        (op-plugin's schema: "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd)"):
         dx = (dy·g - x·rstd·mean(dy·g·x·rstd)) · rstd, dgamma = Σ over the rows of x·rstd·dy."""
         # aclnnRmsNormGrad.md, 约束说明, the table for A2, A3 and Ascend 950PR/950DT: dy and x FLOAT16 with gamma
         # FLOAT32 or FLOAT16, BFLOAT16 with gamma FLOAT32 or BFLOAT16, FLOAT32 with FLOAT32; rstd FLOAT32; dxOut in
