@@ -1,6 +1,7 @@
 """Attention against an explicit float64 softmax(Q Kᵀ · scale + mask) V, Megatron's mask convention, GQA,
 dropout through an RNG tracker, and the Megatron-facing TEDotProductAttention."""
 import math
+import os
 import warnings
 
 import pytest
@@ -204,10 +205,22 @@ def test_packed_sequences_attend_within_their_own_sequence():
         attn(q, k, v)
 
 
-def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: str, full: dict) -> dict:
+def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: str, full: dict,
+                         backend: str = "reference") -> dict:
     """Megatron's TEDotProductAttention (ours) with context parallelism `world` over gloo: this rank's
-    chunks (r and 2·cp-1-r of each sequence) of the full q, k, v; returns its output and gradients."""
+    chunks (r and 2·cp-1-r of each sequence) of the full q, k, v; returns its output and gradients (and, on the
+    simulated NPU, the masks its fused attention calls took)."""
     warnings.filterwarnings("ignore")
+    calls = []
+    if backend == "npu":
+        from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
+
+        os.environ[BACKEND_ENV], os.environ[SIMULATOR_ENV] = "npu", "1"
+        reset_backend()
+        sim = get_backend().npu
+        kernel = sim.npu_fusion_attention
+        sim.npu_fusion_attention = lambda *a, **kw: calls.append(
+            (kw.get("sparse_mode", 0), tuple(kw["atten_mask"].shape))) or kernel(*a, **kw)
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
@@ -235,15 +248,20 @@ def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: 
     out = attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=packed)
     (out * full["dout"][index]).sum().backward()
     parallel_state.destroy_model_parallel()
-    return {"index": index, "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    return {"index": index, "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "calls": calls}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,window,softmax_type", [("sbhd", None, "vanilla"), ("sbhd", (3, 0), "off-by-one"),
-                                                     ("thd", None, "learnable"), ("thd", (2, 0), "vanilla")])
-def test_context_parallel_attention_matches_one_process(fmt, window, softmax_type):
+@pytest.mark.parametrize("fmt,window,softmax_type,backend", [
+    ("sbhd", None, "vanilla", "reference"), ("sbhd", (3, 0), "off-by-one", "reference"),
+    ("thd", None, "learnable", "reference"), ("thd", (2, 0), "vanilla", "reference"),
+    ("sbhd", (3, 0), "vanilla", "reference"), ("sbhd", None, "vanilla", "npu"), ("sbhd", (3, 0), "vanilla", "npu")])
+def test_context_parallel_attention_matches_one_process(fmt, window, softmax_type, backend):
     """CP=2 over gloo (keys and values gathered, their gradients reduce-scattered back): every rank's
-    output and q/k/v gradients equal full attention on one process."""
+    output and q/k/v gradients equal full attention on one process (the reference backend). Causal sbhd
+    attention takes each local chunk against the keys up to it, a causal block aligned at its bottom-right
+    corner: on the simulated NPU each is the fused kernel's sparse_mode 3 (4 with a window) on the compressed
+    mask, never a mask of the sequence's size."""
     from tests.dist_utils import run_distributed
 
     g = torch.Generator().manual_seed(11)
@@ -255,10 +273,12 @@ def test_context_parallel_attention_matches_one_process(fmt, window, softmax_typ
             "v": torch.randn(kv_shape, generator=g), "dout": torch.randn(shape[:-2] + (H * D,), generator=g),
             "offset": torch.tensor([0.3, -0.7, 1.1, 0.0]), "cu": cu}
     single = run_distributed(_te_attention_worker, 1, fmt, window, softmax_type, full)[0]
-    for part in run_distributed(_te_attention_worker, 2, fmt, window, softmax_type, full):
+    for part in run_distributed(_te_attention_worker, 2, fmt, window, softmax_type, full, backend):
         index = part["index"]
         for name in ("out", "dq", "dk", "dv"):
             assert torch.allclose(part[name], single[name][index], atol=1e-5), name
+        if backend == "npu":
+            assert part["calls"] == [(3 if window is None else 4, (2048, 2048))] * 2, part["calls"]
 
 
 def test_fp8_dpa_recipes_warn_that_attention_stays_in_high_precision():

@@ -181,6 +181,12 @@ class DotProductAttention(torch.nn.Module):
                                  "attention_mask is not supported: pack the sequences (thd) instead")
             key = gather_from_sequence_parallel_region(key, self.cp_group)
             value = gather_from_sequence_parallel_region(value, self.cp_group)
+        dropout = self.attention_dropout if self.training else 0.0
+        rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
+        if (cp_size > 1 and fmt == "sbhd" and "causal" in mask_type and self.softmax_type == "vanilla"
+                and attention_bias is None and query.shape[0] % 2 == 0 and key.shape[0] == cp_size * query.shape[0]):
+            with rng or contextlib.nullcontext():
+                return self._causal_chunks(query, key, value, cp_size, dropout)
         allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size,
                                 (cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
                                 if fmt == "thd" else None)
@@ -191,8 +197,6 @@ class DotProductAttention(torch.nn.Module):
             elif isinstance(allowed, PackedMask):
                 allowed = allowed.dense()
             mask, key, value = self._additive_mask(allowed, attention_bias, query, key, value)
-        dropout = self.attention_dropout if self.training else 0.0
-        rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
         # Queries that may see no key: any padding mask (its content is data), causal bottom-right with more
         # queries than keys, padded packed sequences.
         empty_rows = (attention_mask is not None or cu_seqlens_q_padded is not None
@@ -201,6 +205,28 @@ class DotProductAttention(torch.nn.Module):
             out = get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout,
                                                       empty_rows=empty_rows)
         return out.squeeze(1) if fmt == "thd" else out
+
+    def _causal_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp_size: int,
+                       dropout: float) -> torch.Tensor:
+        """Causal attention under context parallelism: each of this rank's two query chunks (r and 2·cp-1-r of
+        the sequence, c tokens each) against the gathered keys and values of the chunks up to its own, laid out
+        in sequence order: a causal mask (and window) aligned at the bottom-right corner of that block, so no
+        mask of the whole sequence is built and a kernel's causal mode takes each block."""
+        rank, c = group_rank(self.cp_group), query.shape[0] // 2
+        last = 2 * cp_size - 1 - rank  # the second local chunk's place in the sequence
+
+        def chunk(t: torch.Tensor, j: int) -> torch.Tensor:
+            """Chunk j of the sequence in the gathered t: rank r's 2c tokens are chunks r and 2·cp-1-r."""
+            holder = j if j < cp_size else 2 * cp_size - 1 - j
+            start = holder * 2 * c + (0 if j < cp_size else c)
+            return t[start : start + c]
+
+        keys, values = (torch.cat([chunk(t, j) for j in range(last + 1)]) for t in (key, value))
+        pattern = CausalMask(True, True, self.window_size)
+        backend = get_backend(query.device)
+        return torch.cat([backend.attention(query[i * c : (i + 1) * c], keys[: (j + 1) * c], values[: (j + 1) * c],
+                                            pattern, self.softmax_scale, dropout)
+                          for i, j in ((0, rank), (1, last))])
 
     def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
                  device: torch.device, cp_size: int, packed: Optional[tuple]
