@@ -1278,6 +1278,11 @@ def test_fusion_attention_contract(sim):
     flat = torch.randn(0, h, d)
     assert_raises(lambda: fa(flat, flat, flat, h, "TND", actual_seq_qlen=[0], actual_seq_kvlen=[0]), NpuValueError,
                   "T (0)")
+    # softmax_layout "当前仅在input_layout=“TND”时进行配置，仅支持传入“TND”"; sink is not simulated
+    assert_raises(lambda: fa(q, k, v, h, "SBH", softmax_layout="TND"), NpuValueError, "softmax_layout")
+    assert_raises(lambda: fa(q, k, v, h, "SBH", softmax_layout="BNSD"), NpuValueError, "softmax_layout")
+    with pytest.raises(NpuSimNotImplemented):
+        fa(q, k, v, h, "SBH", sink=torch.zeros(h))
 
 
 def test_rms_norm_gamma_dtypes_and_specials(sim):

@@ -139,6 +139,16 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise, keep)
 
 
+def _check_extras(input_layout: str, softmax_layout: str, sink: Any) -> None:
+    """softmax_layout: "当前仅在input_layout=“TND”时进行配置，仅支持传入“TND”"; sink (per-head bias logits) is not
+    simulated."""
+    check_choice("softmax_layout", softmax_layout, ("", "TND"))
+    if softmax_layout == "TND" and input_layout != "TND":
+        raise NpuValueError("softmax_layout='TND' is configured only with input_layout 'TND'")
+    if sink is not None:
+        raise NpuSimNotImplemented("sink (a per-head bias logit) is not simulated")
+
+
 def _cumulative(name: str, value: Any, total: int) -> list[int]:
     """A varlen argument: "表示`query`每个S的累加和长度" -- cumulative ends, "尾部传入对应个数个0" for batches left
     out at the end, "长度取值范围为1~2K，varlen场景下长度最大支持1K"."""
@@ -310,6 +320,7 @@ class AttentionKernels:
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
                            actual_seq_kvlen)
+        _check_extras(input_layout, softmax_layout, sink)
         if dropout_mask is not None:
             raise NpuSimNotImplemented("an external dropout_mask is not simulated")
         numels = 0
@@ -345,6 +356,7 @@ class AttentionKernels:
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
                            actual_seq_kvlen)
+        _check_extras(input_layout, softmax_layout, sink)
         check_tensor("dy", dy, (query.dtype,))
         check_shape("dy", dy, tuple(query.shape))
         keeps = None
