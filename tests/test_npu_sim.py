@@ -1278,11 +1278,12 @@ def test_fusion_attention_contract(sim):
     flat = torch.randn(0, h, d)
     assert_raises(lambda: fa(flat, flat, flat, h, "TND", actual_seq_qlen=[0], actual_seq_kvlen=[0]), NpuValueError,
                   "T (0)")
-    # softmax_layout "当前仅在input_layout=“TND”时进行配置，仅支持传入“TND”"; sink is not simulated
+    # softmax_layout "当前仅在input_layout=“TND”时进行配置，仅支持传入“TND”"; sink "shape为[head_num]，数据类型仅支持
+    # float32"
     assert_raises(lambda: fa(q, k, v, h, "SBH", softmax_layout="TND"), NpuValueError, "softmax_layout")
     assert_raises(lambda: fa(q, k, v, h, "SBH", softmax_layout="BNSD"), NpuValueError, "softmax_layout")
-    with pytest.raises(NpuSimNotImplemented):
-        fa(q, k, v, h, "SBH", sink=torch.zeros(h))
+    assert_raises(lambda: fa(q, k, v, h, "SBH", sink=torch.zeros(h + 1)), NpuValueError, "sink")
+    assert_raises(lambda: fa(q, k, v, h, "SBH", sink=torch.zeros(h, dtype=torch.bfloat16)), NpuTypeError, "sink")
 
 
 def test_rms_norm_gamma_dtypes_and_specials(sim):
@@ -1538,6 +1539,35 @@ def test_fusion_attention_dropout_mask_is_the_grad_kernels_too(sim):
     assert_raises(lambda: sim.npu_fusion_attention_grad(q, k, v.detach(), dy, 1, "SBH", scale_value=0.125,
                                                         keep_prob=0.6, seed=seed, offset=offset, numels=7),
                   NpuValueError, "numels")
+
+
+@pytest.mark.parametrize("mode", [0, 2])
+def test_fusion_attention_sink_joins_each_softmax(sim, mode):
+    """sink "每个注意力头的偏置": the document's reference appends one sink logit per head, applies softmax, then
+    drops that column before multiplying by V; its gradient is the grad kernel's fifth output (float32 [head_num]),
+    checked, with dq/dk/dv, against float64 autograd of that reference."""
+    g = torch.Generator().manual_seed(4)
+    s_, b, h, d = 6, 2, 4, 8
+    q, k, v = (torch.randn(s_, b, h * d, generator=g, requires_grad=True) for _ in range(3))
+    sink = torch.tensor([-0.5, 0.0, 0.7, 2.0], requires_grad=True)
+    masked = torch.triu(torch.ones(s_, s_, dtype=torch.bool), 1)
+    mask = masked if mode == 0 else torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    out = sim.npu_fusion_attention(q, k, v, h, "SBH", atten_mask=mask, scale=0.3, sparse_mode=mode, sink=sink)[0]
+    dy = torch.randn(out.shape, generator=g)
+    sim.reset_counts()
+    out.backward(dy)
+    assert sim.launch_counts == {"npu_fusion_attention_grad": 1} and sink.grad.dtype == torch.float32
+    q64, k64, v64 = (t.detach().double().reshape(s_, b, h, d).permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
+    s64 = sink.detach().double().requires_grad_()
+    scores = (q64 @ k64.transpose(2, 3) * 0.3).masked_fill(masked, float("-inf"))
+    probs = torch.softmax(torch.cat([scores, s64.view(1, h, 1, 1).expand(b, h, s_, 1)], dim=-1), dim=-1)[..., :-1]
+    ref = (probs @ v64).permute(2, 0, 1, 3).reshape(s_, b, h * d)
+    torch.testing.assert_close(out.detach().double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(ref, (q64, k64, v64, s64), dy.double())
+    for got, want in zip((q.grad, k.grad, v.grad), grads[:3]):
+        torch.testing.assert_close(got.double(), want.permute(2, 0, 1, 3).reshape(s_, b, h * d), rtol=1e-5,
+                                   atol=1e-6)
+    torch.testing.assert_close(sink.grad.double(), grads[3], rtol=1e-5, atol=1e-6)
 
 
 def test_quant_matmul_last_dims_at_most_65535(sim):

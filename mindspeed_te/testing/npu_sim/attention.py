@@ -139,14 +139,15 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     return _Call(input_layout, head, d, check_float("scale", scale), allowed, precise == 2 or auto_precise, keep)
 
 
-def _check_extras(input_layout: str, softmax_layout: str, sink: Any) -> None:
-    """softmax_layout: "当前仅在input_layout=“TND”时进行配置，仅支持传入“TND”"; sink (per-head bias logits) is not
-    simulated."""
+def _check_extras(input_layout: str, softmax_layout: str, sink: Any, head: int) -> None:
+    """softmax_layout: "当前仅在input_layout=“TND”时进行配置，仅支持传入“TND”"; sink: "每个注意力头的偏置。shape为
+    [head_num]，数据类型仅支持float32"."""
     check_choice("softmax_layout", softmax_layout, ("", "TND"))
     if softmax_layout == "TND" and input_layout != "TND":
         raise NpuValueError("softmax_layout='TND' is configured only with input_layout 'TND'")
     if sink is not None:
-        raise NpuSimNotImplemented("sink (a per-head bias logit) is not simulated")
+        check_tensor("sink", sink, (torch.float32,))
+        check_shape("sink", sink, (head,))
 
 
 def _cumulative(name: str, value: Any, total: int) -> list[int]:
@@ -237,10 +238,12 @@ def _dropout_keeps(seed: int, offset: int, shape: torch.Size, keep: float, devic
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call,
-            keeps: Optional[torch.Tensor] = None) -> torch.Tensor:
+            keeps: Optional[torch.Tensor] = None, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(Q Kᵀ · scale) V over the allowed keys, in the call's layout: [s_q, b, h·d] or [t, h, d]
-    (differentiable torch ops). With dropout (keep_prob < 1) the probabilities `keeps` leaves are divided by
-    keep_prob and the others are zero."""
+    (differentiable torch ops). A `sink` joins each softmax as one more logit per head whose column is then
+    dropped (the document's reference: "append one sink logit, apply softmax, then drop that column before
+    multiplying by V"). With dropout (keep_prob < 1) the probabilities `keeps` leaves are divided by keep_prob and
+    the others are zero."""
     head, d = call.head, call.d
     if call.layout == "TND":  # one batch of all tokens, the batches kept apart by the mask
         q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (query, key, value))
@@ -254,13 +257,19 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _
     # there). Such a row is computed over every key and then overwritten, so that it sends no gradient.
     empty = None if call.allowed is None else ~call.allowed.any(-1, keepdim=True)
     seen = None if call.allowed is None else call.allowed | empty
-    if keeps is None:
+    if keeps is None and sink is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=call.scale)
     else:
         logits = (q.float() @ k.float().transpose(-2, -1)) * call.scale
         if seen is not None:
             logits = logits.masked_fill(~seen, float("-inf"))
-        probs = torch.softmax(logits, dim=-1) * keeps / call.keep
+        if sink is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            column = sink.reshape(1, head, 1, 1).expand(*logits.shape[:-1], 1)
+            probs = torch.softmax(torch.cat((logits, column), dim=-1), dim=-1)[..., :-1]
+        if keeps is not None:
+            probs = probs * keeps / call.keep
         out = (probs @ v.float()).to(q.dtype)
     if empty is not None:
         out = out.masked_fill(empty, 0.0 if call.zero_empty_rows else float("nan"))
@@ -280,21 +289,21 @@ class _FusionAttention(torch.autograd.Function):
     """The forward kernel's output; the backward is the simulator's npu_fusion_attention_grad kernel."""
 
     @staticmethod
-    def forward(ctx: Any, sim: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, call: _Call,
-                grad_kwargs: dict) -> torch.Tensor:
+    def forward(ctx: Any, sim: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                sink: Optional[torch.Tensor], call: _Call, grad_kwargs: dict) -> torch.Tensor:
         ctx.sim, ctx.grad_kwargs = sim, grad_kwargs
-        ctx.save_for_backward(query, key, value)
+        ctx.save_for_backward(query, key, value, sink)
         keeps = None
         if call.keep < 1.0:
             keeps = _dropout_keeps(grad_kwargs["seed"], grad_kwargs["offset"], _probs_shape(query, key, call),
                                    call.keep, query.device)
-        return _attend(query, key, value, call, keeps)
+        return _attend(query, key, value, call, keeps, sink)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        query, key, value = ctx.saved_tensors
-        dq, dk, dv, _, _ = ctx.sim.npu_fusion_attention_grad(query, key, value, dy, **ctx.grad_kwargs)
-        return None, dq, dk, dv, None, None
+        query, key, value, sink = ctx.saved_tensors
+        dq, dk, dv, _, dsink = ctx.sim.npu_fusion_attention_grad(query, key, value, dy, sink=sink, **ctx.grad_kwargs)
+        return None, dq, dk, dv, (dsink if sink is not None else None), None, None
 
 
 class AttentionKernels:
@@ -314,13 +323,13 @@ class AttentionKernels:
         [b, 1, s_q, s_k]), 2 and 3 (causal from the top-left / bottom-right corner) and 4 (a band around the
         bottom-right diagonal), those three with the compressed 2048x2048 mask; input_layout "TND" ([t, n, d], the
         varlen case: packed batches by actual_seq_qlen / actual_seq_kvlen) with no mask or sparse_mode 2 or 3; and
-        dropout (keep_prob < 1) with the simulator's own mask of the seed it draws. Returns
+        dropout (keep_prob < 1) with the simulator's own mask of the seed it draws; a sink. Returns
         (attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels) like the kernel; only
         attention_out is computed."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
                            actual_seq_kvlen)
-        _check_extras(input_layout, softmax_layout, sink)
+        _check_extras(input_layout, softmax_layout, sink, call.head)
         if dropout_mask is not None:
             raise NpuSimNotImplemented("an external dropout_mask is not simulated")
         numels = 0
@@ -336,7 +345,7 @@ class AttentionKernels:
                            keep_prob=keep_prob, pre_tockens=pre_tockens, next_tockens=next_tockens,
                            inner_precise=inner_precise, sparse_mode=sparse_mode, actual_seq_qlen=actual_seq_qlen,
                            actual_seq_kvlen=actual_seq_kvlen, seed=seed, offset=offset, numels=numels)
-        out = _FusionAttention.apply(self, query, key, value, call, grad_kwargs)
+        out = _FusionAttention.apply(self, query, key, value, sink, call, grad_kwargs)
         stats = torch.zeros(1 if call.layout == "TND" else query.shape[1], call.head, query.shape[0], 8)
         return out, stats, stats.clone(), query.new_empty(0), seed, offset, numels
 
@@ -351,12 +360,13 @@ class AttentionKernels:
                                   offset: int = 0, numels: int = 0, prefix: Any = None, actual_seq_qlen: Any = None,
                                   actual_seq_kvlen: Any = None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
                                   sync: bool = False, softmax_layout: str = "", sink: Any = None) -> tuple:
-        """(dq, dk, dv, dpse, dsink) of npu_fusion_attention called with the same arguments (dpse and dsink empty:
-        neither is simulated). The forward's softmax statistics are not read: the simulator recomputes."""
+        """(dq, dk, dv, dpse, dsink) of npu_fusion_attention called with the same arguments (dpse empty: pse is not
+        simulated; dsink float32 [head_num], empty without a sink). The forward's softmax statistics are not read:
+        the simulator recomputes."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
                            actual_seq_kvlen)
-        _check_extras(input_layout, softmax_layout, sink)
+        _check_extras(input_layout, softmax_layout, sink, call.head)
         check_tensor("dy", dy, (query.dtype,))
         check_shape("dy", dy, tuple(query.shape))
         keeps = None
@@ -366,7 +376,10 @@ class AttentionKernels:
                 raise NpuValueError(f"numels ({numels}) must be the forward's dropout mask size ({shape.numel()})")
             keeps = _dropout_keeps(seed, offset, shape, call.keep, query.device)
         with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
-            dq, dk, dv = torch.autograd.grad(_attend(q, k, v, call, keeps), (q, k, v), dy)
+            leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+            if sink is not None:
+                leaves.append(sink.detach().requires_grad_())
+            grads = torch.autograd.grad(_attend(*leaves[:3], call, keeps, leaves[3] if sink is not None else None),
+                                        leaves, dy)
         empty = query.new_empty(0)
-        return dq, dk, dv, empty, empty.clone()
+        return grads[0], grads[1], grads[2], empty, grads[3] if sink is not None else empty.clone()
