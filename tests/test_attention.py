@@ -255,13 +255,14 @@ def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: 
 @pytest.mark.parametrize("fmt,window,softmax_type,backend", [
     ("sbhd", None, "vanilla", "reference"), ("sbhd", (3, 0), "off-by-one", "reference"),
     ("thd", None, "learnable", "reference"), ("thd", (2, 0), "vanilla", "reference"),
-    ("sbhd", (3, 0), "vanilla", "reference"), ("sbhd", None, "vanilla", "npu"), ("sbhd", (3, 0), "vanilla", "npu")])
+    ("sbhd", (3, 0), "vanilla", "reference"), ("sbhd", None, "vanilla", "npu"), ("sbhd", (3, 0), "vanilla", "npu"),
+    ("sbhd", None, "learnable", "npu")])
 def test_context_parallel_attention_matches_one_process(fmt, window, softmax_type, backend):
     """CP=2 over gloo (keys and values gathered, their gradients reduce-scattered back): every rank's
     output and q/k/v gradients equal full attention on one process (the reference backend). Causal sbhd
     attention takes each local chunk against the keys up to it, a causal block aligned at its bottom-right
     corner: on the simulated NPU each is the fused kernel's sparse_mode 3 (4 with a window) on the compressed
-    mask, never a mask of the sequence's size."""
+    mask, never a mask of the sequence's size (a learnable softmax offset is the kernel's sink)."""
     from tests.dist_utils import run_distributed
 
     g = torch.Generator().manual_seed(11)

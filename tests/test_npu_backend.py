@@ -630,6 +630,51 @@ def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, u
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
 
 
+@pytest.mark.parametrize("softmax_type, mask_type", [("off-by-one", "causal"), ("learnable", "causal"),
+                                                     ("learnable", "padding")])
+def test_softmax_offset_is_the_kernels_sink(softmax_type, mask_type, monkeypatch, use_backend):
+    """TE's off-by-one and learnable softmax add one logit per head to every softmax's denominator: on the NPU the
+    fused kernel's sink ("每个注意力头的偏置。shape为[head_num]，数据类型仅支持float32"), with the causal mode or an
+    explicit mask as without it, where the reference appends a zero-valued key. Outputs and the gradients of q, k,
+    v and the learnable offset equal the reference's (float32, to rounding); one launch each way."""
+    from mindspeed_te.diagnostics import LaunchCounter
+    from mindspeed_te.modules import DotProductAttention
+
+    attn = DotProductAttention(4, 16, num_gqa_groups=2, attn_mask_type=mask_type, softmax_type=softmax_type)
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            attn.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0]))
+    qkv = _attention_case()
+    mask = None
+    if mask_type == "padding":
+        mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+        mask[1, ..., 6:] = True
+    params = [attn.softmax_offset] if softmax_type == "learnable" else []
+    use_backend("reference")
+    want = attn(*qkv, attention_mask=mask)
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(8))
+    want_grads = torch.autograd.grad(want, [*qkv, *params], dy)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    seen = []
+    kernel = sim.npu_fusion_attention
+    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append(kw) or kernel(*a, **kw))
+    attn(*qkv, attention_mask=mask)
+    with LaunchCounter(sim) as forward:
+        got = attn(*qkv, attention_mask=mask)
+    with LaunchCounter(sim) as backward:
+        got_grads = torch.autograd.grad(got, [*qkv, *params], dy)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    sink = seen[-1]["sink"]
+    assert sink.dtype == torch.float32 and sink.shape == (4,)
+    assert seen[-1].get("sparse_mode", 0) == (2 if mask_type == "causal" else 0)
+    assert forward.counts["torch_npu.npu_fusion_attention"] == 1 and "aten.cat" not in forward.counts
+    assert backward.counts["torch_npu.npu_fusion_attention_grad"] == 1
+
+
 def test_attention_dropout_runs_in_the_kernel_under_the_rng_tracker(monkeypatch, use_backend):
     """Attention dropout is npu_fusion_attention's keep_prob: the kernel draws its mask from the default generator,
     whose state Megatron's RNG tracker forks, so the same tracker state gives the same mask; the backward is the

@@ -88,10 +88,12 @@ class KernelBackend(ABC):
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], scale: float, dropout: float, *,
-                  empty_rows: bool = False) -> torch.Tensor:
+                  empty_rows: bool = False, softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs; [s, b, heads · d] out. `mask` is a boolean
         "may attend" matrix, an additive float one, or a pattern (`CausalMask`, `PackedMask`). A query whose keys
-        are all masked gets zeros; `empty_rows` says that such rows may occur (a kernel may need to know)."""
+        are all masked gets zeros; `empty_rows` says that such rows may occur (a kernel may need to know).
+        `softmax_offset` [heads]: one more logit per head in every softmax, whose probability multiplies no value
+        (TE's off-by-one and learnable softmax; an attention sink)."""
 
     # Fused communication GEMMs (capabilities.fused_communication_gemm) -------------------------------------
     def all_gather_matmul(self, x1: torch.Tensor, x2: torch.Tensor, group: Any

@@ -824,27 +824,30 @@ class NpuBackend(ReferenceBackend):
             return super().rms_norm(x, gamma, eps)
         return self.npu.npu_rms_norm(x, gamma if gamma.dtype in (x.dtype, torch.float32) else gamma.float(), eps)[0]
 
-    def attention(self, query, key, value, mask, scale, dropout, *, empty_rows=False):
+    def attention(self, query, key, value, mask, scale, dropout, *, empty_rows=False, softmax_offset=None):
         """npu_fusion_attention in the SBH layout, dropout as its keep_prob (the kernel draws its mask from the
         device's default generator, the state Megatron's RNG tracker forks). A `PackedMask` takes its varlen layout TND
         (`_varlen`), a `CausalMask` its causal or band mode (`_sparse_mode`); a boolean mask (True = masked for
         the kernel) is broadcast to one of the shapes it takes ("BNSS格式、B1SS格式、11SS格式、SS格式"). With
         `empty_rows` the invalid-row computation is switched on ("inner_precise ... 2为开启无效行计算，其功能是避免
-        在计算过程中存在整行mask进而导致精度有损失"; the kernel cannot see such rows in an explicit mask). Other
+        在计算过程中存在整行mask进而导致精度有损失"; the kernel cannot see such rows in an explicit mask). A softmax
+        offset is its sink ("每个注意力头的偏置。shape为[head_num]，数据类型仅支持float32"). Other
         cases (additive masks, value heads narrower than the key heads: "输入key和value的shape必须一致", no tokens)
         run the reference."""
         s_q, b, h, d = query.shape
         s_k = key.shape[0]
         if (value.shape[-1] != key.shape[-1] or 0 in (s_q, s_k, b)  # "S：... 取值范围1~1M", "B取值范围1~2M"
                 or (isinstance(mask, torch.Tensor) and (mask.dtype != torch.bool or mask.dim() not in (2, 4)))):
-            return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows)
+            return super().attention(query, key, value, mask, scale, dropout, empty_rows=empty_rows,
+                                     softmax_offset=softmax_offset)
+        sink = {} if softmax_offset is None else dict(sink=softmax_offset.float())
         kwargs: dict = {}
         if isinstance(mask, PackedMask):
             varlen = self._varlen(mask, s_q, s_k, b)
             if varlen is not None:
                 return self.npu.npu_fusion_attention(
                     query.reshape(s_q, h, d), key.reshape(s_k, -1, d), value.reshape(s_k, -1, d), h, "TND",
-                    scale=scale, keep_prob=1.0 - dropout, **varlen)[0].reshape(s_q, b, h * d)
+                    scale=scale, keep_prob=1.0 - dropout, **varlen, **sink)[0].reshape(s_q, b, h * d)
             mask = mask.dense()
         if isinstance(mask, CausalMask):
             kwargs = self._sparse_mode(mask, s_q, s_k, query.device) or {}
@@ -859,7 +862,7 @@ class NpuBackend(ReferenceBackend):
             kwargs = dict(atten_mask=~mask)
         out = self.npu.npu_fusion_attention(
             query.reshape(s_q, b, h * d), key.reshape(s_k, b, -1), value.reshape(s_k, b, -1),
-            h, "SBH", scale=scale, keep_prob=1.0 - dropout, inner_precise=2 if empty_rows else 0, **kwargs)[0]
+            h, "SBH", scale=scale, keep_prob=1.0 - dropout, inner_precise=2 if empty_rows else 0, **kwargs, **sink)[0]
         return out
 
     @staticmethod

@@ -126,6 +126,23 @@ def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) 
                          f"{out.dtype}) and cannot be combined with `bias`")
 
 
+def _with_offset_key(mask: Optional[torch.Tensor], offset: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(additive float mask, key, value) with one extra key whose logit is the head's offset and whose value is
+    zero: exp(offset) then joins every softmax's denominator and nothing the output."""
+    s_q, _, h, _ = query.shape
+    dtype = query.dtype
+    if mask is None or mask.dtype == torch.bool:
+        additive = torch.zeros(1, 1, s_q, key.shape[0], dtype=dtype, device=query.device)
+        mask = additive if mask is None else additive.masked_fill(~mask, float("-inf"))
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    mask = mask.expand(mask.shape[0], h, s_q, key.shape[0])
+    sink = offset.to(dtype).reshape(1, h, 1, 1).expand(mask.shape[0], h, s_q, 1)
+    mask = torch.cat((mask, sink), dim=-1)
+    return mask, torch.cat((key, key.new_zeros(1, *key.shape[1:]))), torch.cat(
+        (value, value.new_zeros(1, *value.shape[1:])))
+
+
 class ReferenceBackend(KernelBackend):
     """Emulates every quantized kernel exactly with torch ops."""
 
@@ -143,15 +160,18 @@ class ReferenceBackend(KernelBackend):
 
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], scale: float, dropout: float, *,
-                  empty_rows: bool = False) -> torch.Tensor:
+                  empty_rows: bool = False, softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V on [s, b, heads, d] inputs (key/value may have fewer heads);
-        `mask` is a boolean "may attend" mask, an additive float one or a pattern (its matrix).
+        `mask` is a boolean "may attend" mask, an additive float one or a pattern (its matrix). A
+        `softmax_offset` is one extra key per head whose logit is the offset and whose value is zero.
         Returns [s, b, heads · d]."""
         s_q, b, h, _ = query.shape
         if isinstance(mask, CausalMask):
             mask = mask.allowed(s_q, key.shape[0], query.device)
         elif isinstance(mask, PackedMask):
             mask = mask.dense()
+        if softmax_offset is not None:
+            mask, key, value = _with_offset_key(mask, softmax_offset, query, key, value)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
         if k.shape[1] != h:
             k = k.repeat_interleave(h // k.shape[1], dim=1)

@@ -183,31 +183,41 @@ class DotProductAttention(torch.nn.Module):
             value = gather_from_sequence_parallel_region(value, self.cp_group)
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
-        if (cp_size > 1 and fmt == "sbhd" and "causal" in mask_type and self.softmax_type == "vanilla"
-                and attention_bias is None and query.shape[0] % 2 == 0 and key.shape[0] == cp_size * query.shape[0]):
+        offset = self._softmax_offset(query)
+        if (cp_size > 1 and fmt == "sbhd" and "causal" in mask_type and attention_bias is None
+                and query.shape[0] % 2 == 0 and key.shape[0] == cp_size * query.shape[0]):
             with rng or contextlib.nullcontext():
-                return self._causal_chunks(query, key, value, cp_size, dropout)
+                return self._causal_chunks(query, key, value, cp_size, dropout, offset)
         allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size,
                                 (cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
                                 if fmt == "thd" else None)
         mask = allowed
-        if self.softmax_type != "vanilla" or attention_bias is not None:
+        if attention_bias is not None:
             if isinstance(allowed, CausalMask):
                 allowed = allowed.allowed(query.shape[0], key.shape[0], query.device)
             elif isinstance(allowed, PackedMask):
                 allowed = allowed.dense()
-            mask, key, value = self._additive_mask(allowed, attention_bias, query, key, value)
+            mask = self._additive_mask(allowed, attention_bias, query, key)
         # Queries that may see no key: any padding mask (its content is data), causal bottom-right with more
         # queries than keys, padded packed sequences.
         empty_rows = (attention_mask is not None or cu_seqlens_q_padded is not None
                       or (mask_type.endswith("bottom_right") and query.shape[0] > key.shape[0]))
         with rng or contextlib.nullcontext():
             out = get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout,
-                                                      empty_rows=empty_rows)
+                                                      empty_rows=empty_rows, softmax_offset=offset)
         return out.squeeze(1) if fmt == "thd" else out
 
+    def _softmax_offset(self, query: torch.Tensor) -> Optional[torch.Tensor]:
+        """The per-head logit the softmax adds to its denominator: none (vanilla), 0 (off-by-one) or the
+        learnable `softmax_offset`."""
+        if self.softmax_type == "vanilla":
+            return None
+        if self.softmax_type == "learnable":
+            return self.softmax_offset
+        return torch.zeros(query.shape[2], dtype=query.dtype, device=query.device)
+
     def _causal_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp_size: int,
-                       dropout: float) -> torch.Tensor:
+                       dropout: float, offset: Optional[torch.Tensor]) -> torch.Tensor:
         """Causal attention under context parallelism: each of this rank's two query chunks (r and 2·cp-1-r of
         the sequence, c tokens each) against the gathered keys and values of the chunks up to its own, laid out
         in sequence order: a causal mask (and window) aligned at the bottom-right corner of that block, so no
@@ -225,7 +235,7 @@ class DotProductAttention(torch.nn.Module):
         pattern = CausalMask(True, True, self.window_size)
         backend = get_backend(query.device)
         return torch.cat([backend.attention(query[i * c : (i + 1) * c], keys[: (j + 1) * c], values[: (j + 1) * c],
-                                            pattern, self.softmax_scale, dropout)
+                                            pattern, self.softmax_scale, dropout, softmax_offset=offset)
                           for i, j in ((0, rank), (1, last))])
 
     def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
@@ -268,23 +278,11 @@ class DotProductAttention(torch.nn.Module):
             structure &= window_band(q.position, k.position, self.window_size)
         return structure
 
-    def _additive_mask(self, allowed: Optional[torch.Tensor], bias: Optional[torch.Tensor], query: torch.Tensor,
-                       key: torch.Tensor, value: torch.Tensor) -> tuple:
-        """A float mask (0 / -inf, plus `bias`) and, with a softmax offset, one extra key whose logit is the
-        offset and whose value is zero: exp(offset) then joins the denominator and nothing the output."""
-        s_q, b, h, _ = query.shape
-        dtype = query.dtype
-        mask = torch.zeros(1, 1, s_q, key.shape[0], dtype=dtype, device=query.device)
+    @staticmethod
+    def _additive_mask(allowed: Optional[torch.Tensor], bias: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor) -> torch.Tensor:
+        """A float mask: 0 / -inf from `allowed`, plus `bias`."""
+        mask = torch.zeros(1, 1, query.shape[0], key.shape[0], dtype=query.dtype, device=query.device)
         if allowed is not None:
             mask = mask.masked_fill(~allowed, float("-inf"))
-        if bias is not None:
-            mask = mask + bias.to(dtype)
-        if self.softmax_type == "vanilla":
-            return mask, key, value
-        offset = (self.softmax_offset if self.softmax_type == "learnable"
-                  else torch.zeros(h, dtype=dtype, device=query.device))
-        mask = mask.expand(max(mask.shape[0], 1), h, s_q, key.shape[0])
-        sink = offset.to(dtype).reshape(1, h, 1, 1).expand(mask.shape[0], h, s_q, 1)
-        mask = torch.cat((mask, sink), dim=-1)
-        return mask, torch.cat((key, key.new_zeros(1, *key.shape[1:]))), torch.cat(
-            (value, value.new_zeros(1, *value.shape[1:])))
+        return mask + bias.to(query.dtype)
