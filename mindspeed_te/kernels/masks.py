@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -61,3 +61,20 @@ class PackedMask:
     cu_seqlens_kv: torch.Tensor
     causal: bool
     dense: Callable[[], torch.Tensor]
+
+
+def as_matrix(mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], s_q: int, s_k: int,
+              device: torch.device) -> Optional[torch.Tensor]:
+    """A pattern's boolean "may attend" matrix [s_q, s_k]; a tensor or None as it is."""
+    if isinstance(mask, CausalMask):
+        return mask.allowed(s_q, s_k, device)
+    if isinstance(mask, PackedMask):
+        return mask.dense()
+    return mask
+
+
+def additive(allowed: Optional[torch.Tensor], s_q: int, s_k: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """A float mask [1, 1, s_q, s_k] (or `allowed`'s batch), 0 where `allowed` (None: everywhere), -inf elsewhere."""
+    mask = torch.zeros(1, 1, s_q, s_k, dtype=dtype, device=device)
+    return mask if allowed is None else mask.masked_fill(~allowed, float("-inf"))

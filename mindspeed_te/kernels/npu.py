@@ -152,10 +152,14 @@ def _host_ends(cu_seqlens: torch.Tensor) -> list[int]:
     return ends
 
 
-@functools.lru_cache(maxsize=4)
-def _compressed_mask(device: torch.device, inference: bool) -> torch.Tensor:
+def _compressed_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 causal mask of npu_fusion_attention's sparse modes, True above the diagonal, made once per
     device (one made under inference mode serves only there, as autograd cannot save it)."""
+    return _compressed_mask_made(device, torch.is_inference_mode_enabled())
+
+
+@functools.lru_cache(maxsize=4)
+def _compressed_mask_made(device: torch.device, inference: bool) -> torch.Tensor:
     return torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
 
 
@@ -881,11 +885,11 @@ class NpuBackend(ReferenceBackend):
             return None
         kwargs = dict(actual_seq_qlen=q_ends, actual_seq_kvlen=k_ends)
         if mask.causal:
-            kwargs.update(atten_mask=_compressed_mask(mask.cu_seqlens_q.device, torch.is_inference_mode_enabled()),
-                          sparse_mode=2)
+            kwargs.update(atten_mask=_compressed_mask(mask.cu_seqlens_q.device), sparse_mode=2)
         return kwargs
 
-    def _sparse_mode(self, mask: CausalMask, s_q: int, s_k: int, device: torch.device) -> Optional[dict]:
+    @staticmethod
+    def _sparse_mode(mask: CausalMask, s_q: int, s_k: int, device: torch.device) -> Optional[dict]:
         """npu_fusion_attention's arguments for a causal or sliding-window pattern, or None for the explicit
         matrix. sparse_mode 2 is "leftUpCausal" (causal from the top-left corner), 3 "rightDownCausal" (from the
         bottom-right one), 4 "band场景，即计算pre_tockens和next_tockens之间的部分，参数起点为右下角": each takes the
@@ -901,8 +905,7 @@ class NpuBackend(ReferenceBackend):
             left, right = mask.window
             mode, pre = 4, left if left >= 0 else _ALL_TOKENS
             nxt = 0 if mask.causal else (right if right >= 0 else _ALL_TOKENS)
-        return dict(atten_mask=_compressed_mask(device, torch.is_inference_mode_enabled()), sparse_mode=mode,
-                    pre_tockens=pre, next_tockens=nxt)
+        return dict(atten_mask=_compressed_mask(device), sparse_mode=mode, pre_tockens=pre, next_tockens=nxt)
 
     # GEMM ----------------------------------------------------------------------------------------------------
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:

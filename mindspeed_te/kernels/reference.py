@@ -10,7 +10,7 @@ import torch
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import as_float32, cast_from_fp8, decode_table
 from mindspeed_te.kernels.base import KernelBackend, Operand
-from mindspeed_te.kernels.masks import CausalMask, PackedMask
+from mindspeed_te.kernels.masks import CausalMask, PackedMask, additive, as_matrix
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
@@ -133,8 +133,7 @@ def _with_offset_key(mask: Optional[torch.Tensor], offset: torch.Tensor, query: 
     s_q, _, h, _ = query.shape
     dtype = query.dtype
     if mask is None or mask.dtype == torch.bool:
-        additive = torch.zeros(1, 1, s_q, key.shape[0], dtype=dtype, device=query.device)
-        mask = additive if mask is None else additive.masked_fill(~mask, float("-inf"))
+        mask = additive(mask, s_q, key.shape[0], dtype, query.device)
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     mask = mask.expand(mask.shape[0], h, s_q, key.shape[0])
     sink = offset.to(dtype).reshape(1, h, 1, 1).expand(mask.shape[0], h, s_q, 1)
@@ -166,10 +165,7 @@ class ReferenceBackend(KernelBackend):
         `softmax_offset` is one extra key per head whose logit is the offset and whose value is zero.
         Returns [s, b, heads · d]."""
         s_q, b, h, _ = query.shape
-        if isinstance(mask, CausalMask):
-            mask = mask.allowed(s_q, key.shape[0], query.device)
-        elif isinstance(mask, PackedMask):
-            mask = mask.dense()
+        mask = as_matrix(mask, s_q, key.shape[0], query.device)
         if softmax_offset is not None:
             mask, key, value = _with_offset_key(mask, softmax_offset, query, key, value)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]

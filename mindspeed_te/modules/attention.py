@@ -24,7 +24,7 @@ import torch
 
 from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel_region, group_rank, group_size
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.masks import CausalMask, PackedMask, window_band
+from mindspeed_te.kernels.masks import CausalMask, PackedMask, additive, as_matrix, window_band
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
 from mindspeed_te.state import FP8GlobalStateManager
@@ -192,12 +192,10 @@ class DotProductAttention(torch.nn.Module):
                                 (cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
                                 if fmt == "thd" else None)
         mask = allowed
-        if attention_bias is not None:
-            if isinstance(allowed, CausalMask):
-                allowed = allowed.allowed(query.shape[0], key.shape[0], query.device)
-            elif isinstance(allowed, PackedMask):
-                allowed = allowed.dense()
-            mask = self._additive_mask(allowed, attention_bias, query, key)
+        if attention_bias is not None:  # a float mask: 0 / -inf where `allowed` says, plus the bias
+            dense = as_matrix(allowed, query.shape[0], key.shape[0], query.device)
+            mask = additive(dense, query.shape[0], key.shape[0], query.dtype, query.device)
+            mask = mask + attention_bias.to(query.dtype)
         # Queries that may see no key: any padding mask (its content is data), causal bottom-right with more
         # queries than keys, padded packed sequences.
         empty_rows = (attention_mask is not None or cu_seqlens_q_padded is not None
@@ -277,12 +275,3 @@ class DotProductAttention(torch.nn.Module):
         if self.window_size is not None:
             structure &= window_band(q.position, k.position, self.window_size)
         return structure
-
-    @staticmethod
-    def _additive_mask(allowed: Optional[torch.Tensor], bias: torch.Tensor, query: torch.Tensor,
-                       key: torch.Tensor) -> torch.Tensor:
-        """A float mask: 0 / -inf from `allowed`, plus `bias`."""
-        mask = torch.zeros(1, 1, query.shape[0], key.shape[0], dtype=query.dtype, device=query.device)
-        if allowed is not None:
-            mask = mask.masked_fill(~allowed, float("-inf"))
-        return mask + bias.to(query.dtype)

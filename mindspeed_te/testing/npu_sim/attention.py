@@ -41,7 +41,7 @@ class _Call(NamedTuple):
 def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int, input_layout: str,
                 pse: Any, padding_mask: Any, atten_mask: Optional[torch.Tensor], scale: float, keep_prob: float,
                 pre_tockens: int, next_tockens: int, inner_precise: int, prefix: Any, sparse_mode: int,
-                actual_seq_qlen: Any, actual_seq_kvlen: Any) -> _Call:
+                actual_seq_qlen: Any, actual_seq_kvlen: Any, softmax_layout: str, sink: Any) -> _Call:
     """The arguments both kernels share, checked against torch_npu-npu_fusion_attention.md."""
     # query/key/value: "数据类型支持`float16`、`bfloat16`、`float32`"; "输入`query`、`key`、`value`、`pse`的数据
     # 类型必须一致。"
@@ -112,6 +112,7 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hea
     # "支持输入`query`的N和`key`/`value`的N不相等，但必须成比例关系，即Nq/Nkv必须是非0整数"
     if head % kv_heads:
         raise NpuValueError(f"query heads ({head}) must be a multiple of key/value heads ({kv_heads})")
+    _check_extras(input_layout, softmax_layout, sink, head)
     pre, nxt = check_int("pre_tockens", pre_tockens), check_int("next_tockens", next_tockens)
     if input_layout == "TND":
         allowed, auto_precise = _varlen(mode, atten_mask, query.shape[0], key.shape[0], actual_seq_qlen,
@@ -328,8 +329,7 @@ class AttentionKernels:
         attention_out is computed."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
-                           actual_seq_kvlen)
-        _check_extras(input_layout, softmax_layout, sink, call.head)
+                           actual_seq_kvlen, softmax_layout, sink)
         if dropout_mask is not None:
             raise NpuSimNotImplemented("an external dropout_mask is not simulated")
         numels = 0
@@ -365,8 +365,7 @@ class AttentionKernels:
         the simulator recomputes."""
         call = _check_call(query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale_value,
                            keep_prob, pre_tockens, next_tockens, inner_precise, prefix, sparse_mode, actual_seq_qlen,
-                           actual_seq_kvlen)
-        _check_extras(input_layout, softmax_layout, sink, call.head)
+                           actual_seq_kvlen, softmax_layout, sink)
         check_tensor("dy", dy, (query.dtype,))
         check_shape("dy", dy, tuple(query.shape))
         keeps = None
