@@ -332,10 +332,12 @@ def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int 
     return _second_layer_launches(recipe, layer, 32 * experts, npu, [32] * experts)
 
 
-def norm_linear_launches(recipe: Recipe, npu: Any) -> tuple[LaunchCounter, LaunchCounter]:
-    """Launches of one `LayerNormLinear(256, 256, bias=True, RMSNorm)` in bfloat16, measured as `linear_launches`
-    measures a Linear: the norm's kernel (and its backward kernel) and the cast of its gamma to float32 on top."""
-    layer = LayerNormLinear(256, 256, bias=True, params_dtype=torch.bfloat16, normalization="RMSNorm")
+def norm_linear_launches(recipe: Recipe, npu: Any, normalization: str = "RMSNorm"
+                         ) -> tuple[LaunchCounter, LaunchCounter]:
+    """Launches of one `LayerNormLinear(256, 256, bias=True)` in bfloat16 with `normalization`, measured as
+    `linear_launches` measures a Linear: the norm's kernel (and its backward kernel) and the casts of its
+    parameters to float32 on top."""
+    layer = LayerNormLinear(256, 256, bias=True, params_dtype=torch.bfloat16, normalization=normalization)
     return _second_layer_launches(recipe, layer, 128, npu)
 
 
@@ -439,11 +441,15 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
         detail += where[layout]
         rows.append(("NPU launches, GroupedLinear forward", float(forward.total), detail))
         rows.append(("NPU launches, GroupedLinear backward", float(backward.total), detail))
-    for chip, name in (("Ascend950PR", "delayed HIF8"), ("Ascend950PR", "tensorwise E4M3"),
-                       ("Ascend950PR", "blockwise E4M3"), ("Ascend950DT", "mxfp8 E4M3")):
+    for chip, name, normalization in (("Ascend950PR", "delayed HIF8", "RMSNorm"),
+                                      ("Ascend950PR", "delayed HIF8", "LayerNorm"),
+                                      ("Ascend950PR", "tensorwise E4M3", "RMSNorm"),
+                                      ("Ascend950PR", "blockwise E4M3", "RMSNorm"),
+                                      ("Ascend950DT", "mxfp8 E4M3", "RMSNorm"),
+                                      ("Ascend950DT", "mxfp8 E4M3", "LayerNorm")):
         with npu_simulated(chip) as npu:
-            forward, backward = norm_linear_launches(launch_recipes()[name], npu)
-        detail = f"{name} bfloat16 {chip}, RMSNorm"
+            forward, backward = norm_linear_launches(launch_recipes()[name], npu, normalization)
+        detail = f"{name} bfloat16 {chip}, {normalization}"
         rows.append(("NPU launches, LayerNormLinear forward", float(forward.total), detail))
         rows.append(("NPU launches, LayerNormLinear backward", float(backward.total), detail))
     with npu_simulated() as npu:

@@ -95,8 +95,9 @@ _NOT_LAUNCHES = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty
 class LaunchCounter(TorchDispatchMode):
     """Counts device kernel launches in a region: every aten op that is not a view or an allocation (on an
     NPU each is a kernel launch) plus every torch_npu kernel call. Pass the torch_npu module (or the
-    simulator) as `npu`: its `npu_*` kernels are counted once each, and the torch ops the simulator runs to
-    compute them are not counted. `counts` says what ran; `total` is the number of launches."""
+    simulator) as `npu`: its `npu_*` kernels are counted once each (and the simulator's `aten_*` models of aten
+    ops torch_npu implements, as those aten ops), and the torch ops the simulator runs to compute them are not
+    counted. `counts` says what ran; `total` is the number of launches."""
 
     def __init__(self, npu: Optional[Any] = None) -> None:
         super().__init__()
@@ -109,7 +110,7 @@ class LaunchCounter(TorchDispatchMode):
         if self._npu is not None:
             # A module's dir() lists only its own attributes; the simulator's kernels are methods of its class.
             for name in sorted(set(vars(self._npu)) | set(dir(type(self._npu)))):
-                if name.startswith("npu_") and callable(getattr(self._npu, name)):
+                if name.startswith(("npu_", "aten_")) and callable(getattr(self._npu, name)):
                     self._patched[name] = vars(self._npu).get(name)
                     setattr(self._npu, name, self._counted(name, getattr(self._npu, name)))
         return super().__enter__()
@@ -126,7 +127,8 @@ class LaunchCounter(TorchDispatchMode):
     def _counted(self, name: str, kernel: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             if self._inside_kernel == 0:
-                self.counts[f"torch_npu.{name}"] += 1
+                # The simulator's aten_<op>: the aten op torch_npu implements on NPU tensors
+                self.counts[f"aten.{name[5:]}" if name.startswith("aten_") else f"torch_npu.{name}"] += 1
             self._inside_kernel += 1
             try:
                 return kernel(*args, **kwargs)

@@ -421,24 +421,38 @@ def test_save_original_input_adds_only_the_inputs_quantize_to_backward(chip, nam
     assert backward[True] - backward[False] == want and not backward[False] - backward[True], backward
 
 
+# What a LayerNormLinear adds to a Linear on the norm's output, forward and backward. RMSNorm: npu_rms_norm and the
+# cast of its gamma to float32; the one kernel torch_npu's autograd runs for the norm (npu_rms_norm_backward: dx
+# and dgamma) and the cast of the float32 dgamma to the parameter's dtype. LayerNorm: torch_npu's LayerNorm kernel
+# on the bf16 input as it is and the casts of gamma and beta; its backward kernel and the casts of dgamma, dbeta.
+NORM_LAUNCHES = {
+    "RMSNorm": ({"torch_npu.npu_rms_norm": 1, "aten._to_copy": 1},
+                {"torch_npu.npu_rms_norm_backward": 1, "aten._to_copy": 1}),
+    "LayerNorm": ({"aten.native_layer_norm": 1, "aten._to_copy": 2},
+                  {"aten.native_layer_norm_backward": 1, "aten._to_copy": 2}),
+}
+
+
+@pytest.mark.parametrize("normalization", NORM_LAUNCHES)
 @pytest.mark.parametrize("name", ["delayed HIF8", "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3"])
-def test_layernorm_linear_adds_the_norms_kernel_and_its_gamma_cast_each_way(name):
-    """A LayerNormLinear (RMSNorm) launches what a Linear on the norm's output does plus, forward, npu_rms_norm and
-    the cast of its gamma to float32 and, backward, the one kernel torch_npu's autograd runs for the norm
-    (npu_rms_norm_backward: dx and dgamma) and the cast of the float32 dgamma to the parameter's dtype."""
+def test_layernorm_linear_adds_the_norms_kernel_and_its_parameter_casts_each_way(name, normalization):
+    """A LayerNormLinear launches what a Linear on the norm's output does plus `NORM_LAUNCHES`: no cast of the
+    activation to float32 and back, whichever the norm."""
     from mindspeed_te.bench import launch_recipes, linear_launches, norm_linear_launches
 
     recipe = launch_recipes()[name]
     with _simulated("Ascend950DT") as npu:
-        norm_forward, norm_backward = norm_linear_launches(recipe, npu)
+        norm_forward, norm_backward = norm_linear_launches(recipe, npu, normalization)
         forward, backward = linear_launches(recipe, torch.bfloat16, npu)
     added_forward = Counter(norm_forward.counts)
     added_forward.subtract(forward.counts)
     added_backward = Counter(norm_backward.counts)
     added_backward.subtract(backward.counts)
-    assert +added_forward == {"torch_npu.npu_rms_norm": 1, "aten._to_copy": 1}, dict(norm_forward.counts)
-    assert +added_backward == {"torch_npu.npu_rms_norm_backward": 1, "aten._to_copy": 1}, dict(norm_backward.counts)
-    assert norm_forward.total == forward.total + 2 and norm_backward.total == backward.total + 2
+    want_forward, want_backward = NORM_LAUNCHES[normalization]
+    assert +added_forward == want_forward, dict(norm_forward.counts)
+    assert +added_backward == want_backward, dict(norm_backward.counts)
+    assert norm_forward.total == forward.total + sum(want_forward.values())
+    assert norm_backward.total == backward.total + sum(want_backward.values())
 
 
 def test_causal_attention_is_one_kernel_each_way():

@@ -1,5 +1,7 @@
 """LayerNorm and RMSNorm against float64 closed forms: values, gradients, zero-centered gamma, float32 math for
 bf16 tensors, and the parameter attributes Megatron reads."""
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -110,3 +112,31 @@ def test_multi_dim_normalized_shape(kind):
     x = torch.randn(5, 4, 8, generator=torch.Generator().manual_seed(2))
     flat = NORMS[kind](32, eps=EPS)
     torch.testing.assert_close(norm(x), flat(x.reshape(5, 32)).reshape(5, 4, 8))
+
+
+def test_npu_layer_norm_takes_bf16_input_as_it_is():
+    """On the NPU path (simulated) a bf16 LayerNorm is torch_npu's one LayerNorm kernel on x itself, gamma and
+    beta in float32: its backward keeps x in bf16 and float32 statistics, no float32 copy of the activation
+    (which the reference's cast path keeps), and every output and gradient equals the reference backend's bit for
+    bit, zero-centered gamma included."""
+    from mindspeed_te.bench import npu_simulated
+
+    for zero_centered in (False, True):
+        results, kept = [], []
+        for simulated in (False, True):
+            norm, x = _make("LayerNorm", 256, zero_centered, dtype=torch.bfloat16)
+            x = (x.float() * 0.25 + 4).to(torch.bfloat16).requires_grad_()
+            dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+            saved: list[torch.Tensor] = []
+            with npu_simulated() if simulated else nullcontext():
+                with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=saved: kept.append(t) or t, lambda t: t):
+                    y = norm(x)
+                y.backward(dy)
+            results.append((y, x.grad, norm.weight.grad, norm.bias.grad))
+            kept.append({(t.dtype, t.numel()) for t in saved})
+        for ours, reference in zip(results[1], results[0]):
+            assert torch.equal(ours, reference)
+        activation = x.numel()
+        assert (torch.float32, activation) in kept[0]  # the reference's float32 copy of x
+        assert (torch.float32, activation) not in kept[1] and (torch.bfloat16, activation) in kept[1]
+        assert (torch.float32, activation // 256) in kept[1]  # mean and rstd

@@ -825,6 +825,41 @@ def test_rms_norm_backward_contract(sim):
     assert_raises(lambda: sim.npu_rms_norm_backward(dy, x, torch.ones(8), rstd), NpuValueError, "gamma")
 
 
+def test_layer_norm_is_torch_npus_kernel_each_way(sim):
+    """torch_npu's LayerNorm on NPU tensors (op-plugin's native_layer_norm: mean and rstd in "acc_type", float32
+    for a half input; the output like the input): float32 math on a bf16 x, y rounded once, and its backward one
+    kernel whose gradients are float32 autograd's (float64 inputs of the same values as the oracle)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 5, 32, generator=g) * 2 + 3).to(torch.bfloat16).requires_grad_()
+    gamma = (torch.rand(32, generator=g) + 0.5).requires_grad_()
+    beta = torch.randn(32, generator=g).requires_grad_()
+    dy = torch.randn(6, 5, 32, generator=g).to(torch.bfloat16)
+    y = sim.aten_native_layer_norm(x, (32,), gamma, beta, 1e-5)
+    y.backward(dy)
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and gamma.grad.dtype == torch.float32
+    assert sim.launch_counts == {"aten_native_layer_norm": 1, "aten_native_layer_norm_backward": 1}
+    x64, g64, b64 = (t.detach().double().requires_grad_() for t in (x, gamma, beta))
+    mean = x64.mean(-1, keepdim=True)
+    y64 = (x64 - mean) / torch.sqrt(((x64 - mean) ** 2).mean(-1, keepdim=True) + 1e-5) * g64 + b64
+    y64.backward(dy.double())
+    assert torch.equal(y, y64.to(torch.bfloat16)) or ((y.double() - y64).abs() <= y64.abs() * 2.0**-8 + 1e-6).all()
+    torch.testing.assert_close(x.grad, x64.grad.to(torch.bfloat16), rtol=2.0**-7, atol=1e-3)
+    torch.testing.assert_close(gamma.grad, g64.grad.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(beta.grad, b64.grad.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_contract(sim):
+    """What the simulator models: a float input, float32 weight and bias of the normalized shape."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    w, b = torch.ones(16), torch.zeros(16)
+    sim.aten_native_layer_norm(x, (16,), w, b, 1e-5)
+    assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w.bfloat16(), b, 1e-5), NpuTypeError, "weight")
+    assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w, b.bfloat16(), 1e-5), NpuTypeError, "bias")
+    assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w, torch.zeros(8), 1e-5), NpuValueError, "bias")
+    assert_raises(lambda: sim.aten_native_layer_norm(x, (8,), torch.ones(8), None, 1e-5), NpuValueError, "")
+    assert_raises(lambda: sim.aten_native_layer_norm(x.int(), (16,), w, b, 1e-5), NpuTypeError, "input")
+
+
 # Launch counting --------------------------------------------------------------------------------------------
 def test_launch_counts():
     sim, other = make_simulator(), make_simulator()

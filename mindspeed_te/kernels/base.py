@@ -82,6 +82,11 @@ class KernelBackend(ABC):
         """One `gemm` per group (M-split for fprop/dgrad, K-split with columnwise operands for wgrad)."""
 
     @abstractmethod
+    def layer_norm(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], eps: float
+                   ) -> torch.Tensor:
+        """LayerNorm over gamma's trailing dims in float32 (gamma and beta come in float32), x's dtype out."""
+
+    @abstractmethod
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over gamma's trailing dims, x's dtype out."""
 

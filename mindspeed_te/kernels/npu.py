@@ -820,6 +820,18 @@ class NpuBackend(ReferenceBackend):
         "该接口仅在Ascend 950DT上支持" and its input is float16/bfloat16 only (aclnnDynamicMxQuantWithDualAxis)."""
         return str(self.device_name).startswith("Ascend950DT") and x2d.dtype in _HALF
 
+    def layer_norm(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], eps: float
+                   ) -> torch.Tensor:
+        """torch_npu's LayerNorm kernel on x as it is, with float32 gamma and beta: op-plugin's native_layer_norm
+        (LayerNormKernelNpuOpApi.cpp, aclnnLayerNorm) keeps mean and rstd in float32 whatever x's dtype ("acc_type
+        ... at::kFloat") and returns x's dtype, which is TE's float32 math without casting x and y (4 launches
+        each way) or keeping a float32 copy of x for the backward. On NPU tensors torch's layer_norm dispatches
+        to it; the simulator models it as `aten_native_layer_norm`. float64 stays on the reference."""
+        if x.dtype not in (*_HALF, torch.float32) or gamma.dtype != torch.float32 or x.dim() < 2:
+            return super().layer_norm(x, gamma, beta, eps)
+        kernel = getattr(self.npu, "aten_native_layer_norm", torch.nn.functional.layer_norm)
+        return kernel(x, gamma.shape, gamma, beta, eps)
+
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """The fused npu_rms_norm; float64 stays on torch ops. gamma goes in float32 or x's dtype, the pairs
         aclnnRmsNorm takes (x FLOAT16/BFLOAT16 with gamma of its dtype or FLOAT32, x FLOAT32 with FLOAT32): a

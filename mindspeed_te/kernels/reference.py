@@ -203,6 +203,15 @@ class ReferenceBackend(KernelBackend):
             self._kept_decodes[id(t)] = values
         return values
 
+    def layer_norm(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], eps: float
+                   ) -> torch.Tensor:
+        """(x - mean) / sqrt(var + eps) · gamma + beta over gamma's trailing dims on x cast to float32 (float64
+        stays), x's dtype out. (PyTorch's CPU kernel takes a bfloat16 x with float32 gamma itself, but its dgamma
+        and dbeta then carry about three times bfloat16's rounding error.)"""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        beta = beta.to(dtype) if beta is not None else None
+        return torch.nn.functional.layer_norm(x.to(dtype), gamma.shape, gamma.to(dtype), beta, eps).to(x.dtype)
+
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x², trailing gamma dims) + eps) · gamma in float32 (float64 stays), x's dtype out."""
         dtype = torch.promote_types(x.dtype, torch.float32)

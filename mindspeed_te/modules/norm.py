@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from mindspeed_te.kernels import get_backend
 
@@ -31,11 +30,11 @@ def _gamma(weight: torch.Tensor, zero_centered_gamma: bool, dtype: torch.dtype) 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                zero_centered_gamma: bool = False) -> torch.Tensor:
-    """LayerNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype."""
+    """LayerNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype. gamma and beta
+    go in the compute dtype, x as it is, through the kernel backend (an NPU's kernel takes x without a cast)."""
     dtype = _compute_dtype(x)
     beta = bias.to(dtype) if bias is not None else None
-    y = F.layer_norm(x.to(dtype), weight.shape, _gamma(weight, zero_centered_gamma, dtype), beta, eps)
-    return y.to(x.dtype)
+    return get_backend(x.device).layer_norm(x, _gamma(weight, zero_centered_gamma, dtype), beta, eps)
 
 
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,13 +1,21 @@
-"""npu_rms_norm and its backward kernel npu_rms_norm_backward (aclnnRmsNorm / aclnnRmsNormGrad).
+"""npu_rms_norm and its backward kernel npu_rms_norm_backward (aclnnRmsNorm / aclnnRmsNormGrad), and torch_npu's
+LayerNorm (aten native_layer_norm and its backward on NPU tensors, aclnnLayerNorm / aclnnLayerNormBackward).
 
 torch_npu gives npu_rms_norm its backward through op-plugin's derivatives.yaml ("self, gamma:
 npu_rms_norm_backward(grad, self, gamma, result1)"): one kernel for dx and dgamma. The simulator does the same with
 an autograd Function whose backward calls its own counted `npu_rms_norm_backward`, so a launch count of a
 backward sees that one kernel (and the cast of the float32 dgamma autograd then makes, as on the device), not the
-torch ops that compute it here."""
+torch ops that compute it here.
+
+LayerNorm is an aten op torch_npu implements for NPU tensors; on the host's tensors the simulator stands for
+it as `aten_native_layer_norm` (the NPU backend calls that where it exists, torch's layer_norm otherwise) with
+the NPU kernel's dtypes: op-plugin's native_layer_norm allocates mean and rstd in float32 for a float16/bfloat16
+input ("acc_type") and the output like the input. The host's own kernel would not do: given a bfloat16 input
+with float32 gamma it keeps float32 statistics, but its dgamma and dbeta carry about three times bfloat16's
+rounding error."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -52,8 +60,63 @@ class _RmsNorm(torch.autograd.Function):
         return None, dx, dgamma, None, None
 
 
+class _LayerNorm(torch.autograd.Function):
+    """The forward kernel's values from float32 math; the backward is the simulator's
+    aten_native_layer_norm_backward."""
+
+    @staticmethod
+    def forward(ctx: Any, sim: Any, x: torch.Tensor, shape: tuple[int, ...], gamma: torch.Tensor,
+                beta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x.float(), shape, gamma, beta, eps)
+        ctx.sim, ctx.shape = sim, shape
+        ctx.save_for_backward(x, mean, rstd, gamma, beta)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, mean, rstd, gamma, beta = ctx.saved_tensors
+        dx, dgamma, dbeta = ctx.sim.aten_native_layer_norm_backward(dy, x, ctx.shape, mean, rstd, gamma, beta)
+        return None, dx, None, dgamma, dbeta, None
+
+
 class NormKernels:
-    """npu_rms_norm (differentiable) and npu_rms_norm_backward."""
+    """npu_rms_norm (differentiable), npu_rms_norm_backward, and torch_npu's LayerNorm forward and backward."""
+
+    @kernel(differentiable=True)
+    def aten_native_layer_norm(self, input: torch.Tensor, normalized_shape: Sequence[int],
+                               weight: torch.Tensor, bias: Optional[torch.Tensor] = None, eps: float = 1e-5
+                               ) -> torch.Tensor:
+        """torch's layer_norm(input, normalized_shape, weight, bias, eps) on an NPU tensor: float32 math, the
+        output in input's dtype, float32 mean and rstd kept for the backward."""
+        # op-plugin LayerNormKernelNpuOpApi.cpp: "auto acc_type = input.scalar_type() == at::kDouble ? at::kDouble :
+        # at::kFloat;" for mean_out and rstd_out, the output "apply_tensor_without_format(input)". The simulator
+        # takes the weight and bias the library passes (float32, as TE's float32 gamma math wants) and refuses
+        # what it does not model.
+        check_tensor("input", input, FLOATS)
+        check_tensor("weight", weight, (torch.float32,))
+        if bias is not None:
+            check_tensor("bias", bias, (torch.float32,))
+            check_shape("bias", bias, tuple(weight.shape))
+        shape = tuple(normalized_shape)
+        if tuple(weight.shape) != shape:
+            raise NpuValueError(f"weight {tuple(weight.shape)} must have the normalized shape {shape}")
+        _check_gamma(weight, input, "input")
+        return _LayerNorm.apply(self, input, shape, weight, bias, check_float("eps", eps))
+
+    @kernel
+    def aten_native_layer_norm_backward(self, grad_out: torch.Tensor, input: torch.Tensor,
+                                        normalized_shape: tuple[int, ...], mean: torch.Tensor, rstd: torch.Tensor,
+                                        weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+                                        ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(dx in input's dtype, dweight, dbias (None without a bias) in float32) of `aten_native_layer_norm`, in
+        float32."""
+        check_tensor("grad_out", grad_out, (input.dtype,))
+        check_shape("grad_out", grad_out, tuple(input.shape))
+        check_tensor("mean", mean, (torch.float32,))
+        check_tensor("rstd", rstd, (torch.float32,))
+        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            grad_out.float(), input.float(), normalized_shape, mean, rstd, weight, bias, [True, True, bias is not None])
+        return dx.to(input.dtype), dweight, dbias
 
     @kernel(differentiable=True)
     def npu_rms_norm(self, input: torch.Tensor, /, gamma: torch.Tensor, epsilon: float = 1e-6
