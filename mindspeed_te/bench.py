@@ -335,8 +335,7 @@ def grouped_launches(recipe: Recipe, dtype: torch.dtype, npu: Any, experts: int 
 def norm_linear_launches(recipe: Recipe, npu: Any, normalization: str = "RMSNorm"
                          ) -> tuple[LaunchCounter, LaunchCounter]:
     """Launches of one `LayerNormLinear(256, 256, bias=True)` in bfloat16 with `normalization`, measured as
-    `linear_launches` measures a Linear: the norm's kernel (and its backward kernel) and the casts of its
-    parameters to float32 on top."""
+    `linear_launches` measures a Linear: the norm's kernel and its backward kernel on top."""
     layer = LayerNormLinear(256, 256, bias=True, params_dtype=torch.bfloat16, normalization=normalization)
     return _second_layer_launches(recipe, layer, 128, npu)
 

@@ -115,10 +115,10 @@ def test_multi_dim_normalized_shape(kind):
 
 
 def test_npu_layer_norm_takes_bf16_input_as_it_is():
-    """On the NPU path (simulated) a bf16 LayerNorm is torch_npu's one LayerNorm kernel on x itself, gamma and
-    beta in float32: its backward keeps x in bf16 and float32 statistics, no float32 copy of the activation
-    (which the reference's cast path keeps), and every output and gradient equals the reference backend's bit for
-    bit, zero-centered gamma included."""
+    """On the NPU path (simulated) a bf16 LayerNorm is torch_npu's one LayerNorm kernel on x and the parameters
+    as they are (a zero-centered gamma in float32): its backward keeps x in bf16 and float32 statistics, no
+    float32 copy of the activation (which the reference's cast path keeps), and every output and gradient equals
+    the reference backend's bit for bit."""
     from mindspeed_te.bench import npu_simulated
 
     for zero_centered in (False, True):

@@ -849,11 +849,13 @@ def test_layer_norm_is_torch_npus_kernel_each_way(sim):
 
 
 def test_layer_norm_contract(sim):
-    """What the simulator models: a float input, float32 weight and bias of the normalized shape."""
+    """What the simulator models: a float input, weight of its dtype or float32, bias of the weight's dtype, both
+    of the normalized shape."""
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     w, b = torch.ones(16), torch.zeros(16)
     sim.aten_native_layer_norm(x, (16,), w, b, 1e-5)
-    assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w.bfloat16(), b, 1e-5), NpuTypeError, "weight")
+    sim.aten_native_layer_norm(x, (16,), w.bfloat16(), b.bfloat16(), 1e-5)
+    assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w.half(), b.half(), 1e-5), NpuTypeError, "weight")
     assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w, b.bfloat16(), 1e-5), NpuTypeError, "bias")
     assert_raises(lambda: sim.aten_native_layer_norm(x, (16,), w, torch.zeros(8), 1e-5), NpuValueError, "bias")
     assert_raises(lambda: sim.aten_native_layer_norm(x, (8,), torch.ones(8), None, 1e-5), NpuValueError, "")

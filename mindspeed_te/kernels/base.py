@@ -84,7 +84,7 @@ class KernelBackend(ABC):
     @abstractmethod
     def layer_norm(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], eps: float
                    ) -> torch.Tensor:
-        """LayerNorm over gamma's trailing dims in float32 (gamma and beta come in float32), x's dtype out."""
+        """LayerNorm over gamma's trailing dims in float32 (gamma and beta in x's dtype or float32), x's dtype out."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:

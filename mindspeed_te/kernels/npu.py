@@ -822,13 +822,16 @@ class NpuBackend(ReferenceBackend):
 
     def layer_norm(self, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], eps: float
                    ) -> torch.Tensor:
-        """torch_npu's LayerNorm kernel on x as it is, with float32 gamma and beta: op-plugin's native_layer_norm
-        (LayerNormKernelNpuOpApi.cpp, aclnnLayerNorm) keeps mean and rstd in float32 whatever x's dtype ("acc_type
-        ... at::kFloat") and returns x's dtype, which is TE's float32 math without casting x and y (4 launches
-        each way) or keeping a float32 copy of x for the backward. On NPU tensors torch's layer_norm dispatches
-        to it; the simulator models it as `aten_native_layer_norm`. float64 stays on the reference."""
-        if x.dtype not in (*_HALF, torch.float32) or gamma.dtype != torch.float32 or x.dim() < 2:
+        """torch_npu's LayerNorm kernel on x, gamma and beta as they are (gamma and beta of x's dtype, or float32
+        as zero-centered gamma makes them): op-plugin's native_layer_norm (LayerNormKernelNpuOpApi.cpp,
+        aclnnLayerNorm) keeps mean and rstd in float32 whatever x's dtype ("acc_type ... at::kFloat") and returns
+        x's dtype, which is TE's float32 math without casting x, y and the parameters (6 launches each way) or
+        keeping a float32 copy of x for the backward. On NPU tensors torch's layer_norm dispatches to it; the
+        simulator models it as `aten_native_layer_norm`. float64 stays on the reference."""
+        if x.dtype not in (*_HALF, torch.float32) or gamma.dtype not in (x.dtype, torch.float32) or x.dim() < 2:
             return super().layer_norm(x, gamma, beta, eps)
+        if beta is not None and beta.dtype != gamma.dtype:
+            beta = beta.to(gamma.dtype)  # beside a float32 zero-centered gamma
         kernel = getattr(self.npu, "aten_native_layer_norm", torch.nn.functional.layer_norm)
         return kernel(x, gamma.shape, gamma, beta, eps)
 

@@ -22,19 +22,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _gamma(weight: torch.Tensor, zero_centered_gamma: bool, dtype: torch.dtype) -> torch.Tensor:
-    """The applied scale. With zero-centered gamma the stored weight is gamma - 1, and the 1 is added in the
-    compute dtype: adding it in bf16 would round away the small deviations the weight stores."""
-    gamma = weight.to(dtype)
-    return gamma + 1 if zero_centered_gamma else gamma
+    """The applied scale: the weight itself (the backends compute with its values in float32, which a kernel does
+    without a cast launch), or with zero-centered gamma, where the stored weight is gamma - 1, 1 + weight in the
+    compute dtype: adding the 1 in bf16 would round away the small deviations the weight stores."""
+    return weight.to(dtype) + 1 if zero_centered_gamma else weight
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                zero_centered_gamma: bool = False) -> torch.Tensor:
-    """LayerNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype. gamma and beta
-    go in the compute dtype, x as it is, through the kernel backend (an NPU's kernel takes x without a cast)."""
-    dtype = _compute_dtype(x)
-    beta = bias.to(dtype) if bias is not None else None
-    return get_backend(x.device).layer_norm(x, _gamma(weight, zero_centered_gamma, dtype), beta, eps)
+    """LayerNorm over the trailing `weight.shape` dims, computed in float32, returned in x's dtype, through the
+    kernel backend (an NPU's kernel takes x, gamma and beta without casts)."""
+    return get_backend(x.device).layer_norm(x, _gamma(weight, zero_centered_gamma, _compute_dtype(x)), bias, eps)
 
 
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:

@@ -67,7 +67,8 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, sim: Any, x: torch.Tensor, shape: tuple[int, ...], gamma: torch.Tensor,
                 beta: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-        y, mean, rstd = torch.ops.aten.native_layer_norm(x.float(), shape, gamma, beta, eps)
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x.float(), shape, gamma.float(),
+                                                         None if beta is None else beta.float(), eps)
         ctx.sim, ctx.shape = sim, shape
         ctx.save_for_backward(x, mean, rstd, gamma, beta)
         return y.to(x.dtype)
@@ -90,12 +91,12 @@ class NormKernels:
         output in input's dtype, float32 mean and rstd kept for the backward."""
         # op-plugin LayerNormKernelNpuOpApi.cpp: "auto acc_type = input.scalar_type() == at::kDouble ? at::kDouble :
         # at::kFloat;" for mean_out and rstd_out, the output "apply_tensor_without_format(input)". The simulator
-        # takes the weight and bias the library passes (float32, as TE's float32 gamma math wants) and refuses
-        # what it does not model.
+        # takes the weight and bias the library passes (of the input's dtype, or float32 for a zero-centered
+        # gamma) and refuses what it does not model.
         check_tensor("input", input, FLOATS)
-        check_tensor("weight", weight, (torch.float32,))
+        check_tensor("weight", weight, (input.dtype, torch.float32))
         if bias is not None:
-            check_tensor("bias", bias, (torch.float32,))
+            check_tensor("bias", bias, (weight.dtype,))
             check_shape("bias", bias, tuple(weight.shape))
         shape = tuple(normalized_shape)
         if tuple(weight.shape) != shape:
@@ -108,15 +109,18 @@ class NormKernels:
                                         normalized_shape: tuple[int, ...], mean: torch.Tensor, rstd: torch.Tensor,
                                         weight: torch.Tensor, bias: Optional[torch.Tensor] = None
                                         ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(dx in input's dtype, dweight, dbias (None without a bias) in float32) of `aten_native_layer_norm`, in
-        float32."""
+        """(dx in input's dtype, dweight and dbias (None without a bias) in the weight's dtype) of
+        `aten_native_layer_norm`, computed in float32 (op-plugin's backward returns each gradient like its
+        tensor)."""
         check_tensor("grad_out", grad_out, (input.dtype,))
         check_shape("grad_out", grad_out, tuple(input.shape))
         check_tensor("mean", mean, (torch.float32,))
         check_tensor("rstd", rstd, (torch.float32,))
+        fbias = None if bias is None else bias.float()
         dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
-            grad_out.float(), input.float(), normalized_shape, mean, rstd, weight, bias, [True, True, bias is not None])
-        return dx.to(input.dtype), dweight, dbias
+            grad_out.float(), input.float(), normalized_shape, mean, rstd, weight.float(), fbias,
+            [True, True, bias is not None])
+        return dx.to(input.dtype), dweight.to(weight.dtype), None if dbias is None else dbias.to(weight.dtype)
 
     @kernel(differentiable=True)
     def npu_rms_norm(self, input: torch.Tensor, /, gamma: torch.Tensor, epsilon: float = 1e-6
