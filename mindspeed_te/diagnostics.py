@@ -87,9 +87,10 @@ def _host_copy(func, args, kwargs) -> str | None:
     return None
 
 
-# Allocations reserve memory and dtype arithmetic runs on the host; neither launches a kernel on the device.
+# Allocations reserve memory and dtype arithmetic runs on the host; neither launches a kernel on the device, and
+# neither does _unsafe_view (a view that autograd does not treat as one: reshape's second step after its copy).
 _NOT_LAUNCHES = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "promote_types",
-                 "result_type")
+                 "result_type", "_unsafe_view")
 
 
 class LaunchCounter(TorchDispatchMode):

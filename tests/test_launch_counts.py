@@ -16,8 +16,9 @@ def test_counter_counts_compute_ops_not_views_or_allocations():
         y.view(-1), y.t(), y[1:], y.reshape(6, 4)  # views: no kernel
         torch.empty(3)  # allocation: no kernel
         y.abs().amax()  # two kernels
-    assert counter.counts == {"aten.add": 1, "aten.abs": 1, "aten.amax": 1}
-    assert counter.total == 3 and counter.npu_kernels == 0
+        y.t().reshape(24)  # a copy (clone), then _unsafe_view of it: one kernel
+    assert counter.counts == {"aten.add": 1, "aten.abs": 1, "aten.amax": 1, "aten.clone": 1}
+    assert counter.total == 4 and counter.npu_kernels == 0
 
 
 def test_counter_counts_a_torch_npu_kernel_once_and_restores_the_module():
