@@ -581,13 +581,14 @@ def test_causal_and_window_masks_take_the_kernels_sparse_modes(mask_type, window
 
 
 @pytest.mark.parametrize("mask_type, padded", [("padding_causal", False), ("padding", False),
-                                              ("padding_causal", True)])
+                                              ("padding_causal", True), ("padding", True)])
 def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, use_backend):
-    """Unpadded packed sequences (thd) reach npu_fusion_attention as input_layout "TND" with the cumulative lengths
+    """Packed sequences (thd) reach npu_fusion_attention as input_layout "TND" with the cumulative lengths
     ("actual_seq_qlen"/"actual_seq_kvlen"), causal by sparse_mode 2 on the compressed mask: no [t, t] matrix. The
-    lengths are read to the host once per cu_seqlens tensor, not once per layer; padded offsets keep the explicit
-    matrix. Outputs and gradients equal the reference's bit for bit; after the first call a forward is the one
-    kernel launch and its backward the one grad kernel."""
+    lengths are read to the host once per cu_seqlens tensor, not once per layer. With padded offsets each padding
+    stretch is a sequence of its own for the kernel and its rows are zeroed after it (one masked_fill each way).
+    Outputs and gradients equal the reference's bit for bit; after the first call a forward is the one kernel
+    launch and its backward the one grad kernel (plus the zeroing when padded)."""
     from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
     from mindspeed_te.modules import DotProductAttention
 
@@ -616,18 +617,43 @@ def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, u
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got, qkv, dy), want_grads))
     layout, kwargs = seen[0]
-    if padded:
-        assert layout == "SBH" and kwargs["atten_mask"].shape == (16, 16)
-        return
-    assert layout == "TND" and kwargs["actual_seq_qlen"] == kwargs["actual_seq_kvlen"] == [3, 9, 10, 16]
+    # Padded: sequences [0, 3), [4, 10), [10, 11), [12, 16), padding [3, 4) and [11, 12)
+    ends = [3, 4, 10, 11, 12, 16] if padded else [3, 9, 10, 16]
+    assert layout == "TND" and kwargs["actual_seq_qlen"] == kwargs["actual_seq_kvlen"] == ends
     assert kwargs.get("sparse_mode", 0) == (2 if "causal" in mask_type else 0)
-    assert sum(syncs.counts.values()) == 1, dict(syncs.counts)
+    assert sum(syncs.counts.values()) == (2 if padded else 1), dict(syncs.counts)
     with LaunchCounter(sim) as forward:
         out = attn(*qkv, **packed)
     with LaunchCounter(sim) as backward:
         torch.autograd.grad(out, qkv, dy)
-    assert forward.counts == {"torch_npu.npu_fusion_attention": 1}
-    assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
+    zeroing = {"aten.masked_fill": 1} if padded else {}
+    assert forward.counts == {"torch_npu.npu_fusion_attention": 1, **zeroing}
+    assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1, **zeroing}
+
+
+def test_packed_sequences_padded_unlike_their_keys_keep_the_matrix(monkeypatch, use_backend):
+    """Queries padded where their keys are not: a padding stretch would be a sequence of its own on one side
+    only, so the kernel takes the explicit matrix (sparse_mode 0), and the result still equals the reference's."""
+    from mindspeed_te.modules import DotProductAttention
+
+    attn = DotProductAttention(2, 16, attn_mask_type="padding_causal", qkv_format="thd")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(12, 2, 16, generator=g)
+    k, v = (torch.randn(10, 2, 16, generator=g) for _ in range(2))
+    packed = dict(cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
+                  cu_seqlens_q_padded=torch.tensor([0, 6, 12], dtype=torch.int32),
+                  cu_seqlens_kv=torch.tensor([0, 4, 10], dtype=torch.int32),
+                  cu_seqlens_kv_padded=torch.tensor([0, 4, 10], dtype=torch.int32))
+    use_backend("reference")
+    want = attn(q, k, v, **packed)
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    seen = []
+    kernel = sim.npu_fusion_attention
+    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append((a[4], kw)) or kernel(*a, **kw))
+    assert torch.equal(attn(q, k, v, **packed), want)
+    assert seen[0][0] == "SBH" and seen[0][1]["atten_mask"].shape == (12, 10)
 
 
 @pytest.mark.parametrize("softmax_type, mask_type", [("off-by-one", "causal"), ("learnable", "causal"),

@@ -54,13 +54,17 @@ def _allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device, inferen
 @dataclass(frozen=True, eq=False)
 class PackedMask:
     """Packed sequences (thd): a query sees only the keys of its own sequence (`cu_seqlens_q` / `cu_seqlens_kv`:
-    cumulative lengths from 0, covering every token), all of them or (`causal`) those up to its own position from
-    the sequence's start. A kernel with a varlen mode takes the lengths; others call `dense` for the matrix."""
+    cumulative lengths from 0), all of them or (`causal`) those up to its own position from the sequence's start.
+    Without `cu_seqlens_q_padded` / `cu_seqlens_kv_padded` the sequences cover every token; with them sequence i
+    starts at their entry i and the tokens after its length up to the next start are padding, which sees no key
+    and no query sees. A kernel with a varlen mode takes the lengths; others call `dense` for the matrix."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_kv: torch.Tensor
     causal: bool
     dense: Callable[[], torch.Tensor]
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
 
 
 def as_matrix(mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], s_q: int, s_k: int,

@@ -152,6 +152,51 @@ def _host_ends(cu_seqlens: torch.Tensor) -> list[int]:
     return ends
 
 
+def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor]
+              ) -> Optional[list[tuple[int, bool]]]:
+    """(cumulative end, is padding) of each stretch of packed tokens, host values (`_host_ends`): the sequences,
+    and with padded offsets the padding after each sequence that has some; None when a sequence overruns its
+    padded slot."""
+    ends = _host_ends(cu_seqlens)
+    if cu_seqlens_padded is None:
+        return [(end, False) for end in ends]
+    slots = _host_ends(cu_seqlens_padded)
+    if len(slots) != len(ends):
+        return None
+    stretches: list[tuple[int, bool]] = []
+    for start, stop, length in zip([0] + slots[:-1], slots, (e - s for s, e in zip([0] + ends[:-1], ends))):
+        if length < 0 or start + length > stop:
+            return None
+        stretches.append((start + length, False))
+        if start + length < stop:
+            stretches.append((stop, True))
+    return stretches
+
+
+# (cu_seqlens_padded id, cu_seqlens id) -> (weak references to both, their versions, the padding rows on the device)
+_PAD_ROWS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple[int, int], torch.Tensor]] = {}
+
+
+def _padding_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, stretches: list[tuple[int, bool]]
+                  ) -> torch.Tensor:
+    """A boolean [tokens, 1] device tensor, True on the padding rows, made once per tensors and versions (one
+    host-to-device copy per micro-batch, as `_host_ends` reads once)."""
+    key = (id(cu_seqlens_padded), id(cu_seqlens))
+    versions = (cu_seqlens_padded._version, cu_seqlens._version)
+    entry = _PAD_ROWS.get(key)
+    if entry is not None and entry[0]() is cu_seqlens_padded and entry[1]() is cu_seqlens and entry[2] == versions:
+        return entry[3]
+    rows = torch.zeros(stretches[-1][0], 1, dtype=torch.bool)
+    for (start, _), (stop, pad) in zip([(0, False)] + stretches[:-1], stretches):
+        if pad:
+            rows[start:stop] = True
+    rows = rows.to(cu_seqlens.device)
+    if len(_PAD_ROWS) >= 64:
+        _PAD_ROWS.clear()
+    _PAD_ROWS[key] = (weakref.ref(cu_seqlens_padded), weakref.ref(cu_seqlens), versions, rows)
+    return rows
+
+
 def _compressed_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 causal mask of npu_fusion_attention's sparse modes, True above the diagonal, made once per
     device (one made under inference mode serves only there, as autograd cannot save it)."""
@@ -864,9 +909,12 @@ class NpuBackend(ReferenceBackend):
         if isinstance(mask, PackedMask):
             varlen = self._varlen(mask, s_q, s_k, b)
             if varlen is not None:
-                return self.npu.npu_fusion_attention(
+                out = self.npu.npu_fusion_attention(
                     query.reshape(s_q, h, d), key.reshape(s_k, -1, d), value.reshape(s_k, -1, d), h, "TND",
-                    scale=scale, keep_prob=1.0 - dropout, **varlen, **sink)[0].reshape(s_q, b, h * d)
+                    scale=scale, keep_prob=1.0 - dropout, **varlen[0], **sink)[0].reshape(s_q, h * d)
+                if varlen[1] is not None:
+                    out = out.masked_fill(varlen[1], 0.0)
+                return out.reshape(s_q, b, h * d)
             mask = mask.dense()
         if isinstance(mask, CausalMask):
             kwargs = self._sparse_mode(mask, s_q, s_k, query.device) or {}
@@ -885,23 +933,32 @@ class NpuBackend(ReferenceBackend):
         return out
 
     @staticmethod
-    def _varlen(mask: PackedMask, s_q: int, s_k: int, b: int) -> Optional[dict]:
-        """npu_fusion_attention's varlen arguments for packed sequences (input_layout "TND" with the cumulative
-        lengths "actual_seq_qlen"/"actual_seq_kvlen", host lists: one device-to-host read per cu_seqlens tensor,
-        `_host_ends`), causal by sparse_mode 2 on the compressed mask; or None for the explicit matrix: lengths that
-        do not cover every token, more sequences than the kernel takes ("varlen场景下长度最大支持1K"), or a sequence
-        with queries and no keys ("varlen场景下 ... atten_mask中不能存在某一行全1的场景")."""
-        q_ends, k_ends = _host_ends(mask.cu_seqlens_q), _host_ends(mask.cu_seqlens_kv)
-        if (b != 1 or not q_ends or len(q_ends) != len(k_ends) or len(q_ends) > 1024 or q_ends[-1] != s_q
-                or k_ends[-1] != s_k):
+    def _varlen(mask: PackedMask, s_q: int, s_k: int, b: int) -> Optional[tuple[dict, Optional[torch.Tensor]]]:
+        """(npu_fusion_attention's varlen arguments, the padding rows to zero or None) for packed sequences, or
+        None for the explicit matrix. Input_layout "TND" with the cumulative lengths "actual_seq_qlen" /
+        "actual_seq_kvlen" (host lists: one device-to-host read per cu_seqlens tensor, `_host_ends`), causal by
+        sparse_mode 2 on the compressed mask. With padded offsets the padding after a sequence is a sequence of
+        its own for the kernel, the same in queries and keys, so no real query sees it; its rows' outputs are
+        then zeroed (as rows without keys are), which also keeps their gradients from reaching any key. The
+        explicit matrix is kept for stretches that do not cover every token, more of them than the kernel takes
+        ("varlen场景下长度最大支持1K"), queries without keys ("varlen场景下 ... atten_mask中不能存在某一行全1的场景"),
+        and padding that differs between queries and keys."""
+        q = _segments(mask.cu_seqlens_q, mask.cu_seqlens_q_padded)
+        k = _segments(mask.cu_seqlens_kv, mask.cu_seqlens_kv_padded)
+        if (b != 1 or not q or not k or len(q) != len(k) or len(q) > 1024 or q[-1][0] != s_q or k[-1][0] != s_k
+                or any(pq != pk for (_, pq), (_, pk) in zip(q, k))):
             return None
+        q_ends, k_ends = [end for end, _ in q], [end for end, _ in k]
         starts = [0] + k_ends[:-1]
         if any(q1 > q0 and k1 == k0 for q0, q1, k0, k1 in zip([0] + q_ends[:-1], q_ends, starts, k_ends)):
             return None
         kwargs = dict(actual_seq_qlen=q_ends, actual_seq_kvlen=k_ends)
         if mask.causal:
             kwargs.update(atten_mask=_compressed_mask(mask.cu_seqlens_q.device), sparse_mode=2)
-        return kwargs
+        padding = None
+        if any(pad for _, pad in q):
+            padding = _padding_rows(mask.cu_seqlens_q, mask.cu_seqlens_q_padded, q)
+        return kwargs, padding
 
     @staticmethod
     def _sparse_mode(mask: CausalMask, s_q: int, s_k: int, device: torch.device) -> Optional[dict]:

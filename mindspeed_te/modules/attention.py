@@ -8,8 +8,8 @@ packed sequence (segment), its position inside that sequence, and whether it is 
 parallelism each rank holds chunks r and 2·cp-1-r of every sequence (Megatron's load-balanced split): the
 keys and values of all ranks are gathered (their gradients reduce-scattered back) and the matrix is built
 from the gathered tokens' global positions, so every cp_comm_type computes exactly full attention. A causal or
-sliding-window mask alone reaches the backend as its pattern (`CausalMask`), and so do unpadded packed sequences
-(`PackedMask`): the NPU's fused attention has modes for those that skip the masked blocks and need no matrix of
+sliding-window mask alone reaches the backend as its pattern (`CausalMask`), and so do packed sequences, padded
+or not (`PackedMask`): the NPU's fused attention has modes for those that skip the masked blocks and need no matrix of
 the sequence's size."""
 from __future__ import annotations
 
@@ -240,8 +240,8 @@ class DotProductAttention(torch.nn.Module):
                  device: torch.device, cp_size: int, packed: Optional[tuple]
                  ) -> Optional[Union[torch.Tensor, CausalMask, PackedMask]]:
         """Boolean "may attend" mask for SDPA (True = attend), None for no mask, or a pattern a kernel may have a
-        mode for: a `CausalMask` for a causal or sliding-window mask alone, a `PackedMask` for unpadded packed
-        sequences without context parallelism or a window."""
+        mode for: a `CausalMask` for a causal or sliding-window mask alone, a `PackedMask` for packed sequences
+        (padded or not) without context parallelism or a window."""
         allowed = None
         if "padding" in mask_type and packed is None:
             if attention_mask is None:
@@ -252,9 +252,11 @@ class DotProductAttention(torch.nn.Module):
                 return allowed
             pattern = CausalMask("causal" in mask_type, mask_type.endswith("bottom_right"), self.window_size)
             return pattern if allowed is None else allowed & pattern.allowed(s_q, s_k, device)
-        if packed is not None and cp_size == 1 and packed[1] is None and packed[3] is None and self.window_size is None:
+        if (packed is not None and cp_size == 1 and (packed[1] is None) == (packed[3] is None)
+                and self.window_size is None):
             return PackedMask(packed[0], packed[2], "causal" in mask_type,
-                              functools.partial(self._segments, mask_type, s_q, s_k, device, cp_size, packed))
+                              functools.partial(self._segments, mask_type, s_q, s_k, device, cp_size, packed),
+                              packed[1], packed[3])
         structure = self._segments(mask_type, s_q, s_k, device, cp_size, packed)
         return structure if allowed is None else allowed & structure
 
