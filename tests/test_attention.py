@@ -237,14 +237,16 @@ def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: 
     if softmax_type == "learnable":
         with torch.no_grad():
             attn.softmax_offset.copy_(full["offset"][: attn.num_heads])
-    cu = full["cu"]
-    index = thd_positions(cu, world, rank) if fmt == "thd" else thd_positions(torch.tensor([0, S]), world, rank)
+    cu, padded = full["cu"], full.get("padded")
+    slots = cu if padded is None else padded
+    index = thd_positions(slots, world, rank) if fmt == "thd" else thd_positions(torch.tensor([0, S]), world, rank)
     if fmt == "thd":  # tokens of this rank, sequence by sequence, at their offsets
-        starts = torch.repeat_interleave(cu[:-1], (cu[1:] - cu[:-1]) // world)
+        starts = torch.repeat_interleave(slots[:-1], (slots[1:] - slots[:-1]) // world)
         index = starts + index
     q, k, v = (full[n][index].clone().requires_grad_() for n in ("q", "k", "v"))
-    packed = (PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=16,
-                              max_seqlen_kv=16) if fmt == "thd" else None)
+    packed = (PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                              cu_seqlens_kv_padded=padded, max_seqlen_q=16, max_seqlen_kv=16)
+              if fmt == "thd" else None)
     out = attn(q, k, v, None, AttnMaskType.causal, packed_seq_params=packed)
     (out * full["dout"][index]).sum().backward()
     parallel_state.destroy_model_parallel()
@@ -256,30 +258,37 @@ def _te_attention_worker(rank: int, world: int, fmt: str, window, softmax_type: 
     ("sbhd", None, "vanilla", "reference"), ("sbhd", (3, 0), "off-by-one", "reference"),
     ("thd", None, "learnable", "reference"), ("thd", (2, 0), "vanilla", "reference"),
     ("sbhd", (3, 0), "vanilla", "reference"), ("sbhd", None, "vanilla", "npu"), ("sbhd", (3, 0), "vanilla", "npu"),
-    ("sbhd", None, "learnable", "npu")])
+    ("sbhd", None, "learnable", "npu"), ("thd", None, "vanilla", "npu"), ("thd", None, "learnable", "npu"),
+    ("thd padded", None, "vanilla", "reference"), ("thd padded", None, "vanilla", "npu")])
 def test_context_parallel_attention_matches_one_process(fmt, window, softmax_type, backend):
     """CP=2 over gloo (keys and values gathered, their gradients reduce-scattered back): every rank's
     output and q/k/v gradients equal full attention on one process (the reference backend). Causal sbhd
     attention takes each local chunk against the keys up to it, a causal block aligned at its bottom-right
     corner: on the simulated NPU each is the fused kernel's sparse_mode 3 (4 with a window) on the compressed
-    mask, never a mask of the sequence's size (a learnable softmax offset is the kernel's sink)."""
+    mask, never a mask of the sequence's size (a learnable softmax offset is the kernel's sink); causal packed
+    sequences (thd) likewise, every local chunk against its sequence's keys up to it in one varlen call."""
     from tests.dist_utils import run_distributed
 
     g = torch.Generator().manual_seed(11)
     cu = torch.tensor([0, 8, 20, 24], dtype=torch.int32)
-    tokens = S if fmt == "sbhd" else int(cu[-1])
+    extra = {}
+    if fmt == "thd padded":  # sequences of 6, 13 and 3 tokens in slots of 8, 16 and 4 (whole 2·cp chunks)
+        fmt, cu = "thd", torch.tensor([0, 6, 19, 22], dtype=torch.int32)
+        extra["padded"] = torch.tensor([0, 8, 24, 28], dtype=torch.int32)
+    tokens = S if fmt == "sbhd" else int(extra.get("padded", cu)[-1])
     shape = (tokens, B, H, D) if fmt == "sbhd" else (tokens, H, D)
     kv_shape = shape[:-2] + (2, D)
     full = {"q": torch.randn(shape, generator=g), "k": torch.randn(kv_shape, generator=g),
             "v": torch.randn(kv_shape, generator=g), "dout": torch.randn(shape[:-2] + (H * D,), generator=g),
-            "offset": torch.tensor([0.3, -0.7, 1.1, 0.0]), "cu": cu}
+            "offset": torch.tensor([0.3, -0.7, 1.1, 0.0]), "cu": cu, **extra}
     single = run_distributed(_te_attention_worker, 1, fmt, window, softmax_type, full)[0]
     for part in run_distributed(_te_attention_worker, 2, fmt, window, softmax_type, full, backend):
         index = part["index"]
         for name in ("out", "dq", "dk", "dv"):
             assert torch.allclose(part[name], single[name][index], atol=1e-5), name
-        if backend == "npu":
-            assert part["calls"] == [(3 if window is None else 4, (2048, 2048))] * 2, part["calls"]
+        if backend == "npu":  # sbhd: each local chunk; thd: all of them in one varlen call
+            calls = 2 if fmt == "sbhd" else 1
+            assert part["calls"] == [(3 if window is None else 4, (2048, 2048))] * calls, part["calls"]
 
 
 def test_fp8_dpa_recipes_warn_that_attention_stays_in_high_precision():

@@ -580,6 +580,18 @@ def test_causal_and_window_masks_take_the_kernels_sparse_modes(mask_type, window
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
 
 
+def _npu_attention_calls(monkeypatch, use_backend) -> tuple:
+    """Switch to the NPU backend on a fresh simulator; returns it and the list its npu_fusion_attention calls
+    append (input_layout, keyword arguments) to."""
+    sim = make_simulator()
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    seen = []
+    kernel = sim.npu_fusion_attention
+    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append((a[4], kw)) or kernel(*a, **kw))
+    return sim, seen
+
+
 @pytest.mark.parametrize("mask_type, padded", [("padding_causal", False), ("padding", False),
                                               ("padding_causal", True), ("padding", True)])
 def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, use_backend):
@@ -605,12 +617,7 @@ def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, u
     want = attn(*qkv, **packed)
     dy = torch.randn(want.shape, generator=g)
     want_grads = torch.autograd.grad(want, qkv, dy)
-    sim = make_simulator()
-    use_backend("npu")
-    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-    seen = []
-    kernel = sim.npu_fusion_attention
-    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append((a[4], kw)) or kernel(*a, **kw))
+    sim, seen = _npu_attention_calls(monkeypatch, use_backend)
     with HostSyncCounter() as syncs:
         got = attn(*qkv, **packed)
         attn(*qkv, **packed)  # the next layer: the same cu_seqlens
@@ -646,12 +653,7 @@ def test_packed_sequences_padded_unlike_their_keys_keep_the_matrix(monkeypatch, 
                   cu_seqlens_kv_padded=torch.tensor([0, 4, 10], dtype=torch.int32))
     use_backend("reference")
     want = attn(q, k, v, **packed)
-    sim = make_simulator()
-    use_backend("npu")
-    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
-    seen = []
-    kernel = sim.npu_fusion_attention
-    monkeypatch.setattr(sim, "npu_fusion_attention", lambda *a, **kw: seen.append((a[4], kw)) or kernel(*a, **kw))
+    sim, seen = _npu_attention_calls(monkeypatch, use_backend)
     assert torch.equal(attn(q, k, v, **packed), want)
     assert seen[0][0] == "SBH" and seen[0][1]["atten_mask"].shape == (12, 10)
 

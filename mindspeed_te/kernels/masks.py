@@ -5,6 +5,7 @@ matrix (a causal pattern's once per shape)."""
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -51,13 +52,32 @@ def _allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device, inferen
     return structure
 
 
+# cu_seqlens tensor id -> (a weak reference to it, its version, its cumulative ends as a host list)
+_HOST_ENDS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+
+
+def host_ends(cu_seqlens: torch.Tensor) -> list[int]:
+    """cu_seqlens[1:] as a host list, read from the device once per tensor and version: Megatron hands every layer
+    of a micro-batch the same cu_seqlens, so the read is one per micro-batch, not one per layer."""
+    entry = _HOST_ENDS.get(id(cu_seqlens))
+    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+        return entry[2]
+    ends = [int(v) for v in cu_seqlens[1:].tolist()]
+    if len(_HOST_ENDS) >= 64:
+        _HOST_ENDS.clear()
+    _HOST_ENDS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
+    return ends
+
+
 @dataclass(frozen=True, eq=False)
 class PackedMask:
     """Packed sequences (thd): a query sees only the keys of its own sequence (`cu_seqlens_q` / `cu_seqlens_kv`:
     cumulative lengths from 0), all of them or (`causal`) those up to its own position from the sequence's start.
     Without `cu_seqlens_q_padded` / `cu_seqlens_kv_padded` the sequences cover every token; with them sequence i
     starts at their entry i and the tokens after its length up to the next start are padding, which sees no key
-    and no query sees. A kernel with a varlen mode takes the lengths; others call `dense` for the matrix."""
+    and no query sees. `bottom_right` aligns a causal sequence's last query with its last key (a sequence may then
+    have more keys than queries). A kernel with a varlen mode takes the lengths; others call `dense` for the
+    matrix."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_kv: torch.Tensor
@@ -65,6 +85,7 @@ class PackedMask:
     dense: Callable[[], torch.Tensor]
     cu_seqlens_q_padded: Optional[torch.Tensor] = None
     cu_seqlens_kv_padded: Optional[torch.Tensor] = None
+    bottom_right: bool = False
 
 
 def as_matrix(mask: Optional[Union[torch.Tensor, CausalMask, PackedMask]], s_q: int, s_k: int,

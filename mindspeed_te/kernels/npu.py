@@ -50,7 +50,7 @@ from mindspeed_te.distributed import group_size
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.kernels.base import Capabilities, Operand
-from mindspeed_te.kernels.masks import CausalMask, PackedMask
+from mindspeed_te.kernels.masks import CausalMask, PackedMask, host_ends
 from mindspeed_te.kernels.reference import ReferenceBackend, check_accumulate
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
@@ -135,32 +135,15 @@ _ALL_TOKENS = 2147483647
 _K_PART = 511 * 128
 
 
-# cu_seqlens tensor id -> (a weak reference to it, its version, its cumulative ends as a host list)
-_HOST_ENDS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
-
-
-def _host_ends(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens[1:] as a host list, read from the device once per tensor and version: Megatron hands every layer
-    of a micro-batch the same cu_seqlens, so the read is one per micro-batch, not one per layer."""
-    entry = _HOST_ENDS.get(id(cu_seqlens))
-    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
-        return entry[2]
-    ends = [int(v) for v in cu_seqlens[1:].tolist()]
-    if len(_HOST_ENDS) >= 64:
-        _HOST_ENDS.clear()
-    _HOST_ENDS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
-    return ends
-
-
 def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor]
               ) -> Optional[list[tuple[int, bool]]]:
-    """(cumulative end, is padding) of each stretch of packed tokens, host values (`_host_ends`): the sequences,
+    """(cumulative end, is padding) of each stretch of packed tokens, host values (`host_ends`): the sequences,
     and with padded offsets the padding after each sequence that has some; None when a sequence overruns its
     padded slot."""
-    ends = _host_ends(cu_seqlens)
+    ends = host_ends(cu_seqlens)
     if cu_seqlens_padded is None:
         return [(end, False) for end in ends]
-    slots = _host_ends(cu_seqlens_padded)
+    slots = host_ends(cu_seqlens_padded)
     if len(slots) != len(ends):
         return None
     stretches: list[tuple[int, bool]] = []
@@ -177,10 +160,10 @@ def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor
 _PAD_ROWS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple[int, int], torch.Tensor]] = {}
 
 
-def _padding_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, stretches: list[tuple[int, bool]]
-                  ) -> torch.Tensor:
+def _padding_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, stretches: list[tuple[int, bool]],
+                  device: torch.device) -> torch.Tensor:
     """A boolean [tokens, 1] device tensor, True on the padding rows, made once per tensors and versions (one
-    host-to-device copy per micro-batch, as `_host_ends` reads once)."""
+    host-to-device copy per micro-batch, as `host_ends` reads once)."""
     key = (id(cu_seqlens_padded), id(cu_seqlens))
     versions = (cu_seqlens_padded._version, cu_seqlens._version)
     entry = _PAD_ROWS.get(key)
@@ -190,7 +173,7 @@ def _padding_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, str
     for (start, _), (stop, pad) in zip([(0, False)] + stretches[:-1], stretches):
         if pad:
             rows[start:stop] = True
-    rows = rows.to(cu_seqlens.device)
+    rows = rows.to(device)
     if len(_PAD_ROWS) >= 64:
         _PAD_ROWS.clear()
     _PAD_ROWS[key] = (weakref.ref(cu_seqlens_padded), weakref.ref(cu_seqlens), versions, rows)
@@ -907,7 +890,7 @@ class NpuBackend(ReferenceBackend):
         sink = {} if softmax_offset is None else dict(sink=softmax_offset.float())
         kwargs: dict = {}
         if isinstance(mask, PackedMask):
-            varlen = self._varlen(mask, s_q, s_k, b)
+            varlen = self._varlen(mask, s_q, s_k, b, query.device)
             if varlen is not None:
                 out = self.npu.npu_fusion_attention(
                     query.reshape(s_q, h, d), key.reshape(s_k, -1, d), value.reshape(s_k, -1, d), h, "TND",
@@ -933,11 +916,13 @@ class NpuBackend(ReferenceBackend):
         return out
 
     @staticmethod
-    def _varlen(mask: PackedMask, s_q: int, s_k: int, b: int) -> Optional[tuple[dict, Optional[torch.Tensor]]]:
+    def _varlen(mask: PackedMask, s_q: int, s_k: int, b: int, device: torch.device
+                ) -> Optional[tuple[dict, Optional[torch.Tensor]]]:
         """(npu_fusion_attention's varlen arguments, the padding rows to zero or None) for packed sequences, or
         None for the explicit matrix. Input_layout "TND" with the cumulative lengths "actual_seq_qlen" /
-        "actual_seq_kvlen" (host lists: one device-to-host read per cu_seqlens tensor, `_host_ends`), causal by
-        sparse_mode 2 on the compressed mask. With padded offsets the padding after a sequence is a sequence of
+        "actual_seq_kvlen" (host lists: one device-to-host read per cu_seqlens tensor, `host_ends`), causal by
+        sparse_mode 2 ("leftUpCausal") or, aligned at each sequence's last key, 3 ("rightDownCausal") on the
+        compressed mask. With padded offsets the padding after a sequence is a sequence of
         its own for the kernel, the same in queries and keys, so no real query sees it; its rows' outputs are
         then zeroed (as rows without keys are), which also keeps their gradients from reaching any key. The
         explicit matrix is kept for stretches that do not cover every token, more of them than the kernel takes
@@ -954,10 +939,10 @@ class NpuBackend(ReferenceBackend):
             return None
         kwargs = dict(actual_seq_qlen=q_ends, actual_seq_kvlen=k_ends)
         if mask.causal:
-            kwargs.update(atten_mask=_compressed_mask(mask.cu_seqlens_q.device), sparse_mode=2)
+            kwargs.update(atten_mask=_compressed_mask(device), sparse_mode=3 if mask.bottom_right else 2)
         padding = None
         if any(pad for _, pad in q):
-            padding = _padding_rows(mask.cu_seqlens_q, mask.cu_seqlens_q_padded, q)
+            padding = _padding_rows(mask.cu_seqlens_q, mask.cu_seqlens_q_padded, q, device)
         return kwargs, padding
 
     @staticmethod

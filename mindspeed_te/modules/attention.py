@@ -9,22 +9,26 @@ parallelism each rank holds chunks r and 2·cp-1-r of every sequence (Megatron's
 keys and values of all ranks are gathered (their gradients reduce-scattered back) and the matrix is built
 from the gathered tokens' global positions, so every cp_comm_type computes exactly full attention. A causal or
 sliding-window mask alone reaches the backend as its pattern (`CausalMask`), and so do packed sequences, padded
-or not (`PackedMask`): the NPU's fused attention has modes for those that skip the masked blocks and need no matrix of
-the sequence's size."""
+or not (`PackedMask`): the NPU's fused attention has modes for those that skip the masked blocks and need no
+matrix of the sequence's size. Causal attention under context parallelism needs none either: each local chunk
+attends the gathered keys of its sequence up to it, a causal block aligned at its last key (sbhd: a
+`CausalMask` per chunk; thd: one `PackedMask` for all of them)."""
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Optional, Union
 
 import torch
 
 from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel_region, group_rank, group_size
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.masks import CausalMask, PackedMask, additive, as_matrix, window_band
+from mindspeed_te.kernels.masks import CausalMask, PackedMask, additive, as_matrix, host_ends, window_band
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
 from mindspeed_te.state import FP8GlobalStateManager
@@ -61,6 +65,79 @@ def _layout(local: int, cu_seqlens: Optional[torch.Tensor], cu_seqlens_padded: O
     per_rank = (bounds[1:] - bounds[:-1]) // cp_size
     segment = torch.repeat_interleave(torch.arange(per_rank.numel(), device=device), per_rank)
     return _Layout(segment, position, position < lengths[segment])
+
+
+@dataclass(frozen=True)
+class _PackedChunks:
+    """Causal packed sequences under context parallelism, one rank's view: sequence i (slot of 2·cp chunks of
+    c_i tokens) gives the rank's chunk r and chunk 2·cp-1-r as queries, each against the keys of the sequence's
+    chunks up to its own, in sequence order. `index` picks those keys from the gathered ones (ranks' tokens one
+    after another), `cu_q` / `cu_kv` (host tensors) delimit the query chunks and their key runs, and `padding`
+    marks the rank's padding rows ([tokens, 1, 1], or None)."""
+
+    index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    padding: Optional[torch.Tensor]
+
+
+# (cu_seqlens id and version, cu_seqlens_padded id and version, cp size, rank, device) -> (weak references to the
+# two tensors, the plan)
+_PLANS: dict[tuple, tuple[weakref.ref, Optional[weakref.ref], Optional[_PackedChunks]]] = {}
+
+
+def _packed_chunks(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], cp_size: int, rank: int,
+                   device: torch.device) -> Optional[_PackedChunks]:
+    """The `_PackedChunks` of these cumulative lengths, made once per tensors and versions (Megatron hands every
+    layer of a micro-batch the same ones): host values (`host_ends`), two host-to-device copies (the index, the
+    padding). None when a slot is not whole 2·cp chunks or a sequence overruns it."""
+    padded = cu_seqlens_padded
+    key = (id(cu_seqlens), cu_seqlens._version, id(padded), None if padded is None else padded._version, cp_size,
+           rank, device)
+    entry = _PLANS.get(key)
+    if entry is not None and entry[0]() is cu_seqlens and (entry[1] is None or entry[1]() is padded):
+        return entry[2]
+    ends = host_ends(cu_seqlens)
+    lengths = [e - s for s, e in zip([0] + ends[:-1], ends)]
+    slot_ends = host_ends(padded) if padded is not None else ends
+    slots = [e - s for s, e in zip([0] + slot_ends[:-1], slot_ends)]
+    plan = None
+    if len(slots) == len(lengths) and not any(p % (2 * cp_size) or not 0 <= n <= p for n, p in zip(lengths, slots)):
+        chunks = [p // (2 * cp_size) for p in slots]
+        local, last = 2 * sum(chunks), 2 * cp_size - 1 - rank
+        picks, q_lens, kv_lens, padding = [], [], [], []
+        offset = 0  # where sequence i starts in each rank's tokens
+        for c, n in zip(chunks, lengths):
+            for mine in (rank, last):
+                q_lens.append(c)
+                kv_lens.append((mine + 1) * c)
+                for m in range(mine + 1):  # chunk m is held by rank m (m < cp) or 2·cp-1-m, as its second
+                    holder = m if m < cp_size else 2 * cp_size - 1 - m
+                    start = holder * local + offset + (0 if m < cp_size else c)
+                    picks.append(torch.arange(start, start + c))
+                padding.append(torch.arange(mine * c, (mine + 1) * c) >= n)
+            offset += 2 * c
+        if picks:
+            pad = torch.cat(padding)
+            plan = _PackedChunks(torch.cat(picks).to(device), torch.tensor(list(accumulate(q_lens, initial=0))),
+                                 torch.tensor(list(accumulate(kv_lens, initial=0))),
+                                 pad.reshape(-1, 1, 1).to(device) if bool(pad.any()) else None)
+    if len(_PLANS) >= 16:
+        _PLANS.clear()
+    _PLANS[key] = (weakref.ref(cu_seqlens), None if padded is None else weakref.ref(padded), plan)
+    return plan
+
+
+def _bottom_right_packed(cu_q: torch.Tensor, cu_kv: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The "may attend" matrix of packed sequences, causal from each sequence's last key (`PackedMask.dense`)."""
+    q_lens, kv_lens = torch.diff(cu_q).to(device), torch.diff(cu_kv).to(device)
+    q_seg = torch.repeat_interleave(torch.arange(q_lens.numel(), device=device), q_lens)
+    k_seg = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=device), kv_lens)
+    q_pos = torch.arange(q_seg.numel(), device=device) - cu_q[:-1].to(device)[q_seg]
+    k_pos = torch.arange(k_seg.numel(), device=device) - cu_kv[:-1].to(device)[k_seg]
+    # query j of a sequence with q queries and k keys sees keys up to j + k - q
+    reach = q_pos + (kv_lens - q_lens)[q_seg]
+    return (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= reach[:, None])
 
 
 class DotProductAttention(torch.nn.Module):
@@ -188,6 +265,13 @@ class DotProductAttention(torch.nn.Module):
                 and query.shape[0] % 2 == 0 and key.shape[0] == cp_size * query.shape[0]):
             with rng or contextlib.nullcontext():
                 return self._causal_chunks(query, key, value, cp_size, dropout, offset)
+        if (cp_size > 1 and fmt == "thd" and "causal" in mask_type and attention_bias is None
+                and self.window_size is None and (cu_seqlens_q_padded is None) == (cu_seqlens_kv_padded is None)):
+            plan = _packed_chunks(cu_seqlens_q, cu_seqlens_q_padded, cp_size, group_rank(self.cp_group),
+                                  query.device)
+            if plan is not None and key.shape[0] == cp_size * query.shape[0]:
+                with rng or contextlib.nullcontext():
+                    return self._packed_causal_chunks(query, key, value, plan, dropout, offset).squeeze(1)
         allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size,
                                 (cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
                                 if fmt == "thd" else None)
@@ -235,6 +319,21 @@ class DotProductAttention(torch.nn.Module):
         return torch.cat([backend.attention(query[i * c : (i + 1) * c], keys[: (j + 1) * c], values[: (j + 1) * c],
                                             pattern, self.softmax_scale, dropout, softmax_offset=offset)
                           for i, j in ((0, rank), (1, last))])
+
+    def _packed_causal_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              plan: _PackedChunks, dropout: float, offset: Optional[torch.Tensor]) -> torch.Tensor:
+        """Causal packed sequences under context parallelism as one packed attention: each local query chunk
+        against its sequence's gathered key chunks up to its own (`_packed_chunks`), causal from the last key, so
+        no [local tokens, all tokens] mask is built and a kernel's varlen mode takes it (on the NPU: TND with
+        sparse_mode 3). Padding rows (past a sequence's length) see keys here; their outputs are zeroed, as rows
+        without keys are, which also keeps their gradients from reaching any key."""
+        keys, values = key.index_select(0, plan.index), value.index_select(0, plan.index)
+        device = query.device
+        mask = PackedMask(plan.cu_q, plan.cu_kv, True,
+                          functools.partial(_bottom_right_packed, plan.cu_q, plan.cu_kv, device), bottom_right=True)
+        out = get_backend(device).attention(query, keys, values, mask, self.softmax_scale, dropout,
+                                            softmax_offset=offset)
+        return out if plan.padding is None else out.masked_fill(plan.padding, 0.0)
 
     def _allowed(self, mask_type: str, attention_mask: Optional[torch.Tensor], s_q: int, s_k: int,
                  device: torch.device, cp_size: int, packed: Optional[tuple]
