@@ -308,3 +308,21 @@ def test_fp8_dpa_recipes_warn_that_attention_stays_in_high_precision():
         warnings.simplefilter("error")
         with fp8_autocast(fp8_recipe=DelayedScaling()):
             attn(q, k, v)
+
+
+def test_packed_chunk_plans_are_made_once_per_micro_batch_and_apart_under_inference_mode():
+    """The keys' index of causal packed sequences under context parallelism is made once per cu_seqlens tensor
+    (every layer of a micro-batch shares it), and apart under inference mode, whose tensors autograd cannot save
+    (index_select's backward needs the index). Rank 0 of 2: sequences of 8 and 4 tokens in chunks of 2 and 1."""
+    from mindspeed_te.modules.attention import _packed_chunks
+
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    plan = _packed_chunks(cu, None, 2, 0, torch.device("cpu"))
+    assert _packed_chunks(cu, None, 2, 0, torch.device("cpu")) is plan
+    # rank 0 holds chunks 0 and 3 (6 tokens); chunk m of a sequence is on rank m or 3 - m, rank 1's tokens from 6
+    assert plan.index.tolist() == [0, 1] + [0, 1, 6, 7, 8, 9, 2, 3] + [4] + [4, 10, 11, 5]
+    assert plan.cu_q.tolist() == [0, 2, 4, 5, 6] and plan.cu_kv.tolist() == [0, 2, 10, 11, 15]
+    assert plan.padding is None
+    with torch.inference_mode():
+        inference = _packed_chunks(cu, None, 2, 0, torch.device("cpu"))
+    assert inference is not plan and inference.index.is_inference() and not plan.index.is_inference()

@@ -638,6 +638,27 @@ def test_packed_sequences_take_the_varlen_mode(mask_type, padded, monkeypatch, u
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1, **zeroing}
 
 
+def test_padded_packed_sequences_train_after_an_inference_call(monkeypatch, use_backend):
+    """The padding rows made once per micro-batch are made apart under inference mode (say an evaluation
+    forward on the same cu_seqlens): autograd cannot save an inference tensor, which the zeroing's backward
+    would."""
+    from mindspeed_te.modules import DotProductAttention
+
+    attn = DotProductAttention(2, 16, attn_mask_type="padding_causal", qkv_format="thd")
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(8, 2, 16, generator=g, requires_grad=True) for _ in range(3))
+    cu, slots = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32)
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=slots, cu_seqlens_kv_padded=slots)
+    use_backend("reference")
+    want = torch.autograd.grad(attn(q, k, v, **packed).sum(), (q, k, v))
+    _, seen = _npu_attention_calls(monkeypatch, use_backend)
+    with torch.inference_mode():
+        attn(q, k, v, **packed)
+    got = torch.autograd.grad(attn(q, k, v, **packed).sum(), (q, k, v))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [layout for layout, _ in seen] == ["TND", "TND"]
+
+
 def test_packed_sequences_padded_unlike_their_keys_keep_the_matrix(monkeypatch, use_backend):
     """Queries padded where their keys are not: a padding stretch would be a sequence of its own on one side
     only, so the kernel takes the explicit matrix (sparse_mode 0), and the result still equals the reference's."""

@@ -156,15 +156,16 @@ def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor
     return stretches
 
 
-# (cu_seqlens_padded id, cu_seqlens id) -> (weak references to both, their versions, the padding rows on the device)
-_PAD_ROWS: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, tuple[int, int], torch.Tensor]] = {}
+# (cu_seqlens_padded id, cu_seqlens id, inference mode) -> (weak references to both, their versions, the padding
+# rows on the device)
+_PAD_ROWS: dict[tuple[int, int, bool], tuple[weakref.ref, weakref.ref, tuple[int, int], torch.Tensor]] = {}
 
 
 def _padding_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, stretches: list[tuple[int, bool]],
                   device: torch.device) -> torch.Tensor:
     """A boolean [tokens, 1] device tensor, True on the padding rows, made once per tensors and versions (one
     host-to-device copy per micro-batch, as `host_ends` reads once)."""
-    key = (id(cu_seqlens_padded), id(cu_seqlens))
+    key = (id(cu_seqlens_padded), id(cu_seqlens), torch.is_inference_mode_enabled())  # autograd saves the rows
     versions = (cu_seqlens_padded._version, cu_seqlens._version)
     entry = _PAD_ROWS.get(key)
     if entry is not None and entry[0]() is cu_seqlens_padded and entry[1]() is cu_seqlens and entry[2] == versions:

@@ -81,8 +81,8 @@ class _PackedChunks:
     padding: Optional[torch.Tensor]
 
 
-# (cu_seqlens id and version, cu_seqlens_padded id and version, cp size, rank, device) -> (weak references to the
-# two tensors, the plan)
+# (cu_seqlens id and version, cu_seqlens_padded id and version, cp size, rank, device, inference mode) -> (weak
+# references to the two tensors, the plan)
 _PLANS: dict[tuple, tuple[weakref.ref, Optional[weakref.ref], Optional[_PackedChunks]]] = {}
 
 
@@ -93,7 +93,7 @@ def _packed_chunks(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.T
     padding). None when a slot is not whole 2·cp chunks or a sequence overruns it."""
     padded = cu_seqlens_padded
     key = (id(cu_seqlens), cu_seqlens._version, id(padded), None if padded is None else padded._version, cp_size,
-           rank, device)
+           rank, device, torch.is_inference_mode_enabled())  # autograd cannot save an inference-mode index
     entry = _PLANS.get(key)
     if entry is not None and entry[0]() is cu_seqlens and (entry[1] is None or entry[1]() is padded):
         return entry[2]
