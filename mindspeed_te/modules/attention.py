@@ -269,7 +269,9 @@ class DotProductAttention(torch.nn.Module):
                 and self.window_size is None and (cu_seqlens_q_padded is None) == (cu_seqlens_kv_padded is None)):
             plan = _packed_chunks(cu_seqlens_q, cu_seqlens_q_padded, cp_size, group_rank(self.cp_group),
                                   query.device)
-            if plan is not None and key.shape[0] == cp_size * query.shape[0]:
+            same = host_ends(cu_seqlens_q) == host_ends(cu_seqlens_kv) and (
+                cu_seqlens_q_padded is None or host_ends(cu_seqlens_q_padded) == host_ends(cu_seqlens_kv_padded))
+            if plan is not None and same and key.shape[0] == cp_size * query.shape[0]:
                 with rng or contextlib.nullcontext():
                     return self._packed_causal_chunks(query, key, value, plan, dropout, offset).squeeze(1)
         allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size,
@@ -322,11 +324,12 @@ class DotProductAttention(torch.nn.Module):
 
     def _packed_causal_chunks(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               plan: _PackedChunks, dropout: float, offset: Optional[torch.Tensor]) -> torch.Tensor:
-        """Causal packed sequences under context parallelism as one packed attention: each local query chunk
-        against its sequence's gathered key chunks up to its own (`_packed_chunks`), causal from the last key, so
-        no [local tokens, all tokens] mask is built and a kernel's varlen mode takes it (on the NPU: TND with
-        sparse_mode 3). Padding rows (past a sequence's length) see keys here; their outputs are zeroed, as rows
-        without keys are, which also keeps their gradients from reaching any key."""
+        """Causal packed sequences under context parallelism (keys packed as the queries) as one packed
+        attention: each local query chunk against its sequence's gathered key chunks up to its own
+        (`_packed_chunks`), causal from the last key, so no [local tokens, all tokens] mask is built and a
+        kernel's varlen mode takes it (on the NPU: TND with sparse_mode 3). Padding rows (past a sequence's
+        length) see keys here; their outputs are zeroed, as rows without keys are, which also keeps their
+        gradients from reaching any key."""
         keys, values = key.index_select(0, plan.index), value.index_select(0, plan.index)
         device = query.device
         mask = PackedMask(plan.cu_q, plan.cu_kv, True,
