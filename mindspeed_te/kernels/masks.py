@@ -7,9 +7,11 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import torch
+
+T = TypeVar("T")
 
 
 def window_band(q_pos: torch.Tensor, k_pos: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
@@ -52,21 +54,36 @@ def _allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device, inferen
     return structure
 
 
-# cu_seqlens tensor id -> (a weak reference to it, its version, its cumulative ends as a host list)
-_HOST_ENDS: dict[int, tuple[weakref.ref, int, list[int]]] = {}
+def kept_per_tensors(cache: dict, tensors: Sequence[Optional[torch.Tensor]], extra: tuple, make: Callable[[], T],
+                     bound: int = 64) -> T:
+    """make(), made once per `tensors` (by identity and version: an in-place change makes it again) and `extra`,
+    and kept in `cache` (cleared past `bound` entries). Megatron hands every layer of a micro-batch the same
+    cu_seqlens, so what is derived from them on the host is made once per micro-batch, not once per layer."""
+    key = (tuple((id(t), None if t is None else t._version) for t in tensors), extra)
+    entry = cache.get(key)
+    if entry is not None and all((ref is None) if t is None else (ref is not None and ref() is t)
+                                 for ref, t in zip(entry[0], tensors)):
+        return entry[1]
+    value = make()
+    if len(cache) >= bound:
+        cache.clear()
+    cache[key] = (tuple(None if t is None else weakref.ref(t) for t in tensors), value)
+    return value
+
+
+_HOST_ENDS: dict = {}
 
 
 def host_ends(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens[1:] as a host list, read from the device once per tensor and version: Megatron hands every layer
-    of a micro-batch the same cu_seqlens, so the read is one per micro-batch, not one per layer."""
-    entry = _HOST_ENDS.get(id(cu_seqlens))
-    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
-        return entry[2]
-    ends = [int(v) for v in cu_seqlens[1:].tolist()]
-    if len(_HOST_ENDS) >= 64:
-        _HOST_ENDS.clear()
-    _HOST_ENDS[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, ends)
-    return ends
+    """cu_seqlens[1:] as a host list, read from the device once per tensor and version (`kept_per_tensors`)."""
+    return kept_per_tensors(_HOST_ENDS, (cu_seqlens,), (),
+                            lambda: [int(v) for v in cu_seqlens[1:].tolist()])
+
+
+def host_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    """The lengths cumulative sums from 0 describe, from `host_ends`."""
+    ends = host_ends(cu_seqlens)
+    return [end - start for start, end in zip([0] + ends[:-1], ends)]
 
 
 @dataclass(frozen=True, eq=False)

@@ -40,7 +40,6 @@ import copy
 import functools
 import math
 import os
-import weakref
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -50,7 +49,7 @@ from mindspeed_te.distributed import group_size
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.kernels.base import Capabilities, Operand
-from mindspeed_te.kernels.masks import CausalMask, PackedMask, host_ends
+from mindspeed_te.kernels.masks import CausalMask, PackedMask, host_ends, host_lengths, kept_per_tensors
 from mindspeed_te.kernels.reference import ReferenceBackend, check_accumulate
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
@@ -140,14 +139,13 @@ def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor
     """(cumulative end, is padding) of each stretch of packed tokens, host values (`host_ends`): the sequences,
     and with padded offsets the padding after each sequence that has some; None when a sequence overruns its
     padded slot."""
-    ends = host_ends(cu_seqlens)
     if cu_seqlens_padded is None:
-        return [(end, False) for end in ends]
-    slots = host_ends(cu_seqlens_padded)
-    if len(slots) != len(ends):
+        return [(end, False) for end in host_ends(cu_seqlens)]
+    lengths, slots = host_lengths(cu_seqlens), host_ends(cu_seqlens_padded)
+    if len(slots) != len(lengths):
         return None
     stretches: list[tuple[int, bool]] = []
-    for start, stop, length in zip([0] + slots[:-1], slots, (e - s for s, e in zip([0] + ends[:-1], ends))):
+    for start, stop, length in zip([0] + slots[:-1], slots, lengths):
         if length < 0 or start + length > stop:
             return None
         stretches.append((start + length, False))
@@ -156,29 +154,23 @@ def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor
     return stretches
 
 
-# (cu_seqlens_padded id, cu_seqlens id, inference mode) -> (weak references to both, their versions, the padding
-# rows on the device)
-_PAD_ROWS: dict[tuple[int, int, bool], tuple[weakref.ref, weakref.ref, tuple[int, int], torch.Tensor]] = {}
+_PAD_ROWS: dict = {}
 
 
 def _padding_rows(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, stretches: list[tuple[int, bool]],
                   device: torch.device) -> torch.Tensor:
-    """A boolean [tokens, 1] device tensor, True on the padding rows, made once per tensors and versions (one
-    host-to-device copy per micro-batch, as `host_ends` reads once)."""
-    key = (id(cu_seqlens_padded), id(cu_seqlens), torch.is_inference_mode_enabled())  # autograd saves the rows
-    versions = (cu_seqlens_padded._version, cu_seqlens._version)
-    entry = _PAD_ROWS.get(key)
-    if entry is not None and entry[0]() is cu_seqlens_padded and entry[1]() is cu_seqlens and entry[2] == versions:
-        return entry[3]
-    rows = torch.zeros(stretches[-1][0], 1, dtype=torch.bool)
-    for (start, _), (stop, pad) in zip([(0, False)] + stretches[:-1], stretches):
-        if pad:
-            rows[start:stop] = True
-    rows = rows.to(device)
-    if len(_PAD_ROWS) >= 64:
-        _PAD_ROWS.clear()
-    _PAD_ROWS[key] = (weakref.ref(cu_seqlens_padded), weakref.ref(cu_seqlens), versions, rows)
-    return rows
+    """A boolean [tokens, 1] device tensor, True on the padding rows, made once per tensors and versions
+    (`kept_per_tensors`: one host-to-device copy per micro-batch), apart under inference mode (autograd saves
+    the rows, and cannot save an inference tensor)."""
+    def make() -> torch.Tensor:
+        rows = torch.zeros(stretches[-1][0], 1, dtype=torch.bool)
+        for (start, _), (stop, pad) in zip([(0, False)] + stretches[:-1], stretches):
+            if pad:
+                rows[start:stop] = True
+        return rows.to(device)
+
+    return kept_per_tensors(_PAD_ROWS, (cu_seqlens, cu_seqlens_padded), (device, torch.is_inference_mode_enabled()),
+                            make)
 
 
 def _compressed_mask(device: torch.device) -> torch.Tensor:
@@ -854,7 +846,7 @@ class NpuBackend(ReferenceBackend):
         """torch_npu's LayerNorm kernel on x, gamma and beta as they are (gamma and beta of x's dtype, or float32
         as zero-centered gamma makes them): op-plugin's native_layer_norm (LayerNormKernelNpuOpApi.cpp,
         aclnnLayerNorm) keeps mean and rstd in float32 whatever x's dtype ("acc_type ... at::kFloat") and returns
-        x's dtype, which is TE's float32 math without casting x, y and the parameters (6 launches each way) or
+        x's dtype, which is TE's float32 math without casting x, y and the parameters (4 casts each way) or
         keeping a float32 copy of x for the backward. On NPU tensors torch's layer_norm dispatches to it; the
         simulator models it as `aten_native_layer_norm`. float64 stays on the reference."""
         if x.dtype not in (*_HALF, torch.float32) or gamma.dtype not in (x.dtype, torch.float32) or x.dim() < 2:

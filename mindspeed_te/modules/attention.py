@@ -19,7 +19,6 @@ import contextlib
 import functools
 import math
 import warnings
-import weakref
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Optional, Union
@@ -28,7 +27,16 @@ import torch
 
 from mindspeed_te.distributed import ProcessGroup, gather_from_sequence_parallel_region, group_rank, group_size
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.masks import CausalMask, PackedMask, additive, as_matrix, host_ends, window_band
+from mindspeed_te.kernels.masks import (
+    CausalMask,
+    PackedMask,
+    additive,
+    as_matrix,
+    host_ends,
+    host_lengths,
+    kept_per_tensors,
+    window_band,
+)
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
 from mindspeed_te.state import FP8GlobalStateManager
@@ -81,28 +89,28 @@ class _PackedChunks:
     padding: Optional[torch.Tensor]
 
 
-# (cu_seqlens id and version, cu_seqlens_padded id and version, cp size, rank, device, inference mode) -> (weak
-# references to the two tensors, the plan)
-_PLANS: dict[tuple, tuple[weakref.ref, Optional[weakref.ref], Optional[_PackedChunks]]] = {}
+def _chunk_start(m: int, cp_size: int, chunk: int, local: int, offset: int = 0) -> int:
+    """Where chunk m (of `chunk` tokens) of a sequence lies among the gathered tokens of all ranks, each rank's
+    `local` tokens after the previous rank's, the sequence starting at `offset` in each: Megatron's load-balanced
+    split gives rank r chunks r and 2·cp-1-r, in that order."""
+    holder = m if m < cp_size else 2 * cp_size - 1 - m
+    return holder * local + offset + (0 if m < cp_size else chunk)
+
+
+_PLANS: dict = {}
 
 
 def _packed_chunks(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.Tensor], cp_size: int, rank: int,
                    device: torch.device) -> Optional[_PackedChunks]:
-    """The `_PackedChunks` of these cumulative lengths, made once per tensors and versions (Megatron hands every
-    layer of a micro-batch the same ones): host values (`host_ends`), two host-to-device copies (the index, the
-    padding). None when a slot is not whole 2·cp chunks or a sequence overruns it."""
-    padded = cu_seqlens_padded
-    key = (id(cu_seqlens), cu_seqlens._version, id(padded), None if padded is None else padded._version, cp_size,
-           rank, device, torch.is_inference_mode_enabled())  # autograd cannot save an inference-mode index
-    entry = _PLANS.get(key)
-    if entry is not None and entry[0]() is cu_seqlens and (entry[1] is None or entry[1]() is padded):
-        return entry[2]
-    ends = host_ends(cu_seqlens)
-    lengths = [e - s for s, e in zip([0] + ends[:-1], ends)]
-    slot_ends = host_ends(padded) if padded is not None else ends
-    slots = [e - s for s, e in zip([0] + slot_ends[:-1], slot_ends)]
-    plan = None
-    if len(slots) == len(lengths) and not any(p % (2 * cp_size) or not 0 <= n <= p for n, p in zip(lengths, slots)):
+    """The `_PackedChunks` of these cumulative lengths, made once per tensors and versions (`kept_per_tensors`)
+    and apart under inference mode (autograd cannot save an inference-mode index): host values (`host_ends`),
+    two host-to-device copies (the index, the padding). None when a slot is not whole 2·cp chunks or a sequence
+    overruns it."""
+    def make() -> Optional[_PackedChunks]:
+        lengths = host_lengths(cu_seqlens)
+        slots = host_lengths(cu_seqlens_padded) if cu_seqlens_padded is not None else lengths
+        if len(slots) != len(lengths) or any(p % (2 * cp_size) or not 0 <= n <= p for n, p in zip(lengths, slots)):
+            return None
         chunks = [p // (2 * cp_size) for p in slots]
         local, last = 2 * sum(chunks), 2 * cp_size - 1 - rank
         picks, q_lens, kv_lens, padding = [], [], [], []
@@ -111,21 +119,20 @@ def _packed_chunks(cu_seqlens: torch.Tensor, cu_seqlens_padded: Optional[torch.T
             for mine in (rank, last):
                 q_lens.append(c)
                 kv_lens.append((mine + 1) * c)
-                for m in range(mine + 1):  # chunk m is held by rank m (m < cp) or 2·cp-1-m, as its second
-                    holder = m if m < cp_size else 2 * cp_size - 1 - m
-                    start = holder * local + offset + (0 if m < cp_size else c)
+                for m in range(mine + 1):
+                    start = _chunk_start(m, cp_size, c, local, offset)
                     picks.append(torch.arange(start, start + c))
                 padding.append(torch.arange(mine * c, (mine + 1) * c) >= n)
             offset += 2 * c
-        if picks:
-            pad = torch.cat(padding)
-            plan = _PackedChunks(torch.cat(picks).to(device), torch.tensor(list(accumulate(q_lens, initial=0))),
-                                 torch.tensor(list(accumulate(kv_lens, initial=0))),
-                                 pad.reshape(-1, 1, 1).to(device) if bool(pad.any()) else None)
-    if len(_PLANS) >= 16:
-        _PLANS.clear()
-    _PLANS[key] = (weakref.ref(cu_seqlens), None if padded is None else weakref.ref(padded), plan)
-    return plan
+        if not picks:
+            return None
+        pad = torch.cat(padding)
+        return _PackedChunks(torch.cat(picks).to(device), torch.tensor(list(accumulate(q_lens, initial=0))),
+                             torch.tensor(list(accumulate(kv_lens, initial=0))),
+                             pad.reshape(-1, 1, 1).to(device) if bool(pad.any()) else None)
+
+    return kept_per_tensors(_PLANS, (cu_seqlens, cu_seqlens_padded),
+                            (cp_size, rank, device, torch.is_inference_mode_enabled()), make, bound=16)
 
 
 def _bottom_right_packed(cu_q: torch.Tensor, cu_kv: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -310,9 +317,8 @@ class DotProductAttention(torch.nn.Module):
         last = 2 * cp_size - 1 - rank  # the second local chunk's place in the sequence
 
         def chunk(t: torch.Tensor, j: int) -> torch.Tensor:
-            """Chunk j of the sequence in the gathered t: rank r's 2c tokens are chunks r and 2·cp-1-r."""
-            holder = j if j < cp_size else 2 * cp_size - 1 - j
-            start = holder * 2 * c + (0 if j < cp_size else c)
+            """Chunk j of the sequence in the gathered t (each rank's 2c tokens after the previous rank's)."""
+            start = _chunk_start(j, cp_size, c, 2 * c)
             return t[start : start + c]
 
         keys, values = (torch.cat([chunk(t, j) for j in range(last + 1)]) for t in (key, value))
