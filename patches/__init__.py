@@ -6,12 +6,17 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
-import warnings
 from typing import Iterator
 
-from mindspeed_te.patches.registry import SUPPORTED_MEGATRON_CORE, PatchError, PatchRegistry, megatron_versions
+from mindspeed_te.patches.registry import (
+    SUPPORTED_MEGATRON_CORE,
+    PatchError,
+    PatchRegistry,
+    installed_megatron_core,
+    megatron_versions,
+    supported_release,
+)
 
 __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 
@@ -20,9 +25,9 @@ def build_registry() -> PatchRegistry:
     """The TE module patches for megatron.core, the argument hooks when megatron.training (the Megatron-LM
     repository, not on PyPI) is importable, and the CPU device adaptor when there is no accelerator."""
     if importlib.util.find_spec("megatron.core") is None:
-        raise ImportError("mindspeed_te's Megatron patches need megatron-core: pip install megatron-core==0.16.1 "
-                          "(or put a Megatron-LM checkout on sys.path)")
-    _warn_on_other_megatron_version()
+        raise ImportError("mindspeed_te's Megatron patches need megatron-core 0.12 to 0.19: pip install "
+                          "megatron-core==0.16.1 (or put a Megatron-LM checkout on sys.path)")
+    _check_megatron_release()
     registry = PatchRegistry()
     with _building("megatron.core.extensions.transformer_engine"):
         from mindspeed_te.patches.megatron_te import register_megatron_te
@@ -63,13 +68,10 @@ def _building(targets: str) -> Iterator[None]:
                          f"{f' (missing {missing!r})' if missing else ''} ({megatron_versions()})") from error
 
 
-def _warn_on_other_megatron_version() -> None:
-    """The patch table is written against one megatron-core release; say so when another one is installed
-    (a Megatron-LM checkout on sys.path without package metadata is taken as it is)."""
-    try:
-        installed = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    if installed != SUPPORTED_MEGATRON_CORE:
-        warnings.warn(f"mindspeed_te's Megatron patches are written for another release ({megatron_versions()}); "
-                      "a patch that no longer fits fails with the target it could not apply", stacklevel=2)
+def _check_megatron_release() -> None:
+    """Refuse a megatron-core outside the supported release lines, naming them (a release line the patches were
+    never run against fails in ways that name no cause)."""
+    installed = installed_megatron_core()
+    if not supported_release(installed):
+        raise PatchError(f"mindspeed_te does not support megatron-core {installed}; supported releases: "
+                         f"{', '.join(line + '.x' for line in SUPPORTED_MEGATRON_CORE)}")

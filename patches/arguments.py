@@ -6,6 +6,12 @@ Flags: `--fp8-format hif8` (added to Megatron's own choices), `--fp8-recipe hif8
 high precision) and `--use-ascend-mc2` (fused matmul + communication kernels). Megatron copies only
 TransformerConfig's own fields from the arguments into the config, so `core_transformer_config_from_args` is
 wrapped to carry these over as config attributes, where the TE* modules read them.
+
+`--fp8-recipe hif8_delayed` is delayed scaling with MindSpeed's HiF8 schedule. Megatron tests
+`fp8_recipe == "delayed"` in about ten places (the outer autocast of a transformer block, MLA's and shared experts'
+`save_original_input`, the distributed optimizer, `--first-last-layers-bf16`, ...), so after parsing
+`args.fp8_recipe` is Megatron's own "delayed" and `args.hif8_delayed` (copied onto the config) carries the schedule
+to `recipe_from_config`.
 """
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ from mindspeed_te.recipe import Format
 CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None,
                  "hif8_input_margin": 11, "hif8_weight_margin": 12, "hif8_grad_margin": 11,
                  "hif8_amax_collect_interval": 5, "hif8_scale_update_interval": 10, "hif8_amax_history_len": 128,
-                 "fp8_step_recovery": False}
+                 "fp8_step_recovery": False, "hif8_delayed": False}
 # --fp8-recipe values added to Megatron's own
 RECIPE_CHOICES = ("hif8_delayed",)
+# what Megatron sees of --fp8-recipe hif8_delayed after parse_args (with args.hif8_delayed = True)
+HIF8_DELAYED_AS = "delayed"
 # E5M2 alone is not a training format (TransformerEngine refuses it too): gradients only, through hybrid.
 FORMAT_CHOICES = tuple(f.name.lower() for f in Format if f is not Format.E5M2)
 
@@ -77,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     if _option(parser, "--hif8-fwd-max") is not None:
         return parser  # added by an earlier hook: adding them twice would be an argparse conflict
     group = parser.add_argument_group("mindspeed_te")
+    parser.set_defaults(hif8_delayed=False)  # set by --fp8-recipe hif8_delayed, see use_hif8_delayed
     group.add_argument("--hif8-fwd-max", type=_hif8_target("--hif8-fwd-max"), default=None,
                        help="HiF8 target max of activations and weights (default 15)")
     group.add_argument("--hif8-bwd-max", type=_hif8_target("--hif8-bwd-max"), default=None,
@@ -109,13 +118,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def recipe_flag(args: argparse.Namespace) -> Optional[str]:
+    """The --fp8-recipe the user gave: "hif8_delayed" also after `use_hif8_delayed` made it Megatron's delayed."""
+    recipe = getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
+    return "hif8_delayed" if recipe == HIF8_DELAYED_AS and getattr(args, "hif8_delayed", False) else recipe
+
+
+def use_hif8_delayed(args: argparse.Namespace) -> None:
+    """--fp8-recipe hif8_delayed: Megatron's fp8_recipe becomes "delayed", so that its own delayed-scaling checks
+    apply, and `hif8_delayed` (copied onto the config with the --hif8-* settings) selects HIF8DelayedScaling."""
+    args.hif8_delayed = recipe_flag(args) == "hif8_delayed"
+    if args.hif8_delayed:
+        args.fp8_recipe = HIF8_DELAYED_AS
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Reject flag combinations mindspeed_te cannot run, naming the flags."""
     fp8 = getattr(args, "fp8", None)
     if fp8 and getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
         raise ValueError(f"--fp8-format {fp8} needs --transformer-impl transformer_engine "
                          f"(got --transformer-impl {args.transformer_impl})")
-    recipe = getattr(getattr(args, "fp8_recipe", None), "value", getattr(args, "fp8_recipe", None))
+    recipe = recipe_flag(args)
     if recipe == "hif8_delayed" and fp8 != "hif8":
         raise ValueError(f"--fp8-recipe hif8_delayed needs --fp8-format hif8 (got --fp8-format {fp8})")
     if fp8 == "hif8" and recipe == "mxfp8":
@@ -149,7 +172,8 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def wrap_parse_args(parse_args: Callable) -> Callable:
-    """Megatron's parse_args with our flags added before the caller's extra arguments, then validated."""
+    """Megatron's parse_args with our flags added before the caller's extra arguments, then validated, and
+    --fp8-recipe hif8_delayed handed to Megatron as delayed (`use_hif8_delayed`)."""
 
     @functools.wraps(parse_args)
     def wrapped(extra_args_provider: Optional[Callable] = None, ignore_unknown_args: bool = False):
@@ -159,6 +183,7 @@ def wrap_parse_args(parse_args: Callable) -> Callable:
 
         args = parse_args(provider, ignore_unknown_args)
         validate_args(args)
+        use_hif8_delayed(args)
         return args
 
     return wrapped

@@ -11,11 +11,16 @@ state manager. Flags are raised only in modules whose TE branches use nothing bu
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import types
+
 from packaging.version import Version
 
 from mindspeed_te.megatron import (
     Fp8Padding,
     Fp8Unpadding,
+    SplitAlongDim,
     TEColumnParallelGroupedLinear,
     TEColumnParallelLinear,
     TECudaRNGStatesTracker,
@@ -32,10 +37,12 @@ from mindspeed_te.megatron import (
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
+    set_save_original_input,
     te_checkpoint,
     te_parallel_cross_entropy,
 )
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
+from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
 from mindspeed_te.patches.registry import PatchRegistry, resolve
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
@@ -43,6 +50,7 @@ from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 TE_API_VERSION = "2.8.0"
 
 EXTENSION = "megatron.core.extensions.transformer_engine"
+SPEC_PROVIDER = f"{EXTENSION}_spec_provider"
 
 TE_CLASSES = {
     "TENorm": TENorm,
@@ -70,6 +78,8 @@ TE_FUNCTIONS = {
     "fused_apply_rotary_pos_emb": fused_apply_rotary_pos_emb,
     "fused_apply_rotary_pos_emb_thd": fused_apply_rotary_pos_emb_thd,
     "te_parallel_cross_entropy": te_parallel_cross_entropy,
+    "SplitAlongDim": SplitAlongDim,
+    "set_save_original_input": set_save_original_input,
 }
 
 # module -> names its failed TE import block should have bound (taken from the extension after patching),
@@ -90,6 +100,8 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
     # --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
     "megatron.core.models.common.language_module.language_module": (("te_parallel_cross_entropy",), False),
     "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider", "TEFusedMLP"), True),
+    # The fused QKV split, and the output projection keeping its high-precision input under FP8 (HAVE_TE).
+    "megatron.core.transformer.attention": (("SplitAlongDim", "TELinear", "set_save_original_input"), True),
     # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
     "megatron.core.transformer.transformer_block": (
         ("TENorm", "LayerNormImpl", "get_cpu_offload_context", "te_checkpoint"), False),
@@ -103,6 +115,13 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
         "fused_unpermute", "te_general_gemm"), False),
 }
 
+# Megatron's own fused MLA RoPE (triton kernels that need a GPU), called with --apply-rope-fusion: replaced in
+# the modules that import them, where the release has them (0.13 on).
+MLA_ROPE = {"fused_apply_mla_rope_for_q": fused_apply_mla_rope_for_q,
+            "fused_apply_mla_rope_for_kv": fused_apply_mla_rope_for_kv}
+MLA_ROPE_IMPORTERS = ("megatron.core.transformer.multi_latent_attention",
+                      "megatron.core.transformer.experimental_attention_variant.absorbed_mla")
+
 
 # megatron.core.fp8_utils functions whose no-TE versions would refuse or ignore our quantized parameters.
 FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_storage", "quantize_param_shard",
@@ -111,29 +130,66 @@ FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_stora
 TE_LINEAR_TYPES = (TELinear, TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear)
 
 
+def _has_module(name: str) -> bool:
+    """Whether the installed release has module `name` (its parent packages included)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _stand_in_extension(replacements: dict) -> types.ModuleType:
+    """A module to stand in for Megatron's TE extension where the release's own cannot import without TE
+    (megatron-core 0.12 imports transformer_engine at its top): our TE* classes and functions under the names
+    Megatron imports, so that the modules imported after the patches bind them with `HAVE_TE = True`."""
+    module = types.ModuleType(EXTENSION, "mindspeed_te's stand-in for Megatron's TransformerEngine extension")
+    vars(module).update(replacements)
+    return module
+
+
 def register_megatron_te(registry: PatchRegistry) -> None:
-    """Add the TE replacement patches to `registry` (applied later, together with the others)."""
-    spec_provider = resolve("megatron.core.extensions.transformer_engine_spec_provider.TESpecProvider")
-    replacements = dict(TE_CLASSES, **TE_OPTIONAL_CLASSES, **TE_FUNCTIONS, TESpecProvider=spec_provider,
-                        LayerNormImpl=TENorm)
-    for name, replacement in TE_CLASSES.items():
-        registry.register(f"{EXTENSION}.{name}", replacement)
-    for name, replacement in {**TE_OPTIONAL_CLASSES, **TE_FUNCTIONS}.items():
-        registry.register(f"{EXTENSION}.{name}", replacement, create=True)
+    """Add the TE replacement patches to `registry` (applied later, together with the others). A module or name
+    the installed release does not have is left out (megatron-core 0.12 has no spec provider module; each
+    release imports its own subset of the fused MoE functions)."""
+    replacements = dict(TE_CLASSES, **TE_OPTIONAL_CLASSES, **TE_FUNCTIONS)
+    try:
+        extension = importlib.import_module(EXTENSION)
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("transformer_engine"):
+            raise
+        extension = _stand_in_extension(replacements)
+        registry.register_module(EXTENSION, extension)
+    else:
+        for name, replacement in TE_CLASSES.items():
+            registry.register(f"{EXTENSION}.{name}", replacement)
+        for name, replacement in {**TE_OPTIONAL_CLASSES, **TE_FUNCTIONS}.items():
+            registry.register(f"{EXTENSION}.{name}", replacement, create=True)
+    replacements["LayerNormImpl"] = TENorm
+    if _has_module(SPEC_PROVIDER):
+        replacements["TESpecProvider"] = resolve(f"{SPEC_PROVIDER}.TESpecProvider")
     for module, (names, raise_flag) in IMPORTERS.items():
+        if not _has_module(module):
+            continue
         for name in names:
-            value = replacements[name] if name in replacements else resolve(f"{EXTENSION}.{name}")
-            registry.register(f"{module}.{name}", value, create=True)
+            if name in replacements:
+                registry.register(f"{module}.{name}", replacements[name], create=True)
+            elif hasattr(extension, name):
+                registry.register(f"{module}.{name}", getattr(extension, name), create=True)
         if raise_flag:
             registry.register(f"{module}.HAVE_TE", True, create=True)
+    for module in MLA_ROPE_IMPORTERS:
+        if _has_module(module):
+            for name, replacement in MLA_ROPE.items():
+                if hasattr(importlib.import_module(module), name):
+                    registry.register(f"{module}.{name}", replacement)
     # Megatron's output-discarding checkpoint (CheckpointWithoutOutput: --recompute-modules moe_act, ...) reads
     # these three from TransformerEngine under its own import guard.
     for name, value in (("FP8GlobalStateManager", FP8GlobalStateManager), ("fp8_autocast", fp8_autocast),
                         ("activation_recompute_forward", FP8GlobalStateManager.activation_recompute_forward)):
         registry.register(f"megatron.core.tensor_parallel.random.{name}", value, create=True)
-    registry.register("megatron.core.fp8_utils.get_fp8_recipe", get_fp8_recipe)
+    registry.register("megatron.core.fp8_utils.get_fp8_recipe", get_fp8_recipe, create=True)  # 0.14 on
     registry.register("megatron.core.fp8_utils.get_fp8_context", get_fp8_context)
     for name in FP8_PARAM_HOOKS:  # --fp8-param-gather and FP8 inference on our quantized parameters
         registry.register(f"megatron.core.fp8_utils.{name}", getattr(fp8_params, name), create=True)
-    registry.register("megatron.core.fp8_utils.TE_LINEAR_TYPES", TE_LINEAR_TYPES)
+    registry.register("megatron.core.fp8_utils.TE_LINEAR_TYPES", TE_LINEAR_TYPES, create=True)  # 0.14 on
     registry.register("megatron.core.utils._te_version", Version(TE_API_VERSION))

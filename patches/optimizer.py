@@ -68,8 +68,10 @@ def register_optimizer(registry) -> None:
     """Patch the torch-Adam branch of the distributed optimizer when Megatron takes it (no Apex, no TE)."""
     if resolve(f"{MODULE}.HAVE_APEX_OR_TE"):
         return
-    target = f"{MODULE}.DistributedOptimizer.load_parameter_state_from_dp_reshardable"
-    registry.register(target, torch.no_grad()(resolve(target)))
+    optimizer = resolve(f"{MODULE}.DistributedOptimizer")
+    if hasattr(optimizer, "load_parameter_state_from_dp_reshardable"):  # the format 0.15 added
+        target = f"{MODULE}.DistributedOptimizer.load_parameter_state_from_dp_reshardable"
+        registry.register(target, torch.no_grad()(resolve(target)))
     for name, wrap in (("state_dict", _state_dict_before_first_step), ("load_state_dict", _own_step_per_parameter)):
         target = f"{MODULE}.DistributedOptimizer.{name}"
         registry.register(target, wrap(resolve(target)))

@@ -16,23 +16,40 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "megatron_versions", "resolve"]
+__all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "installed_megatron_core",
+           "megatron_versions", "resolve", "supported_release"]
 
 _MISSING = object()
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+# The megatron-core release lines the patches support (each is tested, see README's support table); what differs
+# between them is detected from the installed Megatron (mindspeed_te/megatron/compat.py), not from this table.
+SUPPORTED_MEGATRON_CORE = ("0.12", "0.13", "0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
 # target -> the registry whose applied patch holds it (one owner per target in the process)
 _APPLIED: dict[str, PatchRegistry] = {}
 
 
-def megatron_versions() -> str:
-    """"installed megatron-core X, supported Y": every patch error carries it, since a missing target
-    usually means another Megatron version."""
+def installed_megatron_core() -> str:
+    """The version of the megatron.core that imports here (a Megatron-LM checkout on sys.path included),
+    else of the installed package, else "not installed"."""
     try:
-        installed = importlib.metadata.version("megatron-core")
+        return importlib.import_module("megatron.core.package_info").__version__
+    except ImportError:
+        pass
+    try:
+        return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
-        module = sys.modules.get("megatron.core.package_info")
-        installed = getattr(module, "__version__", "not installed as a package")
-    return f"installed megatron-core {installed}, supported {SUPPORTED_MEGATRON_CORE}"
+        return "not installed"
+
+
+def supported_release(version: str) -> bool:
+    """Whether `version` ("0.15.3", "0.18.0rc0") belongs to a supported release line."""
+    return ".".join(version.split(".")[:2]) in SUPPORTED_MEGATRON_CORE
+
+
+def megatron_versions() -> str:
+    """"installed megatron-core X, supported 0.12-0.19": every patch error carries it, since a missing target
+    usually means another Megatron version."""
+    return (f"installed megatron-core {installed_megatron_core()}, supported "
+            f"{SUPPORTED_MEGATRON_CORE[0]}-{SUPPORTED_MEGATRON_CORE[-1]}")
 
 
 class PatchError(RuntimeError):
@@ -103,6 +120,7 @@ class PatchRegistry:
     def __init__(self, rebind_prefixes: tuple[str, ...] = ("megatron",)) -> None:
         self.rebind_prefixes = rebind_prefixes
         self._patches: dict[str, Patch] = {}
+        self._modules: set[str] = set()  # targets that are whole modules (register_module)
         self.applied = False
 
     def register(self, target: str, replacement: Any, *, create: bool = False, force: bool = False) -> None:
@@ -117,6 +135,12 @@ class PatchRegistry:
             raise PatchError(f"{target!r} is already patched; pass force=True to replace that patch "
                              f"({megatron_versions()})")
         self._patches[target] = Patch(target, replacement, create)
+
+    def register_module(self, name: str, module: types.ModuleType) -> None:
+        """Make `module` importable as `name` at apply() (in sys.modules and on its parent package), for a module
+        the installed release has but cannot import here; revert() removes it again."""
+        self.register(name, module, create=True)
+        self._modules.add(name)
 
     @property
     def patches(self) -> list[Patch]:
@@ -148,6 +172,8 @@ class PatchRegistry:
         for patch, module, original in resolved:
             patch.original = original
             setattr(module, patch.attribute, patch.replacement)
+            if patch.target in self._modules:
+                sys.modules[patch.target] = patch.replacement
             patch.rebound = [(module, patch.attribute)]
             if original is not _MISSING and _rebindable(original):
                 patch.rebound += self._rebind(original, patch.replacement, skip=module)
@@ -175,6 +201,8 @@ class PatchRegistry:
                     delattr(module, attribute)
                 else:
                     setattr(module, attribute, patch.original)
+            if patch.target in self._modules:
+                sys.modules.pop(patch.target, None)
             patch.rebound = []
             _APPLIED.pop(patch.target, None)
         self.applied = False

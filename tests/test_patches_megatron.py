@@ -321,7 +321,6 @@ NOT_PATCHED = {
     "megatron.core.models.gpt.experimental_attention_variant_module_specs": "experimental attention variants",
     "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs": "heterogeneous (NAS) layer specs",
     "megatron.core.transformer.heterogeneous.linear_replacements": "heterogeneous (NAS) layer specs",
-    "megatron.core.transformer.attention": "its TE branch only tunes activation saving of TELinear",
     "megatron.core.transformer.moe.shared_experts": "its TE branch only tunes activation saving of TELinear",
     "megatron.core.transformer.multi_latent_attention": "its import block succeeds; the names are rebound",
     "megatron.core.transformer.multi_token_prediction": "multi-token prediction heads",

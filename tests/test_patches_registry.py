@@ -1,6 +1,7 @@
 """The patch registry on throw-away modules: replacement, rebinding of importers, flags, revert, errors."""
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -120,7 +121,7 @@ def test_a_second_registry_on_the_same_targets_is_refused_until_the_first_is_rev
 def test_patch_errors_name_target_and_megatron_versions(fake_modules):
     registry = PatchRegistry(rebind_prefixes=("fakepkg",))
     registry.register("fakepkg.defs.missing", Replacement)
-    with pytest.raises(PatchError, match=r"'fakepkg.defs.missing'.*installed megatron-core \S+, supported 0\.16\.1"):
+    with pytest.raises(PatchError, match=r"'fakepkg.defs.missing'.*installed megatron-core \S+, supported 0\.12-0\.19"):
         registry.apply()
 
 
@@ -134,20 +135,20 @@ def test_building_the_megatron_patches_names_a_missing_target(monkeypatch):
 
     monkeypatch.delattr(transformer_engine_spec_provider, "TESpecProvider")
     with pytest.raises(PatchError, match=r"transformer_engine_spec_provider\.TESpecProvider'.*has no attribute.*"
-                                         r"installed megatron-core \S+, supported 0\.16\.1"):
+                                         r"installed megatron-core \S+, supported 0\.12-0\.19"):
         build_registry()
 
 
 def test_building_the_megatron_patches_names_a_blocked_module(monkeypatch):
     pytest.importorskip("megatron.core")
-    import megatron.core.extensions as extensions
+    import megatron.core.optimizer as optimizer
 
     from mindspeed_te.patches import build_registry
 
-    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine_spec_provider", None)
-    monkeypatch.delattr(extensions, "transformer_engine_spec_provider")
-    with pytest.raises(PatchError, match=r"transformer_engine_spec_provider.*does not import.*"
-                                         r"installed megatron-core \S+, supported 0\.16\.1"):
+    monkeypatch.setitem(sys.modules, "megatron.core.optimizer.distrib_optimizer", None)
+    monkeypatch.delattr(optimizer, "distrib_optimizer")
+    with pytest.raises(PatchError, match=r"distrib_optimizer.*does not import.*"
+                                         r"installed megatron-core \S+, supported 0\.12-0\.19"):
         build_registry()
 
 
@@ -158,5 +159,25 @@ def test_building_the_training_patches_names_a_missing_train_step(monkeypatch):
     from mindspeed_te.patches import build_registry
 
     monkeypatch.delattr(training, "train_step")
-    with pytest.raises(PatchError, match=r"'megatron\.training\.training\.train_step'.*supported 0\.16\.1"):
+    with pytest.raises(PatchError, match=r"'megatron\.training\.training\.train_step'.*supported 0\.12-0\.19"):
         build_registry()
+
+
+@pytest.mark.parametrize("release", ["0.11.0", "0.20.0rc0", "1.0.0"])
+def test_an_unsupported_megatron_release_is_refused_naming_the_supported_ones(monkeypatch, release):
+    pytest.importorskip("megatron.core")
+    import mindspeed_te.patches as patches
+
+    monkeypatch.setattr(patches, "installed_megatron_core", lambda: release)
+    with pytest.raises(PatchError, match=rf"does not support megatron-core {re.escape(release)}; supported releases: "
+                                         r"0\.12\.x, 0\.13\.x, .*0\.19\.x"):
+        patches.build_registry()
+
+
+@pytest.mark.parametrize("release, supported", [("0.12.1", True), ("0.16.1", True), ("0.18.0rc0", True),
+                                                ("0.19.0", True), ("0.1.0", False), ("0.11.0", False),
+                                                ("0.20.0", False), ("1.12.0", False)])
+def test_supported_release_lines(release, supported):
+    from mindspeed_te.patches.registry import supported_release
+
+    assert supported_release(release) is supported

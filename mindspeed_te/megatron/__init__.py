@@ -14,11 +14,13 @@ from mindspeed_te.megatron.misc import (
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
+    set_save_original_input,
     te_checkpoint,
     te_parallel_cross_entropy,
 )
 from mindspeed_te.megatron.mlp import TEFusedMLP
 from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear, TENorm
+from mindspeed_te.megatron.split import SplitAlongDim
 
 __all__ = [
     "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear", "TENorm",
@@ -26,4 +28,5 @@ __all__ = [
     "te_checkpoint", "TEDotProductAttention", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
     "TERowParallelGroupedLinear", "TEFusedMLP",
     "fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd", "te_parallel_cross_entropy",
+    "set_save_original_input", "SplitAlongDim",
 ]

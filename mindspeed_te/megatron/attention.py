@@ -7,13 +7,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import (
-    ensure_metadata_has_dp_cp_group,
-    is_layer_window_attention,
-    make_sharded_tensors_for_checkpoint,
-)
 
 from mindspeed_te.megatron.common import megatron_device
+from mindspeed_te.megatron.compat import ensure_dp_cp_group, layer_has_window, make_sharded_tensors
 from mindspeed_te.modules.attention import DotProductAttention
 
 __all__ = ["TEDotProductAttention"]
@@ -45,6 +41,7 @@ class TEDotProductAttention(DotProductAttention):
         num_splits: TE's flash-attention split count; accepted and unused
         cp_comm_type: Megatron's context-parallel communication type (see DotProductAttention)
         pg_collection: Megatron's process-group collection: tp and cp groups (None: Megatron's parallel_state)
+        model_comm_pgs: the same collection under its megatron-core 0.13 / 0.14 name
     """
 
     def __init__(
@@ -60,8 +57,10 @@ class TEDotProductAttention(DotProductAttention):
         num_splits: Optional[int] = None,
         cp_comm_type: Optional[str] = "p2p",
         pg_collection: Optional[object] = None,
+        model_comm_pgs: Optional[object] = None,
     ) -> None:
         self.config = config
+        pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
         if pg_collection is not None:
             tp_group, cp_group = pg_collection.tp, getattr(pg_collection, "cp", None)
         else:
@@ -71,7 +70,7 @@ class TEDotProductAttention(DotProductAttention):
             raise ValueError("TEDotProductAttention: --context-parallel-size > 1 needs Megatron's context-parallel "
                              "group (parallel_state.initialize_model_parallel(context_parallel_size=...) or "
                              "pg_collection.cp)")
-        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        windowed = layer_has_window(config, layer_number)
         self._tp_group = tp_group
         super().__init__(
             num_attention_heads=config.num_attention_heads,
@@ -86,7 +85,7 @@ class TEDotProductAttention(DotProductAttention):
             layer_number=layer_number,
             attention_type=attention_type,
             window_size=config.window_size if windowed else None,
-            softmax_type=config.softmax_type,
+            softmax_type=getattr(config, "softmax_type", "vanilla"),
             cp_group=cp_group if config.context_parallel_size > 1 else None,
             cp_comm_type=cp_comm_type or "p2p",
             params_dtype=config.params_dtype,
@@ -115,7 +114,7 @@ class TEDotProductAttention(DotProductAttention):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """The learnable softmax offset, sharded over TP by head (nothing else to save)."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        metadata = ensure_dp_cp_group(metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
-        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
-                                                   tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"])
+        return make_sharded_tensors(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                    tp_group=self._tp_group, dp_cp_group=metadata.get("dp_cp_group"))

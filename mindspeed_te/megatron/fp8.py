@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from mindspeed_te.megatron.common import recipe_from_config
+from mindspeed_te.megatron.compat import is_first_last_bf16_layer
 from mindspeed_te.recipe import Recipe
 from mindspeed_te.state import fp8_autocast, fp8_model_init
 
@@ -30,8 +31,6 @@ def _amax_reduction_group(config):
 def get_fp8_context(config, layer_no: int = -1, is_init: bool = False) -> AbstractContextManager:
     """fp8_autocast (or, with `is_init`, fp8_model_init for --fp8-param-gather) for layer `layer_no`; a null
     context when FP8 is off or the layer is one of the --first-last-layers-bf16 layers."""
-    from megatron.core.fp8_utils import is_first_last_bf16_layer
-
     enabled = config.fp8 if not is_init else getattr(config, "fp8_param", False)
     if not enabled or is_first_last_bf16_layer(config, layer_no):
         return nullcontext()

@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from mindspeed_te.distributed import group_rank, group_size
+from mindspeed_te.megatron.compat import make_sharded_tensors
 from mindspeed_te.modules.base import EXTRA_STATE_SLOTS, EXTRA_STATE_VERSION, decode_extra_state, encode_extra_state
 from mindspeed_te.recipe_state import BACKWARD_ROLES, FORWARD_ROLES
 
@@ -117,8 +117,8 @@ class GroupedExtraStateMixin:
                 expert_prefix, offsets = f"{global_index}.{prefix}", sharded_offsets
             else:
                 expert_prefix, offsets = prefix, (*sharded_offsets, (ep_axis, global_index, num_global_experts))
-            sub = make_sharded_tensors_for_checkpoint(local, "", tp_axis_map, offsets, tp_group=self._tp_group,
-                                                      dp_cp_group=dp_cp_group)
+            sub = make_sharded_tensors(local, "", tp_axis_map, offsets, tp_group=self._tp_group,
+                                       dp_cp_group=dp_cp_group)
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
             result[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
             result[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]

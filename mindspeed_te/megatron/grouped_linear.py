@@ -16,7 +16,10 @@ from mindspeed_te.modules.linear import divide
 __all__ = ["TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear"]
 
 
-def _expert_tp_group(pg_collection: Optional[object]) -> Optional[torch.distributed.ProcessGroup]:
+def _expert_tp_group(pg_collection: Optional[object],
+                     tp_group: Optional[torch.distributed.ProcessGroup]) -> Optional[torch.distributed.ProcessGroup]:
+    if tp_group is not None:
+        return tp_group
     if pg_collection is not None:
         return getattr(pg_collection, "expt_tp", None)
     from megatron.core import parallel_state
@@ -44,6 +47,9 @@ class TEGroupedLinear(TEModuleMixin, GroupedExtraStateMixin, GroupedLinear):
         tp_comm_buffer_name: TE userbuffer name for comm overlap; accepted and unused (no userbuffers here)
         pg_collection: Megatron's process-group collection: expt_tp for the expert TP split, ep for the expert-parallel
             rank (None: Megatron's parallel_state)
+        tp_group: the expert tensor-parallel group, as megatron-core 0.13 to 0.15 pass it (None: from pg_collection
+            or parallel_state)
+        name: the module's path in the model (megatron-core 0.18 on), used in non-finite reports
     """
 
     def __init__(
@@ -60,12 +66,14 @@ class TEGroupedLinear(TEModuleMixin, GroupedExtraStateMixin, GroupedLinear):
         is_expert: bool = False,
         tp_comm_buffer_name: Optional[str] = None,
         pg_collection: Optional[object] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        name: Optional[str] = None,
     ) -> None:
         if not is_expert:
             raise ValueError("TEGroupedLinear only supports expert layers (is_expert=True), as in Megatron")
-        return_bias = self._init_megatron(config, bias, skip_bias_add)
+        return_bias = self._init_megatron(config, bias, skip_bias_add, name)
         self._pg_collection = pg_collection
-        self._tp_group = _expert_tp_group(pg_collection)
+        self._tp_group = _expert_tp_group(pg_collection, tp_group)
         expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
         size = group_size(self._tp_group)
         if size > 1 or expert_parallel:
@@ -100,10 +108,12 @@ class _ExpertParallelGroupedLinear(TEGroupedLinear):
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, *, config: ModelParallelConfig,
                  init_method: Callable, bias: bool, skip_bias_add: bool, is_expert: bool,
-                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None) -> None:
+                 tp_comm_buffer_name: Optional[str] = None, pg_collection: Optional[object] = None,
+                 tp_group: Optional[torch.distributed.ProcessGroup] = None, name: Optional[str] = None) -> None:
         super().__init__(num_gemms, input_size, output_size, parallel_mode=self._tp_split, config=config,
                          init_method=init_method, bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
-                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection)
+                         tp_comm_buffer_name=tp_comm_buffer_name, pg_collection=pg_collection, tp_group=tp_group,
+                         name=name)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Per expert: the weight (and a split bias) sharded along its expert-TP axis."""
@@ -120,7 +130,7 @@ class TEColumnParallelGroupedLinear(_ExpertParallelGroupedLinear):
 
     Args:
         num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
-        tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
+        tp_comm_buffer_name, pg_collection, tp_group, name: as in TEGroupedLinear
     """
 
     _tp_split = "column"
@@ -133,7 +143,7 @@ class TERowParallelGroupedLinear(_ExpertParallelGroupedLinear):
 
     Args:
         num_gemms, input_size, output_size, config, init_method, bias, skip_bias_add, is_expert,
-        tp_comm_buffer_name, pg_collection: as in TEGroupedLinear
+        tp_comm_buffer_name, pg_collection, tp_group, name: as in TEGroupedLinear
     """
 
     _tp_split = "row"

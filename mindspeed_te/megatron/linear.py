@@ -6,11 +6,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from mindspeed_te.distributed import group_size
 from mindspeed_te.megatron.common import megatron_device, parallel_init_method
+from mindspeed_te.megatron.compat import ensure_dp_cp_group, make_sharded_tensors, tp_group_or_default
 from mindspeed_te.megatron.te_methods import MegatronTEMethods
 from mindspeed_te.modules.linear import Linear, divide
 from mindspeed_te.recipe import DelayedScaling, Format
@@ -23,9 +22,13 @@ class TEModuleMixin(MegatronTEMethods):
     weights quantized once per step (Megatron sets `is_first_microbatch` at each step's first micro-batch),
     the per-module quantization override, delayed wgrad, and sharded checkpoints."""
 
-    def _init_megatron(self, config: ModelParallelConfig, bias: bool, skip_bias_add: bool) -> bool:
-        """Record what forward reads from Megatron's arguments; returns whether forward returns the bias."""
+    def _init_megatron(self, config: ModelParallelConfig, bias: bool, skip_bias_add: bool,
+                       name: Optional[str] = None) -> bool:
+        """Record what forward reads from Megatron's arguments; returns whether forward returns the bias.
+        `name` (megatron-core 0.18 on passes the module's path) names the module in non-finite reports."""
         self.config = config
+        if name:
+            self.name = name
         self.te_return_bias = skip_bias_add and bias
         self.is_first_microbatch = True
         self.disable_parameter_transpose_cache = getattr(config, "disable_parameter_transpose_cache", False)
@@ -45,12 +48,10 @@ class TEModuleMixin(MegatronTEMethods):
         """Replicas counted over TP and data parallelism: without a `dp_cp_group` in `metadata` (a module
         saved on its own, outside a MegatronModule), Megatron's data-parallel group, recorded in `metadata`
         as Megatron's TE layers do, so that every DP rank does not claim replica 0."""
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        metadata = ensure_dp_cp_group(metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(
-            state_dict, prefix, axis_map, sharded_offsets,
-            tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"],
-        )
+        return make_sharded_tensors(state_dict, prefix, axis_map, sharded_offsets, tp_group=self._tp_group,
+                                    dp_cp_group=metadata.get("dp_cp_group"))
 
 
 class TELinear(TEModuleMixin, Linear):
@@ -74,6 +75,9 @@ class TELinear(TEModuleMixin, Linear):
         tp_group: tensor-parallel group (None: from pg_collection, else Megatron's parallel_state)
         pg_collection: Megatron's process-group collection; its tp (expt_tp for experts) group is used when `tp_group`
             is None
+        name: the module's path in the model (megatron-core 0.18 on), used in non-finite reports
+        gtp_remat_group: megatron-core 0.19's group for re-materialized output sharding; only None or a group of
+            one rank is supported (a clear error otherwise)
     """
 
     def __init__(
@@ -92,16 +96,20 @@ class TELinear(TEModuleMixin, Linear):
         symmetric_ar_type: Optional[str] = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         pg_collection: Optional[object] = None,
+        name: Optional[str] = None,
+        gtp_remat_group: Optional[torch.distributed.ProcessGroup] = None,
     ) -> None:
         if skip_weight_param_allocation:
             raise ValueError("TELinear does not support skip_weight_param_allocation=True")
+        if gtp_remat_group is not None and group_size(gtp_remat_group) > 1:
+            raise ValueError("TELinear does not support gtp_remat_group with more than one rank")
         if parallel_mode not in ("column", "row", "duplicated", None):
             raise ValueError(f"parallel_mode must be 'column', 'row', 'duplicated' or None, got {parallel_mode!r}")
-        return_bias = self._init_megatron(config, bias, skip_bias_add)
+        return_bias = self._init_megatron(config, bias, skip_bias_add, name)
         if tp_group is None and pg_collection is not None:
             tp_group = getattr(pg_collection, "expt_tp" if is_expert else "tp", None)
         elif tp_group is None and parallel_mode != "duplicated":
-            tp_group = get_tensor_model_parallel_group_if_none(None, is_expert=is_expert)
+            tp_group = tp_group_or_default(None, is_expert=is_expert)
         expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
         local_mode, local_group = parallel_mode, tp_group
         if parallel_mode == "duplicated":
@@ -138,7 +146,7 @@ class TELinear(TEModuleMixin, Linear):
                 param.allreduce = True
                 if parallel_mode == "duplicated":
                     param.sequence_parallel = config.sequence_parallel
-        self._tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+        self._tp_group = tp_group_or_default(tp_group, is_expert=is_expert)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Replicated across TP (only valid for the duplicated mode, as in Megatron)."""
@@ -152,7 +160,7 @@ class TEColumnParallelLinear(TELinear):
         gather_output: only False is supported, as in Megatron's TE path (a clear error otherwise)
         stride: chunks per partition when splitting the master weight (e.g. interleaved fused projections)
         input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, skip_weight_param_allocation,
-        tp_comm_buffer_name, tp_group, pg_collection: as in TELinear
+        tp_comm_buffer_name, tp_group, pg_collection, name: as in TELinear
     """
 
     def __init__(
@@ -171,6 +179,7 @@ class TEColumnParallelLinear(TELinear):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         stride: int = 1,
         pg_collection: Optional[object] = None,
+        name: Optional[str] = None,
     ) -> None:
         if gather_output:
             raise ValueError("TEColumnParallelLinear does not support gather_output=True (as in Megatron's TE path)")
@@ -179,7 +188,7 @@ class TEColumnParallelLinear(TELinear):
             input_size, output_size, parallel_mode="column", config=config, init_method=init_method, bias=bias,
             skip_bias_add=skip_bias_add, skip_weight_param_allocation=skip_weight_param_allocation,
             tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, tp_group=tp_group,
-            pg_collection=pg_collection,
+            pg_collection=pg_collection, name=name,
         )
         for param in self.parameters():
             param.partition_stride = stride
@@ -195,7 +204,7 @@ class TERowParallelLinear(TELinear):
     Args:
         input_is_parallel: only True (the input already split along its last dimension), as in Megatron's TE path
         input_size, output_size, config, init_method, bias, skip_bias_add, is_expert, tp_comm_buffer_name,
-        tp_group, pg_collection: as in TELinear
+        tp_group, pg_collection, name: as in TELinear
     """
 
     def __init__(
@@ -212,6 +221,7 @@ class TERowParallelLinear(TELinear):
         tp_comm_buffer_name: Optional[str] = None,
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         pg_collection: Optional[object] = None,
+        name: Optional[str] = None,
     ) -> None:
         if not input_is_parallel:
             raise ValueError("TERowParallelLinear needs input_is_parallel=True (as in Megatron's TE path)")
@@ -219,7 +229,7 @@ class TERowParallelLinear(TELinear):
             input_size, output_size, parallel_mode="row", config=config, init_method=init_method, bias=bias,
             skip_bias_add=skip_bias_add, skip_weight_param_allocation=False,
             tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, tp_group=tp_group,
-            pg_collection=pg_collection,
+            pg_collection=pg_collection, name=name,
         )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

@@ -215,3 +215,10 @@ def te_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp_gro
     te): the per-token float32 loss of vocabulary-parallel logits [s, b, vocab / tp] over `tp_group`, label -100
     giving loss and gradient zero; the gradient comes back in the logits' dtype."""
     return _ParallelCrossEntropy.apply(logits, labels, tp_group)
+
+
+def set_save_original_input(module: torch.nn.Module) -> None:
+    """Megatron's request that a linear keep its high-precision input for backward instead of the quantized copy
+    (attention's output projection, shared experts, output-discarding recompute)."""
+    if hasattr(module, "save_original_input"):
+        module.save_original_input = True

@@ -1,7 +1,9 @@
 """Megatron's `TEFusedMLP`, the MLP of the `use_te_op_fuser=True` layer spec."""
 from __future__ import annotations
 
-from megatron.core.transformer.mlp import MLP
+from typing import Optional
+
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
 from mindspeed_te.megatron.linear import TERowParallelLinear
 from mindspeed_te.megatron.norm import TELayerNormColumnParallelLinear
@@ -15,11 +17,15 @@ class TEFusedMLP(MLP):
     own, and parameters, state dicts and results are exactly those of Megatron's MLP with the same spec.
 
     Args:
-        *args, **kwargs: Megatron's `MLP` arguments (config, submodules, is_expert, input_size, ...).
+        config, submodules, **kwargs: Megatron's `MLP` arguments (is_expert, input_size, ...). megatron-core
+            0.13 and 0.14 build the fused MLP from the config alone (their spec has no submodules): the TE spec's
+            norm + column-parallel fc1 and row-parallel fc2 are then taken, which also gives their state-dict keys.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, submodules: Optional[MLPSubmodules] = None, **kwargs) -> None:
+        if submodules is None:
+            submodules = MLPSubmodules(linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear)
+        super().__init__(config, submodules, **kwargs)
         # TE's fuser accepts only these submodule types (its LayerNormLinear and Linear); say so at build time.
         for name, expected in (("linear_fc1", TELayerNormColumnParallelLinear), ("linear_fc2", TERowParallelLinear)):
             found = getattr(self, name)

@@ -5,9 +5,9 @@ from typing import Callable, Optional
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from mindspeed_te.megatron.common import megatron_device, parallel_init_method
+from mindspeed_te.megatron.compat import tp_group_or_default
 from mindspeed_te.megatron.linear import TEModuleMixin
 from mindspeed_te.modules.layernorm_linear import LayerNormLinear
 from mindspeed_te.modules.norm import LayerNorm, RMSNorm
@@ -39,7 +39,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             gradient-accumulation fusion, params dtype, device
         gather_output, stride: as in TEColumnParallelLinear
         input_size, output_size, init_method, bias, skip_bias_add, is_expert, skip_weight_param_allocation,
-        tp_comm_buffer_name, tp_group, pg_collection: as in TELinear
+        tp_comm_buffer_name, tp_group, pg_collection, name: as in TELinear
     """
 
     def __init__(
@@ -58,6 +58,7 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
         tp_group: Optional[torch.distributed.ProcessGroup] = None,
         stride: int = 1,
         pg_collection: Optional[object] = None,
+        name: Optional[str] = None,
     ) -> None:
         if gather_output:
             raise ValueError("TELayerNormColumnParallelLinear does not support gather_output=True")
@@ -67,8 +68,8 @@ class TELayerNormColumnParallelLinear(TEModuleMixin, LayerNormLinear):
             raise ValueError("TELayerNormColumnParallelLinear does not support skip_weight_param_allocation=True")
         if tp_group is None and pg_collection is not None:
             tp_group = getattr(pg_collection, "tp", None)
-        tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=False)
-        return_bias = self._init_megatron(config, bias, skip_bias_add)
+        tp_group = tp_group_or_default(tp_group)
+        return_bias = self._init_megatron(config, bias, skip_bias_add, name)
         self.stride = stride
         super().__init__(
             input_size, output_size,
