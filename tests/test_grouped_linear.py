@@ -298,10 +298,11 @@ def test_expert_tensor_parallel_matches_single_process(world):
             assert _rel(row_dw, dw.chunk(world, 1)[rank]) <= tol, name
 
 
-@pytest.mark.parametrize("name", ["tensorwise/hif8", "blockwise/e4m3", "mxfp8/e4m3"])
+@pytest.mark.parametrize("name", ["tensorwise/hif8", "blockwise/e4m3", "mxfp8/e4m3", "delayed/hybrid"])
 def test_save_original_input_gives_the_same_results(name):
     """GroupedLinear(save_original_input=True) (Megatron sets it for moe_act recompute and offloading): the
-    experts' inputs are quantized again in backward; outputs and gradients equal the default's bit for bit."""
+    experts' inputs are quantized again in backward (delayed scaling: with the forward's scales, see
+    tests/test_save_original_input.py); outputs and gradients equal the default's bit for bit."""
     recipe = RECIPES[name]
     x, dy = torch.randn(sum(SPLITS), 128), torch.randn(sum(SPLITS), 64)
     results = []

@@ -1,7 +1,9 @@
 """HIF8DelayedScaling, MindSpeed's `hif8_delayed` recipe (issue 12 item 2): warm-up under current scaling
 while the history fills, then delayed scales updated every `scale_update_interval` steps, per-tensor margins,
-history length 128; and its Megatron flags."""
+history length 128; and its Megatron flags, with which Megatron sees its own delayed recipe (issue 29)."""
+import dataclasses
 import types
+import warnings
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from mindspeed_te import FP8GlobalStateManager, RecipeState, fp8_autocast
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.megatron.common import recipe_from_config
+from mindspeed_te.patches.arguments import wrap_config_from_args
 from mindspeed_te.quantizers import Float8CurrentScalingQuantizer
 from mindspeed_te.recipe import Format, HIF8DelayedScaling
 from tests.test_patches_arguments import _parse
@@ -75,6 +78,7 @@ def test_failed_step_reset_restarts_the_warm_up():
 def test_megatron_flags_build_the_recipe():
     args = _parse(["--fp8-format", "hif8", "--fp8-recipe", "hif8_delayed", "--hif8-scale-update-interval", "4",
                    "--hif8-weight-margin", "10", "--hif8-amax-history-len", "64"])
+    assert (args.fp8_recipe, args.hif8_delayed) == ("delayed", True)  # what Megatron sees, see below
     config = types.SimpleNamespace(fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_wgrad=True,
                                    fp8_amax_compute_algo="max",
                                    **{name: getattr(args, name) for name in vars(args) if name.startswith("hif8_")})
@@ -84,6 +88,103 @@ def test_megatron_flags_build_the_recipe():
             recipe.amax_collect_interval, recipe.hif8_input_margin) == (4, 10, 64, 5, 11)
     with pytest.raises(ValueError, match="--fp8-recipe hif8_delayed needs --fp8-format hif8"):
         _parse(["--fp8-format", "e4m3", "--fp8-recipe", "hif8_delayed"])
+
+
+def _megatron_config(args, config_class=None, **fields):
+    """A TransformerConfig (or `config_class`) from `args` as Megatron's core_transformer_config_from_args makes
+    it (every dataclass field the arguments have), wrapped by our hook, which adds our attributes."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def config_from_args(args, config_class=None):
+        cls = config_class or TransformerConfig
+        copied = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                             params_dtype=torch.float32), **copied, **fields})
+
+    return wrap_config_from_args(config_from_args)(args, config_class)
+
+
+def test_megatron_config_treats_it_as_delayed():
+    """Issue 29: after our parse_args hook Megatron's TransformerConfig holds its own delayed recipe, so Megatron's
+    delayed-scaling logic applies (here its own check refusing --first-last-layers-bf16 with delayed scaling), and
+    the recipe built from the config is still HIF8DelayedScaling with the --hif8-* settings."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.enums import Fp8Recipe
+
+    args = _parse(["--fp8-format", "hif8", "--fp8-recipe", "hif8_delayed", "--hif8-grad-margin", "9"])
+    config = _megatron_config(args)
+    assert config.fp8_recipe == Fp8Recipe.delayed and config.fp8_recipe == "delayed" and config.hif8_delayed
+    recipe = recipe_from_config(config)
+    assert isinstance(recipe, HIF8DelayedScaling) and recipe.hif8_grad_margin == 9
+    with pytest.raises(ValueError, match="Delayed scaling does not support first / last layer in BF16"):
+        _megatron_config(args, first_last_layers_bf16=True)
+    tensorwise = _megatron_config(_parse(["--fp8-format", "hif8", "--fp8-recipe", "tensorwise"]))
+    assert tensorwise.fp8_recipe == Fp8Recipe.tensorwise and not tensorwise.hif8_delayed
+
+
+def test_megatron_core_users_may_name_it_in_the_config():
+    """Without megatron.training (no parse_args hook) a TransformerConfig may say fp8_recipe="hif8_delayed"
+    (Megatron then treats the run as not delayed), or fp8_recipe="delayed" with `hif8_delayed = True` set on it,
+    as the hook does; a hif8_delayed attribute beside another recipe is a contradiction, refused."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def config(**fields):
+        return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8="hif8", **fields)
+
+    assert isinstance(recipe_from_config(config(fp8_recipe="hif8_delayed")), HIF8DelayedScaling)
+    marked = config(fp8_recipe="delayed")
+    marked.hif8_delayed = True
+    assert isinstance(recipe_from_config(marked), HIF8DelayedScaling)
+    marked.fp8_recipe = "tensorwise"
+    with pytest.raises(ValueError, match="config.hif8_delayed .* needs config.fp8_recipe 'delayed', got 'tensorwise'"):
+        recipe_from_config(marked)
+
+
+def _mla_linear_proj(rank: int, world_size: int, argvs: list[list[str]]) -> dict:
+    """Per argument list: whether Megatron's MLA (patched TE spec, its own attention code) set save_original_input
+    on linear_proj, and the recipe megatron.core.fp8_utils.get_fp8_recipe returns."""
+    warnings.filterwarnings("ignore")
+    from mindspeed_te.patches.device_cpu import register_device_cpu
+    from mindspeed_te.patches.megatron_te import register_megatron_te
+    from mindspeed_te.patches.registry import PatchRegistry
+
+    registry = PatchRegistry()
+    register_megatron_te(registry)
+    register_device_cpu(registry)
+    registry.apply()  # before Megatron's modules are imported, as the adaptor does
+    from megatron.core import fp8_utils, parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    parallel_state.initialize_model_parallel(1, 1)
+    spec = get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)
+    results = {}
+    for argv in argvs:
+        config = _megatron_config(_parse(argv), MLATransformerConfig, apply_rope_fusion=False, q_lora_rank=32,
+                                  kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8)
+        attention = TransformerLayer(config, spec.submodules).self_attention
+        results[argv[-1]] = (type(attention).__name__, attention.linear_proj.save_original_input,
+                             type(fp8_utils.get_fp8_recipe(config)).__name__)
+    return results
+
+
+def test_megatron_mla_treats_it_as_delayed():
+    """The issue's symptom: Megatron's attention (megatron-core 0.14 on) sets save_original_input on MLA's
+    linear_proj for non-delayed FP8 recipes only (TE refuses it with delayed scaling); hif8_delayed must be
+    treated as delayed, as `--fp8-recipe delayed` is."""
+    megatron_core = pytest.importorskip("megatron.core")
+    from packaging.version import Version
+
+    from tests.dist_utils import run_distributed
+
+    argvs = [["--fp8-format", "hif8", "--fp8-recipe", name] for name in ("hif8_delayed", "delayed", "tensorwise")]
+    (results,) = run_distributed(_mla_linear_proj, 1, argvs)
+    sets_it = Version(megatron_core.__version__) >= Version("0.14")
+    assert results == {"hif8_delayed": ("MLASelfAttention", False, "HIF8DelayedScaling"),
+                       "delayed": ("MLASelfAttention", False, "DelayedScaling"),
+                       "tensorwise": ("MLASelfAttention", sets_it, "Float8CurrentScaling")}
 
 
 def test_bad_interval_fails_at_parse_time(capsys):

@@ -10,6 +10,8 @@ import pytest
 from mindspeed_te.patches.arguments import (
     CONFIG_FIELDS,
     add_arguments,
+    recipe_flag,
+    use_hif8_delayed,
     validate_args,
     wrap_config_from_args,
     wrap_parse_args,
@@ -45,6 +47,22 @@ def test_hif8_and_our_flags_parse_next_to_megatrons():
     defaults = _parse([])
     assert {name: getattr(defaults, name) for name in CONFIG_FIELDS} == CONFIG_FIELDS
     assert _parse(["--fp8-format", "e4m3"]).fp8 == "e4m3"  # Megatron's own choices still work
+
+
+def test_hif8_delayed_reaches_megatron_as_delayed():
+    """Megatron tests `fp8_recipe == "delayed"` in about ten places (a block's outer autocast, MLA's and shared
+    experts' save_original_input, the distributed optimizer, ...): after parse_args it sees its own "delayed" and
+    `hif8_delayed` carries the HiF8 schedule; validating again still names the flag the user gave."""
+    args = _parse(["--fp8-format", "hif8", "--fp8-recipe", "hif8_delayed"])
+    assert (args.fp8_recipe, args.hif8_delayed, recipe_flag(args)) == ("delayed", True, "hif8_delayed")
+    validate_args(args)
+    use_hif8_delayed(args)  # a second pass changes nothing
+    assert (args.fp8_recipe, args.hif8_delayed) == ("delayed", True)
+    for recipe in ("delayed", "tensorwise"):
+        args = _parse(["--fp8-format", "hif8", "--fp8-recipe", recipe])
+        assert (args.fp8_recipe, args.hif8_delayed, recipe_flag(args)) == (recipe, False, recipe)
+    with pytest.raises(ValueError, match="--fp8-recipe hif8_delayed needs --fp8-format hif8"):
+        validate_args(argparse.Namespace(fp8="e4m3", fp8_recipe="delayed", hif8_delayed=True))
 
 
 def test_the_callers_extra_arguments_still_run():
@@ -152,3 +170,29 @@ def test_real_megatron_parse_args(monkeypatch):
                                       "--transformer-impl", "transformer_engine", "--no-use-gmm-fp8"])
     args = wrap_parse_args(arguments.parse_args)(None, True)
     assert (args.fp8, args.use_gmm_fp8) == ("hif8", False)
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")
+def test_real_megatron_sees_hif8_delayed_as_delayed(monkeypatch):
+    """Megatron's own parse_args, validate_args and core_transformer_config_from_args (MLA): its config says
+    delayed, and the recipe built from it is HIF8DelayedScaling with the --hif8-* settings."""
+    monkeypatch.syspath_prepend(os.environ["MEGATRON_LM_PATH"])
+    from megatron.core.enums import Fp8Recipe
+    from megatron.training import arguments
+
+    from mindspeed_te.megatron.common import recipe_from_config
+    from mindspeed_te.recipe import HIF8DelayedScaling
+
+    monkeypatch.setattr(sys, "argv", [
+        "pretrain_gpt.py", "--fp8-format", "hif8", "--fp8-recipe", "hif8_delayed", "--hif8-scale-update-interval", "3",
+        "--transformer-impl", "transformer_engine", "--multi-latent-attention", "--num-layers", "2",
+        "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "1", "--global-batch-size", "1", "--bf16", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "256"])
+    args = wrap_parse_args(arguments.parse_args)(None, False)
+    arguments.validate_args(args, {})
+    config = wrap_config_from_args(arguments.core_transformer_config_from_args)(args)
+    assert type(config).__name__ == "MLATransformerConfig"
+    assert args.fp8_recipe == config.fp8_recipe == Fp8Recipe.delayed and config.hif8_delayed
+    recipe = recipe_from_config(config)
+    assert isinstance(recipe, HIF8DelayedScaling) and recipe.scale_update_interval == 3

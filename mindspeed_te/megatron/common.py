@@ -83,11 +83,24 @@ _HIF8_DELAYED = {"hif8_input_margin": 11, "hif8_weight_margin": 12, "hif8_grad_m
                  "amax_collect_interval": 5, "scale_update_interval": 10, "amax_history_len": 128}
 
 
+def recipe_name(config) -> str:
+    """The --fp8-recipe of `config`: "hif8_delayed" either as Megatron sees it after our parse_args hook
+    (fp8_recipe "delayed" plus `config.hif8_delayed`, see patches/arguments.py) or as a megatron-core user may
+    write it (fp8_recipe="hif8_delayed"; Megatron then treats the run as not delayed)."""
+    raw = getattr(config, "fp8_recipe", None) or "delayed"
+    name = getattr(raw, "value", raw)  # megatron.core.enums.Fp8Recipe or a plain string
+    if getattr(config, "hif8_delayed", False) and name != "hif8_delayed":
+        if name != "delayed":
+            raise ValueError(f"config.hif8_delayed (--fp8-recipe hif8_delayed) is delayed scaling and needs "
+                             f"config.fp8_recipe 'delayed', got {name!r}")
+        return "hif8_delayed"
+    return name
+
+
 def recipe_from_config(config) -> Recipe:
     """The recipe Megatron's --fp8-format / --fp8-recipe / --fp8-* flags describe."""
     fp8_format = Format.from_name(config.fp8)
-    raw = getattr(config, "fp8_recipe", None) or "delayed"
-    name = getattr(raw, "value", raw)  # megatron.core.enums.Fp8Recipe or a plain string
+    name = recipe_name(config)
     wgrad_override = (False, False, not getattr(config, "fp8_wgrad", True))
     kwargs: dict = {"override_linear_precision": wgrad_override}
     if name == "delayed":

@@ -48,7 +48,8 @@ class GroupedLinear(FP8ModuleBase):
         use_fp8_gemm: quantized expert GEMMs inside FP8 regions (see above)
         delay_wgrad_compute: backward leaves the weight-gradient grouped GEMM to a later `backward_dw()` call
         save_original_input: keep the input itself for backward and quantize it there for the FP8 wgrad
-            (TE's option, which Megatron sets with `set_save_original_input`); not with delayed scaling
+            (TE's option, which Megatron sets with `set_save_original_input`); with delayed scaling too, unlike
+            TE: with the forward's scale, so the wgrad reads the codes the forward's GEMM read
     """
 
     fp8_meta_layout = "per_role"

@@ -104,7 +104,8 @@ class Linear(FP8ModuleBase):
             where they do not apply, separate collectives with one warning
         delay_wgrad_compute: backward leaves the weight-gradient GEMM to a later `backward_dw()` call
         save_original_input: keep the input itself for backward and quantize it there for the FP8 wgrad
-            (TE's option, which Megatron sets with `set_save_original_input`); not with delayed scaling
+            (TE's option, which Megatron sets with `set_save_original_input`); with delayed scaling too, unlike
+            TE: with the forward's scale, so the wgrad reads the codes the forward's GEMM read
     """
 
     def __init__(

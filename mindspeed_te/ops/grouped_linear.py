@@ -20,11 +20,12 @@ from mindspeed_te.ops.linear import (
     WeightCache,
     _finish_fused_wgrad,
     _main_grad,
-    check_save_original_input,
     quantize_inputs_and_weights,
+    saved_input_quantizers,
 )
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import dequantize_if_quantized
+from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage, joined_rows
 
@@ -82,8 +83,6 @@ class _GroupedLinear(torch.autograd.Function):
             b_ops: list[Operand] = [dequantize_if_quantized(weights[i]) for i in active]
         else:
             for i in active:
-                if args.save_original_input:
-                    check_save_original_input(q[i].input)
                 q[i].input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
                 q[i].weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             caches = [args.weight_caches[i] if args.weight_caches is not None else None for i in active]
@@ -100,14 +99,18 @@ class _GroupedLinear(torch.autograd.Function):
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
         out = _concat_rows(outs, weights[0].shape[0], inp, inp.dtype)
 
+        saved_x_quantizers: Optional[list[Quantizer]] = None  # save_original_input: quantize the inputs in backward
         if fp8_wgrad and not args.save_original_input:
             saved_x = [x.columnwise_only() for x in a_ops]
-        else:  # the experts' inputs themselves: high-precision wgrad, or quantized in backward
+        else:  # the experts' inputs themselves: high-precision wgrad, or quantized in backward as in the forward
             saved_x = [xs[i] for i in active] if needs_wgrad else None
+            if fp8_wgrad:
+                saved_x_quantizers = saved_input_quantizers([q[i].input for i in active])
         saved_w = None
         if inp.requires_grad:
             saved_w = b_ops if q is None else [w.columnwise_only() for w in b_ops]
         ctx.args, ctx.active, ctx.saved = args, active, (saved_x, saved_w)
+        ctx.saved_x_quantizers = saved_x_quantizers
         if q is not None and args.reduce_amax_in_backward:
             FP8GlobalStateManager.expect_backward_reduction(ctx)
         ctx.weights, ctx.input_dtype, ctx.fp8_wgrad = weights, inp.dtype, fp8_wgrad
@@ -141,10 +144,10 @@ class _GroupedLinear(torch.autograd.Function):
 
         dws: list[Optional[torch.Tensor]] = [None] * n
         if need_dw:
-            if ctx.fp8_wgrad and args.save_original_input:
-                for i in active:
-                    q[i].input.set_usage(rowwise=False, columnwise=True)
-                saved_x = backend.quantize_many([q[i].input for i in active], saved_x)
+            if ctx.saved_x_quantizers is not None:
+                for quantizer in ctx.saved_x_quantizers:
+                    quantizer.set_usage(rowwise=False, columnwise=True)
+                saved_x = backend.quantize_many(ctx.saved_x_quantizers, saved_x)
             wgrad_a = grads if q is None or ctx.fp8_wgrad else [dys[i] for i in active]
             store = args.wgrad_store
             if store is not None and store.delay_wgrad_compute():
@@ -158,7 +161,7 @@ class _GroupedLinear(torch.autograd.Function):
         if q is not None and args.reduce_amax_in_backward:
             # The step's first FP8 module runs backward last: every expert's amax is recorded by now.
             FP8GlobalStateManager.reduce_backward_amaxes(ctx)
-        ctx.saved = None
+        ctx.saved = ctx.saved_x_quantizers = None
         return (dx, None, *dws, *dbs)
 
 

@@ -5,7 +5,7 @@ Three GEMMs, each through the kernel backend with the recipe's formats:
     dgrad  dX = dY · W     (grad_output rowwise,  weight columnwise)
     wgrad  dW = dYᵀ · X    (grad_output columnwise, input columnwise)
 Only the quantized input and weight are saved for backward, never their high-precision copies (unless
-wgrad stays in high precision, which needs the real input).
+wgrad stays in high precision, which needs the real input, or `save_original_input` keeps it).
 """
 from __future__ import annotations
 
@@ -18,11 +18,16 @@ import torch
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
-from mindspeed_te.quantizers import Float8Quantizer, Quantizer
+from mindspeed_te.quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8WarmupQuantizer,
+    Quantizer,
+)
 from mindspeed_te.state import FP8GlobalStateManager
 from mindspeed_te.tensor import QuantizedTensorStorage
 
-__all__ = ["LinearQuantizers", "WeightCache", "fp8_linear"]
+__all__ = ["LinearQuantizers", "WeightCache", "fp8_linear", "saved_input_quantizers"]
 
 Operand = Union[torch.Tensor, QuantizedTensorStorage]
 
@@ -95,14 +100,27 @@ class _LinearArgs:
     save_original_input: bool = False
 
 
-def check_save_original_input(quantizer: Quantizer) -> None:
-    """save_original_input quantizes the saved input again in backward, which delayed scaling cannot do: its
-    quantizer would record the input's amax a second time, in the backward pass (TransformerEngine refuses the
-    pair as well)."""
-    if isinstance(quantizer, Float8Quantizer):
-        raise ValueError("save_original_input=True does not work with delayed scaling (DelayedScaling, "
-                         "HIF8DelayedScaling): the input would be quantized again in backward; use another recipe "
-                         "or leave save_original_input False")
+def saved_input_quantizers(quantizers: Sequence[Quantizer]) -> list[Quantizer]:
+    """The quantizers backward applies to inputs kept in high precision (`save_original_input`), made when the
+    forward quantizes them, so that the wgrad reads exactly the codes the forward's GEMM read:
+    - delayed scaling: a stateless copy dividing by the forward's scale, copied now (one op for all), since the
+      per-step update rewrites the state's in place and may run before this backward (at the end of the
+      autocast region, or for another micro-batch), and writing its amax to scratch (the forward recorded it);
+    - HIF8DelayedScaling's warm-up: current scaling with the slot's target (the same input gives the same
+      scale) that records no amax;
+    - the other recipes keep no state between calls: their own quantizers.
+    (TransformerEngine refuses save_original_input with delayed scaling.)"""
+    delayed = [i for i, q in enumerate(quantizers) if isinstance(q, Float8Quantizer)]
+    out = list(quantizers)
+    if delayed:
+        scales = torch.stack([quantizers[i].scale for i in delayed])
+        amaxes = torch.zeros_like(scales)
+        for j, i in enumerate(delayed):
+            out[i] = Float8Quantizer(scales[j], amaxes[j], quantizers[i].fp8_dtype, rowwise=False, columnwise=True)
+    for i, q in enumerate(quantizers):
+        if isinstance(q, Float8WarmupQuantizer):
+            out[i] = Float8CurrentScalingQuantizer(q.fp8_dtype, q.target_max, rowwise=False, columnwise=True)
+    return out
 
 
 class _Linear(torch.autograd.Function):
@@ -112,14 +130,13 @@ class _Linear(torch.autograd.Function):
         x2d = inp if inp.dim() == 2 else inp.reshape(-1, inp.shape[-1])
         needs_wgrad = weight.requires_grad
         q = args.quantizers
+        saved_x_quantizer: Optional[Quantizer] = None  # save_original_input: quantizes the input in backward
         if q is None:
             weight_hp = dequantize_if_quantized(weight)
             out = torch.nn.functional.linear(x2d, weight_hp, bias)
             saved_x, saved_w = x2d, weight_hp
         else:
             fp8_wgrad = args.fp8_wgrad and needs_wgrad
-            if args.save_original_input:
-                check_save_original_input(q.input)
             q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             (qx,), (qw,) = quantize_inputs_and_weights([x2d], [weight], [q], [args.weight_cache],
@@ -133,16 +150,18 @@ class _Linear(torch.autograd.Function):
                         if args.weight_cache is not None else backend.gemm_bias(bias, qw))
             out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
             # Keep only what backward reads: the columnwise input, or the real input for a bf16 wgrad or with
-            # save_original_input (backward then quantizes it for the FP8 wgrad).
+            # save_original_input (backward then quantizes it for the FP8 wgrad, as the forward did).
             if fp8_wgrad and not args.save_original_input:
                 qx.update_usage(rowwise=False, columnwise=True)
                 saved_x = qx
             else:
                 saved_x = x2d if needs_wgrad else None
+                if fp8_wgrad:
+                    saved_x_quantizer = saved_input_quantizers([q.input])[0]
             # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
             saved_w = qw.columnwise_only()
         ctx.args = args
-        ctx.quantize_saved_x = q is not None and args.fp8_wgrad and needs_wgrad and args.save_original_input
+        ctx.saved_x_quantizer = saved_x_quantizer
         if args.reduce_amax_in_backward:
             FP8GlobalStateManager.expect_backward_reduction(ctx)
         ctx.saved = (saved_x, saved_w)
@@ -168,9 +187,9 @@ class _Linear(torch.autograd.Function):
             if need_dw:
                 dw = _wgrad_now_or_later(args, weight, dy, saved_x, backend)
         else:
-            if need_dw and ctx.quantize_saved_x:
-                q.input.set_usage(rowwise=False, columnwise=True)
-                saved_x = backend.quantize(q.input, saved_x)
+            if need_dw and ctx.saved_x_quantizer is not None:
+                ctx.saved_x_quantizer.set_usage(rowwise=False, columnwise=True)
+                saved_x = backend.quantize(ctx.saved_x_quantizer, saved_x)
             fp8_wgrad = need_dw and isinstance(saved_x, QuantizedTensorStorage)
             q.grad_output.set_usage(rowwise=need_dx, columnwise=fp8_wgrad)
             qdy = backend.quantize(q.grad_output, dy) if (need_dx or fp8_wgrad) else None
@@ -187,7 +206,7 @@ class _Linear(torch.autograd.Function):
                 FP8GlobalStateManager.reduce_backward_amaxes(ctx)
         if need_db and ctx.has_bias:
             db = dy.sum(dim=0).to(weight.dtype)
-        ctx.saved = None
+        ctx.saved = ctx.saved_x_quantizer = None
         if dx is not None and dx.shape != ctx.input_shape:
             dx = dx.reshape(ctx.input_shape)
         return dx, dw, db, None
@@ -283,8 +302,8 @@ def fp8_linear(
     wgrad_store: the module's WeightGradStore; when it delays wgrad compute, backward leaves the weight's
         gradient to `backward_dw()`.
     save_original_input: keep the input itself for backward, which quantizes it for the FP8 wgrad
-        (TransformerEngine's option: no quantized copy is held when the input is saved elsewhere anyway); not
-        with delayed scaling.
+        (TransformerEngine's option: no quantized copy is held when the input is saved elsewhere anyway); with
+        delayed scaling too, unlike TE: backward divides by the forward's scale (`saved_input_quantizers`).
     """
     if inp.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fp8_linear: input's last dim {inp.shape[-1]} != weight in_features {weight.shape[-1]}")
