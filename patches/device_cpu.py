@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mindspeed_te.patches.registry import resolve
+from mindspeed_te.patches.registry import has_module, resolve
 
 
 class Stream(torch.cpu.Stream):
@@ -384,8 +384,6 @@ def _uncoalesced(group: Any = None, device: Any = None, async_ops: bool = False)
 
 def register_device_cpu(registry) -> None:
     """Route Megatron's torch.cuda calls to the CPU (call only when `accelerator_present()` is False)."""
-    import importlib.util
-
     for name, replacement in TORCH_CUDA.items():
         registry.register(f"torch.cuda.{name}", replacement)
     for name in _FACTORIES:
@@ -401,14 +399,17 @@ def register_device_cpu(registry) -> None:
     registry.register("megatron.core.distributed.param_and_grad_buffer._coalescing_manager", _uncoalesced)
     target = "megatron.core.dist_checkpointing.mapping.ShardedTensor.init_data"
     registry.register(target, _init_data_on_cpu(resolve(target)))
-    target = "megatron.core.parallel_state.destroy_model_parallel"
-    registry.register(target, _destroying_forgotten_groups(resolve(target)))
+    if hasattr(resolve("megatron.core.parallel_state"), "_global_process_group_list"):  # 0.15 on lists its groups
+        target = "megatron.core.parallel_state.destroy_model_parallel"
+        registry.register(target, _destroying_forgotten_groups(resolve(target)))
     layers = "megatron.core.tensor_parallel.layers"
     registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
     registry.register(f"{layers}._grad_accum_fusion_available", True)
     registry.register("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
-    if importlib.util.find_spec("megatron.training") is not None:
+    if has_module("megatron.training"):
         target = "megatron.training.initialize.initialize_megatron"
         registry.register(target, _allow_no_cuda(resolve(target)))
-        registry.register("megatron.legacy.fused_kernels.load", _no_fused_kernels)
-        registry.register("megatron.training.utils.get_device_arch_version", _device_arch_version)
+        if has_module("megatron.legacy.fused_kernels"):  # up to 0.16
+            registry.register("megatron.legacy.fused_kernels.load", _no_fused_kernels)
+        if hasattr(resolve("megatron.training.utils"), "get_device_arch_version"):  # up to 0.17
+            registry.register("megatron.training.utils.get_device_arch_version", _device_arch_version)

@@ -12,7 +12,6 @@ state manager. Flags are raised only in modules whose TE branches use nothing bu
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import types
 
 from packaging.version import Version
@@ -37,13 +36,14 @@ from mindspeed_te.megatron import (
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
     get_cpu_offload_context,
+    moe_fused,
     set_save_original_input,
     te_checkpoint,
     te_parallel_cross_entropy,
 )
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
 from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
-from mindspeed_te.patches.registry import PatchRegistry, resolve
+from mindspeed_te.patches.registry import PatchRegistry, has_module, resolve
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
 # The TransformerEngine release whose API the modules mirror, as Megatron's version checks see it.
@@ -80,6 +80,7 @@ TE_FUNCTIONS = {
     "te_parallel_cross_entropy": te_parallel_cross_entropy,
     "SplitAlongDim": SplitAlongDim,
     "set_save_original_input": set_save_original_input,
+    **{name: getattr(moe_fused, name) for name in moe_fused.__all__},  # --moe-permute-fusion, --moe-router-fusion
 }
 
 # module -> names its failed TE import block should have bound (taken from the extension after patching),
@@ -99,7 +100,13 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
         ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"), False),
     # --cross-entropy-loss-fusion --cross-entropy-fusion-impl te
     "megatron.core.models.common.language_module.language_module": (("te_parallel_cross_entropy",), False),
-    "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider", "TEFusedMLP"), True),
+    "megatron.core.models.gpt.gpt_layer_specs": (("TENorm", "TESpecProvider", "TEFusedMLP", "TEColumnParallelLinear",
+                                                  "TEDotProductAttention", "TELayerNormColumnParallelLinear",
+                                                  "TERowParallelLinear"), True),
+    # MoE specs: the TE classes (0.12) or the spec provider (0.13 to 0.15) behind a TE check
+    "megatron.core.models.gpt.moe_module_specs": (
+        ("TESpecProvider", "TEColumnParallelLinear", "TERowParallelLinear", "TEColumnParallelGroupedLinear",
+         "TERowParallelGroupedLinear"), True),
     # The fused QKV split, and the output projection keeping its high-precision input under FP8 (HAVE_TE).
     "megatron.core.transformer.attention": (("SplitAlongDim", "TELinear", "set_save_original_input"), True),
     # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
@@ -107,12 +114,12 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
         ("TENorm", "LayerNormImpl", "get_cpu_offload_context", "te_checkpoint"), False),
     "megatron.core.transformer.moe.experts": (("Fp8Padding", "Fp8Unpadding"), True),
     "megatron.core.transformer.moe.moe_layer": (("TELinear", "te_checkpoint"), False),
-    # Without TE this module never binds the fused MoE kernels, then reads them (`te_general_gemm is not
-    # None`): bind Megatron's own fallbacks (None), so that its torch code paths run.
+    # TE's fused MoE permutation, router and router GEMM (mindspeed_te/megatron/moe_fused.py); its HAVE_TE only
+    # guards them.
     "megatron.core.transformer.moe.moe_utils": ((
         "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
         "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
-        "fused_unpermute", "te_general_gemm"), False),
+        "fused_unpermute", "te_general_gemm"), True),
 }
 
 # Megatron's own fused MLA RoPE (triton kernels that need a GPU), called with --apply-rope-fusion: replaced in
@@ -128,14 +135,6 @@ FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_stora
                    "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules", "_wrap_te_linear_for_padding")
 # The linears Megatron's FP8 inference padding wraps (empty without TE).
 TE_LINEAR_TYPES = (TELinear, TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear)
-
-
-def _has_module(name: str) -> bool:
-    """Whether the installed release has module `name` (its parent packages included)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def _stand_in_extension(replacements: dict) -> types.ModuleType:
@@ -165,10 +164,10 @@ def register_megatron_te(registry: PatchRegistry) -> None:
         for name, replacement in {**TE_OPTIONAL_CLASSES, **TE_FUNCTIONS}.items():
             registry.register(f"{EXTENSION}.{name}", replacement, create=True)
     replacements["LayerNormImpl"] = TENorm
-    if _has_module(SPEC_PROVIDER):
+    if has_module(SPEC_PROVIDER):
         replacements["TESpecProvider"] = resolve(f"{SPEC_PROVIDER}.TESpecProvider")
     for module, (names, raise_flag) in IMPORTERS.items():
-        if not _has_module(module):
+        if not has_module(module):
             continue
         for name in names:
             if name in replacements:
@@ -178,7 +177,7 @@ def register_megatron_te(registry: PatchRegistry) -> None:
         if raise_flag:
             registry.register(f"{module}.HAVE_TE", True, create=True)
     for module in MLA_ROPE_IMPORTERS:
-        if _has_module(module):
+        if has_module(module):
             for name, replacement in MLA_ROPE.items():
                 if hasattr(importlib.import_module(module), name):
                     registry.register(f"{module}.{name}", replacement)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Patch", "PatchRegistry", "PatchError", "SUPPORTED_MEGATRON_CORE", "installed_megatron_core",
-           "megatron_versions", "resolve", "supported_release"]
+           "has_module", "megatron_versions", "resolve", "supported_release"]
 
 _MISSING = object()
 # The megatron-core release lines the patches support (each is tested, see README's support table); what differs
@@ -89,6 +90,15 @@ def _owner(path: str) -> Any:
         if not hasattr(owner, name):
             raise
         return getattr(owner, name)
+
+
+def has_module(name: str) -> bool:
+    """Whether module `name` can be found here (its parent packages included): which of Megatron's modules the
+    installed release has."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def resolve(target: str) -> Any:

@@ -26,6 +26,7 @@ from mindspeed_te.megatron import (  # noqa: E402
 )
 from mindspeed_te.megatron.common import recipe_from_config  # noqa: E402
 from mindspeed_te.modules import LayerNorm, RMSNorm  # noqa: E402
+from tests.megatron_compat import config_kwargs  # noqa: E402
 
 
 def _params(cls):
@@ -74,7 +75,7 @@ def test_constructor_accepts_everything_megatron_passes(ours):
 def _config(**kw):
     base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
     base.update(kw)
-    return TransformerConfig(**base)
+    return TransformerConfig(**config_kwargs(**base))
 
 
 def _init(w):

@@ -11,12 +11,6 @@ import torch
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 pytest.importorskip("megatron.core")
-from megatron.core.quantization.quant_config import (  # noqa: E402
-    GlobMatcher,
-    MatchContext,
-    QuantizationConfig,
-    RecipeConfig,  # noqa: E402
-)
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from mindspeed_te import (  # noqa: E402
@@ -39,7 +33,15 @@ from mindspeed_te.megatron import (  # noqa: E402
 )
 from mindspeed_te.modules import LayerNormMLP  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
+from tests.megatron_compat import has_module, te_extension_has  # noqa: E402
 from tests.test_megatron_linear import _config, _init  # noqa: E402
+
+# Megatron's per-module quantization override for TE modules (quant_recipe entries of type TEQuantizationParams,
+# handed over by finish_init): megatron-core 0.16 on (0.13 to 0.15 have quant_recipe for NVIDIA Kitchen only)
+QUANT_CONFIG = "megatron.core.quantization.quant_config"
+TE_QUANT_PARAMS = has_module(QUANT_CONFIG) and te_extension_has("TEQuantizationParams")
+needs_quant_config = pytest.mark.skipif(not TE_QUANT_PARAMS, reason="this megatron-core has no TE quantization "
+                                        "params for quant_recipe (0.16 on)")
 
 
 def _te_linears(config):
@@ -139,7 +141,9 @@ def test_grouped_backward_dw_gives_identical_expert_gradients(fp8):
     assert not grads[True]["weight1"].any()  # the expert without rows gets an explicit zero, as without delay
 
 
-def _quant_config(training_recipe: dict, evaluation_recipe: dict | None = None) -> QuantizationConfig:
+def _quant_config(training_recipe: dict, evaluation_recipe: dict | None = None):
+    from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
+
     config = {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": training_recipe}
     if evaluation_recipe is not None:
         config["evaluation_recipe"] = evaluation_recipe
@@ -147,6 +151,18 @@ def _quant_config(training_recipe: dict, evaluation_recipe: dict | None = None) 
     return QuantizationConfig(config, context, "override")
 
 
+@pytest.mark.skipif(TE_QUANT_PARAMS, reason="this megatron-core has TE quantization params")
+def test_finish_init_override_is_refused_where_megatron_has_no_te_quantization_params():
+    """0.13 to 0.15 call finish_init with Kitchen-only quant_recipe entries: None is no override, anything else a
+    clear error instead of an ImportError."""
+    layer = _te_linears(_config())["column"]
+    layer.finish_init(None)
+    assert layer.te_quant_params is None
+    with pytest.raises(ValueError, match="per-module quantization of TE modules needs megatron-core 0.16"):
+        layer.finish_init(object())
+
+
+@needs_quant_config
 def test_finish_init_override_forces_high_precision_inside_fp8_regions():
     """A training_recipe without an FP8 recipe (Megatron: "force BF16 for this layer") keeps the module in high
     precision inside an FP8 region; will_execute_quantized says so; finish_init(None) removes the override."""
@@ -170,6 +186,7 @@ def test_finish_init_override_forces_high_precision_inside_fp8_regions():
         assert torch.equal(layer(x)[0].detach(), quantized)
 
 
+@needs_quant_config
 def test_finish_init_override_quantizes_outside_regions_and_in_evaluation():
     """override_nonquantized_autocast with a tensorwise recipe turns FP8 on for this module alone; a separate
     evaluation_recipe applies when the module is not training."""
@@ -296,13 +313,17 @@ def _gpt_under_fp8_model_init(rank: int, world: int, recipe_name: str) -> dict:
     parallel_state.initialize_model_parallel(1, 1)
     recipe = {"tensorwise": Float8CurrentScaling(fp8_format=Format.E4M3),
               "delayed": DelayedScaling(fp8_format=Format.HIF8, amax_history_len=2)}[recipe_name]
-    quant_recipe = RecipeConfig([GlobMatcher("*linear_fc2", "bf16")],
-                                {"bf16": {"transformer_engine_config_type": "TEQuantizationParams",
-                                          "training_recipe": {}}})
+    override = {}
+    if TE_QUANT_PARAMS:  # FC2 in high precision through Megatron's quant_recipe, where it has one
+        from megatron.core.quantization.quant_config import GlobMatcher, RecipeConfig
+
+        override["quant_recipe"] = RecipeConfig([GlobMatcher("*linear_fc2", "bf16")],
+                                                {"bf16": {"transformer_engine_config_type": "TEQuantizationParams",
+                                                          "training_recipe": {}}})
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
                                bias_dropout_fusion=False, gradient_accumulation_fusion=False,
                                masked_softmax_fusion=False, bias_activation_fusion=False, hidden_dropout=0.0,
-                               attention_dropout=0.0, quant_recipe=quant_recipe)
+                               attention_dropout=0.0, **override)
     torch.manual_seed(0)
     with fp8_model_init(recipe=recipe):
         model = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=128, max_sequence_length=32)
@@ -341,6 +362,7 @@ def test_megatron_gpt_built_under_fp8_model_init_holds_quantized_weights_and_tra
     assert len(names) == 8 and any(n.endswith("linear_qkv") for n in names)  # qkv, proj, fc1, fc2 of 2 layers
     assert set(names.values()) == {"Float8Tensor"}
     assert set(result["data_bytes"].values()) == {1}
-    assert result["overridden"] == sorted(n for n in names if n.endswith("linear_fc2"))
+    overridden = [n for n in names if n.endswith("linear_fc2")] if TE_QUANT_PARAMS else []
+    assert result["overridden"] == sorted(overridden)
     losses = result["losses"]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0], losses

@@ -65,8 +65,11 @@ class MegatronTEMethods:
         if quantization_config is None:
             self.te_quant_params = None
             return
-        from megatron.core.extensions.transformer_engine import TEQuantizationParams
-
+        try:
+            from megatron.core.extensions.transformer_engine import TEQuantizationParams
+        except ImportError:  # 0.12 to 0.15
+            raise ValueError("quant_recipe: per-module quantization of TE modules needs megatron-core 0.16 or later "
+                             "(this release's quant_recipe configures NVIDIA Kitchen modules only)") from None
         self.te_quant_params = TEQuantizationParams.parse_from_config(quantization_config)
 
     def will_execute_quantized(self, is_context_quantized: bool) -> bool:

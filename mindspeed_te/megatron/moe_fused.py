@@ -1,0 +1,309 @@
+"""Torch versions of the fused MoE kernels Megatron takes from TransformerEngine: token permutation
+(--moe-permute-fusion), router top-k / aux-loss scores / aux loss (--moe-router-fusion) and the router's
+float32-output GEMM. Each has the call signature and return values of the TE function Megatron binds
+(megatron.core.extensions.transformer_engine) and gives the outputs and gradients of Megatron's own unfused
+path; plain torch ops, so any device runs them.
+
+Like TE's kernels they keep index work on the device (no host sync when the output size is known), compute
+router scores in float32, accumulate permutation sums in float32 (Megatron's unfused code sums 16-bit rows
+in 16 bits) and save index maps for backward (plus the permuted rows where merging probs need a gradient).
+
+The map that `fused_permute` returns (Megatron's `sorted_indices` / `row_id_map`) is only read back by
+`fused_unpermute`; it is a [2, num_out_tokens] int64 tensor: per permuted row, its token and its flat
+index token * num_experts + expert into the probs. A row no (token, expert) pair fills (only when
+num_out_tokens exceeds the routed pairs, which Megatron never asks for) holds token = num_tokens and
+index = num_tokens * num_experts: its content is unspecified (as in TE) and it never reaches a real token.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
+    "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "te_general_gemm",
+]
+
+_EPS = 1e-20  # the sigmoid normalizer's guard, as in Megatron's unfused router
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of 16-bit rows are accumulated in float32 (as TE's kernels do); wider types in themselves."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------- permutation
+
+
+def _row_map(routing_map: torch.Tensor, num_out_tokens: Optional[Union[int, torch.Tensor]]) -> torch.Tensor:
+    """The [2, num_out] map of the module docstring. Rows are grouped by expert, tokens ascending within an
+    expert (the order of Megatron's unfused permute); pairs beyond num_out are dropped."""
+    num_tokens, num_experts = routing_map.shape
+    routed = routing_map.bool().t().reshape(-1)  # expert-major: pair e * num_tokens + t
+    if num_tokens == 0:
+        num_out = 0
+    elif num_out_tokens is None or int(num_out_tokens) <= 0:
+        num_out = int(routed.sum())  # TE's "-1": every routed pair (a host sync)
+    else:
+        num_out = int(num_out_tokens)
+    row = routed.cumsum(0) - 1
+    row = torch.where(routed & (row < num_out), row, num_out)  # everything else lands in a discarded slot
+    none = routed.numel()
+    pair = torch.full((num_out + 1,), none, dtype=torch.long, device=routed.device)
+    pair = pair.scatter_(0, row, torch.arange(none, device=routed.device))[:num_out]
+    filled = pair < none
+    expert = torch.div(pair, max(num_tokens, 1), rounding_mode="floor")
+    token = pair - expert * num_tokens
+    return torch.stack([torch.where(filled, token, num_tokens),
+                        torch.where(filled, token * num_experts + expert, none)])
+
+
+def _gather_probs(probs: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """probs[token, expert] for each permuted row (0 for an unfilled row); differentiable."""
+    values = probs.reshape(-1)
+    picked = values.index_select(0, flat.clamp(max=max(values.numel() - 1, 0)))
+    return torch.where(flat < values.numel(), picked, picked.new_zeros(()))
+
+
+class _Permute(torch.autograd.Function):
+    """Row gather whose backward sums each token's rows (float32 for 16-bit grads); unfilled rows' gradient
+    goes to a discarded row."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(token)
+        ctx.num_tokens = inp.shape[0]
+        return inp.index_select(0, token.clamp(max=max(inp.shape[0] - 1, 0)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (token,) = ctx.saved_tensors
+        acc = grad.new_zeros((ctx.num_tokens + 1, *grad.shape[1:]), dtype=_acc_dtype(grad.dtype))
+        return acc.index_add_(0, token, grad.to(acc.dtype))[:-1].to(grad.dtype), None
+
+
+def fused_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: Optional[int] = -1,
+                  max_token_num: int = -1, map_type: str = "mask") -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's moe_permute (mask map): the rows of `inp` [num_tokens, hidden] grouped by expert as
+    `routing_map` [num_tokens, num_experts] routes them -> (permuted [num_out_tokens, hidden], row map).
+    num_out_tokens None or <= 0 counts the routed pairs (a host sync)."""
+    if map_type != "mask":
+        raise NotImplementedError("only the mask routing map (the one Megatron uses) is supported")
+    row_map = _row_map(routing_map, num_out_tokens)
+    return _Permute.apply(inp, row_map[0]), row_map
+
+
+def fused_permute_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                             num_out_tokens: Optional[int] = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TE's moe_permute_with_probs: fused_permute plus each row's prob [num_out_tokens]
+    -> (permuted, permuted_probs, row map)."""
+    permuted, row_map = fused_permute(inp, routing_map, num_out_tokens)
+    return permuted, _gather_probs(probs, row_map[1]), row_map
+
+
+class _Unpermute(torch.autograd.Function):
+    """Sum of each token's rows, weighted by merging_probs when given, in float32 for 16-bit inputs (TE's
+    precision; Megatron's unfused path sums in the promoted dtype); saves the permuted rows only when their
+    probs need a gradient."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, probs: Optional[torch.Tensor], row_map: torch.Tensor,
+                num_tokens: int) -> torch.Tensor:
+        token, flat = row_map
+        rows = inp.to(_acc_dtype(inp.dtype))
+        weight = None
+        if probs is not None:
+            weight = _gather_probs(probs.detach(), flat).to(rows.dtype)
+            rows = rows * weight.unsqueeze(1)
+        out = rows.new_zeros((num_tokens + 1, *inp.shape[1:])).index_add_(0, token, rows)[:-1]
+        probs_need_grad = probs is not None and ctx.needs_input_grad[1]
+        ctx.save_for_backward(row_map, weight, inp if probs_need_grad else None)
+        ctx.probs_meta = (probs.shape, probs.dtype) if probs is not None else None
+        return out.to(inp.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        row_map, weight, inp = ctx.saved_tensors
+        token, flat = row_map
+        grad_rows = grad.index_select(0, token.clamp(max=max(grad.shape[0] - 1, 0)))
+        grad_inp = grad_probs = None
+        if weight is None:
+            grad_inp = grad_rows
+        else:
+            grad_rows = grad_rows.to(weight.dtype)
+            if ctx.needs_input_grad[0]:
+                grad_inp = (grad_rows * weight.unsqueeze(1)).to(grad.dtype)
+            if inp is not None:
+                shape, dtype = ctx.probs_meta
+                per_row = (grad_rows * inp.to(weight.dtype)).sum(dim=-1)
+                grad_probs = per_row.new_zeros(shape.numel() + 1).index_add_(0, flat, per_row)[:-1]
+                grad_probs = grad_probs.view(shape).to(dtype)
+        return grad_inp, grad_probs, None, None
+
+
+def fused_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: Optional[torch.Tensor] = None,
+                    restore_shape: Optional[torch.Size] = None, map_type: str = "mask",
+                    probs: Optional[torch.Tensor] = None, pad_offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """TE's moe_unpermute (mask map): the permuted rows `inp` summed back per token, each weighted by its
+    merging_probs [num_tokens, num_experts] entry when given -> [num_tokens, hidden] (restore_shape)."""
+    if map_type != "mask":
+        raise NotImplementedError("only the mask routing map (the one Megatron uses) is supported")
+    if pad_offsets is not None:
+        raise NotImplementedError("pad_offsets come from fused_permute_and_pad_with_probs, which is not provided")
+    if probs is not None:  # TE's deprecated spelling
+        if merging_probs is not None:
+            raise ValueError("both merging_probs and probs given")
+        merging_probs = probs
+    num_tokens = (restore_shape if restore_shape is not None else inp.shape)[0]
+    return _Unpermute.apply(inp, merging_probs, row_id_map, num_tokens)
+
+
+class _RowShuffle(torch.autograd.Function):
+    """x[src] for a bijection of rows; the backward gathers with the inverse, `dest` (no accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dest)
+        return x.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (dest,) = ctx.saved_tensors
+        return grad.index_select(0, dest), None, None
+
+
+def _chunk_shuffle(split_sizes: torch.Tensor, sorted_index: torch.Tensor, num_rows: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dest) row indices that put the chunks of sizes `split_sizes` in the order `sorted_index`,
+    computed on `device` without reading the sizes on the host."""
+    sizes = torch.as_tensor(split_sizes, device=device).long()
+    order = torch.as_tensor(sorted_index, device=device).long()
+    rows = torch.arange(num_rows, device=device)
+    chunk = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=num_rows)
+    out_sizes = sizes.index_select(0, order)
+    out_start = torch.empty_like(sizes).scatter_(0, order, out_sizes.cumsum(0) - out_sizes)
+    dest = rows + (out_start - (sizes.cumsum(0) - sizes)).index_select(0, chunk)
+    return torch.empty_like(dest).scatter_(0, dest, rows), dest
+
+
+def fused_sort_chunks_by_index(inp: torch.Tensor, split_sizes: torch.Tensor,
+                               sorted_index: torch.Tensor) -> torch.Tensor:
+    """TE's moe_sort_chunks_by_index: `inp` split along dim 0 into chunks of `split_sizes`, concatenated
+    in the order `sorted_index`."""
+    src, dest = _chunk_shuffle(split_sizes, sorted_index, inp.shape[0], inp.device)
+    return _RowShuffle.apply(inp, src, dest)
+
+
+def fused_sort_chunks_by_index_with_probs(inp: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor,
+                                          sorted_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's moe_sort_chunks_by_index_with_probs: the same reordering of `inp` and of its per-row `probs`."""
+    src, dest = _chunk_shuffle(split_sizes, sorted_index, inp.shape[0], inp.device)
+    return _RowShuffle.apply(inp, src, dest), _RowShuffle.apply(probs, src, dest)
+
+
+# ---------------------------------------------------------------------------------------------------- router
+
+
+def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """sigmoid or sqrt(softplus) of the float32 logits (softmax is applied by the callers)."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    if score_function == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits.float()).sqrt()
+    raise ValueError(f"Invalid score_function: {score_function}")
+
+
+def _select(scores: torch.Tensor, topk: int, num_groups: Optional[int],
+            group_topk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the experts; with group_topk, only over the group_topk groups (of num_groups) whose best
+    topk // group_topk scores sum highest."""
+    if group_topk:
+        num_tokens, num_experts = scores.shape
+        grouped = scores.reshape(num_tokens, num_groups, num_experts // num_groups)
+        group_score = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+        chosen = group_score.topk(group_topk, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, chosen, True)
+        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores.topk(topk, dim=-1)
+
+
+def fused_topk_with_score_function(logits: torch.Tensor, topk: int, use_pre_softmax: bool = False,
+                                   num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                                   scaling_factor: Optional[float] = None, score_function: str = "softmax",
+                                   expert_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's fused_topk_with_score_function: (routing probs [num_tokens, num_experts] in the logits' dtype,
+    zero off the top-k, bool routing map). Scores and probs are computed in float32; expert_bias (sigmoid /
+    sqrtsoftplus) shifts only the selection."""
+    shape = logits.shape
+    logits2d = logits.reshape(-1, shape[-1])
+    if score_function == "softmax":
+        if use_pre_softmax:
+            probs, index = _select(torch.softmax(logits2d, dim=-1, dtype=torch.float32), topk, num_groups, group_topk)
+        else:
+            top, index = _select(logits2d, topk, num_groups, group_topk)
+            probs = torch.softmax(top, dim=-1, dtype=torch.float32)
+    else:
+        scores = _scores(logits2d, score_function)
+        if expert_bias is not None:
+            index = _select(scores + expert_bias.float(), topk, num_groups, group_topk)[1]
+            top = scores.gather(1, index)
+        else:
+            top, index = _select(scores, topk, num_groups, group_topk)
+        probs = top / (top.sum(dim=-1, keepdim=True) + _EPS) if topk > 1 else top
+    if scaling_factor:
+        probs = probs * scaling_factor
+    routing_probs = torch.zeros_like(logits2d).scatter(1, index, probs.to(logits.dtype))
+    routing_map = torch.zeros_like(logits2d, dtype=torch.bool).scatter(1, index, True)
+    return routing_probs.view(shape), routing_map.view(shape)
+
+
+def fused_compute_score_for_moe_aux_loss(logits: torch.Tensor, topk: int,
+                                         score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's fused_compute_score_for_moe_aux_loss: (bool top-k routing map, float32 scores normalized over
+    all experts) for the load-balancing loss."""
+    if score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = _scores(logits, score_function)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + _EPS)
+    index = scores.topk(topk, dim=-1).indices
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(-1, index, True), scores
+
+
+def fused_moe_aux_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
+                       total_num_tokens: Union[int, torch.Tensor], num_experts: int, topk: int,
+                       coeff: float) -> torch.Tensor:
+    """TE's fused_moe_aux_loss, the switch load-balancing loss
+    sum_e(sum_t probs[t, e] * tokens_per_expert[e]) * num_experts * coeff / (topk * total_num_tokens ** 2),
+    computed in float32 and returned in the probs' dtype."""
+    acc = _acc_dtype(probs.dtype)
+    loss = torch.sum(probs.to(acc).sum(dim=0) * tokens_per_expert.to(acc))
+    return (loss * (num_experts * coeff / (topk * total_num_tokens * total_num_tokens))).to(probs.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------ GEMM
+
+
+def te_general_gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dtype] = None,
+                    layout: str = "TN", out: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                    grad: bool = False) -> tuple[torch.Tensor, None, None, None]:
+    """Megatron's te_general_gemm wrapper of TE's general_gemm: D = op(B) @ op(A) (+ bias), op transposing
+    where `layout` (A's letter, then B's) says "T"; computed in the widest of the inputs' and out_dtype
+    (so 16-bit inputs give the float32 router logits exactly as Megatron's unfused .to(router_dtype) path).
+    Returns (D, bias_grad, gelu_input, extra_output) like TE; only D is produced. `out` receives D."""
+    if layout not in ("TN", "NN", "NT"):
+        raise ValueError(f"GEMM layout {layout} not supported")
+    if grad and bias is not None:
+        raise NotImplementedError("the bias gradient epilogue (grad=True with bias) is not provided")
+    dtype = out_dtype if out_dtype is not None else out.dtype if out is not None else A.dtype
+    compute = torch.promote_types(torch.promote_types(A.dtype, B.dtype), dtype)
+    a = (A.t() if layout[0] == "T" else A).to(compute)
+    b = (B.t() if layout[1] == "T" else B).to(compute)
+    result = torch.mm(b, a) if bias is None else torch.addmm(bias.to(compute), b, a)
+    result = result.to(dtype)
+    if out is not None:
+        result = out.copy_(result)
+    return result, None, None, None

@@ -1,0 +1,64 @@
+"""What the tests adapt to the megatron-core release under test, detected from it (not from its version): the
+plugin's megatron-core tests run against every supported release (tests/megatron_matrix.py)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+
+import pytest
+
+# TransformerConfig fields by their newest name -> their name in older releases
+RENAMED_FIELDS = {"moe_router_padding_for_quantization": "moe_router_padding_for_fp8"}
+
+
+@functools.cache
+def _fields() -> frozenset[str]:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+@functools.cache
+def moe_bias_supported() -> bool:
+    """Whether the release lets MoE layers have biases (before 0.15 its config asserts they do not)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=2, add_bias_linear=True)
+    except AssertionError:
+        return False
+    return True
+
+
+def config_kwargs(**kwargs) -> dict:
+    """`kwargs` for this release's TransformerConfig: renamed fields under their old names, and MoE layers
+    without the linear biases a release before 0.15 refuses (layers built with bias=True still get them)."""
+    fields = _fields()
+    adapted = {RENAMED_FIELDS[k] if k not in fields and RENAMED_FIELDS.get(k) in fields else k: v
+               for k, v in kwargs.items()}
+    if adapted.get("num_moe_experts") and not moe_bias_supported():
+        adapted["add_bias_linear"] = False
+    return adapted
+
+
+def has_module(name: str) -> bool:
+    """Whether the release has module `name`."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def requires_module(name: str, feature: str) -> pytest.MarkDecorator:
+    """Skip where the release lacks module `name` (the feature it brings)."""
+    return pytest.mark.skipif(not has_module(name), reason=f"this megatron-core has no {feature} ({name})")
+
+
+def te_extension_has(name: str) -> bool:
+    """Whether Megatron's own TE extension defines `name` (False where it cannot import without TE: 0.12)."""
+    try:
+        return hasattr(importlib.import_module("megatron.core.extensions.transformer_engine"), name)
+    except ModuleNotFoundError:
+        return False
