@@ -21,6 +21,7 @@ import torch
 
 from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
 from mindspeed_te.megatron.split import SplitAlongDim
+from tests.test_rope import _Group
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
@@ -42,19 +43,6 @@ def _missing_mla_fusion() -> Optional[str]:
 needs_mla_fusion = pytest.mark.skipif(_missing_mla_fusion() is not None, reason=str(_missing_mla_fusion()))
 
 QK, EMB, V, HEADS = 6, 8, 5, 3  # qk_head_dim, qk_pos_emb_head_dim, v_head_dim, heads per partition
-
-
-class _Group:
-    """The two methods rope_utils asks of a context-parallel process group."""
-
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 def _yarn(seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, float, torch.Tensor, torch.Tensor]:
