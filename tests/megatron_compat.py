@@ -32,12 +32,25 @@ def moe_bias_supported() -> bool:
     return True
 
 
+def has_config_field(name: str) -> bool:
+    """Whether this release's TransformerConfig has field `name` (under its newest or an older name)."""
+    return name in _fields() or RENAMED_FIELDS.get(name) in _fields()
+
+
 def config_kwargs(**kwargs) -> dict:
-    """`kwargs` for this release's TransformerConfig: renamed fields under their old names, and MoE layers
-    without the linear biases a release before 0.15 refuses (layers built with bias=True still get them)."""
+    """`kwargs` for this release's TransformerConfig: renamed fields under their old names (a field the release
+    has under no name is left out when off, else the test is skipped), and MoE layers without the linear biases
+    a release before 0.15 refuses (layers built with bias=True still get them)."""
     fields = _fields()
-    adapted = {RENAMED_FIELDS[k] if k not in fields and RENAMED_FIELDS.get(k) in fields else k: v
-               for k, v in kwargs.items()}
+    adapted = {}
+    for name, value in kwargs.items():
+        if name in RENAMED_FIELDS and name not in fields:
+            if RENAMED_FIELDS[name] in fields:
+                adapted[RENAMED_FIELDS[name]] = value
+            elif value:
+                pytest.skip(f"this megatron-core has no {name}")
+        else:
+            adapted[name] = value
     if adapted.get("num_moe_experts") and not moe_bias_supported():
         adapted["add_bias_linear"] = False
     return adapted

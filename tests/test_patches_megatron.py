@@ -21,8 +21,8 @@ from mindspeed_te.patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, r
 from mindspeed_te.patches.registry import PatchRegistry, installed_megatron_core  # noqa: E402
 from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.megatron_compat import config_kwargs, has_module  # noqa: E402
-from tests.megatron_matrix import installed_here  # noqa: E402
+from tests.megatron_compat import config_kwargs, has_config_field, has_module  # noqa: E402
+from tests.megatron_matrix import pinned_release  # noqa: E402
 
 
 @pytest.fixture
@@ -375,7 +375,7 @@ def test_every_te_gated_importer_is_patched_or_deliberately_left_alone():
     found = _te_gated_importers() - {EXTENSION + "_spec_provider"}
     unclassified = found - set(IMPORTERS) - set(NOT_PATCHED)
     assert not unclassified, f"classify these in IMPORTERS or NOT_PATCHED: {sorted(unclassified)}"
-    if installed_megatron_core() == installed_here():  # the table is kept against the environment's release
+    if installed_megatron_core() == pinned_release():  # the table is kept against the environment's release
         assert not set(NOT_PATCHED) - found, "NOT_PATCHED lists modules that no longer import the TE extension"
 
 
@@ -389,6 +389,8 @@ def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, 
     against their contract by the simulator): the same losses, bit for bit, as the reference backend; with
     `moe`, 4 experts of grouped GEMMs (block-scaled: one GEMM per expert, the experts' rowwise forms from one
     quantize)."""
+    if moe and recipe == "mxfp8" and not has_config_field("moe_router_padding_for_quantization"):
+        pytest.skip("this megatron-core cannot pad MoE token counts for MXFP8 (0.13 on)")
     npu = run_distributed(_train_gpt, 1, fp8, recipe, None, moe, "npu")[0]
     reference = run_distributed(_train_gpt, 1, fp8, recipe, None, moe, "reference")[0]
     launches = npu["npu_launches"]
