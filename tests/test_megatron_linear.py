@@ -1,6 +1,7 @@
 """Megatron-facing linear classes: same constructor keywords as megatron-core 0.16.1's TE* classes, the
 (output, bias) return convention, and FP8 under a Megatron TransformerConfig."""
 import ast
+import importlib.util
 import inspect
 import warnings
 
@@ -8,7 +9,10 @@ import pytest
 import torch
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-mcore_te = pytest.importorskip("megatron.core.extensions.transformer_engine")
+pytest.importorskip("megatron.core")
+# Megatron's TE extension, read as source: 0.12's does not import without TE, and without TE the others define
+# their TE* classes on a MagicMock
+MCORE_TE_SOURCE = importlib.util.find_spec("megatron.core.extensions.transformer_engine").origin
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_autocast  # noqa: E402
@@ -38,7 +42,7 @@ def megatron_init_params(class_name: str) -> dict:
     """Constructor parameters of a class in megatron-core's extensions/transformer_engine.py, read from its
     source: without TransformerEngine installed those classes are built on a MagicMock and have no real
     signature to inspect."""
-    tree = ast.parse(open(inspect.getsourcefile(mcore_te)).read())
+    tree = ast.parse(open(MCORE_TE_SOURCE).read())
     cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__new__"))
     args = init.args
@@ -362,9 +366,13 @@ def test_megatron_sets_save_original_input_on_our_linears():
                                    skip_bias_add=True, is_expert=False)
     experts = TEColumnParallelGroupedLinear(4, 64, 32, config=cfg, init_method=_init, bias=False,
                                             skip_bias_add=False, is_expert=True)
+    try:  # Megatron's own (0.14 on), else the plugin's stand-in that the patches give older releases
+        from megatron.core.extensions.transformer_engine import set_save_original_input
+    except ImportError:
+        from mindspeed_te.megatron import set_save_original_input
     for module in (layer, experts):
         assert module.save_original_input is False
-        mcore_te.set_save_original_input(module)
+        set_save_original_input(module)
         assert module.save_original_input is True
     x = torch.randn(8, 2, 64, requires_grad=True)
     with fp8_autocast(fp8_recipe=Float8CurrentScaling()):
