@@ -1,17 +1,18 @@
-"""The megatron-core release matrix: each supported release that installs on this Python, from the package
-registry into a directory of its own, with the plugin's megatron-core tests run against it.
+"""The megatron-core release matrix: the plugin's megatron-core tests against each supported release, installed
+from the package registry into a directory of its own, and against the Megatron-LM trees of MEGATRON_LM_TREES
+(paths separated by os.pathsep) whose release the registry does not serve on this Python (0.17 on).
 
-    python -m tests.megatron_matrix                 # every release but the environment's own (CI)
+    python -m tests.megatron_matrix                 # every release but the pinned one, and the trees (CI)
     python -m tests.megatron_matrix 0.12.1 -- -x    # one release; pytest arguments after --
 
-The environment's own release (requirements-dev.txt) runs the whole suite; the others run MEGATRON_TESTS. The
-releases that need Python 3.12 (0.17 on) are not on the registry for 3.11: their source trees run through
-tests/test_megatron_source.py (MEGATRON_LM_PATH).
+The pinned release (requirements-dev.txt) runs the whole suite. A tree of a release that needs Python 3.12 runs
+on an older Python with tests/py312_shim first on PYTHONPATH (the plugin itself needs no shim).
 """
 from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,27 @@ MEGATRON_TESTS = ("tests/test_patches_megatron.py", "tests/test_patches_registry
                   "tests/test_fp8_param_megatron.py", "tests/test_patches_optimizer.py", "tests/test_hif8_delayed.py",
                   "tests/test_checkpoint.py")
 TARGETS = ROOT / ".venv" / "megatron-core"
+SHIM = ROOT / "tests" / "py312_shim"
+
+
+def trees() -> list[pathlib.Path]:
+    """The Megatron-LM trees of MEGATRON_LM_TREES."""
+    return [pathlib.Path(p).resolve() for p in os.environ.get("MEGATRON_LM_TREES", "").split(os.pathsep) if p]
+
+
+def tree_release(tree: pathlib.Path) -> str:
+    """The megatron-core release of a Megatron-LM tree, read from its package_info.py."""
+    text = (tree / "megatron" / "core" / "package_info.py").read_text()
+    parts = [re.search(rf"^{name} = (\d+)", text, re.M) for name in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise ValueError(f"{tree}: no MAJOR / MINOR / PATCH in megatron/core/package_info.py")
+    return ".".join(part.group(1) for part in parts)
+
+
+def python_path(tree: pathlib.Path) -> str:
+    """PYTHONPATH for running `tree`'s Megatron here: the shim first where its release needs Python 3.12."""
+    needs_312 = tuple(map(int, tree_release(tree).split(".")[:2])) >= (0, 17) and sys.version_info < (3, 12)
+    return os.pathsep.join([*([str(SHIM)] if needs_312 else []), str(tree)])
 
 
 def pinned_release() -> str:
@@ -46,11 +68,10 @@ def install(release: str) -> pathlib.Path:
     return target
 
 
-def run(release: str, pytest_args: list[str]) -> int:
-    """The megatron-core tests against `release`: its directory first on PYTHONPATH."""
-    path = install(release)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])))
-    print(f"== megatron-core {release}", flush=True)
+def run(name: str, path: str, pytest_args: list[str]) -> int:
+    """The megatron-core tests with `path` (a release's directory, or a tree's) first on PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
+    print(f"== megatron-core {name}", flush=True)
     return subprocess.run([sys.executable, "-m", "pytest", *pytest_args, *MEGATRON_TESTS], env=env, cwd=ROOT).returncode
 
 
@@ -60,9 +81,13 @@ def main(argv: list[str]) -> int:
     unknown = set(releases) - set(REGISTRY_RELEASES)
     if unknown:
         raise SystemExit(f"not a registry release of the matrix: {sorted(unknown)}; choose from {REGISTRY_RELEASES}")
-    releases = releases or [r for r in REGISTRY_RELEASES if r != pinned_release()]
-    failed = [release for release in releases if run(release, pytest_args) != 0]
-    print(f"megatron-core matrix: {len(releases) - len(failed)} releases passed, {len(failed)} failed"
+    runs = {release: str(install(release)) for release in releases or REGISTRY_RELEASES
+            if releases or release != pinned_release()}
+    if not releases:
+        runs.update({f"{tree_release(tree)} ({tree})": python_path(tree) for tree in trees()
+                     if tree_release(tree) not in REGISTRY_RELEASES})
+    failed = [name for name, path in runs.items() if run(name, path, pytest_args) != 0]
+    print(f"megatron-core matrix: {len(runs) - len(failed)} releases passed, {len(failed)} failed"
           + (f" ({', '.join(failed)})" if failed else ""))
     return 1 if failed else 0
 
