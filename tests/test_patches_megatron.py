@@ -239,7 +239,9 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
     parallel_state.initialize_model_parallel(world_size, 1)
     torch.manual_seed(0)
     # MXFP8 experts need their token counts padded to 32 (--moe-router-padding-for-fp8); the others take any
+    # (no linear biases: megatron-core 0.15 adds expert biases with the padded token counts under FP8)
     experts = dict(num_moe_experts=4, moe_grouped_gemm=True, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
+                   add_bias_linear=False,
                    moe_router_padding_for_quantization=fp8 is not None and recipe == "mxfp8") if moe else {}
     precision = dict(params_dtype=torch.bfloat16, bf16=True) if backend is not None else {}
     config = _config(fp8=fp8, fp8_recipe=recipe, tensor_model_parallel_size=world_size, **experts, **precision)
