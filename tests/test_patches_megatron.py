@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import sys
@@ -57,6 +58,11 @@ def test_every_te_name_on_the_gpt_path_is_ours(patched):
                 assert bound is TE_CLASSES[name], f"{module_name}.{name} is {bound!r}"
 
 
+def _submodules(spec):
+    """A spec's submodules: a ModuleSpec's, or those bound into a functools.partial (megatron-core 0.17 on)."""
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+
+
 def test_gpt_layer_specs_use_our_modules(patched):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -70,10 +76,10 @@ def test_gpt_layer_specs_use_our_modules(patched):
     assert (mlp.linear_fc1, mlp.linear_fc2) == (ours.TELayerNormColumnParallelLinear, ours.TERowParallelLinear)
 
     moe = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True).submodules.mlp
-    experts = moe.submodules.experts.submodules
+    experts = _submodules(moe.submodules.experts)
     assert (experts.linear_fc1, experts.linear_fc2) == (ours.TEColumnParallelGroupedLinear,
                                                         ours.TERowParallelGroupedLinear)
-    shared = moe.submodules.shared_experts.submodules
+    shared = _submodules(moe.submodules.shared_experts)
     assert (shared.linear_fc1, shared.linear_fc2) == (ours.TEColumnParallelLinear, ours.TERowParallelLinear)
 
 
@@ -339,6 +345,9 @@ def test_moe_gpt_trains_in_fp8_on_cpu(fp8, recipe):
 NOT_PATCHED = {
     "megatron.core.models.multimodal.llava_model": "multimodal models",
     "megatron.core.models.retro.decoder_spec": "retro models",
+    "megatron.core.post_training.modelopt.layers": "post-training (ModelOpt) layers",
+    "megatron.core.transformer.experimental_attention_variant.absorbed_mla": "experimental absorbed MLA (its fused "
+                                                                             "RoPE is ours, MLA_ROPE_IMPORTERS)",
     "megatron.core.models.retro.encoder_spec": "retro models",
     "megatron.core.models.gpt.experimental_attention_variant_module_specs": "experimental attention variants",
     "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs": "heterogeneous (NAS) layer specs",

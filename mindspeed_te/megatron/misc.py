@@ -145,9 +145,10 @@ def te_checkpoint(forward_func: Callable, distribute_saved_activations: bool, ge
 
 
 def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, activation_offloading: bool,
-                            weight_offloading: bool, double_buffering: bool = False) -> tuple[Any, Callable]:
+                            weight_offloading: bool, double_buffering: bool = False,
+                            retain_pinned_cpu_buffers: bool = False) -> tuple[Any, Callable]:
     """CPU offloading is not implemented: a no-op context and an identity sync function, and a clear error
-    when Megatron's --cpu-offloading asks for it."""
+    when Megatron's --cpu-offloading asks for it (`retain_pinned_cpu_buffers`: megatron-core 0.17 on)."""
     if enabled:
         raise NotImplementedError("mindspeed_te does not implement CPU offloading (--cpu-offloading); turn it off")
     return contextlib.nullcontext(), (lambda x: x)

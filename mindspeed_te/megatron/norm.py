@@ -16,9 +16,14 @@ __all__ = ["TENorm", "TELayerNormColumnParallelLinear"]
 
 
 class TENorm:
-    """LayerNorm or RMSNorm, as `config.normalization` says (a factory, like Megatron's)."""
+    """LayerNorm or RMSNorm, as `config.normalization` says (a factory, like Megatron's). `has_residual`
+    (megatron-core 0.17 on) marks a norm followed by a residual add, which TE fuses under
+    `config.fused_residual_rmsnorm`; that fusion is refused with a clear error (the plain norm serves otherwise)."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5):
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, has_residual: bool = False):
+        if has_residual and getattr(config, "fused_residual_rmsnorm", False):
+            raise ValueError("TENorm: config.fused_residual_rmsnorm (TE's fused residual RMSNorm) is not supported "
+                             "by mindspeed_te; leave it False")
         norms = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}
         if config.normalization not in norms:
             raise ValueError(f"TENorm: config.normalization must be 'LayerNorm' or 'RMSNorm', "
