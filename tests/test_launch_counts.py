@@ -464,3 +464,93 @@ def test_causal_attention_is_one_kernel_each_way():
         forward, backward = attention_launches(npu)
     assert forward.counts == {"torch_npu.npu_fusion_attention": 1}
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
+
+
+def _moe_permutation_launches(npu=None, with_probs: bool = True) -> tuple[Counter, Counter, Counter]:
+    """(permute forward, unpermute forward, both backward) launches of a MoE layer's token permutation as Megatron's
+    fused alltoall dispatcher runs it (TE's moe_permute_with_probs, then moe_unpermute of the experts' rows; dropless
+    top-2 of 8 experts, 64 bfloat16 tokens, float32 router probs), on its second micro-batch."""
+    from mindspeed_te.megatron import moe_fused
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.softmax(torch.randn(64, 8, generator=gen), dim=-1)
+    routing_map = torch.zeros(64, 8, dtype=torch.bool).scatter(1, scores.topk(2, dim=1).indices, True)
+    probs = (scores * routing_map).requires_grad_(with_probs)
+    x = torch.randn(64, 32, generator=gen).bfloat16().requires_grad_()
+    for _ in range(2):
+        x.grad = probs.grad = None  # (a micro-batch's own gradients, no accumulation into earlier ones)
+        with LaunchCounter(npu) as permute:
+            if with_probs:
+                permuted, permuted_probs, row_map = moe_fused.fused_permute_with_probs(x, probs, routing_map, 128)
+            else:
+                permuted, row_map = moe_fused.fused_permute(x, routing_map, 128)
+        rows = torch.randn(permuted.shape, generator=gen).bfloat16().requires_grad_()  # the experts' output
+        with LaunchCounter(npu) as unpermute:
+            out = moe_fused.fused_unpermute(rows, row_map, restore_shape=x.shape)
+        seeds = [torch.ones_like(t) for t in (out, permuted, *([permuted_probs] if with_probs else []))]
+        with LaunchCounter(npu) as backward:
+            torch.autograd.backward([out, permuted, *([permuted_probs] if with_probs else [])], seeds)
+    return permute.counts, unpermute.counts, backward.counts
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_moe_permutation_is_one_kernel_each_way(with_probs):
+    """Issue 29: a MoE layer's permute + unpermute on an NPU is torch_npu's npu_moe_token_permute and
+    npu_moe_token_unpermute, and torch_npu's one grad kernel each, instead of the torch index ops (before: 28 / 23
+    launches for the permute with / without probs, 4 for the unpermute, 10 / 6 backward). Around the permute kernel:
+    the routing map's experts per token (one stable sort), the check that every token has exactly k of them (2 ops
+    and a 1-byte host read: the kernel's contract); with probs, their gather and placement at the rows (3), whose
+    backward is an index_select and the gather's scatter_add into zeros (3)."""
+    reference = _moe_permutation_launches(with_probs=with_probs)
+    assert [sum(c.values()) for c in reference] == ([28, 4, 10] if with_probs else [23, 4, 6])
+    with _simulated() as npu:
+        permute, unpermute, backward = _moe_permutation_launches(npu, with_probs)
+    kernel = {"aten.sort": 1, "aten.gt": 1, "aten.all": 1, "aten._local_scalar_dense": 1,
+              "torch_npu.npu_moe_token_permute": 1}
+    probs = {"aten.gather": 1, "aten._to_copy": 1, "aten.index_copy": 1}
+    assert permute == {**kernel, **(probs if with_probs else {})}
+    assert unpermute == {"torch_npu.npu_moe_token_unpermute": 1}  # its unit probs are made once per shape
+    grads = {"torch_npu.npu_moe_token_unpermute_grad_v2": 1, "torch_npu.npu_moe_token_permute_grad_v2": 1}
+    probs_grads = {"aten.index_select": 1, "aten.new_zeros": 1, "aten.scatter_add": 1}
+    assert backward == {**grads, **(probs_grads if with_probs else {})}
+
+
+def _rope_launches(fn, x: torch.Tensor, npu=None) -> tuple[Counter, Counter]:
+    x = x.clone().requires_grad_()
+    with LaunchCounter(npu) as forward:
+        y = fn(x)
+    seed = torch.ones_like(y)
+    with LaunchCounter(npu) as backward:
+        y.backward(seed)
+    return forward.counts, backward.counts
+
+
+def test_rope_is_one_kernel_each_way():
+    """Issue 29: one RoPE application on an NPU is npu_rotary_mul and its one backward kernel. TE's
+    apply_rotary_pos_emb (sbhd, bfloat16): the rotation's 5 ops each way become 1 (the module's cos / sin of the
+    angles and their casts stay: 4); MLA's fused q RoPE on the Ascend 950 ("interleave-half": de-interleave and
+    rotate): 7 forward and 9 backward launches become the kernel and the cat with the unrotated channels, each way."""
+    from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_q
+    from mindspeed_te.modules.rope import apply_rotary_pos_emb
+
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    angles = torch.outer(torch.arange(8).float(), inv)
+    freqs = torch.cat((angles, angles), dim=-1).view(8, 1, 1, 16)
+    t = torch.randn(8, 2, 4, 16).bfloat16()
+    cos, sin = torch.cos(angles).bfloat16().view(8, 1, 1, 8), torch.sin(angles).bfloat16().view(8, 1, 1, 8)
+
+    def te(x):
+        return apply_rotary_pos_emb(x, freqs)
+
+    def mla(x):
+        return fused_apply_mla_rope_for_q(x, cos, sin, 8, 8)
+
+    tables = {"aten.cos": 1, "aten.sin": 1, "aten._to_copy": 2}
+    assert _rope_launches(te, t) == ({**tables, "aten.mul": 2, "aten.neg": 1, "aten.cat": 1, "aten.add": 1},
+                                     {"aten.mul": 2, "aten.neg": 1, "aten.cat": 1, "aten.add": 1})
+    assert [sum(c.values()) for c in _rope_launches(mla, t)] == [7, 9]
+    with _simulated() as npu:
+        assert _rope_launches(te, t, npu) == ({**tables, "torch_npu.npu_rotary_mul": 1},
+                                              {"torch_npu.npu_rotary_mul_backward": 1})
+        assert _rope_launches(mla, t, npu) == ({"torch_npu.npu_rotary_mul": 1, "aten.cat": 1},
+                                               {"torch_npu.npu_rotary_mul_backward": 1, "aten.cat": 1})

@@ -150,6 +150,15 @@ def test_signatures_match_torch_npu_2_14():
                                       "inner_precise", "seed", "offset", "numels", "prefix", "actual_seq_qlen",
                                       "actual_seq_kvlen", "sparse_mode", "gen_mask_parallel", "sync",
                                       "softmax_layout", "sink"],
+        "npu_moe_token_permute": ["tokens", "indices", "num_out_tokens", "padded_mode"],
+        "npu_moe_token_permute_grad_v2": ["grad_permuted_tokens", "sorted_indices", "tokens_size_0", "tokens_dtype",
+                                          "num_topK", "padded_mode"],
+        "npu_moe_token_unpermute": ["permuted_tokens", "sorted_indices", "probs", "padded_mode", "restore_shape"],
+        "npu_moe_token_unpermute_grad_v2": ["grad_unpermuted_tokens", "sorted_indices", "permuted_tokens_size_0",
+                                            "permuted_tokens_dtype", "probs", "padded_mode", "restore_shape",
+                                            "permuted_tokens"],
+        "npu_rotary_mul": ["input", "r1", "r2", "rotary_mode", "rotate"],
+        "npu_rotary_mul_backward": ["grad", "input", "r1", "r2", "rotary_mode"],
     }
     for name, params in expected.items():
         assert list(inspect.signature(getattr(sim, name)).parameters) == params, name
@@ -158,6 +167,8 @@ def test_signatures_match_torch_npu_2_14():
     x = torch.randn(2, 8)
     with pytest.raises(TypeError):  # the real schema calls it `self`: pass the first tensor positionally
         sim.npu_rms_norm(input=x, gamma=torch.ones(8))
+    with pytest.raises(TypeError):  # npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, ...) likewise
+        sim.npu_rotary_mul(input=x, r1=x, r2=x)
     with pytest.raises(TypeError):  # keyword-only options
         sim.npu_quant_matmul(x, x, x, None)
 

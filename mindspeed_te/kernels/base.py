@@ -100,6 +100,31 @@ class KernelBackend(ABC):
         `softmax_offset` [heads]: one more logit per head in every softmax, whose probability multiplies no value
         (TE's off-by-one and learnable softmax; an attention sink)."""
 
+    # MoE token permutation (TE's moe_permute / moe_unpermute with a mask routing map) and RoPE -------------
+    @abstractmethod
+    def moe_permute(self, tokens: torch.Tensor, routing_map: torch.Tensor,
+                    num_out_tokens: Optional[Union[int, torch.Tensor]], probs: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """(the rows of `tokens` [num_tokens, hidden] that the boolean `routing_map` [num_tokens, num_experts]
+        routes, grouped by expert with tokens ascending within one, [num_out_tokens, hidden]; each row's prob
+        from `probs` [num_tokens, num_experts] when given; a row map that only this backend's `moe_unpermute`
+        reads). num_out_tokens None or <= 0 means every routed pair; fewer drops the last rows."""
+
+    @abstractmethod
+    def moe_unpermute(self, rows: torch.Tensor, row_map: torch.Tensor, merging_probs: Optional[torch.Tensor],
+                      num_tokens: int) -> torch.Tensor:
+        """The permuted `rows` summed back per token (each weighted by its `merging_probs` [num_tokens,
+        num_experts] entry when given), in float32 for 16-bit rows, rows' dtype out: [num_tokens, hidden]."""
+
+    @abstractmethod
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str, *,
+               unit_tables: bool = False) -> torch.Tensor:
+        """RoPE x · cos + rotate(x) · sin over x's last dim, cos and sin of x's dtype broadcasting to x (3 or 4
+        dims). mode "half": rotate(x) = (-x2, x1) of the two halves; "interleave": of each adjacent pair;
+        "interleave-half": channels (0, 2, ..) then (1, 3, ..) first, then "half" (MLA's layout, output in the
+        half-split order). `unit_tables`: the caller knows every cos / sin value lies in [-1, 1] (some kernels
+        take nothing else)."""
+
     # Fused communication GEMMs (capabilities.fused_communication_gemm) -------------------------------------
     def all_gather_matmul(self, x1: torch.Tensor, x2: torch.Tensor, group: Any
                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -33,6 +33,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                repeated per 32-block (one op each), a float32 bias (one cast of a bf16 bias, as the late add
                is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
                takes the weight's).
+  MoE, RoPE    npu_moe_token_permute / npu_moe_token_unpermute (dropless routing, bfloat16) and npu_rotary_mul, each
+               with torch_npu's one backward kernel: kernels/npu_moe_rope.py
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.kernels.base import Capabilities, Operand
 from mindspeed_te.kernels.masks import CausalMask, PackedMask, host_ends, host_lengths, kept_per_tensors
+from mindspeed_te.kernels.npu_moe_rope import MoeRopeKernels
 from mindspeed_te.kernels.reference import ReferenceBackend, check_accumulate
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
@@ -335,8 +338,9 @@ class _TileLayout(NamedTuple):
         return self.tiles.shape[:2] if self.dims == -1 else self.tiles.shape[0:3:2]
 
 
-class NpuBackend(ReferenceBackend):
-    """Dispatches quantize and GEMM to torch_npu kernels; everything else is the reference emulation."""
+class NpuBackend(MoeRopeKernels, ReferenceBackend):
+    """Dispatches quantize, GEMM, norm, attention, MoE permutation and RoPE to torch_npu kernels where they apply;
+    everything else is the reference emulation."""
 
     name = "npu"
     # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"; the bindings of

@@ -9,6 +9,7 @@ import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import as_float32, cast_from_fp8, decode_table
+from mindspeed_te.kernels import permutation
 from mindspeed_te.kernels.base import KernelBackend, Operand
 from mindspeed_te.kernels.masks import CausalMask, PackedMask, additive, as_matrix
 from mindspeed_te.quantizers import Quantizer, record_nonfinite
@@ -126,6 +127,18 @@ def check_accumulate(out: Optional[torch.Tensor], bias: Optional[torch.Tensor]) 
                          f"{out.dtype}) and cannot be combined with `bias`")
 
 
+ROTARY_MODES = ("half", "interleave", "interleave-half")
+
+
+def rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1), on the two halves of the last dim or, interleaved, on each adjacent pair."""
+    if interleaved:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.stack((-x2, x1), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 def _with_offset_key(mask: Optional[torch.Tensor], offset: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(additive float mask, key, value) with one extra key whose logit is the head's offset and whose value is
@@ -216,6 +229,25 @@ class ReferenceBackend(KernelBackend):
         """x / sqrt(mean(x², trailing gamma dims) + eps) · gamma in float32 (float64 stays), x's dtype out."""
         dtype = torch.promote_types(x.dtype, torch.float32)
         return torch.nn.functional.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
+
+    def moe_permute(self, tokens: torch.Tensor, routing_map: torch.Tensor,
+                    num_out_tokens: Optional[Union[int, torch.Tensor]], probs: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Torch index ops (kernels/permutation.py); its row map is [2, num_out] int64."""
+        return permutation.permute(tokens, routing_map, num_out_tokens, probs)
+
+    def moe_unpermute(self, rows: torch.Tensor, row_map: torch.Tensor, merging_probs: Optional[torch.Tensor],
+                      num_tokens: int) -> torch.Tensor:
+        return permutation.unpermute(rows, row_map, merging_probs, num_tokens)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str, *,
+               unit_tables: bool = False) -> torch.Tensor:
+        """TE's unfused arithmetic: each product and the sum rounded in x's dtype."""
+        if mode not in ROTARY_MODES:
+            raise ValueError(f"rotary mode must be one of {', '.join(ROTARY_MODES)}, got {mode!r}")
+        if mode == "interleave-half":
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        return x * cos + rotate_half(x, mode == "interleave") * sin
 
     def gemm(
         self,

@@ -7,10 +7,12 @@ dtype) instead of the angles. The rotary part of q / k arrives in the checkpoint
 (pairs (0, 1), (2, 3), ...) and leaves in the half-split order ([evens, odds] rotated as two halves), exactly
 as the unfused branch (`apply_rotary_pos_emb` with MLA's de-interleave) produces it.
 
-Both functions are compositions of torch ops that repeat the unfused branch's arithmetic op for op (the same
-products and sums in the same dtype), so outputs and autograd gradients are bitwise those of the unfused path
-given the same tables. Unlike the Triton kernel, the q function works out of place; every caller uses the
-returned tensor only. There is no NPU rope kernel in mindspeed_te.kernels, so NPUs run the same torch ops.
+The rotation is the kernel backend's `rotary` in its "interleave-half" mode. The reference backend's rotation
+repeats the unfused branch's arithmetic op for op (the same products and sums in the same dtype), so outputs and
+autograd gradients are bitwise those of the unfused path given the same tables; on an Ascend 950 torch_npu's fused
+RoPE kernel does the de-interleave and rotation in one launch each way (in float32, rounded once; Atlas A2/A3 have
+no such mode and run the reference). Unlike the Triton kernel, the q function works out of place; every caller
+uses the returned tensor only.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_te.modules.rope import _rotate_half, thd_positions
+from mindspeed_te.kernels import get_backend
+from mindspeed_te.modules.rope import thd_positions
 
 __all__ = ["fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv"]
 
@@ -59,9 +62,9 @@ def _token_tables(cos: torch.Tensor, sin: torch.Tensor, emb_dim: int, shape: tor
 
 
 def _rope_deinterleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """MLA's rotation: channels (0, 2, 4, ..) then (1, 3, 5, ..), rotated as two halves."""
-    halves = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    return halves * cos + _rotate_half(halves, False) * sin
+    """MLA's rotation: channels (0, 2, 4, ..) then (1, 3, 5, ..), rotated as two halves. The tables carry YaRN's
+    mscale, so their values may pass 1 (no `unit_tables`)."""
+    return get_backend(x.device).rotary(x, cos, sin, "interleave-half")
 
 
 def fused_apply_mla_rope_for_q(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_head_dim: int,

@@ -2,23 +2,22 @@
 (--moe-permute-fusion), router top-k / aux-loss scores / aux loss (--moe-router-fusion) and the router's
 float32-output GEMM. Each has the call signature and return values of the TE function Megatron binds
 (megatron.core.extensions.transformer_engine) and gives the outputs and gradients of Megatron's own unfused
-path; plain torch ops, so any device runs them.
+path.
 
-Like TE's kernels they keep index work on the device (no host sync when the output size is known), compute
-router scores in float32, accumulate permutation sums in float32 (Megatron's unfused code sums 16-bit rows
-in 16 bits) and save index maps for backward (plus the permuted rows where merging probs need a gradient).
-
-The map that `fused_permute` returns (Megatron's `sorted_indices` / `row_id_map`) is only read back by
-`fused_unpermute`; it is a [2, num_out_tokens] int64 tensor: per permuted row, its token and its flat
-index token * num_experts + expert into the probs. A row no (token, expert) pair fills (only when
-num_out_tokens exceeds the routed pairs, which Megatron never asks for) holds token = num_tokens and
-index = num_tokens * num_experts: its content is unspecified (as in TE) and it never reaches a real token.
+The token permutation goes through the kernel backend of the tokens' device (`moe_permute` / `moe_unpermute`:
+torch index ops in the reference, torch_npu's permute kernels on an NPU); the map `fused_permute` returns
+(Megatron's `sorted_indices` / `row_id_map`) is that backend's and only `fused_unpermute` reads it back. The rest
+are plain torch ops, which any device runs: like TE's kernels they keep index work on the device (no host sync
+when the output size is known) and compute router scores in float32.
 """
 from __future__ import annotations
 
 from typing import Optional, Union
 
 import torch
+
+from mindspeed_te.kernels import get_backend
+from mindspeed_te.kernels.permutation import accumulation_dtype
 
 __all__ = [
     "fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
@@ -29,59 +28,7 @@ __all__ = [
 _EPS = 1e-20  # the sigmoid normalizer's guard, as in Megatron's unfused router
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums of 16-bit rows are accumulated in float32 (as TE's kernels do); wider types in themselves."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 # ----------------------------------------------------------------------------------------------- permutation
-
-
-def _row_map(routing_map: torch.Tensor, num_out_tokens: Optional[Union[int, torch.Tensor]]) -> torch.Tensor:
-    """The [2, num_out] map of the module docstring. Rows are grouped by expert, tokens ascending within an
-    expert (the order of Megatron's unfused permute); pairs beyond num_out are dropped."""
-    num_tokens, num_experts = routing_map.shape
-    routed = routing_map.bool().t().reshape(-1)  # expert-major: pair e * num_tokens + t
-    if num_tokens == 0:
-        num_out = 0
-    elif num_out_tokens is None or int(num_out_tokens) <= 0:
-        num_out = int(routed.sum())  # TE's "-1": every routed pair (a host sync)
-    else:
-        num_out = int(num_out_tokens)
-    row = routed.cumsum(0) - 1
-    row = torch.where(routed & (row < num_out), row, num_out)  # everything else lands in a discarded slot
-    none = routed.numel()
-    pair = torch.full((num_out + 1,), none, dtype=torch.long, device=routed.device)
-    pair = pair.scatter_(0, row, torch.arange(none, device=routed.device))[:num_out]
-    filled = pair < none
-    expert = torch.div(pair, max(num_tokens, 1), rounding_mode="floor")
-    token = pair - expert * num_tokens
-    return torch.stack([torch.where(filled, token, num_tokens),
-                        torch.where(filled, token * num_experts + expert, none)])
-
-
-def _gather_probs(probs: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """probs[token, expert] for each permuted row (0 for an unfilled row); differentiable."""
-    values = probs.reshape(-1)
-    picked = values.index_select(0, flat.clamp(max=max(values.numel() - 1, 0)))
-    return torch.where(flat < values.numel(), picked, picked.new_zeros(()))
-
-
-class _Permute(torch.autograd.Function):
-    """Row gather whose backward sums each token's rows (float32 for 16-bit grads); unfilled rows' gradient
-    goes to a discarded row."""
-
-    @staticmethod
-    def forward(ctx, inp: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(token)
-        ctx.num_tokens = inp.shape[0]
-        return inp.index_select(0, token.clamp(max=max(inp.shape[0] - 1, 0)))
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (token,) = ctx.saved_tensors
-        acc = grad.new_zeros((ctx.num_tokens + 1, *grad.shape[1:]), dtype=_acc_dtype(grad.dtype))
-        return acc.index_add_(0, token, grad.to(acc.dtype))[:-1].to(grad.dtype), None
 
 
 def fused_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: Optional[int] = -1,
@@ -91,56 +38,15 @@ def fused_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: 
     num_out_tokens None or <= 0 counts the routed pairs (a host sync)."""
     if map_type != "mask":
         raise NotImplementedError("only the mask routing map (the one Megatron uses) is supported")
-    row_map = _row_map(routing_map, num_out_tokens)
-    return _Permute.apply(inp, row_map[0]), row_map
+    permuted, _, row_map = get_backend(inp.device).moe_permute(inp, routing_map, num_out_tokens)
+    return permuted, row_map
 
 
 def fused_permute_with_probs(inp: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                              num_out_tokens: Optional[int] = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TE's moe_permute_with_probs: fused_permute plus each row's prob [num_out_tokens]
     -> (permuted, permuted_probs, row map)."""
-    permuted, row_map = fused_permute(inp, routing_map, num_out_tokens)
-    return permuted, _gather_probs(probs, row_map[1]), row_map
-
-
-class _Unpermute(torch.autograd.Function):
-    """Sum of each token's rows, weighted by merging_probs when given, in float32 for 16-bit inputs (TE's
-    precision; Megatron's unfused path sums in the promoted dtype); saves the permuted rows only when their
-    probs need a gradient."""
-
-    @staticmethod
-    def forward(ctx, inp: torch.Tensor, probs: Optional[torch.Tensor], row_map: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
-        token, flat = row_map
-        rows = inp.to(_acc_dtype(inp.dtype))
-        weight = None
-        if probs is not None:
-            weight = _gather_probs(probs.detach(), flat).to(rows.dtype)
-            rows = rows * weight.unsqueeze(1)
-        out = rows.new_zeros((num_tokens + 1, *inp.shape[1:])).index_add_(0, token, rows)[:-1]
-        probs_need_grad = probs is not None and ctx.needs_input_grad[1]
-        ctx.save_for_backward(row_map, weight, inp if probs_need_grad else None)
-        ctx.probs_meta = (probs.shape, probs.dtype) if probs is not None else None
-        return out.to(inp.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        row_map, weight, inp = ctx.saved_tensors
-        token, flat = row_map
-        grad_rows = grad.index_select(0, token.clamp(max=max(grad.shape[0] - 1, 0)))
-        grad_inp = grad_probs = None
-        if weight is None:
-            grad_inp = grad_rows
-        else:
-            grad_rows = grad_rows.to(weight.dtype)
-            if ctx.needs_input_grad[0]:
-                grad_inp = (grad_rows * weight.unsqueeze(1)).to(grad.dtype)
-            if inp is not None:
-                shape, dtype = ctx.probs_meta
-                per_row = (grad_rows * inp.to(weight.dtype)).sum(dim=-1)
-                grad_probs = per_row.new_zeros(shape.numel() + 1).index_add_(0, flat, per_row)[:-1]
-                grad_probs = grad_probs.view(shape).to(dtype)
-        return grad_inp, grad_probs, None, None
+    return get_backend(inp.device).moe_permute(inp, routing_map, num_out_tokens, probs)
 
 
 def fused_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: Optional[torch.Tensor] = None,
@@ -157,7 +63,7 @@ def fused_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: 
             raise ValueError("both merging_probs and probs given")
         merging_probs = probs
     num_tokens = (restore_shape if restore_shape is not None else inp.shape)[0]
-    return _Unpermute.apply(inp, merging_probs, row_id_map, num_tokens)
+    return get_backend(inp.device).moe_unpermute(inp, row_id_map, merging_probs, num_tokens)
 
 
 class _RowShuffle(torch.autograd.Function):
@@ -279,7 +185,7 @@ def fused_moe_aux_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
     """TE's fused_moe_aux_loss, the switch load-balancing loss
     sum_e(sum_t probs[t, e] * tokens_per_expert[e]) * num_experts * coeff / (topk * total_num_tokens ** 2),
     computed in float32 and returned in the probs' dtype."""
-    acc = _acc_dtype(probs.dtype)
+    acc = accumulation_dtype(probs.dtype)
     loss = torch.sum(probs.to(acc).sum(dim=0) * tokens_per_expert.to(acc))
     return (loss * (num_experts * coeff / (topk * total_num_tokens * total_num_tokens))).to(probs.dtype)
 

@@ -1,23 +1,18 @@
 """Rotary position embedding with TransformerEngine's `apply_rotary_pos_emb` contract: `sbhd` / `bshd`
 tensors, or packed `thd` sequences described by cumulative lengths (optionally one context-parallel
 rank's share of them). The rotation covers the first `freqs.shape[-1]` channels; the rest pass through.
-cos/sin are taken in fp32 and cast to the input dtype before the multiply, as TE's unfused path does."""
+cos/sin are taken in fp32 and cast to the input dtype before the multiply, as TE's unfused path does; the
+rotation itself is the kernel backend's `rotary` (TE's unfused arithmetic in the reference, torch_npu's fused
+RoPE kernel on an NPU)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from mindspeed_te.kernels import get_backend
+
 TENSOR_FORMATS = ("sbhd", "bshd", "thd")
-
-
-def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1), on the two halves of the last dim or, interleaved, on each adjacent pair."""
-    if interleaved:
-        x1, x2 = x[..., ::2], x[..., 1::2]
-        return torch.stack((-x2, x1), dim=-1).flatten(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _rotate(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -27,7 +22,8 @@ def _rotate(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Te
                          f"({t.shape[-1]})")
     head, tail = t[..., :rot_dim], t[..., rot_dim:]
     cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
-    out = head * cos + _rotate_half(head, interleaved) * sin
+    # cos and sin of angles lie in [-1, 1] (also once rounded to t's dtype): `unit_tables`
+    out = get_backend(t.device).rotary(head, cos, sin, "interleave" if interleaved else "half", unit_tables=True)
     return torch.cat((out, tail), dim=-1) if tail.shape[-1] else out
 
 

@@ -1,6 +1,6 @@
-"""A CPU stand-in for `torch_npu` (2.14.0): the quantization, GEMM, mc2 and attention kernels the NPU backend
-calls. It is a test double, independent of the library it tests (it never imports mindspeed_te's formats,
-quantizers, scaling or kernels).
+"""A CPU stand-in for `torch_npu` (2.14.0): the quantization, GEMM, mc2, attention, norm, MoE permutation and RoPE
+kernels the NPU backend calls. It is a test double, independent of the library it tests (it never imports
+mindspeed_te's formats, quantizers, scaling or kernels).
 
 `make_simulator()` returns a fresh module object that can be put where `torch_npu` would be
 (`sys.modules["torch_npu"] = sim`). Each kernel
@@ -21,7 +21,8 @@ Calls the real kernel accepts but that the library never makes (int8/int4/FP4 da
 activations fused into grouped GEMMs, ...) raise `NpuSimNotImplemented` instead of being guessed at.
 
 Layout: dtypes.py (dtype numbers), errors.py, checks.py (argument checks, the `kernel` wrapper), codecs.py
-(encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, simulator.py.
+(encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, norm.py, moe.py,
+rope.py, simulator.py.
 """
 from mindspeed_te.testing.npu_sim.dtypes import FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, HIFLOAT8
 from mindspeed_te.testing.npu_sim.errors import (

@@ -34,14 +34,18 @@ from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocErro
 from mindspeed_te.testing.npu_sim.gemm import QuantMatmulKernels
 from mindspeed_te.testing.npu_sim.grouped_gemm import GroupedMatmulKernels
 from mindspeed_te.testing.npu_sim.mc2 import Mc2Kernels
+from mindspeed_te.testing.npu_sim.moe import MoeKernels
 from mindspeed_te.testing.npu_sim.norm import NormKernels
 from mindspeed_te.testing.npu_sim.quantize import QuantizeKernels
+from mindspeed_te.testing.npu_sim.rope import RopeKernels
 
 FP8_SOC_PREFIX = "Ascend950"
+# CANN's product names: Atlas A2 training series = Ascend910B*, Atlas A3 = Ascend910_93*
+A2_A3_SOC_PREFIXES = ("Ascend910B", "Ascend910_93")
 
 
 class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc2Kernels, AttentionKernels,
-                   NormKernels, types.ModuleType):
+                   NormKernels, MoeKernels, RopeKernels, types.ModuleType):
     """Module object usable in place of `torch_npu`; see the module docstring."""
 
     hifloat8 = HIFLOAT8
@@ -88,6 +92,14 @@ class NpuSimulator(QuantizeKernels, QuantMatmulKernels, GroupedMatmulKernels, Mc
     def supports_fp8(self) -> bool:
         """FP8, HiF8 and MX kernels exist on the Ascend 950 series only."""
         return self.soc_name.startswith(FP8_SOC_PREFIX)
+
+    @property
+    def soc_family(self) -> str:
+        """The chip family the documents' tables name: "950" (Ascend 950PR/950DT), "A2/A3" (Atlas A2/A3 training
+        series) or "" (another chip)."""
+        if self.soc_name.startswith(FP8_SOC_PREFIX):
+            return "950"
+        return "A2/A3" if self.soc_name.startswith(A2_A3_SOC_PREFIXES) else ""
 
     def _require_fp8_soc(self, what: str) -> None:
         if not self.supports_fp8:

@@ -1,0 +1,193 @@
+"""The NPU backend's MoE token permutation and RoPE (mixed into `NpuBackend`): torch_npu's fused kernels where
+their documents' constraints hold, the reference's torch ops otherwise. The torch_npu module (or the simulator)
+is the backend's `npu`; nothing here imports it.
+
+MoE permutation: npu_moe_token_permute(tokens, indices [tokens, topK]) / npu_moe_token_unpermute, whose backward
+kernels torch_npu's autograd runs (npu_moe_token_permute_grad_v2 / npu_moe_token_unpermute_grad_v2). These are
+the kernels of the Ascend 950 as of Atlas A2/A3 (ops-transformer: aclnnMoeTokenPermute / Unpermute and their Grad
+list "Ascend 950PR/Ascend 950DT √"; the routing-map variants list Atlas A2/A3 only). Their contract needs every
+token routed to exactly topK experts ("num_tokens*topK" rows, sortedIndices "取值范围是[0, tokens_num *
+topK_num - 1]，且没有重复索引"): Megatron's dropless routing, with num_out_tokens = tokens * topK. Capacity-dropped
+or padded maps have other row counts and take the reference. Whether every row of the map holds exactly k experts
+is read once on the host (one 1-byte read per permute); an integer num_out_tokens alone cannot tell (Megatron's
+drop-and-pad and flex dispatchers pass integers with uneven rows).
+  forward: the map's experts per token by one stable sort of its rows (ascending, so that each token's rows sum
+      in the reference's order), the rows check, the permute kernel; with probs, their gather and their placement
+      (a cast of the row index and one index_copy). unpermute: the kernel (with the topK probs it sums by: ones,
+      cached per shape, when Megatron merges no probs).
+  row map: the kernel's sorted_indices (int32, the row of each (token, k) pair); the routing map rides along as an
+      attribute (merging probs are gathered through it). A reference map (2-D) stays with the reference.
+  dtypes: torch_npu's document takes bfloat16 tokens and probs only (CANN also float16 / float32): others, and a
+      topK above 512, take the reference.
+
+RoPE: npu_rotary_mul(x, cos, sin, rotary_mode), backward npu_rotary_mul_backward (op-plugin's derivatives.yaml),
+one kernel each way, computing in float32 and rounding once (the reference rounds each product and the sum in x's
+dtype, as TE's unfused path: bit-equal for float32, within a rounding of each term for 16-bit x). 3-D x takes a
+head dim of 1 ([t, 1, h, d], the SBND layout). On the 950: 4-D, last dim <= 1024 and even, tables broadcasting to x,
+modes half / interleave / interleave-half (MLA's de-interleave, "mode等于3"). On Atlas A2/A3: half and interleave
+only, last dim < 896, tables S11D (sbhd) or 1S1D (bshd) with B, N < 1000 (interleave: B * N < 1000), and only tables
+the caller knows to lie in [-1, 1] (the document's data range for r1 / r2). Tables that need a gradient take the
+reference.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Union
+
+import torch
+
+from mindspeed_te.kernels.reference import ROTARY_MODES
+
+# CANN's product names: Atlas A2 training series = Ascend910B*, Atlas A3 = Ascend910_93*
+_A2_A3 = ("Ascend910B", "Ascend910_93")
+# aclnnMoeTokenPermute: indices "要求元素个数小于16777215，值大于等于0小于16777215"
+_INDEX_LIMIT = 16777215
+# torch_npu doc (npu_moe_token_permute): "topK小于等于512"
+_MAX_TOPK = 512
+_ROUTING_MAP = "_mindspeed_te_routing_map"  # the attribute of a kernel row map holding its routing map
+
+
+def chip_family(device_name: str) -> str:
+    """"950" (Ascend 950PR/950DT), "A2/A3" (Atlas A2/A3 training series) or "" (a chip without these kernels)."""
+    name = str(device_name)
+    if name.startswith("Ascend950"):
+        return "950"
+    return "A2/A3" if name.startswith(_A2_A3) else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device, inference: bool) -> torch.Tensor:
+    """Unit merging probs, made once per shape (apart under inference mode: autograd cannot save those)."""
+    return torch.ones(rows, cols, dtype=dtype, device=device)
+
+
+def _expert_order(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's 0/1 entries descending, the experts in that order: routed ones first, ascending): one stable
+    sort of the boolean map viewed as int8 (aclnnSort's 950 output takes no BOOL)."""
+    return torch.sort(routing_map.view(torch.int8), dim=1, descending=True, stable=True)
+
+
+def _routes_k(hits: torch.Tensor, k: int) -> bool:
+    """Whether every row of the sorted map holds exactly k ones (a host read)."""
+    ok = hits[:, k - 1] > hits[:, k] if k < hits.shape[1] else hits[:, k - 1] > 0
+    return bool(ok.all())
+
+
+def _reference_map(sorted_indices: torch.Tensor, k: int, experts: Optional[torch.Tensor],
+                   num_experts: int) -> torch.Tensor:
+    """The reference's [2, rows] map (token, token * num_experts + expert per row) of a kernel row map."""
+    pair = torch.arange(sorted_indices.numel(), device=sorted_indices.device)
+    token = torch.div(pair, k, rounding_mode="floor")
+    flat = token * num_experts + experts.reshape(-1) if experts is not None else token
+    pairs = torch.stack([token, flat])
+    return torch.empty_like(pairs).index_copy_(1, sorted_indices.long(), pairs)
+
+
+class MoeRopeKernels:
+    """moe_permute, moe_unpermute and rotary of the NPU backend; the reference (next in the MRO) otherwise."""
+
+    npu: Any
+    device_name: str
+
+    # MoE permutation ------------------------------------------------------------------------------------------
+    def _permute_topk(self, tokens: torch.Tensor, routing_map: torch.Tensor,
+                      num_out_tokens: Optional[Union[int, torch.Tensor]], probs: Optional[torch.Tensor]
+                      ) -> Optional[int]:
+        """The topK the permute kernel would take (num_out_tokens / tokens), or None where it cannot apply."""
+        if chip_family(self.device_name) == "" or num_out_tokens is None or isinstance(num_out_tokens, bool):
+            return None
+        if tokens.dim() != 2 or tokens.dtype != torch.bfloat16 or routing_map.dtype != torch.bool:
+            return None
+        if routing_map.dim() != 2 or routing_map.shape[0] != tokens.shape[0] or tokens.numel() == 0:
+            return None
+        if probs is not None and probs.shape != routing_map.shape:
+            return None
+        num_tokens, num_experts = routing_map.shape
+        num_out = int(num_out_tokens)  # a device tensor is read here, as the reference reads it
+        k = num_out // num_tokens
+        if num_out <= 0 or num_out % num_tokens or not 1 <= k <= min(num_experts, _MAX_TOPK):
+            return None
+        return k if num_out < _INDEX_LIMIT and num_experts < _INDEX_LIMIT else None
+
+    def moe_permute(self, tokens: torch.Tensor, routing_map: torch.Tensor,
+                    num_out_tokens: Optional[Union[int, torch.Tensor]], probs: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """npu_moe_token_permute when every token routes to exactly num_out_tokens / tokens experts."""
+        k = self._permute_topk(tokens, routing_map, num_out_tokens, probs)
+        if k is not None:
+            hits, experts = _expert_order(routing_map)
+            if _routes_k(hits, k):
+                experts = experts[:, :k]
+                permuted, sorted_indices = self.npu.npu_moe_token_permute(tokens, experts,
+                                                                          num_out_tokens=experts.numel())
+                setattr(sorted_indices, _ROUTING_MAP, routing_map)
+                permuted_probs = None
+                if probs is not None:  # each pair's prob, placed at its row
+                    pair_probs = probs.gather(1, experts).reshape(-1)
+                    permuted_probs = torch.empty_like(pair_probs).index_copy(0, sorted_indices.long(), pair_probs)
+                return permuted, permuted_probs, sorted_indices
+        return super().moe_permute(tokens, routing_map, num_out_tokens, probs)  # type: ignore[misc]
+
+    def moe_unpermute(self, rows: torch.Tensor, row_map: torch.Tensor, merging_probs: Optional[torch.Tensor],
+                      num_tokens: int) -> torch.Tensor:
+        """npu_moe_token_unpermute on a kernel row map (bfloat16 rows and probs); the reference otherwise."""
+        if row_map.dim() != 1:
+            return super().moe_unpermute(rows, row_map, merging_probs, num_tokens)  # type: ignore[misc]
+        routing_map = getattr(row_map, _ROUTING_MAP, None)
+        if routing_map is None or routing_map.shape[0] != num_tokens:
+            raise ValueError(f"moe_unpermute: this row map ({tuple(row_map.shape)}, {row_map.dtype}) is not one the "
+                             f"NPU backend's moe_permute made for {num_tokens} tokens")
+        k = row_map.numel() // num_tokens
+        experts = None if merging_probs is None else _expert_order(routing_map)[1][:, :k]
+        takes = rows.dim() == 2 and rows.dtype == torch.bfloat16 and rows.shape[0] == row_map.numel()
+        if takes and (merging_probs is None or (merging_probs.dtype == torch.bfloat16
+                                                and merging_probs.shape == routing_map.shape)):
+            if merging_probs is not None:
+                probs = merging_probs.gather(1, experts)
+            else:  # sum a token's k rows: unit probs (without probs the kernel takes topK = 1)
+                probs = None if k == 1 else _ones(num_tokens, k, rows.dtype, rows.device,
+                                                  torch.is_inference_mode_enabled())
+            return self.npu.npu_moe_token_unpermute(rows, row_map, probs=probs)
+        num_experts = routing_map.shape[1]
+        return super().moe_unpermute(rows, _reference_map(row_map, k, experts, num_experts),  # type: ignore[misc]
+                                     merging_probs, num_tokens)
+
+    # RoPE -----------------------------------------------------------------------------------------------------
+    def _rotary_applies(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str,
+                        unit_tables: bool) -> bool:
+        """Whether npu_rotary_mul takes these operands (as 4-D: a 3-D x gains a head dim of 1 at dim 1)."""
+        family = chip_family(self.device_name)
+        if family == "" or mode not in ROTARY_MODES or x.dim() not in (3, 4) or cos.dim() != x.dim():
+            return False
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or {cos.dtype, sin.dtype} != {x.dtype}:
+            return False
+        if cos.shape != sin.shape or cos.requires_grad or sin.requires_grad or x.numel() == 0:
+            return False
+        d = x.shape[-1]
+        if cos.shape[-1] != d or d % 2:
+            return False
+        x_dims, table_dims = (x.shape[:-1], cos.shape[:-1])
+        if x.dim() == 3:
+            x_dims, table_dims = (x_dims[0], 1, *x_dims[1:]), (table_dims[0], 1, *table_dims[1:])
+        if family == "950":  # "最后一维...小于等于1024"; tables broadcasting to x
+            return d <= 1024 and all(c in (1, s) for c, s in zip(table_dims, x_dims))
+        if mode == "interleave-half" or not unit_tables or d >= 896:  # A2/A3: "D < 896"; r1, r2 in [-1, 1]
+            return False
+        a, b, c = x_dims
+        if tuple(table_dims) == (a, 1, 1):  # SBND, cos S11D
+            batch, heads = b, c
+        elif tuple(table_dims) == (1, b, 1):  # BSND, cos 1S1D
+            batch, heads = a, c
+        else:
+            return False
+        return batch < 1000 and heads < 1000 if mode == "half" else batch * heads < 1000
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: str, *,
+               unit_tables: bool = False) -> torch.Tensor:
+        """npu_rotary_mul where it takes the operands (float32 math, one rounding), the reference otherwise."""
+        if not self._rotary_applies(x, cos, sin, mode, unit_tables):
+            return super().rotary(x, cos, sin, mode, unit_tables=unit_tables)  # type: ignore[misc]
+        if x.dim() == 3:
+            return self.npu.npu_rotary_mul(x.unsqueeze(1), cos.unsqueeze(1), sin.unsqueeze(1),
+                                           rotary_mode=mode).squeeze(1)
+        return self.npu.npu_rotary_mul(x, cos, sin, rotary_mode=mode)
