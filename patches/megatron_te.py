@@ -107,6 +107,12 @@ IMPORTERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "megatron.core.models.gpt.moe_module_specs": (
         ("TESpecProvider", "TEColumnParallelLinear", "TERowParallelLinear", "TEColumnParallelGroupedLinear",
          "TERowParallelGroupedLinear"), True),
+    # MLA's projections: its import block succeeds up to 0.16; from 0.17 on it reads the extension's HAVE_TE.
+    "megatron.core.transformer.multi_latent_attention": (("TEColumnParallelLinear", "TELayerNormColumnParallelLinear",
+                                                          "TELinear", "set_save_original_input"), True),
+    # MTP's spec provider (0.17 on, behind the extension's HAVE_TE), the layer recompute's te_checkpoint (0.18 on)
+    "megatron.core.transformer.multi_token_prediction": (("TESpecProvider",), False),
+    "megatron.core.recompute": (("te_checkpoint",), False),
     # The fused QKV split, and the output projection keeping its high-precision input under FP8 (HAVE_TE).
     "megatron.core.transformer.attention": (("SplitAlongDim", "TELinear", "set_save_original_input"), True),
     # LayerNormImpl: the final layer norm of every block, TENorm when TE is present
