@@ -9,7 +9,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (git tag core_v0.16.1)}"
 DATA_DIR="$(mkdir -p "${1:-demo_out/megatron}" && cd "${1:-demo_out/megatron}" && pwd)"
 # Megatron-LM's training code needs these beyond megatron-core.
-python -m pip install --quiet six regex pyyaml pydantic pybind11 triton 2>/dev/null
+python -m pip install --quiet -r "$ROOT/requirements-megatron-lm.txt" 2>/dev/null
 # Its C++ dataset helpers, built for this interpreter.
 make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
     LIBEXT="$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
