@@ -82,6 +82,23 @@ def test_gpt_layer_specs_use_our_modules(patched):
     assert (shared.linear_fc1, shared.linear_fc2) == (ours.TEColumnParallelLinear, ours.TERowParallelLinear)
 
 
+def _module(spec):
+    """The class a spec builds: a ModuleSpec's module, or the class whose builder a functools.partial binds
+    (0.19 on: `MLP.as_mlp_submodule`)."""
+    return getattr(spec.func, "__self__", spec.func) if isinstance(spec, functools.partial) else spec.module
+
+
+def _build(spec, config):
+    """A module from a spec as Megatron builds it: build_module, or the bound builder called with what a
+    TransformerLayer passes it (0.19 on)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    if isinstance(spec, functools.partial):
+        return spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False)
+    return build_module(spec, config=config)
+
+
 def _fused_and_plain_mlp(rank: int, world_size: int) -> dict:
     """TEFusedMLP and Megatron's MLP built from the TE spec with the same parameters, on one gloo rank."""
     warnings.filterwarnings("ignore")
@@ -100,7 +117,7 @@ def _fused_and_plain_mlp(rank: int, world_size: int) -> dict:
     plain_spec = get_gpt_layer_with_transformer_engine_spec().submodules.mlp
     config = _config()
     torch.manual_seed(0)
-    fused, plain = build_module(fused_spec, config=config), build_module(plain_spec, config=config)
+    fused, plain = _build(fused_spec, config), _build(plain_spec, config)
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(8, 2, 64, requires_grad=True)
     outputs = {}
@@ -114,7 +131,7 @@ def _fused_and_plain_mlp(rank: int, world_size: int) -> dict:
     except ValueError as err:
         refusal = str(err)
     parallel_state.destroy_model_parallel()
-    return {"types": (fused_spec.module is ours.TEFusedMLP, plain_spec.module is MLP, type(fused).__name__),
+    return {"types": (_module(fused_spec) is ours.TEFusedMLP, _module(plain_spec) is MLP, type(fused).__name__),
             "keys": (list(fused.state_dict()), list(plain.state_dict())), "outputs": outputs, "refusal": refusal}
 
 
