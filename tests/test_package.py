@@ -1,10 +1,14 @@
 """The public API: TransformerEngine's names at top level, and importing the package has no side effects
 (no Megatron, no torch_npu, no patches)."""
 import importlib.util
+import os
+import re
 import subprocess
 import sys
 
 import mindspeed_te
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_top_level_names():
@@ -55,3 +59,19 @@ def test_every_public_module_class_documents_its_arguments():
             if undocumented:
                 missing[f"{package.__name__}.{name}"] = undocumented
     assert not missing, missing
+
+
+def test_readme_support_table_lists_the_tested_releases():
+    """The README's table of Megatron releases is the matrix the tests run: the registry releases (CI), the
+    source-tree releases, and together exactly the release lines the patches accept."""
+    from mindspeed_te.patches.registry import SUPPORTED_MEGATRON_CORE
+    from tests.megatron_matrix import REGISTRY_RELEASES, SOURCE_RELEASES
+
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    rows = {cells[0]: cells for cells in (
+        [cell.strip() for cell in line.strip("|").split("|")] for line in readme.splitlines()
+        if re.match(r"\| 0\.\d+\.\d+ \|", line))}
+    assert list(rows) == [*REGISTRY_RELEASES, *SOURCE_RELEASES]
+    assert all(rows[release][2] == "package registry" for release in REGISTRY_RELEASES)
+    assert all(rows[release][2] == "Megatron-LM tree" for release in SOURCE_RELEASES)
+    assert sorted({release.rsplit(".", 1)[0] for release in rows}) == sorted(SUPPORTED_MEGATRON_CORE)
