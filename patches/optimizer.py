@@ -15,10 +15,13 @@ Three faults of megatron-core 0.16's `DistributedOptimizer` on that path, fixed 
   the main parameters with autograd on; with fp32 model parameters those are views of the parameters, and the
   copy fails ("a view of a leaf Variable that requires grad"). It runs under `torch.no_grad()` here, as its
   `fully_sharded_model_space` counterpart already does.
+- megatron-core 0.15's `dp_reshardable` save fails on torch Adam's 0-dim `step` (an assert on its shape): it is
+  left out of the saved buckets, as 0.16 does.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -64,6 +67,19 @@ def _own_step_per_parameter(load_state_dict: Callable) -> Callable:
     return wrapped
 
 
+def _without_step(get_states: Callable) -> Callable:
+    """megatron-core 0.15's dp_reshardable save takes every optimizer state of a parameter for a slice of its
+    bucket, which torch Adam's 0-dim `step` is not (the save asserts on its shape); 0.16 keeps it out of the
+    buckets. The step is left out here as there: the load restores it from the param groups (above)."""
+
+    @functools.wraps(get_states)
+    def wrapped(self: Any, model_param: Any) -> dict:
+        tensors = get_states(self, model_param)
+        tensors.pop("step", None)
+        return tensors
+    return wrapped
+
+
 def register_optimizer(registry) -> None:
     """Patch the torch-Adam branch of the distributed optimizer when Megatron takes it (no Apex, no TE)."""
     if resolve(f"{MODULE}.HAVE_APEX_OR_TE"):
@@ -72,6 +88,9 @@ def register_optimizer(registry) -> None:
     if hasattr(optimizer, "load_parameter_state_from_dp_reshardable"):  # the format 0.15 added
         target = f"{MODULE}.DistributedOptimizer.load_parameter_state_from_dp_reshardable"
         registry.register(target, torch.no_grad()(resolve(target)))
+        if "'step'" not in inspect.getsource(optimizer.sharded_param_state_dp_reshardable):  # 0.15
+            target = f"{MODULE}.DistributedOptimizer._get_main_param_and_optimizer_states"
+            registry.register(target, _without_step(resolve(target)))
     for name, wrap in (("state_dict", _state_dict_before_first_step), ("load_state_dict", _own_step_per_parameter)):
         target = f"{MODULE}.DistributedOptimizer.{name}"
         registry.register(target, wrap(resolve(target)))

@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import sysconfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # release -> how it is tested (the README's support table is checked against this)
@@ -43,6 +44,14 @@ def tree_release(tree: pathlib.Path) -> str:
     if not all(parts):
         raise ValueError(f"{tree}: no MAJOR / MINOR / PATCH in megatron/core/package_info.py")
     return ".".join(part.group(1) for part in parts)
+
+
+def build_dataset_helpers(tree) -> None:
+    """Megatron's C++ dataset helpers in `tree`, built for this interpreter (its Makefile asks python3-config,
+    which may belong to another Python)."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.run(["make", "-s", "-C", os.path.join(tree, "megatron", "core", "datasets"), f"LIBEXT={suffix}"],
+                   check=True, capture_output=True)
 
 
 def python_path(tree: pathlib.Path) -> str:

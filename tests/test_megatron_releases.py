@@ -9,11 +9,10 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
-from tests.megatron_matrix import ROOT, python_path, tree_release, trees
+from tests.megatron_matrix import ROOT, build_dataset_helpers, python_path, tree_release, trees
 
 TREES = trees()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TREES, reason="needs MEGATRON_LM_TREES (Megatron-LM trees)")]
@@ -29,9 +28,7 @@ GPT = ("--transformer-impl transformer_engine --num-layers 2 --hidden-size 64 --
 
 def _launch(tree, port: int, *flags: str) -> list[float]:
     """pretrain_gpt.py of `tree` on 2 processes; the 3 iterations' losses."""
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")  # Megatron's dataset helpers, built for this interpreter
-    subprocess.run(["make", "-s", "-C", str(tree / "megatron" / "core" / "datasets"), f"LIBEXT={suffix}"],
-                   check=True, capture_output=True)
+    build_dataset_helpers(tree)
     # (CUDA_DEVICE_MAX_CONNECTIONS: every example script exports it; 0.12 to 0.14 refuse TP without it)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([python_path(tree), str(ROOT)]), MASTER_ADDR="127.0.0.1",
                CUDA_DEVICE_MAX_CONNECTIONS="1")

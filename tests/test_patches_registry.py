@@ -182,3 +182,20 @@ def test_supported_release_lines(release, supported):
     from mindspeed_te.patches.registry import supported_release
 
     assert supported_release(release) is supported
+
+
+def test_numpy_product_is_back_while_the_patches_are_applied():
+    """megatron-core up to 0.15 saves distributed checkpoints through numpy.product, which NumPy 2 removed."""
+    pytest.importorskip("megatron.core")
+    import numpy
+
+    from mindspeed_te.patches import build_registry
+
+    had = hasattr(numpy, "product")
+    registry = build_registry()
+    registry.apply()
+    try:
+        assert numpy.product([2, 3, 4]) == 24
+    finally:
+        registry.revert()
+    assert hasattr(numpy, "product") == had

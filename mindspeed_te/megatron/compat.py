@@ -35,18 +35,15 @@ def tp_group_or_default(tp_group: Optional[torch.distributed.ProcessGroup],
 
 
 def ensure_dp_cp_group(metadata: Optional[dict]) -> dict:
-    """`metadata` with Megatron's data-parallel (with context parallel) group as `dp_cp_group` when it has
-    none, as 0.15's `ensure_metadata_has_dp_cp_group` does (0.12-0.14 read the group from parallel_state
-    themselves, so the entry is only passed on where `make_sharded_tensors_for_checkpoint` takes it)."""
-    from megatron.core import parallel_state
+    """`metadata` with Megatron's data-parallel (with context parallel) group as `dp_cp_group`, as 0.15's
+    `ensure_metadata_has_dp_cp_group` gives it. 0.12 to 0.14 read the group from parallel_state themselves and
+    keep the caller's metadata in the checkpoint, where a process group cannot be pickled: their metadata is
+    left as it is (`make_sharded_tensors` passes the group only where Megatron takes it)."""
     from megatron.core.transformer import utils
 
     if hasattr(utils, "ensure_metadata_has_dp_cp_group"):
         return utils.ensure_metadata_has_dp_cp_group(metadata)
-    metadata = {} if metadata is None else metadata
-    if "dp_cp_group" not in metadata and parallel_state.model_parallel_is_initialized():
-        metadata["dp_cp_group"] = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return metadata
+    return {} if metadata is None else metadata
 
 
 def make_sharded_tensors(state_dict: dict, prefix: str, axis_map: Optional[dict], sharded_offsets: tuple,
