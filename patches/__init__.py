@@ -37,9 +37,9 @@ def build_registry() -> PatchRegistry:
         from mindspeed_te.patches.optimizer import register_optimizer
 
         register_optimizer(registry)
-    from mindspeed_te.patches.numpy_compat import register_numpy_compat
+    from mindspeed_te.patches.library_compat import register_library_compat
 
-    register_numpy_compat(registry)
+    register_library_compat(registry)
     with _building("torch.cuda"):
         from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
 

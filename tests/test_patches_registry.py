@@ -199,3 +199,17 @@ def test_numpy_product_is_back_while_the_patches_are_applied():
     finally:
         registry.revert()
     assert hasattr(numpy, "product") == had
+
+
+def test_megatron_0_12_checkpoint_writer_gets_torchs_serialization_format():
+    """torch 2.7 made the writer's serialization_format required; 0.12's asynchronous writer does not pass it, so
+    its binding passes torch's TORCH_SAVE (what 0.13 on pass), and leaves a given format alone."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    from mindspeed_te.patches.library_compat import _torch_save_format
+
+    def write_item(*args, serialization_format):
+        return args, serialization_format
+
+    assert _torch_save_format(write_item)(1, 2) == ((1, 2), SerializationFormat.TORCH_SAVE)
+    assert _torch_save_format(write_item)(1, serialization_format="other") == ((1,), "other")
