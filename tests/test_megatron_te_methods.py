@@ -71,7 +71,7 @@ def test_backward_dw_runs_the_skipped_wgrad_with_identical_results(recipe, fused
     runs = {}
     for delay in (False, True):
         torch.manual_seed(0)
-        config = _config(delay_wgrad_compute=False, gradient_accumulation_fusion=fused)
+        config = _config(gradient_accumulation_fusion=fused)
         config.delay_wgrad_compute = delay  # (TransformerConfig asks for the MoE overlap flag alongside it)
         layers = _te_linears(config)
         hooked = []
