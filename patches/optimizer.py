@@ -80,6 +80,22 @@ def _without_step(get_states: Callable) -> Callable:
     return wrapped
 
 
+def _keeping_step(set_states: Callable) -> Callable:
+    """Before 0.15, loading the `fully_sharded_model_space` format copies every state torch Adam holds from the
+    checkpoint, which has no `step` (a KeyError): the step is kept as it is here, and the load restores it from
+    the param groups (above)."""
+
+    @functools.wraps(set_states)
+    def wrapped(self: Any, model_param: Any, tensors: dict) -> Any:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+    return wrapped
+
+
 def register_optimizer(registry) -> None:
     """Patch the torch-Adam branch of the distributed optimizer when Megatron takes it (no Apex, no TE)."""
     if resolve(f"{MODULE}.HAVE_APEX_OR_TE"):
@@ -91,6 +107,7 @@ def register_optimizer(registry) -> None:
         if "'step'" not in inspect.getsource(optimizer.sharded_param_state_dp_reshardable):  # 0.15
             target = f"{MODULE}.DistributedOptimizer._get_main_param_and_optimizer_states"
             registry.register(target, _without_step(resolve(target)))
-    for name, wrap in (("state_dict", _state_dict_before_first_step), ("load_state_dict", _own_step_per_parameter)):
+    for name, wrap in (("state_dict", _state_dict_before_first_step), ("load_state_dict", _own_step_per_parameter),
+                       ("_set_main_param_and_optimizer_states", _keeping_step)):
         target = f"{MODULE}.DistributedOptimizer.{name}"
         registry.register(target, wrap(resolve(target)))
