@@ -91,10 +91,11 @@ def _module(spec):
 def _build(spec, config):
     """A module from a spec as Megatron builds it: build_module, or the bound builder called with what a
     TransformerLayer passes it (0.19 on)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
 
     if isinstance(spec, functools.partial):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
         return spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False)
     return build_module(spec, config=config)
 
