@@ -1,6 +1,7 @@
 """What differs between the megatron-core releases the plugin supports, detected from the installed Megatron
 (names and signatures), never from its version string. The Megatron-facing modules call these helpers instead
-of the Megatron functions that only newer releases have; `SUPPORTED_RELEASES` is the one table of releases."""
+of the Megatron functions that only some releases have. The release lines themselves are listed once, in
+patches/registry.py (`SUPPORTED_MEGATRON_CORE`)."""
 from __future__ import annotations
 
 import functools
