@@ -57,6 +57,15 @@ def _check_padded(padded_mode: Any, restore_shape: Any = None) -> None:
     check_none("restore_shape", restore_shape, "(it applies only with padded_mode, which the kernels do not take)")
 
 
+def _check_grad(name: str, grad: torch.Tensor, dtype_name: str, dtype: torch.dtype) -> None:
+    """A grad kernel's incoming gradient: 2-D, a float type, and the dtype the kernel is told its forward's
+    tokens had (both grad kernels' documents: the gradient is "数据类型同" those tokens)."""
+    check_tensor(name, grad, FLOATS)
+    check_dims(name, grad, 2, 2)
+    if dtype != grad.dtype:
+        raise NpuTypeError(f"{dtype_name} {dtype} must be {name}'s dtype {grad.dtype}")
+
+
 def _sum_pairs(pairs: torch.Tensor) -> torch.Tensor:
     """[tokens, topK, hidden] float32 -> their sum over topK, added in pair order from zero."""
     acc = pairs.new_zeros(pairs.shape[0], pairs.shape[2])
@@ -167,11 +176,7 @@ class MoeKernels:
         self._require_moe_soc()
         # aclnnMoeTokenPermuteGrad: permutedOutputGrad "2D ... shape为（tokens_num * topK_num，hidden_size）...
         # BFLOAT16、FLOAT16、FLOAT32"; out "数据类型同permutedOutputGrad" (op-plugin allocates it as tokens_dtype).
-        check_tensor("grad_permuted_tokens", grad_permuted_tokens, FLOATS)
-        check_dims("grad_permuted_tokens", grad_permuted_tokens, 2, 2)
-        if tokens_dtype != grad_permuted_tokens.dtype:
-            raise NpuTypeError(f"tokens_dtype {tokens_dtype} must be grad_permuted_tokens' dtype "
-                               f"{grad_permuted_tokens.dtype}")
+        _check_grad("grad_permuted_tokens", grad_permuted_tokens, "tokens_dtype", tokens_dtype)
         topk = check_int("num_topK", num_topK)
         # "numTopk <= 512" (A2/A3; torch_npu's doc: topK at most 512 everywhere)
         if not 1 <= topk <= MAX_TOPK:
@@ -222,11 +227,7 @@ class MoeKernels:
         # aclnnMoeTokenUnpermuteGrad: unpermutedTokensGrad "shape为（tokens_num，hidden_size），数据类型同
         # permutedTokens"; probsOptional "2D的（tokens_num，topK_num）... BFLOAT16、FLOAT16、FLOAT32";
         # permutedTokensGradOut "数据类型同permutedTokens", probsGradOut "数据类型同probsOptional".
-        check_tensor("grad_unpermuted_tokens", grad_unpermuted_tokens, FLOATS)
-        check_dims("grad_unpermuted_tokens", grad_unpermuted_tokens, 2, 2)
-        if permuted_tokens_dtype != grad_unpermuted_tokens.dtype:
-            raise NpuTypeError(f"grad_unpermuted_tokens {grad_unpermuted_tokens.dtype} must have the permuted "
-                               f"tokens' dtype {permuted_tokens_dtype}")
+        _check_grad("grad_unpermuted_tokens", grad_unpermuted_tokens, "permuted_tokens_dtype", permuted_tokens_dtype)
         tokens, hidden = grad_unpermuted_tokens.shape
         topk = 1
         if probs is not None:
