@@ -158,12 +158,11 @@ def register_megatron_te(registry: PatchRegistry) -> None:
     release imports its own subset of the fused MoE functions)."""
     replacements = dict(TE_CLASSES, **TE_OPTIONAL_CLASSES, **TE_FUNCTIONS)
     try:
-        extension = importlib.import_module(EXTENSION)
+        importlib.import_module(EXTENSION)
     except ModuleNotFoundError as error:
         if not (error.name or "").startswith("transformer_engine"):
             raise
-        extension = _stand_in_extension(replacements)
-        registry.register_module(EXTENSION, extension)
+        registry.register_module(EXTENSION, _stand_in_extension(replacements))
     else:
         for name, replacement in TE_CLASSES.items():
             registry.register(f"{EXTENSION}.{name}", replacement)
@@ -176,10 +175,8 @@ def register_megatron_te(registry: PatchRegistry) -> None:
         if not has_module(module):
             continue
         for name in names:
-            if name in replacements:
+            if name in replacements:  # (TESpecProvider is absent where the release has no provider: 0.12)
                 registry.register(f"{module}.{name}", replacements[name], create=True)
-            elif hasattr(extension, name):
-                registry.register(f"{module}.{name}", getattr(extension, name), create=True)
         if raise_flag:
             registry.register(f"{module}.HAVE_TE", True, create=True)
     for module in MLA_ROPE_IMPORTERS:
