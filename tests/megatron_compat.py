@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import importlib.util
 
 import pytest
 
@@ -54,19 +53,6 @@ def config_kwargs(**kwargs) -> dict:
     if adapted.get("num_moe_experts") and not moe_bias_supported():
         adapted["add_bias_linear"] = False
     return adapted
-
-
-def has_module(name: str) -> bool:
-    """Whether the release has module `name`."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def requires_module(name: str, feature: str) -> pytest.MarkDecorator:
-    """Skip where the release lacks module `name` (the feature it brings)."""
-    return pytest.mark.skipif(not has_module(name), reason=f"this megatron-core has no {feature} ({name})")
 
 
 def te_extension_has(name: str) -> bool:

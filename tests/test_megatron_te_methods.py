@@ -32,8 +32,9 @@ from mindspeed_te.megatron import (  # noqa: E402
     TERowParallelLinear,
 )
 from mindspeed_te.modules import LayerNormMLP  # noqa: E402
+from mindspeed_te.patches.registry import has_module  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.megatron_compat import has_module, te_extension_has  # noqa: E402
+from tests.megatron_compat import te_extension_has  # noqa: E402
 from tests.test_megatron_linear import _config, _init  # noqa: E402
 
 # Megatron's per-module quantization override for TE modules (quant_recipe entries of type TEQuantizationParams,

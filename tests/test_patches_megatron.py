@@ -19,10 +19,10 @@ pytest.importorskip("megatron.core")
 from mindspeed_te import FP8GlobalStateManager  # noqa: E402
 from mindspeed_te.patches.device_cpu import register_device_cpu  # noqa: E402
 from mindspeed_te.patches.megatron_te import EXTENSION, IMPORTERS, TE_CLASSES, register_megatron_te  # noqa: E402
-from mindspeed_te.patches.registry import PatchRegistry  # noqa: E402
+from mindspeed_te.patches.registry import PatchRegistry, has_module  # noqa: E402
 from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling  # noqa: E402
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.megatron_compat import config_kwargs, has_config_field, has_module  # noqa: E402
+from tests.megatron_compat import config_kwargs, has_config_field  # noqa: E402
 
 
 @pytest.fixture
