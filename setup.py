@@ -9,8 +9,11 @@ from setuptools.errors import CCompilerError
 # -ffp-contract=off: every multiply and add rounds on its own, as in the torch ops the kernels replace.
 fused_cast = Extension(
     "mindspeed_te._fused_cast",
-    sources=["mindspeed_te/csrc/fused_cast.c", "mindspeed_te/csrc/gemm_bf16.c"],
-    depends=["mindspeed_te/csrc/kernels.h"],
+    sources=["mindspeed_te/csrc/module.c", "mindspeed_te/csrc/threads.c", "mindspeed_te/csrc/simd.c",
+             "mindspeed_te/csrc/cast.c", "mindspeed_te/csrc/decode.c", "mindspeed_te/csrc/tiles.c",
+             "mindspeed_te/csrc/tiles_avx512.c", "mindspeed_te/csrc/epilogue.c", "mindspeed_te/csrc/gemm_bf16.c"],
+    depends=["mindspeed_te/csrc/kernels.h", "mindspeed_te/csrc/codecs.h", "mindspeed_te/csrc/codecs_x86.h",
+             "mindspeed_te/csrc/tiles.h"],
     extra_compile_args=["-O3", "-fno-trapping-math", "-ffp-contract=off", "-pthread"],
     extra_link_args=["-pthread"],
     optional=True,

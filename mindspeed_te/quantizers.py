@@ -1,7 +1,7 @@
 """One quantizer per recipe: each turns a high-precision tensor into a quantized tensor.
 
 A quantizer owns only what its recipe needs between calls: the delayed-scaling quantizer holds views into
-the shared amax history and scale (owned by `DelayedScalingRecipeState` in `state.py`); the others are
+the shared amax history and scale (owned by `DelayedScalingRecipeState` in `recipe_state.py`); the others are
 stateless apart from their configuration.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
     LIBEXT="$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
 
 # The corpus as DATA_DIR/stdlib.bin/.idx; SPLIT holds out the same files as `python -m mindspeed_te.demo`.
-SPLIT="$(python -m mindspeed_te.demo_corpus "$DATA_DIR/stdlib")"
+SPLIT="$(python -m mindspeed_te.demo.corpus "$DATA_DIR/stdlib")"
 export PYTHONPATH="$ROOT" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 GPT=(--transformer-impl transformer_engine --num-layers 2 --hidden-size 128 --num-attention-heads 4
      --seq-length 128 --max-position-embeddings 128 --position-embedding-type rope --bf16

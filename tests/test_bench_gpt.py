@@ -11,7 +11,7 @@ def _quantizes_per_step(rank: int, world: int) -> list[int]:
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from mindspeed_te.bench_gpt import gpt_step
+    from mindspeed_te.bench.gpt import gpt_step
     from mindspeed_te.kernels.reference import ReferenceBackend
     from mindspeed_te.patches.megatron_te import register_megatron_te
     from mindspeed_te.patches.registry import PatchRegistry

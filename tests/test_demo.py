@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from mindspeed_te.demo import RUNS
-from mindspeed_te.demo_corpus import load_corpus, split_files, train_batches, unigram_entropy, val_batches
+from mindspeed_te.demo.corpus import load_corpus, split_files, train_batches, unigram_entropy, val_batches
+from mindspeed_te.demo.train import RUNS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -63,7 +63,7 @@ def test_megatron_reads_the_indexed_dataset_we_write(source_dir, tmp_path):
     from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from mindspeed_te.demo_corpus import write_indexed_dataset
+    from mindspeed_te.demo.corpus import write_indexed_dataset
 
     split = write_indexed_dataset(str(tmp_path / "data" / "stdlib"), str(source_dir))
     dataset = IndexedDataset(str(tmp_path / "data" / "stdlib"))
@@ -119,7 +119,7 @@ def test_demo_trains_every_run_and_writes_its_outputs(tmp_path):
 @pytest.mark.parametrize("argv,flag", [(["--runs", "bf16,fp4"], "--runs"), (["--hidden", "100"], "--hidden"),
                                        (["--numerics-run", "bf16"], "--numerics-run"), (["--steps", "0"], "--steps")])
 def test_bad_arguments_are_refused_with_the_flag_named(argv, flag, capsys):
-    from mindspeed_te.demo import parse_args
+    from mindspeed_te.demo.train import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(argv)

@@ -68,7 +68,7 @@ def test_counter_counts_multi_tensor_ops_as_torch_npu_launches_them():
 
 
 def _simulated(chip: str = "1"):
-    from mindspeed_te.bench import npu_simulated
+    from mindspeed_te.bench.launches import npu_simulated
 
     return npu_simulated(chip)
 
@@ -80,7 +80,7 @@ def test_per_step_delayed_update_is_a_fixed_handful_of_launches():
     NaN/Inf amaxes into the non-finite flags (1), the update itself (9: clean the newest amax, window max,
     fp8_max / amax, FLT_MAX clamp, seen mask, keep-or-new scale, roll, keep-or-rolled window, clear slot 0),
     one multi-tensor write of window and scale (1), 1/scale, rounded to bfloat16, and its float32 value (3)."""
-    from mindspeed_te.bench import update_launches
+    from mindspeed_te.bench.launches import update_launches
     from mindspeed_te.recipe import DelayedScaling
 
     with _simulated() as npu:
@@ -93,7 +93,7 @@ def test_hif8_delayed_update_is_batched_too():
     """HIF8DelayedScaling: the same 14 launches at a scale-update step (its per-slot targets are the fp8_max
     of the one division), and at the steps between (amaxes keep accumulating) the flag fold and clearing
     NaN/Inf from the newest amaxes: 2, for 2 layers as for 32."""
-    from mindspeed_te.bench import HIF8_UPDATE_RECIPE, HIF8_UPDATE_STEPS, update_launches
+    from mindspeed_te.bench.launches import HIF8_UPDATE_RECIPE, HIF8_UPDATE_STEPS, update_launches
     from mindspeed_te.recipe import HIF8DelayedScaling
 
     with _simulated() as npu:
@@ -112,7 +112,7 @@ def test_nonfinite_fold_is_a_fixed_handful_of_launches_per_step(recipe_name):
     and one indexed add (tensorwise: 2); block scales are concatenated in their flags' order (MX: E8M0 bytes
     cast to their values, one op), each element given its flag's position by one repeat of the per-flag
     lengths, and added, times 0, by one indexed add (blockwise 3, MXFP8 4), for 2 layers as for 32."""
-    from mindspeed_te.bench import fold_launches
+    from mindspeed_te.bench.launches import fold_launches
     from mindspeed_te.recipe import Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 
     recipe = {"tensorwise": Float8CurrentScaling(), "blockwise": Float8BlockScaling(),
@@ -136,7 +136,7 @@ def test_delayed_linear_launches(dtype):
     into its slot, the NaN mark, npu_quantize, dgrad, wgrad, the bias gradient (6). bfloat16 inputs need no
     upcast: they are divided by the bfloat16-rounded 1/scale prepared at the update. A bfloat16 bias is cast
     to float32 for the GEMM: aclnnQuantMatmulV5's FP8 tables take a float32 bias only."""
-    from mindspeed_te.bench import linear_launches
+    from mindspeed_te.bench.launches import linear_launches
     from mindspeed_te.recipe import DelayedScaling, Format
 
     bf16 = dtype == torch.bfloat16
@@ -159,7 +159,7 @@ def test_tensorwise_linear_launches(dtype):
     multi-tensor amax (forward: and a stack of the two), scale_inv from it in 3 ops (amax == 0, addcdiv,
     clamp), npu_quantize per tensor (8 forward, 8 backward). The non-finite flag updates are folded once per
     step (test_nonfinite_fold_...)."""
-    from mindspeed_te.bench import linear_launches
+    from mindspeed_te.bench.launches import linear_launches
     from mindspeed_te.recipe import Float8CurrentScaling, Format
 
     bf16 = dtype == torch.bfloat16
@@ -191,7 +191,7 @@ def test_only_kernels_know_the_backends():
 
 
 def _per_recipe_counts(recipe, dtype, chip: str = "1"):
-    from mindspeed_te.bench import linear_launches
+    from mindspeed_te.bench.launches import linear_launches
 
     with _simulated(chip) as npu:
         return linear_launches(recipe, dtype, npu)
@@ -299,7 +299,7 @@ def test_later_microbatch_reuses_the_weight_and_the_gemm_bias(recipe_name):
     region's update: 4); tensorwise: npu_dynamic_quant, GEMM (2); MXFP8: two layouts, GEMM (3) -- and gives
     the same output as quantizing and casting again."""
     from mindspeed_te import Linear, fp8_autocast
-    from mindspeed_te.bench import microbatch_launches
+    from mindspeed_te.bench.launches import microbatch_launches
     from mindspeed_te.diagnostics import LaunchCounter
     from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling
 
@@ -372,7 +372,7 @@ def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
     columnwise scales come in the pairs the GEMM takes, padded by the kernel) and the wgrad. HiF8 tiles, which no
     wgrad mode takes, are decoded (one npu_dtype_cast each) and scaled (one multiply each: an expert's 32
     tokens are one tile cut short) for one matmul, cast to the gradient's dtype."""
-    from mindspeed_te.bench import grouped_launches, launch_recipes, npu_simulated
+    from mindspeed_te.bench.launches import grouped_launches, launch_recipes, npu_simulated
 
     with npu_simulated(chip) as npu:
         few, many = (grouped_launches(launch_recipes()[name], torch.bfloat16, npu, experts=e) for e in (4, 8))
@@ -404,7 +404,7 @@ def test_save_original_input_adds_only_the_inputs_quantize_to_backward(chip, nam
     the saved input again, columnwise only: one kernel call more than without it, and nothing else. In
     particular the non-finite note reads the columnwise scales as the kernel made them (MX pairs, power-of-2
     E8M0 bytes), without decoding them. Experts of 64 tokens: their MX columnwise forms in one call."""
-    from mindspeed_te.bench import _second_layer_launches, launch_recipes, npu_simulated
+    from mindspeed_te.bench.launches import _second_layer_launches, launch_recipes, npu_simulated
     from mindspeed_te.modules import GroupedLinear, Linear
 
     backward = {}
@@ -438,7 +438,7 @@ NORM_LAUNCHES = {
 def test_layernorm_linear_adds_the_norms_kernel_each_way(name, normalization):
     """A LayerNormLinear launches what a Linear on the norm's output does plus `NORM_LAUNCHES`, whichever the
     norm."""
-    from mindspeed_te.bench import launch_recipes, linear_launches, norm_linear_launches
+    from mindspeed_te.bench.launches import launch_recipes, linear_launches, norm_linear_launches
 
     recipe = launch_recipes()[name]
     with _simulated("Ascend950DT") as npu:
@@ -458,7 +458,7 @@ def test_layernorm_linear_adds_the_norms_kernel_each_way(name, normalization):
 def test_causal_attention_is_one_kernel_each_way():
     """npu_fusion_attention's causal mode on its fixed 2048x2048 mask: no mask of the sequence's size is built per
     call, and the backward is torch_npu's one grad kernel."""
-    from mindspeed_te.bench import attention_launches
+    from mindspeed_te.bench.launches import attention_launches
 
     with _simulated() as npu:
         forward, backward = attention_launches(npu)

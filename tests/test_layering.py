@@ -25,8 +25,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "tools": ("mindspeed_te.debug", "mindspeed_te.diagnostics", "mindspeed_te.npu_foreach"),
     # programs: the Megatron integration and what runs as `python -m` (the bench and demo apply the patches)
     "entry": ("mindspeed_te.patches", "mindspeed_te.megatron_adaptor", "mindspeed_te.launch", "mindspeed_te.bench",
-              "mindspeed_te.bench_params", "mindspeed_te.bench_gpt", "mindspeed_te.demo",
-              "mindspeed_te.demo_corpus", "mindspeed_te.demo_plots"),
+              "mindspeed_te.demo"),
 }
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
 

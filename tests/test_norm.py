@@ -119,7 +119,7 @@ def test_npu_layer_norm_takes_bf16_input_as_it_is():
     as they are (a zero-centered gamma in float32): its backward keeps x in bf16 and float32 statistics, no
     float32 copy of the activation (which the reference's cast path keeps), and every output and gradient equals
     the reference backend's bit for bit."""
-    from mindspeed_te.bench import npu_simulated
+    from mindspeed_te.bench.launches import npu_simulated
 
     for zero_centered in (False, True):
         results, kept = [], []

@@ -313,7 +313,7 @@ def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_b
     weights, 128x128 tiles (each expert whole tiles) one quantize. Results equal the reference bit for bit, and
     those of the same layer with its weights apart (each in storage of its own)."""
     from mindspeed_te import fp8_autocast
-    from mindspeed_te.bench import GROUPED_LAYOUTS
+    from mindspeed_te.bench.launches import GROUPED_LAYOUTS
     from mindspeed_te.modules import GroupedLinear
 
     def run(backend_name, layout: str, sim=None):

@@ -1,4 +1,8 @@
-/* What the extension's C files share: the thread runner (fused_cast.c) and the bfloat16 GEMM (gemm_bf16.c). */
+/* What the extension's C files share. One module, mindspeed_te._fused_cast, is built from all of them (setup.py):
+ * the per-tensor job and the thread runner (threads.c), the vector code the CPU runs (simd.c), the check of the
+ * dtype and format codes (cast.c) and the entry points the method table lists (module.c), the bfloat16 GEMM's
+ * among them (gemm_bf16.c). The codecs are in codecs.h (scalar) and codecs_x86.h (AVX2 / AVX-512), the
+ * block-scaling job in tiles.h. */
 #ifndef MINDSPEED_TE_KERNELS_H
 #define MINDSPEED_TE_KERNELS_H
 
@@ -8,6 +12,7 @@
 #include <stdint.h>
 
 #define MAX_THREADS 64
+#define MIN_PER_THREAD (1 << 16)
 
 /* Compilers that know AVX-512 BF16 (GCC 10, clang 9 on), unless the build turns it off (setup.py does when the
  * toolchain cannot assemble it): without it gemm_bf16 reports itself unsupported. */
@@ -16,11 +21,66 @@
 #define MINDSPEED_HAVE_AVX512BF16 1
 #endif
 
+/* Everything below is internal to the module: hidden, so that the module exports PyInit__fused_cast alone and
+ * the calls between its files bind to these definitions (as the calls to a static function did). */
+#pragma GCC visibility push(hidden)
+
+/* ---- threads.c ---- */
+/* A per-tensor job: the range [begin, end) of one amax, cast (cast.c) or decode (decode.c) pass. */
+typedef struct {
+    const void *in;
+    int in_dtype;
+    int64_t begin, end;
+    float scale_inv;
+    uint8_t *out;
+    int out_format;
+    const uint8_t *table;
+    uint32_t amax_bits;
+    const float *values; /* decode: the value of each of the 256 codes */
+    float *decoded;
+    const struct Bf16Planes *planes; /* decode: values as byte planes, or NULL (see decode_vbmi) */
+} Job;
+typedef void (*RangeFn)(Job *);
+
 /* Runs worker on each of the t jobs (job_size bytes apart) and returns when all are done. */
 void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t);
+/* Runs fn over [0, n) split into jobs of proto on up to `threads` threads; *used: the jobs filled. */
+void parallel(RangeFn fn, const Job *proto, int64_t n, int threads, Job *jobs, int *used);
+/* Threads for a job split by rows: one per MIN_PER_THREAD elements, at most `threads`, `m` and MAX_THREADS. */
+int64_t row_threads(int64_t m, int64_t numel, int threads);
 
+/* ---- simd.c ---- */
+/* The vector code a CPU runs: the widest it has, at most the limit set_simd sets. */
+enum { SIMD_NONE = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
+int simd_level(void);
+#if defined(__x86_64__)
+int has_avx2(void);
+#endif
+PyObject *py_set_simd(PyObject *self, PyObject *args);
+
+/* ---- cast.c ---- */
+/* Whether the dtype, format, table and size are valid; else 0 with a ValueError set. */
+int check_formats(int in_dtype, int out_format, unsigned long long table, long long n);
+PyObject *py_scaled_cast(PyObject *self, PyObject *args);
+PyObject *py_amax(PyObject *self, PyObject *args);
+PyObject *py_current_scale_inv(PyObject *self, PyObject *args);
+PyObject *py_quantize(PyObject *self, PyObject *args);
+
+/* ---- decode.c ---- */
+PyObject *py_decode(PyObject *self, PyObject *args);
+PyObject *py_dequantize_tiles(PyObject *self, PyObject *args);
+
+/* ---- tiles.c ---- */
+PyObject *py_quantize_tiles(PyObject *self, PyObject *args);
+
+/* ---- epilogue.c ---- */
+PyObject *py_gemm_epilogue(PyObject *self, PyObject *args);
+
+/* ---- gemm_bf16.c ---- */
 /* Whether this CPU (and build) runs gemm_bf16. */
 int gemm_bf16_supported(void);
 PyObject *py_gemm_bf16(PyObject *self, PyObject *args);
+
+#pragma GCC visibility pop
 
 #endif

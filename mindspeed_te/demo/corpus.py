@@ -109,6 +109,6 @@ if __name__ == "__main__":
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")  # megatron-core's import notes
     if len(sys.argv) != 2:
-        raise SystemExit("usage: python -m mindspeed_te.demo_corpus PREFIX  (writes PREFIX.bin and PREFIX.idx, "
+        raise SystemExit("usage: python -m mindspeed_te.demo.corpus PREFIX  (writes PREFIX.bin and PREFIX.idx, "
                          "prints the --split value for Megatron)")
     print(write_indexed_dataset(sys.argv[1]))

@@ -1,6 +1,6 @@
-"""Demo: a GPT built from megatron-core (GPTModel, Megatron's TransformerEngine layer spec, patched so that the
-TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16 and in every FP8/HiF8
-recipe, from the same initial weights and the same batches.
+"""The demo's runs: a GPT built from megatron-core (GPTModel, Megatron's TransformerEngine layer spec, patched
+so that the TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16 and in
+every FP8/HiF8 recipe, from the same initial weights and the same batches.
 
     python -m mindspeed_te.demo [--out demo_out] [--steps 150] [--runs bf16,hif8-delayed,...]
 
@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from mindspeed_te.demo_corpus import VOCAB_SIZE, load_corpus, train_batches, unigram_entropy, val_batches
-from mindspeed_te.demo_plots import combine_heatmaps, plot_losses
+from mindspeed_te.demo.corpus import VOCAB_SIZE, load_corpus, train_batches, unigram_entropy, val_batches
+from mindspeed_te.demo.plots import combine_heatmaps, plot_losses
 
 # name: (--fp8-format, --fp8-recipe); None is the bf16 baseline. Every run has bf16 parameters.
 RUNS: dict[str, tuple[Optional[str], Optional[str]]] = {
@@ -254,6 +254,3 @@ def main(argv: Optional[list[str]] = None) -> list[list]:
           f"{time.perf_counter() - started:.0f} s in all)")
     return table
 
-
-if __name__ == "__main__":
-    main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mindspeed_te.demo import RunResult
+    from mindspeed_te.demo.train import RunResult
 
 
 def _pyplot():

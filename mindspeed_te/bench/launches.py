@@ -1,34 +1,20 @@
-"""Benchmarks, reported as ratios against a baseline measured in the same run.
-
-    python -m mindspeed_te.bench [--size-mib 64] [--repeats 5] [--only quantize]
-
-Quantize throughput: the time of `Tensor.copy_` on the same tensor divided by the time of the quantize,
-so 1.0x means "as fast as a memory copy" and higher is better. The copy writes into memory it has written
-before; a quantize allocates its outputs, and glibc's default allocator hands freed heap tops above its trim
-threshold back to the OS, so that each call can fault its outputs' pages in again (both layouts of a 64 MiB
-tensor: two 16 MiB outputs). The "glibc defaults" rows show that cost; the target rows are measured after the
-bench raises glibc's trim and mmap thresholds (mallopt), as a caching allocator (the NPU's) keeps memory mapped.
-"""
+"""Bench group "npu": device launches of the NPU path, counted on the torch_npu simulator, per module and per
+step; the tests pin the same counts through these helpers."""
 from __future__ import annotations
 
-import argparse
-import ctypes
 import os
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from mindspeed_te import fused_cast
-from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
-from mindspeed_te.formats import hif8_encode
+from mindspeed_te.diagnostics import LaunchCounter
 from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
 from mindspeed_te.modules.attention import DotProductAttention
 from mindspeed_te.modules.grouped_linear import GroupedLinear
 from mindspeed_te.modules.layernorm_linear import LayerNormLinear
 from mindspeed_te.modules.linear import Linear
-from mindspeed_te.ops.linear import LinearQuantizers, fp8_linear
 from mindspeed_te.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -38,183 +24,12 @@ from mindspeed_te.recipe import (
     MXFP8BlockScaling,
     Recipe,
 )
-from mindspeed_te.recipe_state import RecipeState
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
-
-# name -> (target, True when the ratio must be at least the target / False when at most)
-TARGETS = {
-    "quantize current E4M3": (0.5, True),  # ratio to copy_
-    "quantize blockwise 1x128 E4M3, both layouts": (0.5, True),
-    "quantize blockwise 128x128 E4M3": (0.5, True),
-    "quantize mxfp8 E4M3, both layouts": (0.5, True),
-    "hif8_encode vs en_dtypes": (10.0, True),  # speed-up
-    "fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear": (1.25, False),
-    "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
-    "bytes saved for backward / bf16 linear": (0.55, False),
-    "param all-gather bytes, fp8 / bf16 weights": (0.55, False),
-    "param bytes, GPT layers, fp8_model_init / bf16": (0.55, False),
-    "host syncs per fp8 linear fwd+bwd": (0, False),
-    "NPU launches, linear forward, delayed": (6, False),
-    "NPU launches, linear backward, delayed": (8, False),
-    "NPU launches, linear forward, tensorwise": (4, False),
-    "NPU launches, linear backward, tensorwise": (6, False),
-    "NPU launches, linear forward, blockwise": (4, False),
-    "NPU launches, linear backward, blockwise": (6, False),
-    "NPU launches, linear forward, mxfp8": (4, False),
-    "NPU launches, linear backward, mxfp8": (6, False),
-    **{f"NPU launches, later micro-batch forward, {kind}": (6 if kind == "delayed" else 4, False)
-       for kind in ("delayed", "tensorwise", "blockwise", "mxfp8")},
-    "NPU launches, delayed update per step": (16, False),
-    "NPU launches, HiF8 delayed update per step": (16, False),
-    "NPU launches, non-finite fold per step": (4, False),
-    **{f"GPT step {label} / bf16": (1.3, False) for label in ("delayed HiF8", "delayed E4M3", "delayed HYBRID",
-                                                            "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3")},
-}
-
-
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Best wall time of `repeats` calls after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _quantizer(recipe, role: str = "input", columnwise: bool = False):
-    """The forward quantizer of a recipe for one tensor role (input or weight)."""
-    state = RecipeState.create(recipe, forward=True, num_quantizers=3)
-    quantizer = state.make_quantizers()[0 if role == "input" else 1]
-    quantizer.set_usage(rowwise=True, columnwise=columnwise)
-    return quantizer
-
-
-def quantize_cases() -> dict[str, Callable]:
-    """The quantizes of a training step. A per-tensor quantize makes one copy (its columnwise form is the
-    transposed view); blockwise 1x128 activations and MXFP8 tensors are made in both layouts (fprop reads the
-    rowwise one, wgrad the columnwise one), 128x128 weights in one (it serves both). The rowwise-only
-    cases show what the columnwise copy costs."""
-    return {
-        "quantize delayed E4M3": _quantizer(DelayedScaling(fp8_format=Format.E4M3)),
-        "quantize delayed HiF8": _quantizer(DelayedScaling(fp8_format=Format.HIF8)),
-        "quantize current E4M3": _quantizer(Float8CurrentScaling(fp8_format=Format.E4M3)),
-        "quantize current HiF8": _quantizer(Float8CurrentScaling(fp8_format=Format.HIF8)),
-        "quantize blockwise 1x128 E4M3, both layouts": _quantizer(Float8BlockScaling(), columnwise=True),
-        "quantize blockwise 1x128 E4M3, rowwise only": _quantizer(Float8BlockScaling()),
-        "quantize blockwise 128x128 E4M3": _quantizer(Float8BlockScaling(), role="weight"),
-        "quantize mxfp8 E4M3, both layouts": _quantizer(MXFP8BlockScaling(), columnwise=True),
-        "quantize mxfp8 E4M3, rowwise only": _quantizer(MXFP8BlockScaling()),
-    }
-
-
-def keep_freed_memory_mapped() -> bool:
-    """Raise glibc's trim threshold (M_TRIM_THRESHOLD, -1) and fix its mmap threshold at its 32 MiB maximum
-    (M_MMAP_THRESHOLD, -3) for this process, so freed outputs stay mapped for the next call. False where
-    there is no glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.mallopt(-1, 1 << 30)) and bool(libc.mallopt(-3, 1 << 25))
-
-
-def bench_quantize(size_mib: int, repeats: int) -> list[tuple[str, float, str]]:
-    numel = size_mib * 2**20 // 4
-    x = torch.randn(numel // 4096, 4096)
-    dst = torch.empty_like(x)
-    cases = quantize_cases()
-    copy_t = best_time(lambda: dst.copy_(x), repeats)  # allocates nothing: the allocator does not matter
-    rows = [("copy_ baseline", 1.0, f"{copy_t * 1e3:.2f} ms")]
-    for name in [name for name in cases if name.endswith("both layouts")]:
-        t = best_time(lambda q=cases[name]: q(x), repeats)
-        rows.append((f"{name}, glibc defaults", copy_t / t, f"{t * 1e3:.2f} ms"))
-    if not keep_freed_memory_mapped():
-        rows = rows[:1]  # not glibc: the rows below are measured with the platform's allocator as it is
-    for name, quantizer in cases.items():
-        t = best_time(lambda q=quantizer: q(x), repeats)
-        rows.append((name, copy_t / t, f"{t * 1e3:.2f} ms"))
-    return rows
-
-
-def bench_hif8(size_mib: int, repeats: int) -> list[tuple[str, float, str]]:
-    import numpy as np
-
-    try:
-        import en_dtypes
-    except ImportError:
-        return [("hif8_encode vs en_dtypes", float("nan"), "en_dtypes not installed")]
-    numel = size_mib * 2**20 // 4
-    x = torch.randn(numel)
-    ours = best_time(lambda: hif8_encode(x, saturate=True), repeats)
-    # en_dtypes is slow: time it on a sixteenth of the tensor and scale up.
-    part = x[: numel // 16].numpy()
-    theirs = best_time(lambda: np.clip(part, -32768, 32768).astype(en_dtypes.hifloat8), 1) * 16
-    return [("hif8_encode vs en_dtypes", theirs / ours, f"ours {ours * 1e3:.1f} ms, en_dtypes {theirs * 1e3:.0f} ms")]
-
-
-def _linear_case(recipe, m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
-    """A forward+backward closure of fp8_linear with persistent quantizers, and its inputs."""
-    fwd = RecipeState.create(recipe, forward=True, num_quantizers=3)
-    bwd = RecipeState.create(recipe, forward=False, num_quantizers=2)
-    f, b = fwd.make_quantizers(), bwd.make_quantizers()
-    quantizers = LinearQuantizers(f[0], f[1], b[0])
-    x = torch.randn(m, k, dtype=dtype, requires_grad=True)
-    w = torch.randn(n, k, dtype=dtype, requires_grad=True)
-    dy = torch.randn(m, n, dtype=dtype)
-
-    def step():
-        fp8_linear(x, w, quantizers=quantizers).backward(dy)
-
-    return step, x, w, dy
-
-
-def _torch_linear_step(m: int, k: int, n: int, dtype: torch.dtype = torch.float32):
-    layer = torch.nn.Linear(k, n, bias=False, dtype=dtype)
-    x = torch.randn(m, k, dtype=dtype, requires_grad=True)
-    dy = torch.randn(m, n, dtype=dtype)
-    return lambda: layer(x).backward(dy)
-
-
-def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]:
-    recipe = Float8CurrentScaling(fp8_format=Format.E4M3)
-    rows = []
-    base = best_time(_torch_linear_step(size, size, size), repeats)
-    ours = best_time(_linear_case(recipe, size, size, size)[0], repeats)
-    rows.append(("fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear", ours / base,
-                 f"fp8 {ours * 1e3:.0f} ms, fp32 {base * 1e3:.0f} ms ({get_backend().name} backend)"))
-    small_base = best_time(_torch_linear_step(64, 64, 64), repeats * 20)
-    small = best_time(_linear_case(recipe, 64, 64, 64)[0], repeats * 20)
-    rows.append(("host overhead 64x64 fwd+bwd / nn.Linear", small / small_base,
-                 f"fp8 {small * 1e6:.0f} us, nn.Linear {small_base * 1e6:.0f} us"))
-    rows.append(_per_tensor_gemm_row(repeats * 4))
-    for recipe in (DelayedScaling(fp8_format=Format.HIF8), Float8BlockScaling(), MXFP8BlockScaling()):
-        x = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
-        ratio = _saved_bytes(recipe, x, w) / ((x.numel() + w.numel()) * 2)
-        rows.append(("bytes saved for backward / bf16 linear", ratio, type(recipe).__name__))
-    with HostSyncCounter() as counter:
-        _linear_case(DelayedScaling(fp8_format=Format.HIF8), 64, 64, 64)[0]()
-    rows.append(("host syncs per fp8 linear fwd+bwd", float(counter.total), str(dict(counter.counts)) or "none"))
-    return rows
-
-
-def _per_tensor_gemm_row(repeats: int, m: int = 512, k: int = 1024, n: int = 256) -> tuple[str, float, str]:
-    """A per-tensor GEMM of a GPT's MLP (the float32 sum of two operands' decoded codes, then scales, to
-    bfloat16) against torch's bf16 GEMM of the same shape: on the CPU the cost that decides the GPT step."""
-    a, b = torch.randn(m, k), torch.randn(n, k)
-    qa, qb = (_quantizer(Float8CurrentScaling(fp8_format=Format.E4M3)).quantize(t) for t in (a, b))
-    a16, b16 = a.bfloat16(), b.bfloat16()
-    backend = get_backend()
-    ours = best_time(lambda: backend.gemm(qa, qb, out_dtype=torch.bfloat16), repeats)
-    base = best_time(lambda: torch.mm(a16, b16.t()), repeats)
-    return (f"per-tensor fp8 GEMM {m}x{k}x{n} / bf16 torch.mm", ours / base,
-            f"fp8 {ours * 1e3:.2f} ms, bf16 {base * 1e3:.2f} ms ({backend.name} backend, "
-            f"bf16 GEMM of our own: {'yes' if fused_cast.gemm_bf16_applies() else 'no'})")
 
 
 @contextmanager
+
+
 def npu_simulated(chip: str = "1") -> Iterator[Any]:
     """The NPU backend on the torch_npu simulator for CPU tensors; yields the simulated torch_npu module.
     `chip`: "1" (the simulator's default, an Ascend 950PR) or a chip name such as "Ascend950DT". The CPU-only
@@ -315,7 +130,11 @@ def weights_apart(module: torch.nn.Module) -> None:
 
 
 # How a GroupedLinear's weights lie: as the module lays them out (row blocks of one buffer, expert 0 first), in
+
+
 # Megatron's parameter buffer (reverse order), or each on its own.
+
+
 GROUPED_LAYOUTS: dict[str, Optional[Callable[[torch.nn.Module], None]]] = {
     "module": None, "megatron": megatron_parameter_buffer, "apart": weights_apart}
 
@@ -401,8 +220,11 @@ def fold_launches(recipe: Recipe, layers: int, npu: Any) -> LaunchCounter:
 
 
 # HIF8DelayedScaling with one warm-up step and scales updated every 2 steps (the counts do not depend on the
+
+
 # intervals, the run time does): step 3 updates the scales, step 2 only accumulates.
 HIF8_UPDATE_RECIPE = dict(amax_collect_interval=1, scale_update_interval=2)
+
 HIF8_UPDATE_STEPS = {"scale update": 3, "accumulating": 2}
 
 
@@ -472,71 +294,3 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                              f"{name}, {layers} layers"))
     FP8GlobalStateManager.reset()
     return rows
-
-
-def _saved_bytes(recipe, x: torch.Tensor, w: torch.Tensor) -> int:
-    """Bytes the fp8 linear keeps for backward (its ctx holds quantized storages)."""
-    fwd = RecipeState.create(recipe, forward=True, num_quantizers=3).make_quantizers()
-    bwd = RecipeState.create(recipe, forward=False, num_quantizers=2).make_quantizers()
-    y = fp8_linear(x, w, quantizers=LinearQuantizers(fwd[0], fwd[1], bwd[0]))
-    return sum(t.nbytes() for t in y.grad_fn.saved)
-
-
-def report(rows: list[tuple[str, float, str]]) -> str:
-    width = max([44] + [len(name) for name, *_ in rows])
-    lines = [f"{'case':{width}s} {'ratio':>8s}  {'target':>10s}  detail"]
-    for name, ratio, detail in rows:
-        target = TARGETS.get(name)
-        mark = ""
-        if target is not None:
-            value, at_least = target
-            ok = ratio >= value if at_least else ratio <= value
-            mark = f"{'>=' if at_least else '<='}{value:g} " + ("ok" if ok else "MISS")
-        lines.append(f"{name:{width}s} {ratio:7.2f}x  {mark:>10s}  {detail}")
-    return "\n".join(lines)
-
-
-def _megatron_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mindspeed_te.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params", "gpt"],
-                        help="run one group of cases")
-    args = parser.parse_args(argv)
-    if args.size_mib < 1 or args.repeats < 1:
-        parser.error("--size-mib and --repeats must be >= 1")
-    kernels = fused_cast.simd_level() if fused_cast.available() else "off"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fused kernels: {kernels}")
-    rows: list[tuple[str, float, str]] = []
-    if args.only in (None, "linear"):
-        rows += bench_linear(args.repeats)
-    if args.only in (None, "npu"):
-        rows += bench_npu_launches()
-    if args.only in (None, "params"):
-        from mindspeed_te.bench_params import bench_params
-
-        rows += bench_params()
-    if args.only in (None, "gpt"):
-        from mindspeed_te.bench_gpt import RECIPES, bench_gpt
-
-        missing = [(f"GPT step {label} / bf16", float("nan"), "megatron-core not installed")
-                   for label in RECIPES if label != "bf16"]
-        rows += bench_gpt(args.repeats) if _megatron_available() else missing
-    # Last: they allocate tensors of --size-mib, and the quantize group raises glibc's trim threshold for the
-    # rest of the process, which would change what the groups above measure.
-    if args.only in (None, "quantize"):
-        rows += bench_quantize(args.size_mib, args.repeats)
-    if args.only in (None, "hif8"):
-        rows += bench_hif8(args.size_mib, args.repeats)
-    print(report(rows))
-
-
-if __name__ == "__main__":
-    main()

@@ -17,7 +17,10 @@ import torch
 
 __all__ = ["bench_gpt", "gpt_step"]
 
+
 # label -> (Megatron's --fp8 format, --fp8-recipe); None: the bf16 baseline
+
+
 RECIPES: dict[str, Optional[tuple[str, str]]] = {
     "bf16": None,
     "delayed HiF8": ("hif8", "delayed"),

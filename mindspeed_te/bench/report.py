@@ -1,0 +1,63 @@
+"""The bench's targets (the issues' goals) and its table: each row a ratio to a baseline measured in the same
+run, marked ok or MISS against its target."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+# name -> (target, True when the ratio must be at least the target / False when at most)
+
+
+TARGETS = {
+    "quantize current E4M3": (0.5, True),  # ratio to copy_
+    "quantize blockwise 1x128 E4M3, both layouts": (0.5, True),
+    "quantize blockwise 128x128 E4M3": (0.5, True),
+    "quantize mxfp8 E4M3, both layouts": (0.5, True),
+    "hif8_encode vs en_dtypes": (10.0, True),  # speed-up
+    "fp8 linear fwd+bwd 2048^3 / fp32 nn.Linear": (1.25, False),
+    "host overhead 64x64 fwd+bwd / nn.Linear": (3.0, False),
+    "bytes saved for backward / bf16 linear": (0.55, False),
+    "param all-gather bytes, fp8 / bf16 weights": (0.55, False),
+    "param bytes, GPT layers, fp8_model_init / bf16": (0.55, False),
+    "host syncs per fp8 linear fwd+bwd": (0, False),
+    "NPU launches, linear forward, delayed": (6, False),
+    "NPU launches, linear backward, delayed": (8, False),
+    "NPU launches, linear forward, tensorwise": (4, False),
+    "NPU launches, linear backward, tensorwise": (6, False),
+    "NPU launches, linear forward, blockwise": (4, False),
+    "NPU launches, linear backward, blockwise": (6, False),
+    "NPU launches, linear forward, mxfp8": (4, False),
+    "NPU launches, linear backward, mxfp8": (6, False),
+    **{f"NPU launches, later micro-batch forward, {kind}": (6 if kind == "delayed" else 4, False)
+       for kind in ("delayed", "tensorwise", "blockwise", "mxfp8")},
+    "NPU launches, delayed update per step": (16, False),
+    "NPU launches, HiF8 delayed update per step": (16, False),
+    "NPU launches, non-finite fold per step": (4, False),
+    **{f"GPT step {label} / bf16": (1.3, False) for label in ("delayed HiF8", "delayed E4M3", "delayed HYBRID",
+                                                            "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3")},
+}
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Best wall time of `repeats` calls after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def report(rows: list[tuple[str, float, str]]) -> str:
+    width = max([44] + [len(name) for name, *_ in rows])
+    lines = [f"{'case':{width}s} {'ratio':>8s}  {'target':>10s}  detail"]
+    for name, ratio, detail in rows:
+        target = TARGETS.get(name)
+        mark = ""
+        if target is not None:
+            value, at_least = target
+            ok = ratio >= value if at_least else ratio <= value
+            mark = f"{'>=' if at_least else '<='}{value:g} " + ("ok" if ok else "MISS")
+        lines.append(f"{name:{width}s} {ratio:7.2f}x  {mark:>10s}  {detail}")
+    return "\n".join(lines)

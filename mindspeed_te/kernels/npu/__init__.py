@@ -1,0 +1,120 @@
+"""NPU backend: the torch_npu 2.14 quantization and GEMM kernels, called as their schemas define them.
+
+This package module assembles `NpuBackend` from one mixin per job, each in its own module (as the
+simulator is split): quantize.py (quantize, quantize_many and their kernels), gemm.py (gemm and its
+npu_quant_matmul modes), grouped_gemm.py, norm.py, attention.py, mc2.py (the fused communication
+GEMMs), moe_rope.py (MoE token permutation, RoPE); common.py holds the few helpers several of them use.
+
+torch_npu is imported here and only here, lazily: importing it needs the CANN libraries. Without an NPU,
+`MINDSPEED_TE_NPU_SIMULATOR=1` puts the simulator (mindspeed_te.testing.npu_sim) in its place, which enforces the
+kernels' contract on CPU tensors and computes their reference results.
+
+What goes to a kernel and what stays on torch ops (which run on the NPU too):
+  delayed      npu_quantize(x, 1/scale, div_mode=True)     1/scale prepared at the update (bfloat16-rounded for
+                                                            bfloat16 x); one multi-tensor amax, history max and
+                                                            NaN mark for a linear's input and weight together
+  tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   bfloat16/float16 x; float32 x (not a dtype that
+               or amax + 2 small ops + npu_quantize         kernel takes): see _quantize_current. Power-of-2
+                                                            scales, amax_epsilon, an amax reduction group or a
+                                                            non-kernel target use torch ops
+  blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; partial
+               float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize); columnwise
+               1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; HiF8 (whole tiles, bf16/fp32):
+               tile amaxes of all the pass's layouts into one buffer, its scales in one chain of torch ops, the
+               cast one npu_quantize per layout; other scales (HiF8's default): npu_dynamic_block_quant
+               (fp16/bf16/fp32, not with amax_epsilon; HiF8 dst_type_max 15, 56, 224, 32768)
+  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
+               Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
+               them out, which the GEMM takes)
+  flags        a quantize pass only notes its non-finite flag updates (quantizers.record_nonfinite_many); the
+               state manager folds the whole step's once (FP8GlobalStateManager.fold_nonfinite)
+  GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
+               blockwise wgrad in the MX mode when its scales are powers of 2; a k past the kernel's 65535,
+               a wgrad over more tokens, summed over parts); shapes the kernels cannot
+               take (high-precision operands, other 1x128 x 1x128) use
+               dequantize + matmul (HiF8 tiles decoded by one npu_dtype_cast, scaled by one broadcast
+               multiply). The power-of-2 fprop and dgrad stay in [1,128,128] (an MX-mode fprop
+               measured 2 more forward launches for bf16, 1 for float32): MX wants each operand's bytes
+               repeated per 32-block (one op each), a float32 bias (one cast of a bf16 bias, as the late add
+               is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
+               takes the weight's).
+  MoE, RoPE    npu_moe_token_permute / npu_moe_token_unpermute (dropless routing, bfloat16) and npu_rotary_mul, each
+               with torch_npu's one backward kernel: npu/moe_rope.py
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from mindspeed_te import fused_cast
+from mindspeed_te.kernels import SIMULATOR_ENV
+from mindspeed_te.kernels.base import Capabilities
+from mindspeed_te.kernels.npu.attention import NpuAttention
+from mindspeed_te.kernels.npu.gemm import NpuGemm
+from mindspeed_te.kernels.npu.grouped_gemm import NpuGroupedGemm
+from mindspeed_te.kernels.npu.mc2 import NpuMc2
+from mindspeed_te.kernels.npu.moe_rope import MoeRopeKernels
+from mindspeed_te.kernels.npu.norm import NpuNorm
+from mindspeed_te.kernels.npu.quantize import NpuQuantize
+from mindspeed_te.kernels.reference import ReferenceBackend
+
+
+def load_torch_npu() -> Any:
+    """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR is 1 (an Ascend 950PR) or a chip name
+    starting with "Ascend" (that chip, e.g. Ascend950DT)."""
+    simulator = os.environ.get(SIMULATOR_ENV, "0")
+    if simulator == "1" or simulator.startswith("Ascend"):
+        from mindspeed_te.testing.npu_sim import make_simulator
+
+        return make_simulator() if simulator == "1" else make_simulator(simulator)
+    try:
+        import torch_npu  # noqa: F401  (the one place the real module is imported)
+    except ImportError as err:
+        raise RuntimeError(
+            f"MINDSPEED_TE_BACKEND=npu needs torch_npu (pip install 'mindspeed_te[npu]', with the CANN "
+            f"libraries), or {SIMULATOR_ENV}=1 to run the NPU path on the torch_npu simulator: {err}"
+        ) from err
+    return torch_npu
+
+
+@functools.lru_cache(maxsize=2)
+def _npu_backend(simulator: str) -> NpuBackend:
+    return NpuBackend(load_torch_npu())
+
+
+def get_npu_backend() -> NpuBackend:
+    """The NPU backend, one per value of MINDSPEED_TE_NPU_SIMULATOR (the real torch_npu or a simulated chip)."""
+    return _npu_backend(os.environ.get(SIMULATOR_ENV, "0"))
+
+
+get_npu_backend.cache_clear = _npu_backend.cache_clear  # type: ignore[attr-defined]
+
+
+class NpuBackend(NpuMc2, NpuQuantize, NpuNorm, NpuAttention, NpuGemm, NpuGroupedGemm, MoeRopeKernels,
+                 ReferenceBackend):
+    """Dispatches quantize, GEMM, norm, attention, MoE permutation and RoPE to torch_npu kernels where they apply;
+    everything else is the reference emulation."""
+
+    name = "npu"
+    # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"; the bindings of
+    # the base (high-precision) kernels: "world_size should be in [2, 4, 8, 16, 32]" (the quant ones add 64)
+    capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
+                                fused_communication_world_sizes=(2, 4, 8, 16, 32), native_mx_gemm=True)
+    bf16_output_gemm = False  # the dequantize fallback runs as the device would run it
+
+    def __init__(self, torch_npu: Any) -> None:
+        super().__init__()
+        self.npu = torch_npu
+        device_name = torch_npu.npu.get_device_name()
+        self.device_name = device_name
+        self.supports_fp8 = str(device_name).startswith("Ascend950")
+        if getattr(torch_npu, "is_simulator", False):  # its cube sums as the reference backend's GEMM does
+            torch_npu.set_bf16_matmul(fused_cast.gemm_bf16)
+
+    def available(self) -> tuple[bool, str]:
+        """FP8, HiF8 and MX kernels exist on the Ascend 950 series only."""
+        if self.supports_fp8:
+            return True, ""
+        return False, (f"the NPU is {self.device_name}; FP8/HiF8/MXFP8 matmuls need an Ascend 950 series chip "
+                       "(A2/A3 chips have int8/int4 quantized matmuls only)")
