@@ -241,8 +241,9 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                     forward, backward = linear_launches(recipe, dtype, npu)
                     detail = f"{name} {str(dtype).replace('torch.', '')} {chip} ({forward.npu_kernels} / " \
                              f"{backward.npu_kernels} torch_npu)"
-                    rows.append((f"NPU launches, linear forward, {kind}", float(forward.total), detail))
-                    rows.append((f"NPU launches, linear backward, {kind}", float(backward.total), detail))
+                    short = "bf16" if dtype == torch.bfloat16 else "fp32"
+                    rows.append((f"NPU launches, linear forward, {kind} {short}", float(forward.total), detail))
+                    rows.append((f"NPU launches, linear backward, {kind} {short}", float(backward.total), detail))
                 later = microbatch_launches(recipe, torch.bfloat16, npu)
                 rows.append((f"NPU launches, later micro-batch forward, {kind}", float(later.total),
                              f"{name} bfloat16 {chip}, weight and bias kept from the first"))
