@@ -25,14 +25,15 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "tools": ("mindspeed_te.debug", "mindspeed_te.diagnostics", "mindspeed_te.npu_foreach"),
     # programs: the Megatron integration and what runs as `python -m` (the bench and demo apply the patches)
     "entry": ("mindspeed_te.patches", "mindspeed_te.megatron_adaptor", "mindspeed_te.launch", "mindspeed_te.bench",
-              "mindspeed_te.demo"),
+              "mindspeed_te.demo", "mindspeed_te.selfcheck"),
 }
 RANK = {name: rank for rank, name in enumerate(LAYERS)}
 
 # The torch_npu simulator is a test double outside the layers: it imports nothing else of the package, and
 # only the module that would import torch_npu loads it in torch_npu's place (docs/architecture.md).
 TEST_DOUBLE = "mindspeed_te.testing"
-TEST_DOUBLE_LOADERS = {"mindspeed_te.kernels.npu"}
+# (and the self-check reads from it which kernels the plugin may call, to find those a torch_npu lacks).
+TEST_DOUBLE_LOADERS = {"mindspeed_te.kernels.npu", "mindspeed_te.selfcheck"}
 # Device and framework libraries, and the only layers that may import them.
 EXTERNAL = {"torch_npu": ("mindspeed_te.kernels.npu",), "megatron": ("megatron", "api", "tools", "entry")}
 

@@ -33,9 +33,9 @@ RECIPES: dict[str, Optional[tuple[str, str]]] = {
 
 
 def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256, seq: int = 256,
-             batch: int = 2, vocab: int = 1024) -> Callable[[], float]:
-    """A closure running one training step of a fresh GPTModel (same seed for every recipe); returns the loss.
-    Needs the Megatron TE patches applied and model parallelism initialized."""
+             batch: int = 2, vocab: int = 1024, device: str = "cpu") -> Callable[[], float]:
+    """A closure running one training step of a fresh GPTModel (same seed for every recipe) on `device`;
+    returns the loss. Needs the Megatron TE patches applied and model parallelism initialized."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -49,12 +49,12 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
         hidden_dropout=0.0, attention_dropout=0.0, **fp8_args)
     torch.manual_seed(0)
     model = Float16Module(config, GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=vocab,
-                                           max_sequence_length=seq))
+                                           max_sequence_length=seq)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
-    positions = torch.arange(seq).expand(batch, -1)
-    mask = torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril().logical_not()
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    positions = torch.arange(seq, device=device).expand(batch, -1)
+    mask = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device=device).tril().logical_not()
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
