@@ -361,11 +361,14 @@ def _no_fused_kernels(args: Any = None) -> None:
 
 
 def accelerator_present() -> bool:
-    """Whether CUDA or an Ascend NPU is usable (then nothing here applies)."""
+    """Whether CUDA or an Ascend NPU is usable (then nothing here applies). The NPU is asked through the
+    kernels' NPU module, which imports an installed torch_npu that is not imported yet (torch.npu exists only
+    after that) and raises when it cannot be imported, rather than leaving an Ascend host on the CPU."""
     if torch.cuda.is_available():
         return True
-    npu = getattr(torch, "npu", None)  # registered by torch_npu when it was imported
-    return bool(npu is not None and npu.is_available())
+    from mindspeed_te.kernels.npu import npu_device_available
+
+    return npu_device_available()
 
 
 class _EagerCollectives:

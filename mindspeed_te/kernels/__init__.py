@@ -2,7 +2,7 @@
 
 The backend is chosen per tensor device; `MINDSPEED_TE_BACKEND` = auto | npu | torch | reference forces one.
 "auto" picks npu for NPU tensors, torch for CUDA tensors and the reference elsewhere: on CPU torch's scaled
-GEMM upcasts internally and is slower than dequantize + fp32 GEMM (see REFERENCE.md §7).
+GEMM upcasts the FP8 operands internally and runs no faster than the reference's decode + float32 GEMM.
 
 The environment is read once, at the first kernel call, and again only after `reset_backend()` (which
 `FP8GlobalStateManager.reset()` calls): a run keeps one backend however its environment changes later.
@@ -43,12 +43,13 @@ def requested_backend() -> str:
 
 
 def get_backend(device: Union[torch.device, str, None] = None) -> Backend:
-    """The backend for tensors on `device`."""
+    """The backend for tensors on `device` (a device, or its name: "npu", "cuda:0"; None is the CPU). A name is
+    read without torch.device, which knows "npu" only once torch_npu is imported."""
     choice = requested_backend()
     if device is None:
         device_type = "cpu"
     else:
-        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        device_type = device.type if isinstance(device, torch.device) else str(device).partition(":")[0]
     if choice == "auto":
         choice = "npu" if device_type == "npu" else "torch" if device_type == "cuda" else "reference"
     if choice == "npu":

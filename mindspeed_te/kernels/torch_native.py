@@ -25,6 +25,19 @@ class TorchBackend(ReferenceBackend):
 
     name = "torch"
 
+    def available(self) -> tuple[bool, str]:
+        """On CUDA, TransformerEngine's rule for FP8 GEMMs: compute capability >= 8.9, below which
+        `torch._scaled_mm` refuses FP8 operands. MXFP8 and blockwise operands are not given to `_scaled_mm`
+        here (the reference emulates their GEMMs), so TE's 10.0 for MXFP8 does not apply. On the CPU torch
+        implements `_scaled_mm` itself."""
+        if not torch.cuda.is_available():
+            return True, ""
+        capability = torch.cuda.get_device_capability()
+        if capability >= (8, 9):
+            return True, ""
+        return False, (f"the CUDA device {torch.cuda.get_device_name()} has compute capability "
+                       f"{capability[0]}.{capability[1]}; FP8 GEMMs (torch._scaled_mm) need >= 8.9")
+
     def gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, bias=None, out=None):
         check_accumulate(out, bias)
         pa, pb = _scaled_mm_operand(a, a_columnwise), _scaled_mm_operand(b, b_columnwise)

@@ -19,12 +19,21 @@ from mindspeed_te.recipe import (
 )
 
 
+def _accelerator_type() -> str:
+    """The device type of the current accelerator ("npu", "cuda"), "cpu" where there is none: where an
+    autocast region's modules run, so the device whose kernel backend the availability checks and the default
+    recipe ask (the CPU's backend emulates everything and would accept any recipe)."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
 def _fp8_support() -> tuple[bool, str]:
     """FP8 needs torch's float8 dtypes; the reference backend then runs it on any device, the NPU backend
-    needs a chip with FP8 matmuls: the backend says, through its contract."""
+    needs a chip with FP8 matmuls, the torch backend a CUDA device with FP8 GEMMs: the current accelerator's
+    backend says, through its contract."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float8_e5m2"):
         return False, f"torch {torch.__version__} has no float8 dtypes (need torch >= 2.1)"
-    return get_backend().available()
+    return get_backend(_accelerator_type()).available()
 
 
 def _mxfp8_support() -> tuple[bool, str]:
@@ -39,15 +48,12 @@ def get_default_recipe() -> Recipe:
     every layout), DelayedScaling everywhere else. Here the device is the current accelerator and its kernel
     backend: an NPU whose kernels run FP8 (the Ascend 950 series, which has MX matmuls) gets MXFP8; the CPU,
     where every format is emulated and none has native GEMMs, keeps DelayedScaling, as do NPUs without FP8."""
-    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    device_type = accelerator.type if accelerator is not None else "cpu"
+    device_type = _accelerator_type()
     if device_type == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability >= (12, 0):
             return Float8CurrentScaling()
         return MXFP8BlockScaling() if capability >= (10, 0) else DelayedScaling()
-    from mindspeed_te.kernels import get_backend
-
     backend = get_backend(device_type)
     if backend.capabilities.native_mx_gemm and backend.available()[0]:
         return MXFP8BlockScaling()

@@ -44,12 +44,16 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
-from typing import Any
+import sys
+from typing import Any, ClassVar, Optional
+
+import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.kernels import SIMULATOR_ENV
-from mindspeed_te.kernels.base import Capabilities
+from mindspeed_te.kernels.base import Capabilities, KernelBackend
 from mindspeed_te.kernels.npu.attention import NpuAttention
 from mindspeed_te.kernels.npu.gemm import NpuGemm
 from mindspeed_te.kernels.npu.grouped_gemm import NpuGroupedGemm
@@ -60,16 +64,63 @@ from mindspeed_te.kernels.npu.quantize import NpuQuantize
 from mindspeed_te.kernels.reference import ReferenceBackend
 
 
+def _installed_torch_npu() -> Optional[Any]:
+    """The real torch_npu, imported, when it is installed; None when it is not. An installed torch_npu that
+    fails to import raises its error."""
+    if sys.modules.get("torch_npu") is None and importlib.util.find_spec("torch_npu") is None:
+        return None
+    import torch_npu  # the one place the real module is imported
+
+    return torch_npu
+
+
+def npu_device_available() -> bool:
+    """Whether torch_npu sees an NPU. torch.npu exists only once torch_npu is imported, which torch's backend
+    autoload may not have done (turned off, or a torch_npu older than it): an installed torch_npu is imported
+    here first, so an Ascend host is not taken for one without an accelerator. One that fails to import raises,
+    naming the cause, rather than leaving the run on the CPU."""
+    npu = getattr(torch, "npu", None)
+    if npu is None:
+        try:
+            if _installed_torch_npu() is None:
+                return False
+        except Exception as err:  # a missing CANN library: ImportError or OSError; torch_npu's own checks: others
+            raise RuntimeError(
+                f"torch_npu is installed but cannot be imported ({type(err).__name__}: {err}); set up the CANN "
+                "environment (source its set_env.sh) to run on the NPU, or uninstall torch_npu to run on the CPU"
+            ) from err
+        npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def _refuse_simulator_on_an_npu(simulator: str) -> None:
+    """The simulator stands in for torch_npu where there is no NPU; left set where there is one, it would
+    replace the chip's kernels by CPU emulation without a word. A torch_npu that cannot be imported drives no
+    NPU, so the simulator may stand in for it."""
+    try:
+        present = npu_device_available()
+    except RuntimeError:
+        present = False
+    if present:
+        raise RuntimeError(
+            f"{SIMULATOR_ENV}={simulator} asks for the torch_npu simulator, but torch_npu is installed and sees an "
+            f"NPU ({torch.npu.get_device_name()}): unset {SIMULATOR_ENV} (or set it to 0) to run on the NPU"
+        )
+
+
 def load_torch_npu() -> Any:
     """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR is 1 (an Ascend 950PR) or a chip name
-    starting with "Ascend" (that chip, e.g. Ascend950DT)."""
+    starting with "Ascend" (that chip, e.g. Ascend950DT), which is refused on a host with an NPU."""
     simulator = os.environ.get(SIMULATOR_ENV, "0")
     if simulator == "1" or simulator.startswith("Ascend"):
+        _refuse_simulator_on_an_npu(simulator)
         from mindspeed_te.testing.npu_sim import make_simulator
 
         return make_simulator() if simulator == "1" else make_simulator(simulator)
     try:
-        import torch_npu  # noqa: F401  (the one place the real module is imported)
+        torch_npu = _installed_torch_npu()
+        if torch_npu is None:
+            raise ModuleNotFoundError("No module named 'torch_npu'", name="torch_npu")
     except ImportError as err:
         raise RuntimeError(
             f"MINDSPEED_TE_BACKEND=npu needs torch_npu (pip install 'mindspeed_te[npu]', with the CANN "
@@ -91,12 +142,51 @@ def get_npu_backend() -> NpuBackend:
 get_npu_backend.cache_clear = _npu_backend.cache_clear  # type: ignore[attr-defined]
 
 
-class NpuBackend(NpuMc2, NpuQuantize, NpuNorm, NpuAttention, NpuGemm, NpuGroupedGemm, MoeRopeKernels,
-                 ReferenceBackend):
+# The kernel contract's methods (kernels/base.py), each of which a device backend implements or takes from the
+# reference emulation.
+CONTRACT_METHODS = tuple(name for name, value in vars(KernelBackend).items()
+                         if callable(value) and not name.startswith("_"))
+
+
+def check_emulations(cls: type) -> None:
+    """Raise TypeError unless every contract method that `cls` takes from the reference emulation (found in
+    ReferenceBackend or KernelBackend along its MRO) is declared in `cls.reference_emulations`, and every
+    declared one is such a method: emulation on a device is then a decision, never a missing override."""
+    declared = getattr(cls, "reference_emulations", {})
+    emulated = {name for name in CONTRACT_METHODS
+                if next(owner for owner in cls.__mro__ if name in vars(owner)) in ReferenceBackend.__mro__}
+    problems = []
+    if undeclared := sorted(emulated - set(declared)):
+        problems.append(f"emulated by the reference without a declaration: {', '.join(undeclared)} (implement "
+                        "them in an NPU mixin or declare them in reference_emulations, name -> reason)")
+    if stale := sorted(set(declared) - emulated):
+        problems.append(f"declared but not taken from the reference: {', '.join(stale)} (reference_emulations "
+                        f"takes only contract methods that the reference implements: {', '.join(CONTRACT_METHODS)})")
+    if problems:
+        raise TypeError(f"{cls.__name__}: " + "; ".join(problems))
+
+
+class DeclaredEmulations:
+    """Checks each class made from it (`check_emulations`) as it is created, so that a contract method left to
+    the reference emulation fails at import, not as a silently emulated kernel on the device."""
+
+    reference_emulations: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_emulations(cls)
+
+
+class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention, NpuGemm, NpuGroupedGemm,
+                 MoeRopeKernels, ReferenceBackend):
     """Dispatches quantize, GEMM, norm, attention, MoE permutation and RoPE to torch_npu kernels where they apply;
-    everything else is the reference emulation."""
+    the contract methods in `reference_emulations` are the reference's, for the reasons given there."""
 
     name = "npu"
+    reference_emulations = {
+        "read_twice": "a cache, not a kernel: npu_quant_matmul takes per-tensor codes undecoded; the reference keeps "
+                      "one decode per block for its dequantize + matmul fallback",
+    }
     # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"; the bindings of
     # the base (high-precision) kernels: "world_size should be in [2, 4, 8, 16, 32]" (the quant ones add 64)
     capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
