@@ -13,6 +13,7 @@ from mindspeed_te.modules import (
     Linear,
     RMSNorm,
     convert_linears,
+    set_extra_state_format,
 )
 from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 from mindspeed_te.quantizers import (
@@ -75,7 +76,7 @@ __all__ = [
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
     "checkpoint", "Fp8Padding", "Fp8Unpadding",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention",
-    "convert_linears",
+    "convert_linears", "set_extra_state_format",
 ]
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from typing import Callable, Optional
 
 from mindspeed_te.patches.registry import resolve
 from mindspeed_te.recipe import Format
+from mindspeed_te.te_extra_state import EXTRA_STATE_FORMAT_ENV, EXTRA_STATE_FORMATS
 
 # args attribute -> default; copied onto the TransformerConfig
 CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None,
@@ -115,7 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="run MoE grouped GEMMs in high precision inside FP8 training")
     group.add_argument("--use-ascend-mc2", action="store_true",
                        help="fused matmul + all-gather / reduce-scatter kernels for tensor-parallel linears")
+    group.add_argument("--fp8-extra-state-format", choices=EXTRA_STATE_FORMATS, default=None,
+                       help="the FP8 metadata format checkpoints get: mindspeed_te (default) or te, "
+                            "TransformerEngine's, so that TE on GPUs resumes them (docs/te-checkpoints.md)")
     return parser
+
+
+def use_extra_state_format(args: argparse.Namespace) -> None:
+    """--fp8-extra-state-format for every module of the run: through the variable their saves read."""
+    if getattr(args, "fp8_extra_state_format", None) is not None:
+        os.environ[EXTRA_STATE_FORMAT_ENV] = args.fp8_extra_state_format
 
 
 def recipe_flag(args: argparse.Namespace) -> Optional[str]:
@@ -184,6 +195,7 @@ def wrap_parse_args(parse_args: Callable) -> Callable:
         args = parse_args(provider, ignore_unknown_args)
         validate_args(args)
         use_hif8_delayed(args)
+        use_extra_state_format(args)
         return args
 
     return wrapped

@@ -196,3 +196,24 @@ def test_real_megatron_sees_hif8_delayed_as_delayed(monkeypatch):
     assert args.fp8_recipe == config.fp8_recipe == Fp8Recipe.delayed and config.hif8_delayed
     recipe = recipe_from_config(config)
     assert isinstance(recipe, HIF8DelayedScaling) and recipe.scale_update_interval == 3
+
+
+def test_extra_state_format_flag_makes_every_module_write_tes_format(monkeypatch):
+    """--fp8-extra-state-format te: a module saved after parse_args writes TransformerEngine's entry (a pickled
+    dict, not this plugin's torch.save stream); without the flag nothing changes; other values are refused."""
+    import pickle
+
+    import torch
+
+    from mindspeed_te import Linear
+    from mindspeed_te.te_extra_state import EXTRA_STATE_FORMAT_ENV
+
+    monkeypatch.setenv(EXTRA_STATE_FORMAT_ENV, "")  # restored (unset) after the test, which the flag sets
+    monkeypatch.delenv(EXTRA_STATE_FORMAT_ENV)
+    assert _parse([]).fp8_extra_state_format is None and EXTRA_STATE_FORMAT_ENV not in os.environ
+    _parse(["--fp8-extra-state-format", "te"])
+    assert os.environ[EXTRA_STATE_FORMAT_ENV] == "te"
+    payload = Linear(16, 16).get_extra_state()
+    assert payload.dtype == torch.uint8 and pickle.loads(payload.numpy().tobytes()) is None  # TE's "no FP8 state"
+    with pytest.raises(SystemExit):
+        _parse(["--fp8-extra-state-format", "pickle"])

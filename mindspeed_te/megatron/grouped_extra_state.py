@@ -50,8 +50,8 @@ class GroupedExtraStateMixin:
         return encode_extra_state(state)
 
     def _decode_extra_state(self, state: Any) -> Optional[dict[str, Any]]:
-        """The metadata dict, or None for an empty entry (no FP8)."""
-        return decode_extra_state(state, type(self).__name__)
+        """The metadata dict, or None for an entry without FP8 state (this plugin's or TransformerEngine's)."""
+        return decode_extra_state(state, type(self).__name__, grouped=self._te_grouped())
 
     def _split_extra_state(self, state: Any) -> list[Any]:
         """One `_extra_state` per local expert: expert i's quantizers (its input, weight and output, its

@@ -16,11 +16,22 @@ from mindspeed_te.recipe import Recipe, recipe_from_config, recipe_to_config
 from mindspeed_te.recipe_state import BACKWARD_ROLES, FORWARD_ROLES, DelayedScalingRecipeState, RecipeState
 from mindspeed_te.scaling import current_scale, tensor_amax
 from mindspeed_te.state import FP8GlobalStateManager, preserve_high_precision_init_val
+from mindspeed_te.te_extra_state import (
+    ExtraStateRefused,
+    check_fp8_meta,
+    encode_te_extra_state,
+    is_te_payload,
+    load_extra_state_payload,
+    resolve_extra_state_format,
+    te_no_state,
+    te_payload_to_meta,
+)
 
 InitMethod = Optional[Callable[[torch.Tensor], object]]
 
 
 EXTRA_STATE_VERSION = 2  # 2: slots in the module's fp8_meta_layout, the recipe stored; 1: per GEMM, no recipe
+# (TransformerEngine's entries are read as version 1, with their recipe: TE keeps slots per GEMM)
 # extra-state entry -> (forward?, dim along which its slots run)
 EXTRA_STATE_SLOTS = {"fwd_amax_history": (True, 1), "fwd_scale": (True, 0),
                      "bwd_amax_history": (False, 1), "bwd_scale": (False, 0)}
@@ -43,9 +54,13 @@ class FP8ModuleBase(torch.nn.Module):
     # weights, then all outputs (grad_outputs, then grad_inputs).
     fp8_meta_layout: ClassVar[Literal["per_gemm", "per_role"]] = "per_gemm"
 
-    def __init__(self, num_gemms: int = 1) -> None:
+    def __init__(self, num_gemms: int = 1, extra_state_format: Optional[str] = None) -> None:
         super().__init__()
         self.num_gemms = num_gemms
+        # "mindspeed_te" (this plugin's entry), "te" (TransformerEngine's), None: MINDSPEED_TE_EXTRA_STATE_FORMAT
+        self.extra_state_format = extra_state_format
+        if extra_state_format is not None:
+            resolve_extra_state_format(extra_state_format)
         self.fp8_meta: dict[str, Any] = {"fp8_checkpoint": False, "fp8_group": None}
         self._keyed_recipe: Optional[Recipe] = None  # fp8_meta["recipe"] whose key() is cached below
         self._keyed_recipe_key: Optional[str] = None
@@ -216,10 +231,19 @@ class FP8ModuleBase(torch.nn.Module):
         return self.fp8_states is not None and isinstance(self.fp8_states[0], DelayedScalingRecipeState)
 
     # Checkpointing: the FP8 metadata travels in the module's `_extra_state` entry ---------------------------
+    def _te_grouped(self) -> bool:
+        """Whether TransformerEngine keeps this module's slots as its GroupedLinear does (per role before TE 2.3,
+        per GEMM since): the modules whose own layout is "per_role"."""
+        return self.fp8_meta_layout == "per_role"
+
     def get_extra_state(self) -> torch.Tensor:
         """Serialized FP8 metadata (the recipe, amax histories and scales, slots in `fp8_meta_layout`) as a
         uint8 tensor, the form torch.distributed.checkpoint and Megatron's sharded checkpoints carry as an
-        opaque object. Metadata loaded but not yet matched to states is saved as it was loaded."""
+        opaque object. Metadata loaded but not yet matched to states is saved as it was loaded. With
+        `extra_state_format="te"` (or MINDSPEED_TE_EXTRA_STATE_FORMAT=te) it is TransformerEngine's entry."""
+        name = type(self).__name__
+        if resolve_extra_state_format(getattr(self, "extra_state_format", None), f"{name}.extra_state_format") == "te":
+            return self._te_extra_state()
         if self.fp8_states is None and self._loaded_fp8_meta is not None:
             return encode_extra_state(self._loaded_fp8_meta)
         recipe = self.fp8_meta.get("recipe")
@@ -234,26 +258,48 @@ class FP8ModuleBase(torch.nn.Module):
                          if hasattr(state, "steps")})  # HIF8DelayedScaling: where warm-up and updates stand
         return encode_extra_state(meta)
 
+    def _te_extra_state(self) -> torch.Tensor:
+        """TransformerEngine's `_extra_state` for this module (see mindspeed_te/te_extra_state.py)."""
+        name = type(self).__name__
+        if self.fp8_states is None and self._loaded_fp8_meta is not None:
+            meta = self._loaded_fp8_meta
+            if meta.get("recipe") is None:
+                raise RuntimeError(f"{name}: extra_state_format='te' cannot write the loaded FP8 metadata: its recipe "
+                                   "(one with a callable) was not stored; run a forward under it first")
+            recipe = recipe_from_config(meta["recipe"])
+            tensors = {key: meta[key] for key in EXTRA_STATE_SLOTS if key in meta}
+        elif self.fp8_states is not None:
+            recipe = self.fp8_meta.get("recipe")
+            tensors = {}
+            if self.has_delayed_state():
+                tensors = {f"{prefix}_{field}": getattr(state, field).to("cpu", copy=True)
+                           for state, prefix in zip(self.fp8_states, ("fwd", "bwd"))
+                           for field in ("amax_history", "scale")}
+        else:
+            return te_no_state()
+        per_gemm = {}
+        for key, value in tensors.items():  # this module's layout -> TE's (per GEMM)
+            forward, dim = EXTRA_STATE_SLOTS[key]
+            per_gemm[key] = value.index_select(dim, torch.argsort(torch.tensor(self.per_gemm_order(forward))))
+        return encode_te_extra_state(recipe, per_gemm, self.num_gemms, name, grouped=self._te_grouped())
+
     def set_extra_state(self, state: Any) -> None:
         """Load FP8 metadata. As in TE, the checkpoint's recipe and states are in fp8_meta at once, before any
         forward; a recipe with callables (not stored) has its states filled at the first forward under it."""
         name = type(self).__name__
-        meta = decode_extra_state(state, name)
+        meta = decode_extra_state(state, name, grouped=self._te_grouped())
         if meta is None:
-            warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8?); scales start fresh",
-                          stacklevel=2)
+            warnings.warn(f"{name}: the checkpoint has no FP8 metadata (saved without FP8, or by TransformerEngine "
+                          "with a recipe that keeps none); scales start fresh", stacklevel=2)
             return
         if meta["recipe_key"] is None:
             warnings.warn(f"{name}: the checkpoint was saved before this module ran in FP8; scales start fresh",
                           stacklevel=2)
             return
+        meta = check_fp8_meta(meta, name)  # non-finite or inconsistent state: an error, or a warned repair
         self._loaded_fp8_meta = self._upgrade_extra_state(meta)
         if meta.get("recipe") is not None:
-            try:
-                recipe = recipe_from_config(meta["recipe"])
-            except ValueError as err:
-                raise RuntimeError(f"{name}: corrupt _extra_state in checkpoint, cannot read its recipe ({err})") \
-                    from err
+            recipe = recipe_from_config(meta["recipe"])  # check_fp8_meta read it already
             self._fp8_meta_from_checkpoint = False  # replaced by the checkpoint's, no warning
             device = next((p.device for p in self.parameters()), torch.device("cpu"))
             self._states_for_current_recipe(device, recipe)
@@ -310,20 +356,40 @@ def encode_extra_state(meta: dict[str, Any]) -> torch.Tensor:
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
 
 
-def decode_extra_state(state: Any, owner: str) -> Optional[dict[str, Any]]:
-    """The metadata of an `_extra_state` entry, None for an empty one (saved without FP8); a clear error naming
-    `owner` for anything unreadable."""
+def decode_extra_state(state: Any, owner: str, grouped: bool = False) -> Optional[dict[str, Any]]:
+    """The metadata of an `_extra_state` entry, None for one without FP8 state; a clear error naming `owner` for
+    anything unreadable. Reads this plugin's entries and TransformerEngine's (1.x and 2.x, see
+    mindspeed_te/te_extra_state.py; `grouped`: the module is a GroupedLinear) without running pickled code."""
     if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
         return None
+    if not isinstance(state, (torch.Tensor, io.BytesIO)):
+        raise RuntimeError(f"{owner}: _extra_state must be a uint8 tensor or an io.BytesIO, got {type(state).__name__}")
     try:
-        raw = state.cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
-        meta = torch.load(io.BytesIO(raw), weights_only=True)
-        if not isinstance(meta, dict) or meta.get("version") not in (1, EXTRA_STATE_VERSION) \
-                or "recipe_key" not in meta:
-            raise ValueError("unknown layout")
+        raw = state.detach().cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
+        payload = load_extra_state_payload(raw, owner)
+    except ExtraStateRefused:
+        raise
     except Exception as err:  # noqa: BLE001  (any decoding failure means the entry is corrupt)
         raise RuntimeError(f"{owner}: corrupt _extra_state in checkpoint, cannot read FP8 metadata ({err})") from err
-    return meta
+    if payload is None:
+        return None
+    if isinstance(payload, dict) and payload.get("version") in (1, EXTRA_STATE_VERSION) and "recipe_key" in payload:
+        return payload
+    if is_te_payload(payload):
+        return te_payload_to_meta(payload, owner, grouped=grouped)
+    raise RuntimeError(f"{owner}: corrupt _extra_state in checkpoint, cannot read FP8 metadata (unknown layout: "
+                       f"neither this plugin's entry nor TransformerEngine's, a {type(payload).__name__})")
+
+
+def set_extra_state_format(model: torch.nn.Module, extra_state_format: Optional[str]) -> int:
+    """Set `extra_state_format` ("mindspeed_te", "te", or None for MINDSPEED_TE_EXTRA_STATE_FORMAT) on every FP8
+    module of `model`, e.g. to save a checkpoint TransformerEngine resumes from; returns how many."""
+    if extra_state_format is not None:
+        resolve_extra_state_format(extra_state_format)
+    modules = [m for m in model.modules() if isinstance(m, FP8ModuleBase)]
+    for module in modules:
+        module.extra_state_format = extra_state_format
+    return len(modules)
 
 
 @torch.no_grad()

@@ -48,6 +48,8 @@ class GroupedLinear(FP8ModuleBase):
         use_fp8_gemm: quantized expert GEMMs inside FP8 regions (see above)
         delay_wgrad_compute: backward leaves the weight-gradient grouped GEMM to a later `backward_dw()` call
         save_original_input: keep the input itself for backward and quantize it there for the FP8 wgrad
+        extra_state_format: the `_extra_state` checkpoints get: "mindspeed_te", or "te" for TransformerEngine's
+            (None: MINDSPEED_TE_EXTRA_STATE_FORMAT, default "mindspeed_te"; docs/te-checkpoints.md)
             (TE's option, which Megatron sets with `set_save_original_input`); with delayed scaling too, unlike
             TE: with the forward's scale, so the wgrad reads the codes the forward's GEMM read
     """
@@ -72,8 +74,9 @@ class GroupedLinear(FP8ModuleBase):
         use_fp8_gemm: bool = True,
         delay_wgrad_compute: bool = False,
         save_original_input: bool = False,
+        extra_state_format: Optional[str] = None,
     ) -> None:
-        super().__init__(num_gemms=num_gemms)
+        super().__init__(num_gemms=num_gemms, extra_state_format=extra_state_format)
         check_parallel_mode(parallel_mode)
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be >= 1, got {num_gemms}")

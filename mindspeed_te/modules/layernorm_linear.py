@@ -41,6 +41,8 @@ class LayerNormLinear(Linear):
         zero_centered_gamma: the norm scales by 1 + weight (weight starts at 0)
         device: where the parameters are created (None: torch's default device)
         delay_wgrad_compute: backward leaves the weight-gradient GEMM to a later `backward_dw()` call
+        extra_state_format: the `_extra_state` checkpoints get: "mindspeed_te", or "te" for TransformerEngine's
+            (None: MINDSPEED_TE_EXTRA_STATE_FORMAT, default "mindspeed_te"; docs/te-checkpoints.md)
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class LayerNormLinear(Linear):
         zero_centered_gamma: bool = False,
         device: Union[torch.device, str, None] = None,
         delay_wgrad_compute: bool = False,
+        extra_state_format: Optional[str] = None,
     ) -> None:
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"LayerNormLinear: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
@@ -80,6 +83,7 @@ class LayerNormLinear(Linear):
             parallel_mode=parallel_mode,
             device=device,
             delay_wgrad_compute=delay_wgrad_compute,
+            extra_state_format=extra_state_format,
         )
         self.eps = eps
         self.normalization = normalization

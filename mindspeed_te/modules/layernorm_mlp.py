@@ -64,6 +64,8 @@ class LayerNormMLP(FP8ModuleBase):
         device: where the parameters are created (None: torch's default device)
         name: label used in NaN/Inf reports
         delay_wgrad_compute: backward leaves both weight-gradient GEMMs to a later `backward_dw()` call
+        extra_state_format: the `_extra_state` checkpoints get: "mindspeed_te", or "te" for TransformerEngine's
+            (None: MINDSPEED_TE_EXTRA_STATE_FORMAT, default "mindspeed_te"; docs/te-checkpoints.md)
     """
 
     def __init__(
@@ -90,8 +92,9 @@ class LayerNormMLP(FP8ModuleBase):
         device: Union[torch.device, str, None] = None,
         name: Optional[str] = None,
         delay_wgrad_compute: bool = False,
+        extra_state_format: Optional[str] = None,
     ) -> None:
-        super().__init__(num_gemms=2)
+        super().__init__(num_gemms=2, extra_state_format=extra_state_format)
         if normalization not in NORMALIZATIONS:
             raise ValueError(f"LayerNormMLP: normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
         self.activation, self.activation_params = activation, activation_params

@@ -104,6 +104,8 @@ class Linear(FP8ModuleBase):
             where they do not apply, separate collectives with one warning
         delay_wgrad_compute: backward leaves the weight-gradient GEMM to a later `backward_dw()` call
         save_original_input: keep the input itself for backward and quantize it there for the FP8 wgrad
+        extra_state_format: the `_extra_state` checkpoints get: "mindspeed_te", or "te" for TransformerEngine's
+            (None: MINDSPEED_TE_EXTRA_STATE_FORMAT, default "mindspeed_te"; docs/te-checkpoints.md)
             (TE's option, which Megatron sets with `set_save_original_input`); with delayed scaling too, unlike
             TE: with the forward's scale, so the wgrad reads the codes the forward's GEMM read
     """
@@ -127,8 +129,9 @@ class Linear(FP8ModuleBase):
         use_ascend_mc2: bool = False,
         delay_wgrad_compute: bool = False,
         save_original_input: bool = False,
+        extra_state_format: Optional[str] = None,
     ) -> None:
-        super().__init__(num_gemms=1)
+        super().__init__(num_gemms=1, extra_state_format=extra_state_format)
         if delay_wgrad_compute and use_ascend_mc2:
             raise ValueError("delay_wgrad_compute=True cannot be combined with use_ascend_mc2 (--use-ascend-mc2)")
         check_parallel_mode(parallel_mode)
