@@ -181,6 +181,34 @@ def test_bfloat16_delayed_convention_against_oracles(fmt, backend_name, monkeypa
     assert FP8Dtype[fmt] is out.fp8_dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8"])
+def test_delayed_scaling_keeps_npu_quantize_where_torch_npu_has_npu_quant_max(name, dtype, monkeypatch, use_backend):
+    """torch_npu's npu_quant_max casts and takes the amax in one launch, but it multiplies x by the scale, where
+    delayed scaling divides by the 1/scale prepared at the update (bfloat16-rounded for bfloat16 inputs): the
+    codes differ at the format's ties (x / 1.75 = 0.78125 for x = 1.3671875, an E4M3 tie that x * (1 / 1.75)
+    leaves upwards). So a torch_npu that has it changes nothing: the reference's bits, npu_quantize's launches."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.kernels.reference import ReferenceBackend
+    from mindspeed_te.quantizers import Float8Quantizer
+    from mindspeed_te.testing.npu_sim import make_simulator_with_quant_max
+
+    sim = make_simulator_with_quant_max()
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, dtype=dtype)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], dtype=dtype)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert "npu_quant_max" not in sim.launch_counts and sim.launch_counts["npu_quantize"] == 3
+    x = torch.tensor([1.3671875, 2.734375, 5.46875, -3.171875, 0.5], dtype=dtype)
+    fmt = FP8Dtype.HIF8 if name.endswith("hif8") else FP8Dtype.E4M3
+    outs = [backend.quantize(Float8Quantizer(torch.tensor([1 / 1.75]), torch.zeros(1), fmt), x)
+            for backend in (NpuBackend(sim), ReferenceBackend())]
+    assert torch.equal(outs[0].data.view(torch.uint8), outs[1].data.view(torch.uint8))
+    assert torch.equal(outs[0].scale_inv, outs[1].scale_inv)
+    if fmt is FP8Dtype.E4M3 and dtype == torch.bfloat16:  # the divisor is 1.75: the ties go down to even
+        assert outs[0].data[:4].float().tolist() == [0.75, 1.5, 3.0, -1.75]
+
+
 def test_kernels_used_and_launch_counts(monkeypatch):
     """Delayed HiF8: forward = quantize input + GEMM with the step's weight already quantized; backward =
     quantize grad + dgrad + wgrad."""

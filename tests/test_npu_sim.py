@@ -1657,3 +1657,99 @@ def test_quantize_and_dynamic_quant_refuse_what_torch_npu_refuses(sim):
                   NpuValueError, "experts")
     sim.npu_dynamic_quant(xb, smooth_scales=smooth[:2], dst_type=torch.float8_e4m3fn,
                           group_index=torch.tensor([1, 2], dtype=torch.int32))
+
+
+# npu_quant_max (a simulator of its own: the backend does not call it) ---------------------------------------------
+@pytest.fixture
+def qmax_sim():
+    from mindspeed_te.testing.npu_sim import make_simulator_with_quant_max
+
+    return make_simulator_with_quant_max()
+
+
+def test_quant_max_only_on_its_own_simulator(qmax_sim):
+    """torch_npu releases before op-plugin 26.1.0 have no npu_quant_max (hasattr is False): the default simulator
+    models them, and the self-check asks an installed torch_npu only for the default simulator's kernels."""
+    assert not hasattr(make_simulator(), "npu_quant_max")
+    assert hasattr(qmax_sim, "npu_quant_max") and qmax_sim.npu.get_device_name() == "Ascend950PR"
+    params = inspect.signature(qmax_sim.npu_quant_max).parameters
+    assert list(params) == ["x", "scale", "round_mode", "dst_dtype", "group_list"]
+    assert params["dst_dtype"].default == 291 and params["round_mode"].default == "rint"  # "int dst_dtype=291"
+    assert params["round_mode"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2", "HIF8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quant_max_multiplies_by_the_scale_and_returns_the_inputs_amax(qmax_sim, fmt, dtype):
+    """"y = cast(x * scale, dst_dtype), amax = max(|x|)": the float32 product, a saturating cast (kernel source:
+    SatMode::SAT); amax of x itself (before the scale), shape [1], in x's dtype."""
+    gen = np.random.default_rng(5)
+    x = torch.from_numpy(gen.standard_normal((3, 7, 40)).astype(np.float32) * 50).to(dtype)
+    x[0, 0, 0] = 1e4  # saturates
+    s = torch.tensor([0.37], dtype=torch.float32)
+    y, amax = qmax_sim.npu_quant_max(x, s, round_mode="round" if fmt == "HIF8" else "rint",
+                                     dst_dtype=npu_dtype(qmax_sim, fmt))
+    np.testing.assert_array_equal(raw(y), np_cast(f32(x) * f32(s)[0], fmt))
+    assert y.dtype == (torch.uint8 if fmt == "HIF8" else TORCH_FP8[fmt]) and y.shape == x.shape
+    assert amax.dtype == dtype and tuple(amax.shape) == (1,) and amax.item() == np.abs(f32(x)).max()
+    assert qmax_sim.launch_counts == {"npu_quant_max": 1}
+
+
+def test_quant_max_is_not_the_divide_rule_of_npu_quantize(qmax_sim):
+    """Why delayed scaling keeps npu_quantize: it divides by d = 1/scale (bfloat16-rounded for bfloat16 inputs),
+    npu_quant_max multiplies. x / d = 1.3671875 / 1.75 = 0.78125 is an E4M3 tie (0.75 | 0.8125), which nearest-even
+    takes down; x * (1 / d), with 1 / 1.75 rounded to float32, lies just above it and goes up. A power-of-2 d gives
+    the same codes both ways (x / 2^k and x * 2^-k are one exact scaling)."""
+    x = torch.tensor([1.3671875, 2.734375, 5.46875, -3.171875], dtype=torch.bfloat16)
+    d = torch.tensor([1.75], dtype=torch.bfloat16)
+    divided = qmax_sim.npu_quantize(x, d, None, torch.float8_e4m3fn, -1, True)
+    multiplied, _ = qmax_sim.npu_quant_max(x, d.float().reciprocal(), dst_dtype=torch.float8_e4m3fn)
+    assert (raw(divided) != raw(multiplied)).all()
+    np.testing.assert_array_equal(raw(divided), np_cast(f32(x) / np.float32(1.75), "E4M3"))
+    for fmt in ("E4M3", "HIF8"):
+        p2 = torch.tensor([0.125], dtype=torch.bfloat16)
+        y, _ = qmax_sim.npu_quant_max(x * 37, p2.float().reciprocal(), round_mode="round" if fmt == "HIF8" else "rint",
+                                      dst_dtype=npu_dtype(qmax_sim, fmt))
+        np.testing.assert_array_equal(raw(y), raw(qmax_sim.npu_quantize(x * 37, p2, None, npu_dtype(qmax_sim, fmt),
+                                                                         -1, True)))
+
+
+def test_quant_max_nonfinite_input(qmax_sim):
+    """Inf saturates to the format's max and makes amax Inf; NaN stays a NaN code, and the NaN amax is the
+    simulator's assumption (the documents are silent on NaN)."""
+    x = torch.tensor([1.0, float("inf"), -2.0])
+    y, amax = qmax_sim.npu_quant_max(x, torch.ones(1), dst_dtype=torch.float8_e4m3fn)
+    assert y.float().tolist() == [1.0, 448.0, -2.0] and amax.item() == math.inf
+    y, amax = qmax_sim.npu_quant_max(torch.tensor([1.0, math.nan]), torch.ones(1), round_mode="round",
+                                     dst_dtype=qmax_sim.hifloat8)
+    assert raw(y)[1] == 0x80 and math.isnan(amax.item())
+
+
+def test_quant_max_contract(qmax_sim):
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    s = torch.ones(1)
+    q = qmax_sim.npu_quant_max
+    e4m3 = torch.float8_e4m3fn
+    # aclnnQuantMax: "Ascend 950PR&950DT系列产品：支持", "Atlas A2系列产品：不支持"
+    from mindspeed_te.testing.npu_sim import make_simulator_with_quant_max
+
+    assert_raises(lambda: make_simulator_with_quant_max("Ascend910B3").npu_quant_max(x, s, dst_dtype=e4m3),
+                  NpuSocError, "Ascend910B3")
+    make_simulator_with_quant_max("Ascend950DT").npu_quant_max(x, s, dst_dtype=e4m3)
+    assert_raises(lambda: q(x.int(), s, dst_dtype=e4m3), NpuTypeError, "x")  # "float32、bfloat16和float16"
+    assert_raises(lambda: q(x.reshape([1] * 7 + [32]).unsqueeze(0), s, dst_dtype=e4m3), NpuValueError, "x")  # 1-8
+    assert_raises(lambda: q(x, s.bfloat16(), dst_dtype=e4m3), NpuTypeError, "scale")  # "数据类型支持float32"
+    assert_raises(lambda: q(x, torch.ones(2), dst_dtype=e4m3), NpuValueError, "scale")  # "shape固定为[1]"
+    assert_raises(lambda: q(x, torch.ones(()), dst_dtype=e4m3), NpuValueError, "scale")
+    assert_raises(lambda: q(x, s, dst_dtype=torch.int8), NpuTypeError, "dst_dtype")  # "{34, 35, 36}"
+    assert_raises(lambda: q(x, s, dst_dtype=None), NpuTypeError, "dst_dtype")
+    assert_raises(lambda: q(x, s, round_mode="round", dst_dtype=e4m3), NpuValueError, "round_mode")
+    assert_raises(lambda: q(x, s, dst_dtype=qmax_sim.hifloat8), NpuValueError, "round_mode")  # "rint": not HiF8's
+    assert q(x, s)[0].dtype == torch.float8_e5m2  # the default 291
+    assert q(x, s, dst_dtype=292)[0].dtype == e4m3  # torch_npu's number, as the binding takes it
+    for call in (lambda: q(x, s, round_mode="hybrid", dst_dtype=qmax_sim.hifloat8),
+                 lambda: q(x, s, dst_dtype=e4m3, group_list=torch.tensor([2, 4])),
+                 lambda: q(x[:0], s, dst_dtype=e4m3)):
+        with pytest.raises(NpuSimNotImplemented):
+            call()
+    assert qmax_sim.launch_counts["npu_quant_max"] == 2  # the rejected calls launched nothing

@@ -12,7 +12,11 @@ kernels' contract on CPU tensors and computes their reference results.
 What goes to a kernel and what stays on torch ops (which run on the NPU too):
   delayed      npu_quantize(x, 1/scale, div_mode=True)     1/scale prepared at the update (bfloat16-rounded for
                                                             bfloat16 x); one multi-tensor amax, history max and
-                                                            NaN mark for a linear's input and weight together
+                                                            NaN mark for a linear's input and weight together.
+                                                            Not npu_quant_max (cast + amax in one launch): it
+                                                            multiplies by scale, which rounds the format's ties
+                                                            otherwise, and its amax (x's dtype, a new tensor)
+                                                            would still take a launch into the history slot
   tensorwise   npu_dynamic_quant(pertensor, dst_type_max)   bfloat16/float16 x; float32 x (not a dtype that
                or amax + 2 small ops + npu_quantize         kernel takes): see _quantize_current. Power-of-2
                                                             scales, amax_epsilon, an amax reduction group or a

@@ -304,7 +304,9 @@ class NpuQuantize:
         update (bfloat16 inputs: 1/scale rounded to bfloat16, see Float8Quantizer). Several tensors of one
         dtype, two of them float32: one multi-tensor norm (`_amaxes`) and one multi-tensor maximum. Otherwise
         one vector norm each, which writes the amax straight into a slot still fresh since the update (the
-        step's first quantize into it: nothing to accumulate), and one maximum for the others."""
+        step's first quantize into it: nothing to accumulate), and one maximum for the others.
+        torch_npu's npu_quant_max (cast and amax in one launch) is not used: its y = cast(x * scale) rounds the
+        format's ties otherwise than x / (1/scale) does (the reference's rule) unless 1/scale is a power of 2."""
         dtypes, slot_ids = {x.dtype for x in x2ds}, [q.slot_id for q in qs]
         if len(dtypes) == 1 and (len(x2ds) > 2 or (len(x2ds) == 2 and torch.float32 in dtypes)):
             amaxes = [a.reshape(1) for a in self._amaxes(x2ds)]

@@ -22,7 +22,8 @@ activations fused into grouped GEMMs, ...) raise `NpuSimNotImplemented` instead 
 
 Layout: dtypes.py (dtype numbers), errors.py, checks.py (argument checks, the `kernel` wrapper), codecs.py
 (encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, norm.py, moe.py,
-rope.py, simulator.py.
+rope.py, simulator.py; quant_max.py: npu_quant_max, which the backend does not call (its rule multiplies by the
+scale), on a simulator of its own (`make_simulator_with_quant_max`), so that the default one lacks it.
 """
 from mindspeed_te.testing.npu_sim.dtypes import FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, HIFLOAT8
 from mindspeed_te.testing.npu_sim.errors import (
@@ -32,11 +33,17 @@ from mindspeed_te.testing.npu_sim.errors import (
                                                  NpuTypeError,
                                                  NpuValueError,
 )
+from mindspeed_te.testing.npu_sim.quant_max import (
+                                                 NpuSimulatorWithQuantMax,
+                                                 make_simulator_with_quant_max,
+)
 from mindspeed_te.testing.npu_sim.simulator import NpuSimulator, make_simulator
 
 __all__ = [
     "NpuSimulator",
     "make_simulator",
+    "NpuSimulatorWithQuantMax",
+    "make_simulator_with_quant_max",
     "NpuContractError",
     "NpuTypeError",
     "NpuValueError",
