@@ -61,7 +61,8 @@ setup(
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "en-dtypes>=0.0.4", "ml-dtypes>=0.5", "megatron-core==0.16.1"],
-        "megatron": ["megatron-core>=0.16.1"],
+        # the release lines mindspeed_te.patches.registry.SUPPORTED_MEGATRON_CORE lists (0.12 to 0.19)
+        "megatron": ["megatron-core>=0.12,<0.20"],
         "npu": ["torch-npu>=2.14.0"],
     },
 )

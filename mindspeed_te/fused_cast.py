@@ -6,6 +6,11 @@ the per-tensor hot path (contiguous float32/bfloat16 CPU tensors, one float32 sc
 ones (blockwise tiles, MX blocks), both layouts in one pass. Every function returns
 None when its input is outside that, and the caller then uses the torch ops, which give the same bits.
 
+The kernels take raw addresses and trust them: before every call this module checks what they will read or
+write beyond the data it allocates itself (the tables' dtypes and sizes, a caller's output buffer, the format,
+mode and tile arguments) and raises a ValueError or TypeError naming the argument, rather than letting a
+kernel read or write past a buffer; a table or buffer that is right but strided is declined (None) like an input.
+
 `MINDSPEED_TE_FUSED_CAST=0` in the environment at import switches the extension off (the torch path is then
 used everywhere); `enabled` is the switch at run time.
 """
@@ -77,6 +82,44 @@ def _applies(x: torch.Tensor) -> bool:
     return available() and x.is_cpu and x.dtype in _IN_DTYPES and x.is_contiguous()
 
 
+# The sizes of the tables the kernels index: HiF8's encode table by a 16-bit key, a format's values by its code.
+HIF8_TABLE_ENTRIES = 1 << 16
+VALUES_ENTRIES = 256
+
+
+def _buffer_ptr(t: object, arg: str, dtype: torch.dtype, numel: int, what: str) -> Optional[int]:
+    """The address of `t`, a CPU tensor of `dtype` with `numel` elements (what a kernel reads or writes there),
+    else a TypeError or ValueError naming `arg`; None when it is strided (the kernel takes it dense: the torch
+    ops take over)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be {what} (a {dtype} tensor), got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{arg} must be {what} of dtype {dtype}, got {t.dtype}")
+    if not t.is_cpu:
+        raise ValueError(f"{arg} must be a CPU tensor, got one on {t.device}")
+    if t.numel() != numel:
+        raise ValueError(f"{arg} must have {numel} elements ({what}), got {t.numel()}")
+    return t.data_ptr() if t.is_contiguous() else None
+
+
+def _format_table(fmt: str, table: Optional[torch.Tensor],
+                  arg: str = "table") -> Optional[tuple[int, torch.dtype, int]]:
+    """(the kernels' format code, the codes' storage dtype, the address of the encode table): HiF8's checked
+    table (None when strided), 0 for E4M3 and E5M2 (rounded arithmetically: the kernels never read a table)."""
+    formats = _OUT_FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if formats is None:
+        raise ValueError(f"fmt must be one of {sorted(_OUT_FORMATS)}, got {fmt!r}")
+    if fmt != "hif8":
+        return (*formats, 0)
+    ptr = _buffer_ptr(table, arg, torch.uint8, HIF8_TABLE_ENTRIES, "HiF8's 65536-entry encode table")
+    return None if ptr is None else (*formats, ptr)
+
+
+def _values_ptr(values: object, arg: str) -> Optional[int]:
+    """The address of a format's 256 float32 code values, checked (None when strided)."""
+    return _buffer_ptr(values, arg, torch.float32, VALUES_ENTRIES, "the format's 256 code values")
+
+
 def amax(x: torch.Tensor) -> Optional[torch.Tensor]:
     """max |x| as a float32 0-d tensor (NaN if x holds one), or None when the extension does not apply."""
     if not _applies(x):
@@ -93,9 +136,11 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str,
     HiF8), or None when the extension does not apply."""
     if not (_applies(x) and _one_element_f32(scale_inv)):
         return None
-    code, storage = _OUT_FORMATS[fmt]
+    checked = _format_table(fmt, hif8_table, "hif8_table")
+    if checked is None:
+        return None
+    code, storage, table = checked
     out = torch.empty_like(x, dtype=storage)
-    table = hif8_table.data_ptr() if hif8_table is not None else 0
     _ext.scaled_cast(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), scale_inv.data_ptr(), out.data_ptr(),
                      code, table, _threads(x.numel()))
     return out
@@ -106,8 +151,11 @@ def decode(codes: torch.Tensor, values: torch.Tensor) -> Optional[torch.Tensor]:
     None when the extension does not apply. `codes` may be uint8 or a float8 dtype."""
     if not (available() and codes.is_cpu and codes.element_size() == 1 and codes.is_contiguous()):
         return None
+    table = _values_ptr(values, "values")
+    if table is None:
+        return None
     out = torch.empty_like(codes, dtype=torch.float32)
-    _ext.decode(codes.data_ptr(), codes.numel(), values.data_ptr(), out.data_ptr(), _threads(codes.numel()))
+    _ext.decode(codes.data_ptr(), codes.numel(), table, out.data_ptr(), _threads(codes.numel()))
     return out
 
 
@@ -117,6 +165,9 @@ def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Te
     (ceil(M / rows), ceil(K / cols)) scales, float32 or E8M0 bytes (uint8 or float8_e8m0fnu; `values`: the
     256 float32 values of the format's codes), or None when the extension does not apply (then decode and
     multiply with torch ops: the same products). With out_dtype bfloat16, those products cast to bfloat16."""
+    for arg, size in (("rows", rows), ("cols", cols)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{arg} (the tile's size) must be an integer >= 1, got {size!r}")
     e8m0 = scales.dtype in (torch.uint8, torch.float8_e8m0fnu)
     if not (available() and codes.is_cpu and codes.dim() == 2 and codes.element_size() == 1 and codes.is_contiguous()
             and (e8m0 or scales.dtype == torch.float32) and scales.is_cpu and scales.dim() == 2
@@ -125,10 +176,13 @@ def dequantize_tiles(codes: torch.Tensor, values: torch.Tensor, scales: torch.Te
     m, k = codes.shape
     if scales.shape != (-(-m // rows), -(-k // cols)) or out_dtype not in (torch.float32, torch.bfloat16):
         return None
+    table = _values_ptr(values, "values")
+    if table is None:
+        return None
     out = torch.empty((m, k), dtype=out_dtype)
     if out.numel() == 0:  # an expert without tokens: nothing to read (and no buffer to point at)
         return out
-    _ext.dequantize_tiles(codes.data_ptr(), m, k, values.data_ptr(), scales.data_ptr(), scales.shape[1], rows, cols,
+    _ext.dequantize_tiles(codes.data_ptr(), m, k, table, scales.data_ptr(), scales.shape[1], rows, cols,
                           out.data_ptr(), _threads(out.numel()), int(e8m0), int(out_dtype == torch.bfloat16))
     return out
 
@@ -149,9 +203,11 @@ def gemm_epilogue(acc: torch.Tensor, scale_b: Optional[torch.Tensor], scale_a: O
         return None
     m, n = acc.shape
     if out is not None:
-        if bias is not None or not (out.is_cpu and out.dtype == torch.float32 and out.shape == acc.shape
-                                    and out.is_contiguous()):
-            return None
+        if not isinstance(out, torch.Tensor) or out.shape != acc.shape:
+            raise ValueError(f"out must have acc's shape {tuple(acc.shape)} (the sum is added into it), got "
+                             f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}")
+        if bias is not None or not (out.is_cpu and out.dtype == torch.float32 and out.is_contiguous()):
+            return None  # a bfloat16/float16 or strided out, or a bias (refused there): the torch ops
         kind, target = _EPILOGUE_ACCUMULATE, out
     else:
         if out_dtype not in _EPILOGUE_OUT or (bias is not None and not (
@@ -186,14 +242,15 @@ def gemm_bf16_applies() -> bool:
     return _gemm_bf16_cpu
 
 
-def _gemm_operand(t: torch.Tensor, values: Optional[torch.Tensor]) -> Optional[tuple[int, int, int, int, int]]:
+def _gemm_operand(t: torch.Tensor, values: Optional[torch.Tensor],
+                  arg: str) -> Optional[tuple[int, int, int, int, int]]:
     if not t.is_cpu:
         return None
     if values is not None:
-        if (t.element_size() != 1 or values.dtype != torch.float32 or values.numel() != 256 or not values.is_cpu
-                or not values.is_contiguous()):
-            return None
-        return t.data_ptr(), t.stride(0), t.stride(1), _GEMM_CODES, values.data_ptr()
+        if t.element_size() != 1:
+            raise TypeError(f"{arg} must hold 1-byte codes when {arg}_values is given, got {t.dtype}")
+        table = _values_ptr(values, f"{arg}_values")
+        return None if table is None else (t.data_ptr(), t.stride(0), t.stride(1), _GEMM_CODES, table)
     kind = _GEMM_KINDS.get(t.dtype)
     return None if kind is None else (t.data_ptr(), t.stride(0), t.stride(1), kind, 0)
 
@@ -210,7 +267,7 @@ def gemm_bf16(a: torch.Tensor, b: torch.Tensor, a_values: Optional[torch.Tensor]
     if not (gemm_bf16_applies() and a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[1]
             and min(a.shape[0], b.shape[0]) >= GEMM_BF16_MIN_ROWS):
         return None
-    a_op, b_op = _gemm_operand(a, a_values), _gemm_operand(b, b_values)
+    a_op, b_op = _gemm_operand(a, a_values, "a"), _gemm_operand(b, b_values, "b")
     if a_op is None or b_op is None:
         return None
     (m, k), n = a.shape, b.shape[0]
@@ -236,12 +293,14 @@ def _one_element_f32(t: torch.Tensor) -> bool:
 
 def _quantize(x: torch.Tensor, fmt: str, table: Optional[torch.Tensor], amax: Optional[torch.Tensor],
               divisor: Optional[torch.Tensor], fp8_max: float, amax_epsilon: float,
-              power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    code, storage = _OUT_FORMATS[fmt]
+              power_2_scale: bool) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    checked = _format_table(fmt, table)
+    if checked is None:
+        return None
+    code, storage, table_ptr = checked
     data = torch.empty_like(x, dtype=storage)
     scale_inv = torch.empty(1, dtype=torch.float32)
-    _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), code,
-                  table.data_ptr() if table is not None else 0, _threads(x.numel()),
+    _ext.quantize(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), data.data_ptr(), code, table_ptr, _threads(x.numel()),
                   amax.data_ptr() if amax is not None else 0, divisor.data_ptr() if divisor is not None else 0,
                   scale_inv.data_ptr(), fp8_max, amax_epsilon, power_2_scale)
     return data, scale_inv
@@ -279,10 +338,18 @@ def quantize_tiles(x2d: torch.Tensor, fmt: str, table: Optional[torch.Tensor], *
     float32 scale_inv = `scaling.current_scale_inv` of the tile amax (NaN for a tile holding NaN/Inf);
     "ceil" / "floor": MX blocks of `block` with E8M0 codes (uint8, 0xFF for NaN/Inf) by
     `scaling.mx_scale_exponent`. None when the extension does not apply."""
+    if mode not in _TILE_MODES:
+        raise ValueError(f"mode must be one of {sorted(_TILE_MODES)}, got {mode!r}")
+    if not isinstance(block, int) or block < 1 or tile_rows not in (1, block):
+        raise ValueError(f"block must be an integer >= 1 and tile_rows 1 or block, got block={block!r}, "
+                         f"tile_rows={tile_rows!r}")
     if not (_applies(x2d) and x2d.dim() == 2 and block <= 128) or (mode != "block" and fmt == "hif8"):
         return None
     m, k = x2d.shape
-    code, storage = _OUT_FORMATS[fmt]
+    checked = _format_table(fmt, table)
+    if checked is None:
+        return None
+    code, storage, table_ptr = checked
     scale_dtype = torch.float32 if mode == "block" else torch.uint8
     row_data = row_scale = col_data = col_scale = None
     if rowwise:
@@ -295,7 +362,7 @@ def quantize_tiles(x2d: torch.Tensor, fmt: str, table: Optional[torch.Tensor], *
     def ptr(t: Optional[torch.Tensor]) -> int:
         return 0 if t is None else t.data_ptr()
 
-    _ext.quantize_tiles(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, code, ptr(table), _TILE_MODES[mode], tile_rows,
+    _ext.quantize_tiles(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, code, table_ptr, _TILE_MODES[mode], tile_rows,
                         block, emax, fp8_max, amax_epsilon, power_2_scale, ptr(row_data), ptr(row_scale),
                         ptr(col_data), ptr(col_scale), _threads(x2d.numel()))
     return row_data, row_scale, col_data, col_scale

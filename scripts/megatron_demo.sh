@@ -5,11 +5,13 @@
 # FP8/HiF8 recipes, losses side by side.
 #     MEGATRON_LM_PATH=/path/to/Megatron-LM scripts/megatron_demo.sh [DATA_DIR]   (default demo_out/megatron)
 # Needs a Megatron-LM checkout (tag core_v0.16.1) at MEGATRON_LM_PATH; nothing is downloaded from it here.
+# Fails loudly: a failed install, build or training run stops it (after the table, for the runs) with an error.
+set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout (git tag core_v0.16.1)}"
 DATA_DIR="$(mkdir -p "${1:-demo_out/megatron}" && cd "${1:-demo_out/megatron}" && pwd)"
-# Megatron-LM's training code needs these beyond megatron-core.
-python -m pip install --quiet -r "$ROOT/requirements-megatron-lm.txt" 2>/dev/null
+# Megatron-LM's training code needs these beyond megatron-core, at the versions pinned there.
+python -m pip install --quiet -r "$ROOT/requirements-megatron-lm.txt"
 # Its C++ dataset helpers, built for this interpreter.
 make -s -C "$MEGATRON_LM_PATH/megatron/core/datasets" \
     LIBEXT="$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
@@ -23,11 +25,14 @@ GPT=(--transformer-impl transformer_engine --num-layers 2 --hidden-size 128 --nu
      --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0 --seed 1234
      --data-path "$DATA_DIR/stdlib" --split "$SPLIT" --tokenizer-type NullTokenizer --vocab-size 256
      --log-interval 10 --eval-interval 1000 --eval-iters 4)
-run() {  # run NAME [FLAGS...]: one pretrain_gpt.py launch, its losses on one line
+FAILED=()
+run() {  # run NAME [FLAGS...]: one pretrain_gpt.py launch, its losses on one line; a failed one is noted
     local name="$1"; shift
     local log="$DATA_DIR/${name// /_}.log"
-    python -m torch.distributed.run --standalone --nproc-per-node 1 \
-        -m mindspeed_te.launch "$MEGATRON_LM_PATH/pretrain_gpt.py" "${GPT[@]}" "$@" >"$log" 2>&1 || true
+    if ! python -m torch.distributed.run --standalone --nproc-per-node 1 \
+        -m mindspeed_te.launch "$MEGATRON_LM_PATH/pretrain_gpt.py" "${GPT[@]}" "$@" >"$log" 2>&1; then
+        FAILED+=("$name (see $log)")
+    fi
     local losses val
     losses=$(sed -n 's/.*iteration .*lm loss: \([0-9.E+-]*\).*/\1/p' "$log" | xargs -r printf '%.3f ' 2>/dev/null)
     val=$(sed -n 's/.*on validation set | lm loss value: \([0-9.E+-]*\).*/\1/p' "$log" | xargs -r printf '%.3f' 2>/dev/null)
@@ -43,3 +48,7 @@ run "e4m3 blockwise" --fp8-format e4m3 --fp8-recipe blockwise
 run "e4m3 mxfp8" --fp8-format e4m3 --fp8-recipe mxfp8
 run "hif8 tensorwise, MoE (4 exp.)" --fp8-format hif8 --fp8-recipe tensorwise --num-experts 4 \
     --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-topk 2 --disable-bias-linear
+if [ "${#FAILED[@]}" -gt 0 ]; then
+    printf 'failed: %s\n' "${FAILED[@]}" >&2
+    exit 1
+fi

@@ -1,7 +1,9 @@
 """Independent reference implementations used as test oracles.
 
-Written element by element in numpy / plain Python from the documented semantics (REFERENCE.md §1-2),
-with ml_dtypes (E4M3/E5M2) and en_dtypes (HiF8) doing the element casts. Slow on purpose: clarity over speed.
+Written element by element in numpy / plain Python from the documented semantics (the OCP 8-bit floating point
+spec for E4M3/E5M2, the paper "Ascend HiFloat8 Format for Deep Learning" for HiF8, TransformerEngine's scaling
+recipes), with ml_dtypes (E4M3/E5M2) and en_dtypes (HiF8) doing the element casts. Slow on purpose: clarity over
+speed.
 """
 from __future__ import annotations
 

@@ -326,3 +326,62 @@ def test_packed_chunk_plans_are_made_once_per_micro_batch_and_apart_under_infere
     with torch.inference_mode():
         inference = _packed_chunks(cu, None, 2, 0, torch.device("cpu"))
     assert inference is not plan and inference.index.is_inference() and not plan.index.is_inference()
+
+
+def _causal_closed_form(s_q: int, s_k: int, bottom_right: bool, window=None) -> torch.Tensor:
+    """Query i (at key position i, or i + s_k - s_q bottom-right aligned) sees key j iff j <= its position, and
+    with a window (left, right) iff j also lies within left before and right after the bottom-right position."""
+    shift = s_k - s_q
+    pos = torch.arange(s_q)[:, None] + (shift if bottom_right else 0)
+    j = torch.arange(s_k)[None, :]
+    allowed = j <= pos
+    if window is not None:
+        left, right = window
+        br = torch.arange(s_q)[:, None] + shift
+        allowed &= (j >= br - left) if left >= 0 else True
+        allowed &= (j <= br + right) if right >= 0 else True
+    return allowed
+
+
+def test_causal_masks_kept_for_reuse_stay_within_their_byte_budget():
+    """Every layer of a micro-batch asks for the same causal matrix, so it is made once (the same tensor comes
+    back); but the matrices kept (s_q * s_k bytes each, 1 GiB at 32k tokens) never hold more than
+    MASK_CACHE_BYTES in all, over many shapes, and each matrix is the closed form's. What the cache keeps is what
+    stays alive after the caller drops its references."""
+    import gc
+    import weakref
+
+    from mindspeed_te.kernels import masks
+
+    budget = getattr(masks, "MASK_CACHE_BYTES", 64 << 20)
+    mask = masks.CausalMask(causal=True, bottom_right=True)
+    first = mask.allowed(300, 301, torch.device("cpu"))
+    assert mask.allowed(300, 301, torch.device("cpu")) is first  # one mask per micro-batch, not per layer
+    del first
+    alive: list[weakref.ref] = []
+    for i in range(24):  # 2400 x 2400 up to 4700 x 4700 bytes: 16 of them are far over 64 MiB
+        s = 2400 + 100 * i
+        made = mask.allowed(s, s + 7, torch.device("cpu"))
+        assert torch.equal(made, _causal_closed_form(s, s + 7, bottom_right=True))
+        alive.append(weakref.ref(made))
+        del made
+        gc.collect()
+        held = sum(ref().nbytes for ref in alive if ref() is not None)
+        assert held <= budget, f"{held} bytes of masks kept after {i + 1} shapes, budget {budget}"
+
+
+def test_a_causal_mask_over_the_budget_is_made_and_not_kept(monkeypatch):
+    import weakref
+
+    from mindspeed_te.kernels import masks
+
+    monkeypatch.setattr(masks, "MASK_CACHE_BYTES", 1 << 16, raising=False)
+    mask = masks.CausalMask(causal=True, bottom_right=True, window=(5, 0))
+    big = mask.allowed(300, 300, torch.device("cpu"))  # 90000 bytes > 64 KiB
+    assert torch.equal(big, _causal_closed_form(300, 300, bottom_right=True, window=(5, 0)))
+    ref = weakref.ref(big)
+    del big
+    assert ref() is None
+    small = mask.allowed(100, 120, torch.device("cpu"))  # 12000 bytes: kept
+    assert torch.equal(small, _causal_closed_form(100, 120, bottom_right=True, window=(5, 0)))
+    assert mask.allowed(100, 120, torch.device("cpu")) is small

@@ -520,3 +520,143 @@ def test_gemm_epilogue_declines_what_it_does_not_cover():
     assert fused_cast.gemm_epilogue(acc.t(), None, None, None, torch.float32) is None
     assert fused_cast.gemm_epilogue(acc, None, None, torch.ones(8, dtype=torch.bfloat16), torch.float32) is None
     assert fused_cast.gemm_epilogue(acc, None, None, torch.ones(8), torch.float32, out=torch.ones(4, 8)) is None
+
+
+# What the kernels read and write at raw addresses is checked first ------------------------------------------
+def _hif8_table() -> torch.Tensor:
+    return formats.quantize_table(FP8Dtype.HIF8, torch.device("cpu"))
+
+
+def _values(fmt: FP8Dtype = FP8Dtype.E4M3) -> torch.Tensor:
+    return formats.decode_table(fmt, torch.device("cpu"))
+
+
+def _guarded(shape: tuple[int, ...], fill: float, guard: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous view of `shape` in the middle of a larger float32 buffer whose other elements hold -7 (the
+    guards), and the buffer."""
+    n = math.prod(shape)
+    buffer = torch.full((n + 2 * guard,), -7.0)
+    view = buffer[guard: guard + n].view(shape)
+    view.fill_(fill)
+    return view, buffer
+
+
+def _guards_untouched(buffer: torch.Tensor, n: int, guard: int = 16) -> bool:
+    return bool((buffer[:guard] == -7.0).all() and (buffer[guard + n:] == -7.0).all())
+
+
+@pytest.mark.parametrize("call", ["scaled_cast", "quantize_current", "quantize_delayed", "quantize_tiles"])
+def test_hif8_quantizers_refuse_a_wrong_encode_table(call):
+    """HiF8 codes come from a 65536-entry uint8 table indexed by a 16-bit key: a shorter table (the kernel would
+    read past it), another dtype or none at all is refused naming the argument; a strided one is declined."""
+    x = torch.randn(64, 64)
+
+    def run(table):
+        if call == "scaled_cast":
+            return fused_cast.scaled_cast(x, torch.ones(1), "hif8", table)
+        if call == "quantize_current":
+            return fused_cast.quantize_current(x, "hif8", table, 32768.0, 0.0, False)
+        if call == "quantize_delayed":
+            return fused_cast.quantize_delayed(x, "hif8", table, torch.zeros(1), torch.ones(1))
+        return fused_cast.quantize_tiles(x, "hif8", table, mode="block", tile_rows=1, block=32, rowwise=True,
+                                         columnwise=True, fp8_max=32768.0)
+
+    arg = "hif8_table" if call == "scaled_cast" else "table"
+    good = _hif8_table()
+    assert run(good) is not None
+    with pytest.raises(ValueError, match=f"{arg} must have 65536 elements"):
+        run(good[:-1].clone())
+    with pytest.raises(TypeError, match=f"{arg} must be .*uint8"):
+        run(good.to(torch.int16))
+    with pytest.raises(TypeError, match=f"{arg} must be"):
+        run(None)
+    assert run(torch.stack([good, good], dim=1)[:, 0]) is None  # right, but strided: the torch ops
+
+
+def test_quantizers_refuse_an_unknown_format_mode_or_tile():
+    x = torch.randn(64, 64)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        fused_cast.scaled_cast(x, torch.ones(1), "e3m4")
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        fused_cast.quantize_current(x, "int8", None, 448.0, 0.0, False)
+    tiles = dict(rowwise=True, columnwise=False, fp8_max=448.0)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fused_cast.quantize_tiles(x, "e4m3", None, mode="round", tile_rows=1, block=32, **tiles)
+    with pytest.raises(ValueError, match="tile_rows 1 or block"):
+        fused_cast.quantize_tiles(x, "e4m3", None, mode="block", tile_rows=64, block=32, **tiles)
+    with pytest.raises(ValueError, match="block must be an integer >= 1"):
+        fused_cast.quantize_tiles(x, "e4m3", None, mode="block", tile_rows=1, block=0, **tiles)
+
+
+@pytest.mark.parametrize("call", ["decode", "dequantize_tiles", "gemm_bf16"])
+def test_decoders_refuse_wrong_code_values(call):
+    """The codes index a format's 256 float32 values: fewer (the kernel would read past them) or another dtype
+    is refused naming the argument; a strided table is declined (None)."""
+    codes = torch.randint(0, 256, (32, 64), dtype=torch.uint8)
+    if call == "gemm_bf16" and not fused_cast.gemm_bf16_applies():
+        pytest.skip("gemm_bf16 does not run on this CPU")
+
+    def run(values):
+        if call == "decode":
+            return fused_cast.decode(codes, values)
+        if call == "dequantize_tiles":
+            return fused_cast.dequantize_tiles(codes, values, torch.ones(32, 2), 1, 32)
+        return fused_cast.gemm_bf16(codes, codes, values, _values())
+
+    arg = "a_values" if call == "gemm_bf16" else "values"
+    good = _values()
+    assert run(good) is not None
+    with pytest.raises(ValueError, match=f"{arg} must have 256 elements"):
+        run(good[:255].clone())
+    with pytest.raises(TypeError, match=f"{arg} must be .*float32"):
+        run(good.double())
+    assert run(torch.stack([good, good], dim=1)[:, 0]) is None
+
+
+def test_gemm_bf16_refuses_code_values_with_operands_that_are_not_codes():
+    if not fused_cast.gemm_bf16_applies():
+        pytest.skip("gemm_bf16 does not run on this CPU")
+    x = torch.ones(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="b must hold 1-byte codes"):
+        fused_cast.gemm_bf16(x.to(torch.uint8), x, _values(), _values())
+
+
+def test_dequantize_tiles_refuses_an_empty_tile():
+    codes = torch.zeros(4, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="rows .* must be an integer >= 1"):
+        fused_cast.dequantize_tiles(codes, _values(), torch.ones(1, 1), 0, 4)
+    with pytest.raises(ValueError, match="cols .* must be an integer >= 1"):
+        fused_cast.dequantize_tiles(codes, _values(), torch.ones(1, 1), 4, -1)
+
+
+def test_gemm_epilogue_refuses_an_out_of_another_size_and_writes_only_its_buffers():
+    """`out` receives acc's m x n sums: one of fewer elements is refused (a view of a larger buffer, whose other
+    elements stay as they were); in-bounds views of larger buffers, as out and as acc (written over), get exactly
+    (acc * sb) * sa (+ out), and the elements around them are never written."""
+    acc_values = torch.randn(6, 10, generator=torch.Generator().manual_seed(3))
+    sb, sa = torch.tensor([0.5]), torch.tensor([4.0])
+    small, small_buffer = _guarded((5, 10), 1.0)
+    with pytest.raises(ValueError, match=r"out must have acc's shape \(6, 10\)"):
+        fused_cast.gemm_epilogue(acc_values.clone(), sb, sa, None, torch.float32, out=small)
+    assert _guards_untouched(small_buffer, 50) and bool((small == 1.0).all())
+    out, out_buffer = _guarded((6, 10), 1.0)
+    got = fused_cast.gemm_epilogue(acc_values.clone(), sb, sa, None, torch.float32, out=out)
+    assert got is out and torch.equal(out, 1.0 + acc_values * 2.0)  # products by powers of two: exact
+    assert _guards_untouched(out_buffer, 60)
+    acc, acc_buffer = _guarded((6, 10), 0.0)
+    acc.copy_(acc_values)
+    bias = torch.arange(10, dtype=torch.float32)
+    got = fused_cast.gemm_epilogue(acc, sb, sa, bias, torch.float32)
+    assert torch.equal(got, acc_values * 2.0 + bias)
+    assert _guards_untouched(acc_buffer, 60)
+
+
+def test_quantize_delayed_writes_only_its_one_element_amax():
+    """The delayed quantize max-accumulates into the one float32 at `amax`: a view of one element inside a larger
+    buffer gets max(old, max |x|) and its neighbours stay as they were; an amax of more elements is declined."""
+    x = torch.tensor([[1.5, -3.0], [2.0, 0.25]])
+    amax, buffer = _guarded((1,), 2.0)
+    data, scale_inv = fused_cast.quantize_delayed(x, "e4m3", None, amax, torch.tensor([0.5]))
+    assert amax.item() == 3.0 and scale_inv.item() == 0.5 and data.shape == x.shape
+    assert _guards_untouched(buffer, 1)
+    assert fused_cast.quantize_delayed(x, "e4m3", None, torch.zeros(2), torch.tensor([0.5])) is None

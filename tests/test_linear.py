@@ -212,3 +212,50 @@ def test_save_original_input_saves_the_input_and_gives_the_same_gradients(name):
         assert (isinstance(held, torch.Tensor) and torch.equal(held, x)) == save, type(held)
     for a, c in zip(runs[False], runs[True]):
         assert torch.equal(a, c)
+
+
+def test_fused_wgrad_placeholders_are_kept_for_a_bounded_number_of_shapes():
+    """The placeholder .grad a weight gets after accumulating into main_grad is one weight-sized buffer per shape:
+    over many shapes no more than DUMMY_WGRADS_KEPT of them stay alive once the callers drop them, and every one
+    has its weight's shape (zeros when the weight asks for zero_out_wgrad)."""
+    import gc
+    import weakref
+
+    from mindspeed_te.ops import linear
+
+    bound = getattr(linear, "DUMMY_WGRADS_KEPT", 8)
+    alive: list[weakref.ref] = []
+    for i in range(3 * bound):
+        w = torch.empty(8 + i, 16).requires_grad_()
+        w.grad_added_to_main_grad, w.zero_out_wgrad = False, True
+        dummy = linear._finish_fused_wgrad(w)
+        assert w.grad_added_to_main_grad and torch.equal(dummy, torch.zeros(8 + i, 16))
+        alive.append(weakref.ref(dummy))
+        del dummy
+        gc.collect()
+        assert sum(ref() is not None for ref in alive) <= bound, f"placeholders of {i + 1} shapes all kept"
+
+
+def test_fused_wgrad_accumulation_is_exact_across_more_shapes_than_are_kept():
+    """Cycling through more weight shapes than placeholders are kept, twice: main_grad gains exactly dYᵀ·X each time
+    (high precision: float32 addmm against the float64 product) and the .grad Megatron's hook sees is zeros."""
+    from mindspeed_te.ops import linear
+
+    shapes = [(12 + 4 * i, 24) for i in range(getattr(linear, "DUMMY_WGRADS_KEPT", 8) + 3)]
+    g = torch.Generator().manual_seed(7)
+    weights = []
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g).requires_grad_()
+        w.main_grad = torch.zeros(n, k)
+        w.grad_added_to_main_grad, w.zero_out_wgrad = False, True
+        weights.append(w)
+    want = [torch.zeros(n, k, dtype=torch.float64) for n, k in shapes]
+    for _ in range(2):
+        for w, total in zip(weights, want):
+            x = torch.randn(10, w.shape[1], generator=g)
+            dy = torch.randn(10, w.shape[0], generator=g)
+            w.grad = None
+            fp8_linear(x, w, None, fuse_wgrad_accumulation=True).backward(dy)
+            total += dy.double().t() @ x.double()
+            assert torch.equal(w.grad, torch.zeros(w.shape))
+            assert torch.allclose(w.main_grad.double(), total, rtol=1e-5, atol=1e-5)

@@ -75,3 +75,73 @@ def test_readme_support_table_lists_the_tested_releases():
     assert all(rows[release][2] == "package registry" for release in REGISTRY_RELEASES)
     assert all(rows[release][2] == "Megatron-LM tree" for release in SOURCE_RELEASES)
     assert sorted({release.rsplit(".", 1)[0] for release in rows}) == sorted(SUPPORTED_MEGATRON_CORE)
+
+
+def _extras_require() -> dict[str, list[str]]:
+    """setup.py's extras_require, read from its syntax tree (running setup.py would build the package)."""
+    import ast
+
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py"), encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "extras_require":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py passes no extras_require")
+
+
+def test_megatron_extra_admits_exactly_the_supported_release_lines():
+    """`pip install mindspeed_te[megatron]` accepts every megatron-core release of the lines the patches support
+    (mindspeed_te.patches.registry.SUPPORTED_MEGATRON_CORE) and none outside them; the test extra's pin is one
+    of them."""
+    from packaging.requirements import Requirement
+
+    from mindspeed_te.patches.registry import SUPPORTED_MEGATRON_CORE
+
+    extras = _extras_require()
+    (megatron,) = [Requirement(r) for r in extras["megatron"] if Requirement(r).name == "megatron-core"]
+    lines = sorted(tuple(int(p) for p in line.split(".")) for line in SUPPORTED_MEGATRON_CORE)
+    for major, minor in lines:
+        for patch in (0, 1, 9):
+            assert megatron.specifier.contains(f"{major}.{minor}.{patch}"), (str(megatron), major, minor, patch)
+    (first_major, first_minor), (last_major, last_minor) = lines[0], lines[-1]
+    assert not megatron.specifier.contains(f"{first_major}.{first_minor - 1}.99"), str(megatron)
+    assert not megatron.specifier.contains(f"{last_major}.{last_minor + 1}.0"), str(megatron)
+    (pin,) = [Requirement(r) for r in extras["test"] if Requirement(r).name == "megatron-core"]
+    assert [s.operator for s in pin.specifier] == ["=="], str(pin)
+    assert megatron.specifier.contains(next(iter(pin.specifier)).version), (str(pin), str(megatron))
+
+
+def test_megatron_lm_requirements_are_pinned():
+    """What scripts/megatron_demo.sh installs for Megatron-LM's training code is pinned with ==, so a run gets
+    the versions the tests ran with."""
+    from packaging.requirements import Requirement
+
+    path = os.path.join(ROOT, "requirements-megatron-lm.txt")
+    lines = [line.split("#", 1)[0].strip() for line in open(path, encoding="utf-8")]
+    requirements = [Requirement(line) for line in lines if line]
+    assert requirements
+    unpinned = [str(r) for r in requirements if [s.operator for s in r.specifier] != ["=="]]
+    assert not unpinned, f"pin these with ==: {unpinned}"
+
+
+def test_megatron_demo_installs_the_pinned_requirements_and_fails_loudly():
+    script = open(os.path.join(ROOT, "scripts", "megatron_demo.sh"), encoding="utf-8").read()
+    code = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    assert "set -euo pipefail" in code
+    installs = [line for line in code if "pip install" in line]
+    assert installs and all("-r \"$ROOT/requirements-megatron-lm.txt\"" in line for line in installs), installs
+    assert not any("2>/dev/null" in line or "|| true" in line for line in installs)
+    assert not any("|| true" in line for line in code)
+
+
+def test_repository_documents_the_sources_cite_exist():
+    """A document of this repository named in a source (one at its root in capitals, as README.md, or under
+    docs/) is there; the vendors' pages the NPU code cites (aclnn*.md, torch_npu-*.md) are not this repository's."""
+    cited = set()
+    for folder in ("mindspeed_te", "patches", "tests", "scripts"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith((".py", ".sh")):
+                    text = open(os.path.join(dirpath, name), encoding="utf-8").read()
+                    cited |= set(re.findall(r"\b(docs/[\w.-]+\.md|[A-Z][A-Z_]+\.md)\b", text))
+    missing = sorted(doc for doc in cited if not os.path.exists(os.path.join(ROOT, doc)))
+    assert not missing, f"cited but not in the repository: {missing}"

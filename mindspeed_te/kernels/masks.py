@@ -1,11 +1,12 @@
 """Attention masks made only of where the queries and keys sit, handed to the backends as a pattern rather than a
 matrix: a kernel with modes for them (the NPU's fused attention: causal and band modes on one fixed 2048x2048 mask,
 skipping the masked blocks; packed sequences by their lengths) takes the pattern as it is, and the others build its
-matrix (a causal pattern's once per shape)."""
+matrix (a causal pattern's once per shape, within a byte budget)."""
 from __future__ import annotations
 
-import functools
+import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, TypeVar, Union
 
@@ -36,13 +37,44 @@ class CausalMask:
     window: Optional[tuple[int, int]] = None
 
     def allowed(self, s_q: int, s_k: int, device: torch.device) -> torch.Tensor:
-        """The boolean "may attend" matrix [s_q, s_k], made once per shape and device (do not modify it); one made
-        under inference mode serves only there, as autograd cannot save it."""
+        """The boolean "may attend" matrix [s_q, s_k], kept for reuse within `MASK_CACHE_BYTES` (do not modify
+        it); one made under inference mode serves only there, as autograd cannot save it."""
         return _allowed(self, s_q, s_k, torch.device(device), torch.is_inference_mode_enabled())
 
 
-@functools.lru_cache(maxsize=16)
+# The bytes of mask matrices kept for reuse, all shapes and devices together. Every layer of a micro-batch asks for
+# the same matrix, so keeping the last few makes it once per shape; a matrix is s_q * s_k bytes (1 GiB at 32k
+# tokens), so the matrices kept are bounded by their size, not their count: 64 MiB keeps one 8k x 8k matrix or
+# many small ones; a larger one is made on every call and not kept (a kernel without a mode for the pattern
+# then spends far more on its [b, h, s_q, s_k] scores than on the mask).
+MASK_CACHE_BYTES = 64 << 20
+_MASKS: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # least recently used first
+_MASKS_LOCK = threading.Lock()
+
+
 def _allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device, inference: bool) -> torch.Tensor:
+    """The matrix from the cache, else made and kept, the least recently used ones dropped to fit the budget."""
+    key = (mask, s_q, s_k, device, inference)
+    with _MASKS_LOCK:
+        kept = _MASKS.get(key)
+        if kept is not None:
+            _MASKS.move_to_end(key)
+            return kept
+    made = _make_allowed(mask, s_q, s_k, device)
+    budget = MASK_CACHE_BYTES
+    if made.nbytes > budget:
+        return made
+    with _MASKS_LOCK:
+        _MASKS[key] = made
+        _MASKS.move_to_end(key)
+        held = sum(m.nbytes for m in _MASKS.values())
+        while held > budget:
+            _, dropped = _MASKS.popitem(last=False)
+            held -= dropped.nbytes
+    return made
+
+
+def _make_allowed(mask: CausalMask, s_q: int, s_k: int, device: torch.device) -> torch.Tensor:
     q_pos = torch.arange(s_q, device=device)
     k_pos = torch.arange(s_k, device=device)
     shift = s_k - s_q

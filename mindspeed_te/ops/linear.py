@@ -9,6 +9,7 @@ wgrad stays in high precision, which needs the real input, or `save_original_inp
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -246,15 +247,24 @@ def _main_grad(weight: torch.Tensor) -> torch.Tensor:
     return main_grad
 
 
-# Placeholder weight gradients by (shape, dtype, device), made once: see _finish_fused_wgrad.
-_DUMMY_WGRADS: dict[tuple, torch.Tensor] = {}
+# Placeholder weight gradients by (shape, dtype, device), least recently used first: see _finish_fused_wgrad.
+_DUMMY_WGRADS: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+# How many placeholders are kept: a transformer layer's linears have a handful of weight shapes (QKV, projection,
+# FC1, FC2; MLA's down/up projections a few more), the same in every layer, so 8 serve a whole model's backward
+# without an allocation, while a process that meets many shapes (tests, models built one after another) holds at
+# most 8 weight-sized buffers instead of one per shape it ever saw.
+DUMMY_WGRADS_KEPT = 8
 
 
 def _finish_fused_wgrad(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """After accumulating into main_grad, what TransformerEngine returns: a weight carrying Megatron's
     `grad_added_to_main_grad` gets it set, and autograd a placeholder gradient of its shape, zeros when the weight
     asks for `zero_out_wgrad` (Megatron's --overlap-grad-reduce hook requires a grad, and adds it to main_grad only
-    without the flag or with zero_out_wgrad); any other weight gets no grad."""
+    without the flag or with zero_out_wgrad); any other weight gets no grad.
+
+    The placeholder is shared by the weights of one shape and kept for the DUMMY_WGRADS_KEPT shapes used last,
+    not tied to each module: one per module would hold a weight-sized buffer per layer, one per shape holds a
+    few (an evicted shape just gets a new one, as on its first use)."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
@@ -262,6 +272,10 @@ def _finish_fused_wgrad(weight: torch.Tensor) -> Optional[torch.Tensor]:
     dummy = _DUMMY_WGRADS.get(key)
     if dummy is None:
         dummy = _DUMMY_WGRADS[key] = torch.empty(key[0], dtype=weight.dtype, device=weight.device)
+        while len(_DUMMY_WGRADS) > DUMMY_WGRADS_KEPT:
+            _DUMMY_WGRADS.popitem(last=False)
+    else:
+        _DUMMY_WGRADS.move_to_end(key)
     return dummy.zero_() if getattr(weight, "zero_out_wgrad", False) else dummy
 
 
