@@ -26,15 +26,23 @@ _SYNCING = {
 }
 
 
+class HostSyncError(RuntimeError):
+    """A host-device synchronization inside a `HostSyncCounter(trap=True)`."""
+
+
 class HostSyncCounter(TorchFunctionMode):
     """Counts calls that force a host-device synchronization (`.item()`, `.tolist()`, `bool(t)`,
-    data-dependent shapes, copies to the host). Use as a context manager; `counts` says what was called.
-    Torch function modes do not reach into autograd backward functions, so while the counter is active the
-    syncing methods are also wrapped to count the calls the mode cannot see."""
+    data-dependent shapes, blocking copies to the host). A tensor in pinned host memory is the target of
+    non-blocking copies from a device (which do not wait): copying into it and reading it are host work, not
+    counted. Use as a context manager; `counts` says what was called. Torch function modes do not reach into
+    autograd backward functions, so while the counter is active the syncing methods are also wrapped to count
+    the calls the mode cannot see. With `trap`, each such call raises `HostSyncError` as well, where it is
+    made, so that the traceback shows who synchronised (for tests that a region makes none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trap: bool = False) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.trap = trap
         self._wrapped: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
 
     def __enter__(self) -> HostSyncCounter:
@@ -54,8 +62,8 @@ class HostSyncCounter(TorchFunctionMode):
 
     def _unseen_counted(self, name: str, original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if self not in torch.overrides._get_current_function_mode_stack():  # e.g. inside a backward
-                self.counts[name] += 1
+            if self not in torch.overrides._get_current_function_mode_stack() and not _pinned(args):
+                self._count(name)  # e.g. inside a backward
             return original(*args, **kwargs)
 
         return call
@@ -64,17 +72,30 @@ class HostSyncCounter(TorchFunctionMode):
         name = _SYNCING.get(func)
         if name is None and func in (torch.Tensor.to, torch.Tensor.copy_):
             name = _host_copy(func, args, kwargs or {})
-        if name is not None:
-            self.counts[name] += 1
+        if name is not None and not _pinned(args):
+            self._count(name)
         return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str) -> None:
+        self.counts[name] += 1
+        if self.trap:
+            raise HostSyncError(f"host-device synchronization ({name}) inside a region that must make none")
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
 
 
+def _pinned(args: tuple) -> bool:
+    """Whether the call reads a tensor in pinned host memory (there is none without an accelerator)."""
+    tensor = args[0] if args else None
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.is_pinned()
+
+
 def _host_copy(func, args, kwargs) -> str | None:
-    """A device-to-host copy: `.to("cpu")` of a non-CPU tensor, or `cpu_tensor.copy_(device_tensor)`."""
+    """A device-to-host copy that waits: `.to("cpu")` of a non-CPU tensor, or `cpu_tensor.copy_(device_tensor)`
+    unless it is non-blocking into pinned memory (it is queued on the device's stream; an event says when it
+    is done)."""
     if func is torch.Tensor.to:
         src = args[0]
         target = kwargs.get("device", args[1] if len(args) > 1 else None)
@@ -83,7 +104,8 @@ def _host_copy(func, args, kwargs) -> str | None:
         return None
     dst, src = args[0], args[1]
     if dst.device.type == "cpu" and isinstance(src, torch.Tensor) and src.device.type != "cpu":
-        return "copy_to_cpu"
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return None if non_blocking and dst.is_pinned() else "copy_to_cpu"
     return None
 
 

@@ -1,5 +1,6 @@
 """Non-finite flags: one float32 per quantizer slot, 0 while every tensor quantized there was finite and
-NaN once one held NaN/Inf. Where they live, how a step's notes are folded into them, how they are cleared.
+NaN once one held NaN/Inf. Where they live, how a step's notes are folded into them, how they are copied to
+the host without waiting for the device (`HostCopy`), how they are cleared.
 
 The flags of the recipe states live in a few shared 1-D buffers (`take_flags`), so that folding a whole
 step's notes, or clearing every flag, is a fixed handful of ops on those buffers whatever the number of
@@ -12,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["NonfinitePair", "PendingPairs", "take_flags", "fold_nonfinite_pairs", "clear_flags"]
+__all__ = ["NonfinitePair", "PendingPairs", "HostCopy", "take_flags", "fold_nonfinite_pairs", "clear_flags",
+           "zero_nonfinite"]
 
 # (a quantizer's one-element flag, the decode scales of a tensor it quantized, whether those are block scales
 # (any number of them) rather than one per-tensor scale): what quantizers note and `fold_nonfinite_pairs` folds.
@@ -134,3 +136,44 @@ def clear_flags(flags: Sequence[torch.Tensor]) -> None:
     """Zero the flags: one indexed fill per buffer they are views of."""
     for buffer, positions, _ in _by_buffer(flags).values():
         buffer.index_fill_(0, _index(positions, buffer.device), 0.0)
+
+
+def zero_nonfinite(tensors: Sequence[torch.Tensor]) -> None:
+    """Set the NaN/Inf elements of `tensors` (contiguous views, e.g. amax slots) to 0, whatever they hold: per
+    buffer they are views of, one gather, one nan_to_num and one scatter, not an op per tensor."""
+    for buffer, positions, _ in _by_buffer(tensors).values():
+        flat, index = buffer.view(-1), _index(positions, buffer.device)
+        flat.index_copy_(0, index, flat.index_select(0, index).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+
+
+class HostCopy:
+    """The values of some flags, copied to host memory without waiting for the device: one concatenation, one
+    non-blocking copy into pinned memory, and an event recorded after it on the device's stream (through the
+    device's own module, `getattr(torch, device.type)`: torch.npu, torch.cuda; no backend is imported here).
+    The flags may be cleared as soon as this returns: the copy runs before, in stream order.
+
+    `ready()` says, never waiting, whether the copy is known to be done: only an event can say so. On the CPU
+    there is none (the copy is done at once, but a read of it inside a step is a host read all the same, which
+    the step must not make), and neither on a device whose module has no events, where the copy is made
+    blocking; either is read where the host reads anyway (`values`)."""
+
+    def __init__(self, flags: Sequence[torch.Tensor]) -> None:
+        values = flags[0] if len(flags) == 1 else torch.cat(list(flags))
+        device = values.device
+        module = getattr(torch, device.type, None) if device.type != "cpu" else None
+        event_type = getattr(module, "Event", None)
+        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=event_type is not None)
+        self.host.copy_(values, non_blocking=event_type is not None)
+        self.event = None
+        if event_type is not None:
+            self.event = event_type()
+            self.event.record(module.current_stream(device))
+
+    def ready(self) -> bool:
+        return self.event is not None and self.event.query()
+
+    def values(self) -> list[float]:
+        """The copied values, waiting for the copy where it is not done."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

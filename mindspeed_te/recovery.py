@@ -71,11 +71,14 @@ class StepRecovery:
                grads: Iterable[Optional[torch.Tensor]] = ()) -> bool:
         """Whether this attempt failed on any rank: this rank's loss or gradients hold NaN/Inf. One MAX
         all-reduce of a flag, so every rank gets the same answer; call it once per attempt on every rank,
-        before the optimizer update, and skip the update when it is True."""
+        before the optimizer update, and skip the update when it is True. Its read waits for the device, so
+        the attempt's pending non-finite reports are harvested here at no cost: a fault is warned, naming
+        the layer, before the retry."""
         bad = (~all_finite([loss, *grads])).float().reshape(1)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         self._failed = bool(bad.item())
+        FP8GlobalStateManager.harvest_nonfinite()
         return self._failed
 
     def run(self, attempt: Callable[[], R], iterators: Sequence[ReplayIterator] = ()) -> R:

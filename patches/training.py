@@ -1,5 +1,12 @@
 """Megatron's `train_step`, wrapped once: the FP8 modules named by their path in the model (so non-finite
-warnings name the layer), `--fp8-step-recovery`, and the numerics report (`patches/numerics.py`).
+warnings name the layer), the step boundary of the non-finite report, `--fp8-step-recovery`, and the numerics
+report (`patches/numerics.py`).
+
+The non-finite checks of a step's micro-batches copy their flags to the host without waiting
+(state/nonfinite_report.py); they are harvested (warned, counted) when each train_step attempt returns. By then
+train_step has synchronised the host with the device (after `optimizer.step()` it reads
+`logical_and_across_model_parallel_group(update_successful)` with `.item()`, on every rank and every path),
+so the harvest waits for nothing, and the reports reach the numerics report's counters of their own step.
 
 Step recovery uses Megatron's own skip path: when `mindspeed_te.recovery.StepRecovery.failed` (called after
 `forward_backward_func`, on the reduced losses and the gradient buffers, one MAX all-reduce over all ranks)
@@ -125,6 +132,19 @@ def _recovering_step(train_step: Callable, bound: inspect.BoundArguments) -> Any
             count("fp8_step_recovery_skipped_batches", recovery.skipped - skipped)
 
 
+def harvest_at_step_end(train_step: Callable) -> Callable:
+    """train_step, then the non-finite reports of its micro-batches harvested (each attempt's, under step
+    recovery: a failed attempt's fault is warned before its retry)."""
+
+    @functools.wraps(train_step)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        result = train_step(*args, **kwargs)
+        FP8GlobalStateManager.harvest_nonfinite()
+        return result
+
+    return wrapped
+
+
 def wrap_recovery(train_step: Callable) -> Callable:
     """train_step with the FP8 modules named (first call) and, with --fp8-step-recovery, step recovery."""
     signature = inspect.signature(train_step)
@@ -146,5 +166,6 @@ def wrap_recovery(train_step: Callable) -> Callable:
 
 
 def register_training(registry) -> None:
-    """Hook megatron.training.training.train_step (numerics report around step recovery)."""
-    registry.register(TARGET, wrap_numerics(wrap_recovery(resolve(TARGET))))
+    """Hook megatron.training.training.train_step (numerics report around step recovery, around the
+    non-finite harvest at each attempt's end)."""
+    registry.register(TARGET, wrap_numerics(wrap_recovery(harvest_at_step_end(resolve(TARGET)))))

@@ -127,6 +127,42 @@ def test_nonfinite_fold_is_a_fixed_handful_of_launches_per_step(recipe_name):
     assert counts[2] == counts[32] == expected
 
 
+@pytest.mark.parametrize("recipe_name", ["delayed", "tensorwise"])
+def test_nonfinite_check_is_a_fixed_handful_of_launches_and_no_host_read(recipe_name):
+    """Issue 30: the non-finite check at a step's end (after the fold) copies every watched flag to the host
+    without waiting: one concatenation, one copy, then one indexed fill per flag buffer clears them (delayed
+    scaling: a key's forward and backward buffers, 4 launches; tensorwise: the shared flag buffer, 3), for 2
+    layers as for 32; reading the copy later launches nothing. Before, the check took 8 and 7 (the
+    concatenation, isfinite's 4 ops, logical_not, the fills) and waited for the device with one .tolist()."""
+    from mindspeed_te import FP8GlobalStateManager, fp8_autocast
+    from mindspeed_te.diagnostics import HostSyncCounter
+    from mindspeed_te.modules import Linear
+    from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling
+
+    recipe = {"delayed": DelayedScaling(), "tensorwise": Float8CurrentScaling()}[recipe_name]
+    counts = {}
+    with _simulated() as npu:
+        for layers in (2, 32):
+            FP8GlobalStateManager.reset()
+            model = torch.nn.Sequential(*(Linear(128, 128, params_dtype=torch.bfloat16) for _ in range(layers)))
+            for _ in range(2):  # the second step's states live in their key's buffers (delayed scaling)
+                with fp8_autocast(fp8_recipe=recipe):
+                    out = model(torch.randn(128, 128, dtype=torch.bfloat16, requires_grad=True))
+                out.backward(torch.ones_like(out))
+            FP8GlobalStateManager.harvest_nonfinite()
+            with fp8_autocast(fp8_recipe=recipe):
+                model(torch.randn(128, 128, dtype=torch.bfloat16))
+            FP8GlobalStateManager.fold_nonfinite()
+            with LaunchCounter(npu) as check, HostSyncCounter(trap=True):
+                FP8GlobalStateManager._start_nonfinite_check()
+            with LaunchCounter(npu) as read:
+                assert FP8GlobalStateManager.harvest_nonfinite() == []
+            counts[layers] = dict(check.counts), read.total
+    FP8GlobalStateManager.reset()
+    fills = 2 if recipe_name == "delayed" else 1
+    assert counts[2] == counts[32] == ({"aten.cat": 1, "aten.copy_": 1, "aten.index_fill_": fills}, 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delayed_linear_launches(dtype):
     """Forward: the amaxes of input and weight (float32: one multi-tensor norm, then one max into their

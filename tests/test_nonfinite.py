@@ -98,13 +98,16 @@ def test_each_faulty_step_is_warned_naming_module_and_tensor_and_counted(name):
         if step == 3:  # the last step: reported all the same
             dy[3, 3] = math.nan
         x.requires_grad_()
-        with fp8_autocast(fp8_recipe=recipe):
-            y = layer(x)
-        if step in (1, 3):  # reported at the end of the faulty step itself (its backward reduction)
-            with pytest.warns(RuntimeWarning, match=r"fc1 input" if step == 1 else r"fc1 grad_output"):
-                y.backward(dy)
-        else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # nothing is read, so nothing reported, inside a step
+            with fp8_autocast(fp8_recipe=recipe):
+                y = layer(x)
             y.backward(dy)
+        if step in (1, 3):  # reported at the faulty step's boundary (Megatron: when its train_step returns)
+            with pytest.warns(RuntimeWarning, match=r"fc1 input" if step == 1 else r"fc1 grad_output"):
+                assert FP8GlobalStateManager.harvest_nonfinite() == ["fc1 input" if step == 1 else "fc1 grad_output"]
+        else:
+            assert FP8GlobalStateManager.harvest_nonfinite() == []
     assert FP8GlobalStateManager.check_nonfinite() == []  # everything was reported already
     assert FP8GlobalStateManager.get_nonfinite_counts() == {"steps": 2, "fc1 input": 1, "fc1 grad_output": 1}
 
@@ -125,28 +128,35 @@ def test_faults_are_named_in_a_step_mixing_mx_and_float_flags(backend_name, use_
             h[2, 5] = math.inf
         with fp8_autocast(fp8_recipe=recipe):
             h = layer(h)
-    with pytest.warns(RuntimeWarning):  # each region is checked at the next one's entry, the last one here
-        h.backward(dy)
+    h.backward(dy)  # the last region's backward ends the step: one check, for all three regions
+    with pytest.warns(RuntimeWarning):
+        FP8GlobalStateManager.harvest_nonfinite()
     counts = FP8GlobalStateManager.get_nonfinite_counts()
     assert {k: v for k, v in counts.items() if k != "steps"} == {"fc1 input": 1, "fc2 input": 1}, counts
 
 
-def test_fault_in_an_evaluation_pass_is_reported_at_its_exit():
+@pytest.mark.parametrize("name", ["delayed/hif8", "delayed/e4m3"])
+def test_fault_in_an_evaluation_pass_is_checked_at_its_exit_and_reported_once(name):
+    """The exit of a pass without gradients checks it (its amaxes folded into the flags); the report is read
+    at the next boundary, here only after a clean training step: that step neither reports the evaluation's
+    NaN amax again nor updates from it (its exit cleared it, whatever the check was to find)."""
     layer = Linear(64, 64, name="fc1")
     x, _ = _clean(0)
     x[1, 1] = math.nan
-    recipe = RECIPES["delayed/hif8"]()
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match="fc1 input"):
-        with fp8_autocast(fp8_recipe=recipe):
-            layer(x)
-    # reported once: the clean training step after it warns of nothing and updates finite scales
-    x, dy = _clean(1)
+    recipe = RECIPES[name]()
+    x1, dy = _clean(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
+        with torch.no_grad(), fp8_autocast(fp8_recipe=recipe):
+            layer(x)
+        assert len(FP8GlobalStateManager.quantization_state.nonfinite_reports) == 1  # checked at the exit
         with fp8_autocast(fp8_recipe=recipe):
-            y = layer(x.requires_grad_())
+            y = layer(x1.requires_grad_())
         y.backward(dy)
-    assert FP8GlobalStateManager.get_nonfinite_counts()["steps"] == 1
+    with pytest.warns(RuntimeWarning, match="fc1 input") as caught:
+        assert FP8GlobalStateManager.harvest_nonfinite() == ["fc1 input"]  # the clean step's check: nothing
+    assert len(caught) == 1
+    assert FP8GlobalStateManager.get_nonfinite_counts() == {"steps": 1, "fc1 input": 1}
     assert all(bool(state.scale.isfinite().all()) for state in layer.fp8_states if hasattr(state, "scale"))
 
 
@@ -166,6 +176,7 @@ def test_fault_counts_reach_the_numerics_report(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             y.backward(dy)
+            FP8GlobalStateManager.harvest_nonfinite()  # the listeners hear of a check when it is harvested
     NumericsReport(str(tmp_path)).write(plots=False)
     counters = json.loads((tmp_path / "numerics.json").read_text())["counters"]
     assert counters == {"nonfinite_steps": 1, "nonfinite fc1 grad_output": 1}
@@ -174,24 +185,31 @@ def test_fault_counts_reach_the_numerics_report(tmp_path):
 
 def test_fault_with_one_region_per_layer_is_reported_once_at_the_end_of_its_step():
     """Megatron's per-layer regions (every recipe but delayed): the check runs once, after the last backward
-    the step's regions owe, so a gradient fault in the first layer is reported in its own step."""
+    the step's regions owe, with no host read; its one read, at the step boundary, reports a gradient fault in
+    the first layer in its own step."""
     from mindspeed_te.diagnostics import HostSyncCounter
 
     a, b = Linear(64, 64, name="a"), Linear(64, 64, name="b")
     recipe = RECIPES["tensorwise/hif8"]()
+    reports = FP8GlobalStateManager.quantization_state.nonfinite_reports
     for step in range(2):
         x, dy = _clean(step)
-        with HostSyncCounter() as counter:
+        with HostSyncCounter(trap=True):
             with fp8_autocast(fp8_recipe=recipe):
                 h = a(x.requires_grad_())
             with fp8_autocast(fp8_recipe=recipe):
                 y = b(h)
+            assert not reports  # the second region's entry did not end the step: a's backward is owed
             if step == 1:
                 h.register_hook(lambda g: g.index_put((torch.tensor([0]), torch.tensor([0])), torch.tensor(math.nan)))
+            y.backward(dy)
+        assert len(reports) == 1
+        with HostSyncCounter() as counter:
+            if step == 1:
                 with pytest.warns(RuntimeWarning, match=r"at a grad_output$|at a grad_output:"):
-                    y.backward(dy)
+                    FP8GlobalStateManager.harvest_nonfinite()
             else:
-                y.backward(dy)
+                assert FP8GlobalStateManager.harvest_nonfinite() == []
         assert dict(counter.counts) == {"tolist": 1}
 
 
@@ -216,7 +234,8 @@ def test_mx_experts_joined_quantize_names_the_faulty_expert(chip, save_original_
     x.requires_grad_()
     with fp8_autocast(fp8_recipe=MXFP8BlockScaling(fp8_format=Format.HYBRID)):
         y = layer(x, [64, 64, 32])
+    y.backward(torch.randn_like(y))
     with pytest.warns(RuntimeWarning, match=r"experts input\[1\]"):
-        y.backward(torch.randn_like(y))
+        FP8GlobalStateManager.harvest_nonfinite()
     counts = FP8GlobalStateManager.get_nonfinite_counts()
     assert {k: v for k, v in counts.items() if k != "steps"} == {"experts input[1]": 1}, counts

@@ -2,6 +2,7 @@
 mismatch raises on every rank naming both recipes, quickly, instead of hanging (two real gloo ranks)."""
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -53,3 +54,43 @@ def _agree_worker(rank: int, world_size: int) -> int:
 
 def test_matching_recipes_are_compared_once():
     assert run_distributed(_agree_worker, 2) == [1, 1]
+
+
+def test_a_new_group_at_a_dead_groups_address_is_checked_afresh(monkeypatch):
+    """The ranks' recipe check is remembered per group object, weakly: a group that is gone is forgotten, and a
+    new group that CPython puts at the dead one's address (its id) is checked, not taken for the old one.
+    (Single process: the collective is replaced by a record of the groups it would run on.)"""
+    import gc
+
+    from mindspeed_te.state import regions
+
+    checked = []
+    monkeypatch.setattr(regions, "check_same_on_all_ranks", lambda what, key, group: checked.append(group))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    recipe = Float8CurrentScaling()
+
+    def make() -> dist.ProcessGroup:
+        return dist.ProcessGroup(dist.HashStore(), 0, 1)
+
+    group = make()
+    for _ in range(2):
+        with fp8_autocast(fp8_recipe=recipe, fp8_group=group):
+            pass
+    assert len(checked) == 1 and checked[0] is group  # once per group
+    # the regions' record of their arguments is the last other holder of the group: drop it, and the group
+    FP8GlobalStateManager.quantization_state.autocast_arguments.clear()
+    address = id(group)
+    checked.clear()
+    del group
+    gc.collect()
+    kept = []
+    for _ in range(5000):
+        newcomer = make()
+        if id(newcomer) == address:
+            break
+        kept.append(newcomer)
+    else:
+        pytest.skip("CPython put no new group at the freed address")
+    with fp8_autocast(fp8_recipe=recipe, fp8_group=newcomer):
+        pass
+    assert len(checked) == 1 and checked[0] is newcomer

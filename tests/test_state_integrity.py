@@ -170,6 +170,92 @@ def test_activation_recompute_forward_gives_each_module_its_first_pass_scales():
     assert not any(FP8GlobalStateManager.quantization_state.recompute_queues.values())  # every copy used
 
 
+def test_a_failed_region_leaves_no_recompute_stash_and_the_next_recompute_gets_its_own_scales():
+    """A region that fails after its first pass under activation_recompute_forward never runs that pass's
+    recompute: its stash goes with it. Left queued, the next step's recompute of the same module would take the
+    failed region's stale scales (its oldest copy) and give another result than its own first pass."""
+    torch.manual_seed(0)
+    layer, recipe = Linear(32, 32), DelayedScaling()
+    x = torch.randn(8, 32)
+    with fp8_autocast(fp8_recipe=recipe):  # a first step: scales from the data
+        layer(x).sum().backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        with fp8_autocast(fp8_recipe=recipe):
+            with torch.no_grad(), FP8GlobalStateManager.activation_recompute_forward(True, recompute_phase=False):
+                layer(x)
+                raise RuntimeError("boom")
+    queues = FP8GlobalStateManager.quantization_state.recompute_queues
+    assert not any(queues.values())
+    with fp8_autocast(fp8_recipe=recipe):  # a step far from the first's amax: other scales
+        layer(x * 30.0).sum().backward()
+    with fp8_autocast(fp8_recipe=recipe):
+        with torch.no_grad(), FP8GlobalStateManager.activation_recompute_forward(True, recompute_phase=False):
+            first = layer(x)
+    with fp8_autocast(fp8_recipe=recipe), FP8GlobalStateManager.activation_recompute_forward(
+            True, recompute_phase=True):
+        assert torch.equal(layer(x), first)
+    assert not any(queues.values())
+
+
+def test_a_failed_region_keeps_the_stash_of_earlier_micro_batches():
+    """Only the failed region's copies go: a micro-batch whose backward (and recompute) is still to come keeps its
+    own, and its recompute gives its first pass's result."""
+    torch.manual_seed(0)
+    layer, recipe = Linear(32, 32), DelayedScaling()
+    x = torch.randn(8, 32)
+    with fp8_autocast(fp8_recipe=recipe):
+        layer(x).sum().backward()
+    with fp8_autocast(fp8_recipe=recipe):
+        with torch.no_grad(), FP8GlobalStateManager.activation_recompute_forward(True, recompute_phase=False):
+            first = layer(x)
+    with pytest.raises(RuntimeError, match="boom"):
+        with fp8_autocast(fp8_recipe=recipe):
+            with torch.no_grad(), FP8GlobalStateManager.activation_recompute_forward(True, recompute_phase=False):
+                layer(x * 30.0)
+                raise RuntimeError("boom")
+    assert [len(queue) for queue in FP8GlobalStateManager.quantization_state.recompute_queues.values()] == [1]
+    with fp8_autocast(fp8_recipe=recipe), FP8GlobalStateManager.activation_recompute_forward(
+            True, recompute_phase=True):
+        assert torch.equal(layer(x), first)
+
+
+def _object_at(address: int, make):
+    """A new object from make() that CPython placed at `address` (a freed object's id), or None."""
+    kept = []
+    for _ in range(5000):
+        candidate = make()
+        if id(candidate) == address:
+            return candidate
+        kept.append(candidate)
+    return None
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "stateless"])
+def test_a_recompute_stash_goes_with_its_state_and_is_not_given_to_a_new_one_at_its_address(recipe):
+    """The stash of activation_recompute_forward holds its module's state weakly: a state that is collected
+    leaves nothing queued (a stateless recipe's frozen copy is the state itself, which the queue must not keep
+    alive), and a new state that CPython puts at the dead one's address is not handed the dead one's copy."""
+    import gc
+    import weakref
+
+    qstate = FP8GlobalStateManager.quantization_state
+    state = RecipeState.create(recipe, mode="forward", num_quantizers=3)
+    with FP8GlobalStateManager.checkpoint_phase("forward", qstate.recompute_queues):
+        FP8GlobalStateManager.stash_forward_state_for_recompute(state)
+    assert len(list(qstate.recompute_queues.values())) == 1
+    ref, address, cls = weakref.ref(state), id(state), type(state)
+    del state
+    gc.collect()
+    assert ref() is None, "the stash keeps the module's state alive"
+    assert not list(qstate.recompute_queues.values())
+    newcomer = _object_at(address, lambda: cls.__new__(cls))  # only its identity is asked for
+    if newcomer is None:
+        pytest.skip("CPython put no new state at the freed address")
+    with FP8GlobalStateManager.checkpoint_phase("recompute", qstate.recompute_queues):
+        with pytest.raises(RuntimeError, match="more FP8 modules"):
+            FP8GlobalStateManager.pop_forward_state_for_recompute(newcomer)
+
+
 # TransformerEngine's state API -----------------------------------------------------------------------------
 def test_autocast_state_getters_and_setters_of_both_te_generations():
     recipe = Float8CurrentScaling()

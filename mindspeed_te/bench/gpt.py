@@ -15,6 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspeed_te.state import FP8GlobalStateManager
+
 __all__ = ["bench_gpt", "gpt_step"]
 
 
@@ -64,7 +66,9 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
         loss = model(tokens, positions, mask, labels=tokens).float().mean()
         loss.backward()
         optimizer.step()
-        return loss.item()
+        value = loss.item()
+        FP8GlobalStateManager.harvest_nonfinite()  # the step's NaN/Inf report: the host has just waited
+        return value
 
     return step
 
@@ -94,7 +98,6 @@ def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
 
     from mindspeed_te.patches.megatron_te import register_megatron_te
     from mindspeed_te.patches.registry import PatchRegistry
-    from mindspeed_te.state import FP8GlobalStateManager
 
     registry = PatchRegistry()
     register_megatron_te(registry)

@@ -201,7 +201,7 @@ def fold_launches(recipe: Recipe, layers: int, npu: Any) -> LaunchCounter:
     layers keep the simulator quick), measured where the second step ends (the first makes the fold's index
     tensors once): the next outermost entry (the region's first module is a separate layer whose graph is
     dropped, so no backward ends the step before). The check is off, so that end is the fold alone (the
-    check reads the folded flags with a few ops and one host read of its own)."""
+    check copies the folded flags to the host with a few ops of its own, without waiting)."""
     FP8GlobalStateManager.reset()
     FP8GlobalStateManager.quantization_state.nonfinite_check = False
     first = Linear(128, 128, bias=True, params_dtype=torch.bfloat16)

@@ -23,6 +23,7 @@ import torch
 
 from mindspeed_te.demo.corpus import VOCAB_SIZE, load_corpus, train_batches, unigram_entropy, val_batches
 from mindspeed_te.demo.plots import combine_heatmaps, plot_losses
+from mindspeed_te.state import FP8GlobalStateManager
 
 # name: (--fp8-format, --fp8-recipe); None is the bf16 baseline. Every run has bf16 parameters.
 RUNS: dict[str, tuple[Optional[str], Optional[str]]] = {
@@ -149,6 +150,7 @@ def train(name: str, args: argparse.Namespace, corpus, val, report=None) -> RunR
             result.train_losses.append(_run_schedule(model, [batch], forward_only=False))
             optimizer.step()
             scheduler.step(increment=1)
+            FP8GlobalStateManager.harvest_nonfinite()  # the step's NaN/Inf report, where the host has waited
             if report is not None:
                 report.stop()
             busy += time.perf_counter() - start

@@ -16,7 +16,7 @@ from typing import ClassVar, Iterator, Optional, Union
 import torch
 
 from mindspeed_te.recipe_state import RecipeState
-from mindspeed_te.state.global_state import CheckpointPhase, FP8GlobalState
+from mindspeed_te.state.global_state import CheckpointPhase, FP8GlobalState, WeakIdentityMap
 
 
 class CheckpointPhasesMixin:
@@ -33,18 +33,18 @@ class CheckpointPhasesMixin:
     @classmethod
     @contextmanager
     def checkpoint_phase(cls, phase: CheckpointPhase,
-                         stash: Union[list[RecipeState], dict[int, deque]]) -> Iterator[None]:
+                         stash: Union[list[RecipeState], WeakIdentityMap[RecipeState, deque]]) -> Iterator[None]:
         """Run a pass of an activation-checkpointed region. In "forward" each FP8 module appends a frozen
         copy of its forward state to `stash`; in "recompute" each takes its copy back, in the same order, so
         the recompute quantizes with the first pass's scales and records amaxes nowhere that matters. A
-        recompute consumes its own copy of the list (it may stop early, or run more than once). A dict stash
+        recompute consumes its own copy of the list (it may stop early, or run more than once). A map stash
         (`activation_recompute_forward`) keeps each module's states in a queue of its own, consumed oldest first."""
         if phase not in ("forward", "recompute"):
             raise ValueError(f"checkpoint phase must be 'forward' or 'recompute', got {phase!r}")
         qstate = cls.quantization_state
         saved = qstate.checkpoint_phase, qstate.checkpoint_stash
         qstate.checkpoint_phase = phase
-        qstate.checkpoint_stash = stash if phase == "forward" or isinstance(stash, dict) else list(stash)
+        qstate.checkpoint_stash = stash if phase == "forward" or isinstance(stash, WeakIdentityMap) else list(stash)
         try:
             yield
         finally:
@@ -67,23 +67,47 @@ class CheckpointPhasesMixin:
 
     @classmethod
     def stash_forward_state_for_recompute(cls, state: RecipeState) -> None:
-        """First pass of a checkpointed region: keep a frozen copy of `state` for the recompute."""
-        stash = cls.quantization_state.checkpoint_stash
-        if isinstance(stash, dict):
-            stash.setdefault(id(state), deque()).append(state.frozen_copy())
+        """First pass of a checkpointed region: keep a frozen copy of `state` for the recompute. Under
+        `activation_recompute_forward` it is queued under `state` itself, held weakly (a module that is gone
+        leaves no stash, and a new state at its address is not given it), and tagged with the outermost region
+        that made it, which drops it if it fails (`drop_failed_region_recompute_stash`)."""
+        qstate = cls.quantization_state
+        stash = qstate.checkpoint_stash
+        frozen = state.frozen_copy()
+        if isinstance(stash, WeakIdentityMap):
+            # None for a state that is its own frozen copy (stateless recipes): the queue must not keep it alive
+            stash.setdefault(state, deque()).append((qstate.region_seq, None if frozen is state else frozen))
         else:
-            stash.append(state.frozen_copy())
+            stash.append(frozen)
 
     @classmethod
     def pop_forward_state_for_recompute(cls, state: RecipeState) -> RecipeState:
         """Recompute of a checkpointed region: the frozen first-pass copy of the forward state `state` (the next
         in call order, or this module's oldest under `activation_recompute_forward`)."""
         stash = cls.quantization_state.checkpoint_stash
-        queue = stash.get(id(state)) if isinstance(stash, dict) else stash
+        queue = stash.get(state) if isinstance(stash, WeakIdentityMap) else stash
         if not queue:
             raise RuntimeError("activation recompute ran more FP8 modules than the first pass of the checkpointed "
                                "region; the region must run the same modules both times")
-        return queue.popleft() if isinstance(queue, deque) else queue.pop(0)
+        if isinstance(queue, deque):
+            frozen = queue.popleft()[1]
+            return state if frozen is None else frozen
+        return queue.pop(0)
+
+    @classmethod
+    def drop_failed_region_recompute_stash(cls) -> None:
+        """An exception left the running outermost autocast region: its backward, and with it the recompute of
+        what it stashed under `activation_recompute_forward`, never runs, so those copies go now; left queued,
+        a later recompute of the same module would take their stale scales first. Other regions' copies (micro-
+        batches whose backward is still to come) stay."""
+        qstate = cls.quantization_state
+        for state, queue in qstate.recompute_queues.items():
+            kept = [entry for entry in queue if entry[0] != qstate.region_seq]
+            if not kept:
+                qstate.recompute_queues.pop(state)
+            elif len(kept) != len(queue):
+                queue.clear()
+                queue.extend(kept)
 
     @classmethod
     def set_skip_fp8_weight_update_tensor(cls, skip: bool) -> None:

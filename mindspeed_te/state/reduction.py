@@ -117,8 +117,8 @@ class ReductionMixin:
     @classmethod
     def reduce_backward_amaxes(cls, ctx: object) -> None:
         """The backward of a region's first FP8 module (`ctx`, see `expect_backward_reduction`): reduce the
-        backward amaxes. When no other region's backward is still to come, the step is over: report the
-        non-finite inputs it quantized."""
+        backward amaxes. When no other region's backward is still to come, the step is over: check the
+        non-finite inputs it quantized (the flags start on their way to the host; read later, never here)."""
         qstate = cls.quantization_state
         qstate.backward_reducers = {seq: ref for seq, ref in qstate.backward_reducers.items() if ref() is not ctx}
         cls.reduce_and_update_fp8_tensors(forward=False)

@@ -2,9 +2,10 @@
 
 An autocast region sets the active recipe, reduction group and calibration/graph flags, and restores them
 on exit; the outermost region also opens and closes a step: its entry settles what the previous step left
-(stale backward registrations, the non-finite check), its exit runs the forward amax reduction. This is the
-manager's state machine; the reduction and the non-finite report it triggers are their own mixins,
-reached through `cls` so that all of them work on the one `quantization_state` of the composed class.
+(stale backward registrations, the non-finite check, the reports of earlier checks that reached the host),
+its exit runs the forward amax reduction. This is the manager's state machine; the reduction and the
+non-finite report it triggers are their own mixins, reached through `cls` so that all of them work on the one
+`quantization_state` of the composed class.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_te.distributed import check_same_on_all_ranks
+from mindspeed_te.nonfinite import zero_nonfinite
 from mindspeed_te.recipe import Recipe
 from mindspeed_te.state.availability import get_default_recipe
 from mindspeed_te.state.global_state import FP8GlobalState
@@ -113,12 +115,12 @@ class RegionsMixin:
         if enabled:
             cls._check_available(recipe)
         qstate = cls.quantization_state
-        if enabled and id(fp8_group) not in qstate.recipe_agreed_groups and dist.is_available() \
+        if enabled and fp8_group not in qstate.recipe_agreed_groups and dist.is_available() \
                 and dist.is_initialized():
             # Once per group, at its first FP8 step: ranks running different recipes fail here, all of them
             # with both recipes named, instead of deadlocking or mismatching in the amax reduction.
             check_same_on_all_ranks("the FP8 recipe", recipe.portable_key(), fp8_group)
-            qstate.recipe_agreed_groups.add(id(fp8_group))
+            qstate.recipe_agreed_groups.add(fp8_group)
         qstate.autocast_arguments[cls.get_unique_autocast_key(recipe, fp8_group)] = (recipe, fp8_group)
         qstate.fp8_enabled = bool(enabled)
         qstate.fp8_calibration = bool(calibrating)
@@ -129,6 +131,7 @@ class RegionsMixin:
             cls._drop_stale_backward_registrations()
             if not qstate.backward_reducers:  # no backward to come that would end the step before
                 cls._end_step_nonfinite()
+            cls._harvest_ready_nonfinite()  # the reports whose copy to the host is done; never waits
             qstate.nonfinite_unchecked = True
             qstate.region_seq += 1
             # Set even when this outer region is disabled: an enabled region nested inside still has a
@@ -159,16 +162,16 @@ class RegionsMixin:
                 if not states:
                     qstate.registered.pop(entry, None)
             qstate.backward_reducers.pop(qstate.region_seq, None)
+            cls.drop_failed_region_recompute_stash()
         elif torch.is_grad_enabled() or calibrating:
             cls.reduce_and_update_fp8_tensors(forward=True)
         if not failed and not torch.is_grad_enabled():
             slots = [] if calibrating else cls._flag_nonfinite_amaxes(qstate.registered_in_region)
-            faults = qstate.nonfinite_steps
-            cls._end_step_nonfinite()  # no backward follows: this region is the whole step
-            if slots and qstate.nonfinite_steps > faults:
-                # reported now: the next training update must neither count these amaxes again nor see them
-                for slot in slots:
-                    slot.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            # no backward follows: this region is the whole step
+            if cls._end_step_nonfinite() and slots:
+                # their NaN/Inf are in the check's flags now: the next training update must neither count these
+                # amaxes again nor see them (a few ops, whatever they hold: the check's answer is not read here)
+                zero_nonfinite(slots)
         qstate.registered_in_region = []
 
     # TransformerEngine <= 2.8 names.
