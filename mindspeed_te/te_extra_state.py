@@ -47,9 +47,12 @@ __all__ = [
     "TEObject",
     "check_fp8_meta",
     "encode_te_extra_state",
+    "encode_te_payload",
     "is_te_payload",
     "load_extra_state_payload",
+    "merge_te_expert_payloads",
     "resolve_extra_state_format",
+    "split_te_grouped_payload",
     "te_no_state",
     "te_payload_to_meta",
 ]
@@ -632,6 +635,63 @@ def encode_te_extra_state(recipe: Optional[Recipe], tensors: dict[str, torch.Ten
     maxima = TE_FORMAT_MAXIMA[recipe.fp8_format.name]
     state["extra_fp8_variables"] = {"fp8_checkpoint": True, "num_gemms": num_gemms,
                                     "fp8_max_fwd": _te_number(maxima[0]), "fp8_max_bwd": _te_number(maxima[1])}
+    return encode_te_payload(state)
+
+
+def encode_te_payload(state: dict[str, Any]) -> torch.Tensor:
+    """A TE `_extra_state` dict (the stand-ins of TE's recipe objects included) as TE 2.x's uint8 tensor."""
     buffer = io.BytesIO()
     _TEPickler(buffer, protocol=4).dump(state)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+# Megatron's per-expert pieces of TE's GroupedLinear entry ---------------------------------------------------------
+# megatron-core's TEGroupedLinear (0.16.1 and later) checkpoints TE's GroupedLinear entry per expert: piece i takes,
+# of every slot tensor viewed as [roles, num_gemms] along its slot axis, column i (forward slots i, n+i, 2n+i;
+# backward i, n+i), and says num_gemms=1; on load it puts the columns back side by side. That is the per-role
+# layout's split, whatever layout TE used: under TE before 2.3 piece i is expert i's own entry (what a sequential
+# expert's linear keeps); under TE 2.3 and later (per GEMM) it holds slots of several experts, and only the merge
+# with as many experts per rank as at the save puts them back where they were.
+_TE_SLOT_ROLES = {"scale_fwd": 3, "amax_history_fwd": 3, "scale_inv_fwd": 3,
+                  "scale_bwd": 2, "amax_history_bwd": 2, "scale_inv_bwd": 2}  # scale_inv: TE 1.x
+
+
+def split_te_grouped_payload(payload: dict[str, Any], num_gemms: int, owner: str) -> list[dict[str, Any]]:
+    """Megatron's per-expert pieces of TE's GroupedLinear `_extra_state` dict (see above), one per local expert."""
+    pieces = []
+    for gemm in range(num_gemms):
+        piece = {key: value for key, value in payload.items() if key not in _TE_SLOT_ROLES}
+        extra = payload.get("extra_fp8_variables")
+        if isinstance(extra, dict):
+            piece["extra_fp8_variables"] = {**extra, "num_gemms": 1}
+        for key, roles in _TE_SLOT_ROLES.items():
+            if key in payload:
+                value = payload[key]
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] != roles * num_gemms:
+                    raise RuntimeError(f"{owner}: TE's {key} must have {roles} x {num_gemms} slots along its last "
+                                       f"axis, got {getattr(value, 'shape', type(value).__name__)}")
+                piece[key] = value.reshape(*value.shape[:-1], roles, num_gemms)[..., gemm].clone()
+        pieces.append(piece)
+    return pieces
+
+
+def merge_te_expert_payloads(pieces: list[dict[str, Any]], owner: str) -> dict[str, Any]:
+    """TE's GroupedLinear `_extra_state` dict of Megatron's per-expert pieces (see above), as megatron-core's
+    TEGroupedLinear merges them: slot r * n + i of the whole is slot r of piece i; the first piece's recipe and
+    extra_fp8_variables, with num_gemms=n. Its layout is the writer's: the reader tells it (te_grouped_layout)."""
+    merged = {key: value for key, value in pieces[0].items() if key not in _TE_SLOT_ROLES}
+    extra = pieces[0].get("extra_fp8_variables")
+    if isinstance(extra, dict):
+        merged["extra_fp8_variables"] = {**extra, "num_gemms": len(pieces)}
+    for key, roles in _TE_SLOT_ROLES.items():
+        present = [key in piece for piece in pieces]
+        if not any(present):
+            continue
+        values = [piece.get(key) for piece in pieces]
+        if not all(present) or not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[-1] == roles
+                                       and v.shape == values[0].shape for v in values):
+            raise RuntimeError(f"{owner}: the checkpoint's per-expert {key} entries must each hold {roles} slots of "
+                               f"one shape; got {[getattr(v, 'shape', type(v).__name__) for v in values]}")
+        stacked = torch.stack(values, dim=-1)  # [..., roles, n]
+        merged[key] = stacked.reshape(*stacked.shape[:-2], roles * len(pieces))
+    return merged

@@ -380,9 +380,40 @@ def test_megatron_te_classes_load_te_entries():
     assert_loaded(grouped, per_role(tensors, 2))
 
 
+def megatron_split(state: dict[str, Any], gemms: int) -> list[dict[str, Any]]:
+    """megatron-core's TEGroupedLinear._split_extra_state (0.16.1), re-derived: piece i takes column i of every
+    slot tensor viewed as [roles, gemms] (forward 3, backward 2 roles), whatever layout TE wrote, num_gemms=1."""
+    pieces = []
+    for i in range(gemms):
+        piece = {"recipe": state["recipe"], "extra_fp8_variables": {**state["extra_fp8_variables"], "num_gemms": 1}}
+        for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+            value = state[key]
+            piece[key] = value.reshape(*value.shape[:-1], 3 if key.endswith("fwd") else 2, gemms)[..., i].clone()
+        pieces.append(piece)
+    return pieces
+
+
+def megatron_merge(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """megatron-core's merge_extra_states, re-derived: the pieces' slots side by side again (slot r * n + i of
+    the whole is piece i's slot r)."""
+    merged = {"recipe": pieces[0]["recipe"],
+              "extra_fp8_variables": {**pieces[0]["extra_fp8_variables"], "num_gemms": len(pieces)}}
+    for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        merged[key] = torch.stack([p[key] for p in pieces], dim=-1).flatten(-2)
+    return merged
+
+
+def _with_pieces(state: dict[str, torch.Tensor], entries: list[torch.Tensor]) -> dict[str, Any]:
+    """A module's state dict as a dist-checkpoint load gives it: `_extra_state`, `_extra_state1`, ..."""
+    state = {k: v for k, v in state.items() if not k.startswith("_extra_state")}
+    state.update({"_extra_state" if i == 0 else f"_extra_state{i}": e for i, e in enumerate(entries)})
+    return state
+
+
 def test_te_per_expert_entries_of_a_dist_checkpoint_merge():
-    """Megatron's TEGroupedLinear under TE 2.x splits the entry per expert (expert i: forward slots i, n+i, 2n+i,
-    backward i, n+i, as one-GEMM entries with num_gemms=1); loading them here merges them back."""
+    """Megatron's TEGroupedLinear under TE 2.0-2.2 (per-role slots) splits the entry per expert (expert i: forward
+    slots i, n+i, 2n+i, backward i, n+i: its own entry, as one-GEMM entries with num_gemms=1); loading them here
+    merges them back."""
     pytest.importorskip("megatron.core")
     from mindspeed_te.megatron import TEColumnParallelGroupedLinear
     from tests.test_megatron_linear import _config, _init
@@ -398,6 +429,88 @@ def test_te_per_expert_entries_of_a_dist_checkpoint_merge():
             {"recipe": TEDelayedScaling(amax_history_len=3), **piece, "extra_fp8_variables": extra(1)})
     grouped.load_state_dict(state)
     assert_loaded(grouped, per_role(tensors, 2))
+
+
+@pytest.mark.parametrize("gemms", [2, 3])
+def test_te_2_3_per_expert_entries_of_a_dist_checkpoint_merge(gemms):
+    """Under TE 2.3 and later (per-GEMM slots) Megatron's split is the same column cut, so piece i holds slots of
+    several experts (for 2 experts: input 0, output 0, weight 1 / weight 0, input 1, output 1). Loading them here
+    puts them side by side as Megatron does and reads the whole entry per GEMM: every expert gets its own."""
+    pytest.importorskip("megatron.core")
+    from mindspeed_te.megatron import TEColumnParallelGroupedLinear
+    from tests.test_megatron_linear import _config, _init
+
+    tensors = grouped_te_state(gemms, 3)
+    whole = {"recipe": TEDelayedScaling(amax_history_len=3), **tensors, "extra_fp8_variables": extra(gemms)}
+    pieces = megatron_split(whole, gemms)
+    assert not torch.equal(pieces[0]["scale_fwd"], tensors["scale_fwd"][:3])  # not expert 0's own slots
+    grouped = TEColumnParallelGroupedLinear(gemms, 64, 32, config=_config(num_moe_experts=gemms), init_method=_init,
+                                            bias=False, skip_bias_add=False, is_expert=True)
+    grouped.load_state_dict(_with_pieces(grouped.state_dict(), [te2_entry(p) for p in pieces]))
+    assert_loaded(grouped, per_role(tensors, gemms))
+
+
+def test_mixed_per_expert_entries_are_an_error():
+    pytest.importorskip("megatron.core")
+    from mindspeed_te.megatron import TEColumnParallelGroupedLinear
+    from tests.test_megatron_linear import _config, _init
+
+    grouped = TEColumnParallelGroupedLinear(2, 64, 32, config=_config(num_moe_experts=2), init_method=_init,
+                                            bias=False, skip_bias_add=False, is_expert=True)
+    te_piece = te2_entry({"recipe": TEDelayedScaling(amax_history_len=3), **grouped_te_state(1, 3),
+                          "extra_fp8_variables": extra(1)})
+    ours = grouped.state_dict()["_extra_state"]
+    with pytest.raises(RuntimeError, match="mix TransformerEngine's entries with others"):
+        grouped.load_state_dict(_with_pieces(grouped.state_dict(), [te_piece, ours]))
+
+
+def _trained_grouped(gemms: int, seed: int = 0):
+    from mindspeed_te.megatron import TEColumnParallelGroupedLinear
+    from tests.test_megatron_linear import _config, _init
+
+    torch.manual_seed(seed)
+    grouped = TEColumnParallelGroupedLinear(gemms, 64, 32, config=_config(num_moe_experts=gemms), init_method=_init,
+                                            bias=False, skip_bias_add=False, is_expert=True)
+    splits = [3 + 2 * g for g in range(gemms)]
+    for step in range(3):
+        with fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=4)):
+            out, _ = grouped(torch.randn(sum(splits), 64) * (step + 1), splits)
+        out.sum().backward()
+    return grouped
+
+
+@pytest.mark.parametrize("layout", [None, "per_role"], ids=["TE 2.3 and later", "TE 2.0-2.2"])
+def test_grouped_te_format_per_expert_entries_are_megatrons(monkeypatch, layout):
+    """With extra_state_format='te' the per-expert entries of a distributed checkpoint are TE's: the pieces
+    megatron-core cuts from TE's GroupedLinear entry (num_gemms=1, one expert's worth of slots), so Megatron's
+    merge gives TE its whole entry back; under TE 2.0-2.2's layout each piece is the expert's own entry (as a
+    sequential expert's linear keeps it). A fresh module here loads them back exactly."""
+    pytest.importorskip("megatron.core")
+    if layout is not None:
+        monkeypatch.setenv(GROUPED_LAYOUT_ENV, layout)
+    gemms = 3
+    source = _trained_grouped(gemms)
+    source.extra_state_format = "te"
+    whole = te_reads(source.state_dict()["_extra_state"])
+    pieces = source._split_extra_state(source.state_dict()["_extra_state"])
+    read = [te_reads(piece) for piece in pieces]
+    for piece, raw in zip(read, pieces):
+        assert type(piece["recipe"]) is TEDelayedScaling and piece["extra_fp8_variables"]["num_gemms"] == 1
+        assert piece["scale_fwd"].shape == (3,) and piece["amax_history_bwd"].shape == (4, 2)
+        assert te_218_action(raw.numpy().tobytes()) == "unsafe_load"  # as TE's own delayed-scaling entries
+    merged = megatron_merge(read)
+    for key in ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd"):
+        assert torch.equal(merged[key], whole[key]), key
+    assert merged["extra_fp8_variables"]["num_gemms"] == gemms
+    fwd, bwd = source.fp8_states
+    if layout == "per_role":  # sequential-expert form: piece i is expert i's input, weight, output
+        for i, piece in enumerate(read):
+            assert torch.equal(piece["amax_history_fwd"], fwd.amax_history[:, [i, gemms + i, 2 * gemms + i]])
+            assert torch.equal(piece["scale_bwd"], bwd.scale[[i, gemms + i]])
+    target = _trained_grouped(gemms, seed=5)
+    target.load_state_dict(_with_pieces(source.state_dict(), pieces))
+    for ours, theirs in zip(target.fp8_states, source.fp8_states):
+        assert torch.equal(ours.amax_history, theirs.amax_history) and torch.equal(ours.scale, theirs.scale)
 
 
 # 2. Safely: nothing in a checkpoint runs ------------------------------------------------------------------------

@@ -4,12 +4,17 @@ A GroupedLinear keeps one `_extra_state` for all its local experts. megatron-cor
 checkpoints it per expert, so that a checkpoint saved with one expert-parallel layout loads with another:
 `_split_extra_state` cuts it into one entry per expert, `_sharded_state_dict_grouped` stores expert i's as
 `_extra_state` of that expert's shard (`_extra_state{i}` in the module's sharded state dict), and on load
-the entries are merged back (`_extra_state1..n-1` into `_extra_state`) before the module reads them. An
-expert's entry is that of a one-GEMM module (a sequential expert's linear), so the two kinds of expert
-layers load each other's checkpoints.
+the entries are merged back (`_extra_state1..n-1` into `_extra_state`) before the module reads them.
+
+This plugin's own pieces are each expert's entry as a one-GEMM module keeps it (a sequential expert's linear), so
+the two kinds of expert layers load each other's checkpoints and the expert-parallel layout may change. With
+extra_state_format "te" the pieces are TransformerEngine's, cut as megatron-core cuts TE's GroupedLinear entry
+(te_extra_state.split_te_grouped_payload), so Megatron's TE code merges them back; TE's pieces are read by
+merging them the same way, then reading the whole entry in the layout its slots show.
 """
 from __future__ import annotations
 
+import io
 from typing import Any, Optional
 
 import torch
@@ -19,8 +24,17 @@ from mindspeed_te.distributed import group_rank, group_size
 from mindspeed_te.megatron.compat import make_sharded_tensors
 from mindspeed_te.modules.base import EXTRA_STATE_SLOTS, EXTRA_STATE_VERSION, decode_extra_state, encode_extra_state
 from mindspeed_te.recipe_state import BACKWARD_ROLES, FORWARD_ROLES
+from mindspeed_te.te_extra_state import (
+    ExtraStateRefused,
+    encode_te_payload,
+    is_te_payload,
+    load_extra_state_payload,
+    merge_te_expert_payloads,
+    split_te_grouped_payload,
+)
 
 __all__ = ["GroupedExtraStateMixin"]
+
 
 def _ep_group(pg_collection: Optional[object]):
     group = getattr(pg_collection, "ep", None) if pg_collection is not None else None
@@ -53,10 +67,32 @@ class GroupedExtraStateMixin:
         """The metadata dict, or None for an entry without FP8 state (this plugin's or TransformerEngine's)."""
         return decode_extra_state(state, type(self).__name__, grouped=self._te_grouped())
 
+    def _te_payload(self, state: Any) -> Optional[dict[str, Any]]:
+        """TE's dict when the entry is TransformerEngine's, else None (this plugin's entry, or no FP8 state); read
+        without running its code. An unreadable entry raises the clear error _decode_extra_state gives."""
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return None
+        if not isinstance(state, (torch.Tensor, io.BytesIO)):
+            self._decode_extra_state(state)  # raises, naming the type
+        raw = state.detach().cpu().numpy().tobytes() if isinstance(state, torch.Tensor) else state.getvalue()
+        try:
+            payload = load_extra_state_payload(raw, type(self).__name__)
+        except ExtraStateRefused:
+            raise
+        except Exception:  # noqa: BLE001  (undecodable: the load's own error says so)
+            self._decode_extra_state(state)
+            raise
+        ours = isinstance(payload, dict) and "recipe_key" in payload
+        return payload if is_te_payload(payload) and not ours else None
+
     def _split_extra_state(self, state: Any) -> list[Any]:
-        """One `_extra_state` per local expert: expert i's quantizers (its input, weight and output, its
-        grad_output and grad_input) as a one-GEMM module keeps them. Without FP8 metadata every expert gets
-        the entry as it is."""
+        """One `_extra_state` per local expert. This plugin's entry: expert i's quantizers (its input, weight and
+        output, its grad_output and grad_input) as a one-GEMM module keeps them. TE's entry (extra_state_format
+        "te"): megatron-core's pieces of it. Without FP8 metadata every expert gets the entry as it is."""
+        payload = self._te_payload(state)
+        if payload is not None:
+            return [encode_te_payload(piece)
+                    for piece in split_te_grouped_payload(payload, self.num_gemms, type(self).__name__)]
         meta = self._decode_extra_state(state)
         if meta is None or meta["recipe_key"] is None:
             return [state] * self.num_gemms
@@ -73,11 +109,22 @@ class GroupedExtraStateMixin:
 
     def _merge_extra_states(self, state_dict: dict[str, Any], prefix: str) -> None:
         """Fold a dist-checkpoint's per-expert `_extra_state`, `_extra_state1`, ... into one `_extra_state`,
-        in place. A torch-native checkpoint (one entry) is left alone."""
+        in place. A torch-native checkpoint (one entry) is left alone. TE's pieces become TE's whole entry, as
+        megatron-core merges them; set_extra_state then reads it in the layout its slots show."""
         keys = [f"{prefix}_extra_state{i}" for i in range(1, self.num_gemms)]
         if not keys or keys[0] not in state_dict:
             return
         states = [state_dict[f"{prefix}_extra_state"]] + [state_dict.pop(k) for k in keys]
+        payloads = [self._te_payload(s) for s in states]
+        te_pieces = [p is not None for p in payloads]
+        if any(te_pieces):
+            if not all(te_pieces):
+                raise RuntimeError(f"{type(self).__name__}: the checkpoint's per-expert _extra_state entries "
+                                   f"{prefix}_extra_state..{keys[-1]} mix TransformerEngine's entries with others "
+                                   "(this plugin's, or ones without FP8 state); they cannot be merged")
+            merged = merge_te_expert_payloads(payloads, type(self).__name__)
+            state_dict[f"{prefix}_extra_state"] = encode_te_payload(merged)
+            return
         metas = [self._decode_extra_state(s) for s in states]
         if any(m is None or m["recipe_key"] is None for m in metas):
             return  # saved before (or without) FP8: the first entry says so

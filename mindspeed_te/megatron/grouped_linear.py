@@ -76,14 +76,19 @@ class TEGroupedLinear(TEModuleMixin, GroupedExtraStateMixin, GroupedLinear):
         self._tp_group = _expert_tp_group(pg_collection, tp_group)
         expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
         size = group_size(self._tp_group)
+        layer_group = self._tp_group
         if size > 1 or expert_parallel:
             if parallel_mode == "column":
                 output_size = divide(output_size, size, "output_size")
             elif parallel_mode == "row":
                 input_size = divide(input_size, size, "input_size")
-            parallel_mode = None
+            parallel_mode, layer_group, size = None, None, 1
         super().__init__(
             num_gemms, input_size, output_size,
+            # Without expert TP or EP the parallel mode stays (it marks the weights as TE's are marked), over the
+            # expert TP group of one rank, as megatron-core passes it to TE: with no group the layer's collectives
+            # would span the default group, i.e. its data-parallel or pipeline peers.
+            tp_group=layer_group, tp_size=size,
             sequence_parallel=config.sequence_parallel,
             fuse_wgrad_accumulation=config.gradient_accumulation_fusion,
             init_method=condition_init_method(config, init_method),
