@@ -3,7 +3,7 @@
 Importing this package has no side effects; `import mindspeed_te.megatron_adaptor` patches Megatron.
 """
 from mindspeed_te.checkpointing import checkpoint
-from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.formats import FP4Dtype, FP8Dtype
 from mindspeed_te.modules import (
     DotProductAttention,
     GroupedLinear,
@@ -20,7 +20,9 @@ from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    MXFP4Quantizer,
     MXFP8Quantizer,
+    NVFP4Quantizer,
     Quantizer,
 )
 from mindspeed_te.recipe import (
@@ -30,7 +32,9 @@ from mindspeed_te.recipe import (
     Format,
     HIF8DelayedScaling,
     MMParams,
+    MXFP4BlockScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     QParams,
     Recipe,
 )
@@ -39,7 +43,9 @@ from mindspeed_te.recipe_state import (
     Float8BlockScalingRecipeState,
     Float8CurrentScalingRecipeState,
     HIF8DelayedScalingRecipeState,
+    MXFP4BlockScalingRecipeState,
     MXFP8BlockScalingRecipeState,
+    NVFP4BlockScalingRecipeState,
     RecipeState,
 )
 from mindspeed_te.state import (
@@ -56,21 +62,27 @@ from mindspeed_te.state import (
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
+    MXFP4TensorStorage,
     MXFP8TensorStorage,
+    NVFP4TensorStorage,
     QuantizedTensorStorage,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Format", "FP8Dtype",
+    "Format", "FP8Dtype", "FP4Dtype",
     "Recipe", "DelayedScaling", "HIF8DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+    "NVFP4BlockScaling", "MXFP4BlockScaling",
     "QParams", "MMParams",
     "Quantizer", "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer",
+    "NVFP4Quantizer", "MXFP4Quantizer",
     "get_default_recipe",
     "RecipeState", "DelayedScalingRecipeState", "Float8CurrentScalingRecipeState", "Float8BlockScalingRecipeState",
-    "MXFP8BlockScalingRecipeState", "HIF8DelayedScalingRecipeState",
+    "MXFP8BlockScalingRecipeState", "HIF8DelayedScalingRecipeState", "NVFP4BlockScalingRecipeState",
+    "MXFP4BlockScalingRecipeState",
     "QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
+    "NVFP4TensorStorage", "MXFP4TensorStorage",
     "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",

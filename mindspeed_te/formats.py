@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from mindspeed_te import fused_cast, hif8
+from mindspeed_te.fp4 import FP4Dtype, e2m1_decode, e2m1_encode, pack_fp4, unpack_fp4
 from mindspeed_te.hif8 import HIF8_MAX
 
 __all__ = [
@@ -32,6 +33,12 @@ __all__ = [
     "quantize_table",
     "decode_table",
     "as_float32",
+    # FP4 (E2M1), from mindspeed_te.fp4
+    "FP4Dtype",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_fp4",
+    "unpack_fp4",
 ]
 
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0  # which uint16 of a float32 holds sign, exponent, mantissa top

@@ -12,6 +12,16 @@ import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, quantize_table, scaled_cast
+from mindspeed_te.fp4 import (
+    RHT_SIGN_MASK,
+    FP4Dtype,
+    e2m1_encode,
+    nvfp4_block_scales,
+    nvfp4_global_encode_scale,
+    pack_fp4,
+    random_hadamard_transform,
+    stochastic_rounding_bits,
+)
 from mindspeed_te.nonfinite import NonfinitePair, PendingPairs, fold_nonfinite_pairs
 from mindspeed_te.scaling import (
     current_scale_inv,
@@ -25,7 +35,9 @@ from mindspeed_te.scaling import (
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
+    MXFP4TensorStorage,
     MXFP8TensorStorage,
+    NVFP4TensorStorage,
     QuantizedTensorStorage,
 )
 
@@ -38,6 +50,8 @@ __all__ = [
     "Float8WarmupQuantizer",
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
+    "NVFP4Quantizer",
+    "MXFP4Quantizer",
 ]
 
 # The largest exponent of a normal element, used by the OCP MX rule (floor(log2 amax) - emax).
@@ -60,8 +74,8 @@ class Quantizer:
     """Base class. `rowwise_usage` / `columnwise_usage` say which layouts `quantize` must produce."""
 
     def __init__(self, fp8_dtype: FP8Dtype, *, rowwise: bool = True, columnwise: bool = True) -> None:
-        if not isinstance(fp8_dtype, FP8Dtype):
-            raise TypeError(f"fp8_dtype must be an FP8Dtype, got {fp8_dtype!r}")
+        if not isinstance(fp8_dtype, (FP8Dtype, FP4Dtype)):
+            raise TypeError(f"fp8_dtype must be an FP8Dtype (or FP4Dtype), got {fp8_dtype!r}")
         self.fp8_dtype = fp8_dtype
         self.rowwise_usage = rowwise
         self.columnwise_usage = columnwise
@@ -375,6 +389,149 @@ class MXFP8Quantizer(Quantizer):
             out.columnwise_data, out.columnwise_scale_inv = _quantize_tiles(
                 x2d.t(), 1, self.block_len, self.fp8_dtype, self._scales
             )
+        return out
+
+
+def _fp4_2d(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
+    """x flattened to 2-D over its leading dims, both dims checked divisible by `block`."""
+    _check_input(x)
+    x2d = _flatten_2d(x.detach())
+    if x2d.shape[0] % block or x2d.shape[1] % block:
+        raise ValueError(f"{name} needs both dims of the 2-D flattened tensor divisible by {block}, got shape "
+                         f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the token dimension or the hidden size")
+    return x2d
+
+
+def _fp4_amax(x2d: torch.Tensor) -> torch.Tensor:
+    """max |x| as a one-element float32 tensor (NaN when x holds one; 0 for an empty x)."""
+    if not x2d.numel():
+        return torch.zeros(1, dtype=torch.float32, device=x2d.device)
+    return tensor_amax(x2d).reshape(1)
+
+
+class _FP4Quantizer(Quantizer):
+    """Options the FP4 quantizers share: `with_rht` (the columnwise form is quantized from the transpose after
+    TE's random Hadamard transform along its rows, with TE's signs unless `with_random_sign_mask=False`),
+    `stochastic_rounding` (its bits from `generator`, else mindspeed_te.fp4's hook, else the device's default
+    generator; the rowwise form draws first, one byte per element in row-major order, then the columnwise)."""
+
+    def __init__(self, fp4_dtype: FP4Dtype, *, with_rht: bool, stochastic_rounding: bool,
+                 with_random_sign_mask: bool, generator: Optional[torch.Generator], **usage: bool) -> None:
+        if fp4_dtype is not FP4Dtype.E2M1:
+            raise TypeError(f"fp4_dtype must be FP4Dtype.E2M1, got {fp4_dtype!r}")
+        super().__init__(fp4_dtype, **usage)
+        self.with_rht = bool(with_rht)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.rht_sign_mask = RHT_SIGN_MASK if with_random_sign_mask else 0
+        self.generator = generator
+
+    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Packed E2M1 codes of float32 (rows, cols) values, rounded as the quantizer says."""
+        rbits = (stochastic_rounding_bits(tuple(scaled.shape), scaled.device, self.generator)
+                 if self.stochastic_rounding else None)
+        return pack_fp4(e2m1_encode(scaled, rbits))
+
+    def _columnwise_source(self, x2d: torch.Tensor) -> torch.Tensor:
+        """The (K, M) tensor the columnwise form quantizes: the transpose, Hadamard-transformed with `with_rht`."""
+        col = x2d.t()
+        return random_hadamard_transform(col.contiguous(), self.rht_sign_mask) if self.with_rht else col
+
+
+class NVFP4Quantizer(_FP4Quantizer):
+    """TransformerEngine's NVFP4 quantizer (same name and options): E2M1 codes, an E4M3 scale per 16 elements
+    (`with_2d_quantization`: per 16x16 tile) under the per-tensor scale from the amax, by TE's rules bit for bit
+    (mindspeed_te/fp4.py). Each requested form is quantized from the high-precision tensor: rowwise from x,
+    columnwise from xᵀ, Hadamard-transformed with `with_rht` (its amax then taken after the transform,
+    `with_post_rht_amax`, the only mode TE implements). `amax_reduction_group` (or TE's `with_amax_reduction`
+    with a group): the amaxes are MAX-reduced over the group first. Both dims of the 2-D form must be
+    divisible by 16."""
+
+    def __init__(self, fp4_dtype: FP4Dtype = FP4Dtype.E2M1, *, rowwise: bool = True, columnwise: bool = True,
+                 with_amax_reduction: bool = False, amax_reduction_group: Optional[object] = None,
+                 with_rht: bool = False, with_post_rht_amax: Optional[bool] = None,
+                 with_2d_quantization: bool = False, stochastic_rounding: bool = False,
+                 with_random_sign_mask: bool = True, generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(fp4_dtype, with_rht=with_rht, stochastic_rounding=stochastic_rounding,
+                         with_random_sign_mask=with_random_sign_mask, generator=generator, rowwise=rowwise,
+                         columnwise=columnwise)
+        if with_rht and with_post_rht_amax is False:
+            raise ValueError("NVFP4Quantizer: with_rht takes the amax after the transform (with_post_rht_amax); "
+                             "TransformerEngine implements no other mode")
+        if with_amax_reduction and amax_reduction_group is None:
+            raise ValueError("NVFP4Quantizer: with_amax_reduction needs an amax_reduction_group")
+        self.with_post_rht_amax = bool(with_rht)
+        self.with_2d_quantization = bool(with_2d_quantization)
+        self.amax_reduction_group = amax_reduction_group
+
+    def _quantize_2d(self, t: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed codes (rows, cols / 2), E4M3 scales (rows, cols / 16)) of a 2-D tensor under global amax."""
+        rows, cols = t.shape
+        tile = 16 if self.with_2d_quantization else 1
+        blocks = t.float().reshape(rows // tile, tile, cols // 16, 16)
+        scale, encode = nvfp4_block_scales(blocks.abs().amax(dim=(1, 3)), nvfp4_global_encode_scale(amax))
+        data = self._encode((blocks * encode[:, None, :, None]).reshape(rows, cols))
+        return data, (scale.repeat_interleave(tile, dim=0) if tile > 1 else scale)
+
+    def quantize(self, x: torch.Tensor) -> NVFP4TensorStorage:
+        x2d = _fp4_2d(x, 16, "NVFP4")
+        out = NVFP4TensorStorage(self.fp8_dtype, x.shape, x.dtype, with_2d_quantization=self.with_2d_quantization)
+        col = self._columnwise_source(x2d) if self.columnwise_usage else None
+        amax = _fp4_amax(x2d)
+        amax_col = _fp4_amax(col) if col is not None and self.with_rht else amax
+        if self.amax_reduction_group is not None:
+            both = torch.cat([amax, amax_col])
+            torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
+            amax, amax_col = both[:1], both[1:]
+        out.amax_rowwise, out.amax_columnwise = amax, amax_col
+        if self.rowwise_usage:
+            data, out.rowwise_scale_inv = self._quantize_2d(x2d, amax)
+            out.rowwise_data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
+        if col is not None:
+            out.columnwise_data, out.columnwise_scale_inv = self._quantize_2d(col, amax_col)
+            out.columnwise_rht_sign_mask = self.rht_sign_mask if self.with_rht else None
+        return out
+
+
+class MXFP4Quantizer(_FP4Quantizer):
+    """MXFP4: E2M1 codes with an E8M0 (power-of-2) scale per 32 elements along the last stored dim. `rounding`
+    "floor" (the OCP MX rule: 2^(floor(log2(amax)) - 2), 2 being E2M1's emax; elements saturate to +-6) or
+    "ceil" (2^ceil(log2(amax / 6))). A block holding NaN/Inf stores the NaN scale 0xFF. Rowwise blocks run
+    along the last dim, columnwise blocks along the first (flattened) one, Hadamard-transformed first with
+    `with_rht`. Both dims of the 2-D form must be divisible by 32."""
+
+    def __init__(self, fp4_dtype: FP4Dtype = FP4Dtype.E2M1, *, rowwise: bool = True, columnwise: bool = True,
+                 rounding: str = "floor", block_len: int = 32, with_rht: bool = False,
+                 stochastic_rounding: bool = False, with_random_sign_mask: bool = True,
+                 generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(fp4_dtype, with_rht=with_rht, stochastic_rounding=stochastic_rounding,
+                         with_random_sign_mask=with_random_sign_mask, generator=generator, rowwise=rowwise,
+                         columnwise=columnwise)
+        if rounding not in ("floor", "ceil"):
+            raise ValueError(f"rounding must be 'floor' or 'ceil', got {rounding!r}")
+        if block_len % 16:
+            raise ValueError(f"block_len must be a multiple of 16, got {block_len!r}")
+        self.rounding = rounding
+        self.block_len = block_len
+
+    def _quantize_2d(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed codes (rows, cols / 2), E8M0 scales (rows, cols / block_len)) of a 2-D tensor."""
+        rows, cols = t.shape
+        blocks = t.float().reshape(rows, cols // self.block_len, self.block_len)
+        amax = blocks.abs().amax(dim=-1)
+        exponent = mx_scale_exponent(amax, FP4Dtype.E2M1.max, FP4Dtype.E2M1.emax, self.rounding)
+        code = torch.where(torch.isfinite(amax), e8m0_encode(exponent), 0xFF)
+        scale = torch.ldexp(torch.ones_like(amax), exponent)
+        return self._encode((blocks / scale[:, :, None]).reshape(rows, cols)), code
+
+    def quantize(self, x: torch.Tensor) -> MXFP4TensorStorage:
+        x2d = _fp4_2d(x, self.block_len, "MXFP4")
+        out = MXFP4TensorStorage(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
+        if self.rowwise_usage:
+            data, out.rowwise_scale_inv = self._quantize_2d(x2d)
+            out.rowwise_data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
+        if self.columnwise_usage:
+            out.columnwise_data, out.columnwise_scale_inv = self._quantize_2d(self._columnwise_source(x2d))
+            out.columnwise_rht_sign_mask = self.rht_sign_mask if self.with_rht else None
         return out
 
 

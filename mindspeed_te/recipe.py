@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal, NamedTuple, Optional, Union
 
 from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.fp4 import FP4Dtype
 
 __all__ = [
     "Format",
@@ -24,6 +25,9 @@ __all__ = [
     "Float8CurrentScaling",
     "Float8BlockScaling",
     "MXFP8BlockScaling",
+    "FP4Format",
+    "NVFP4BlockScaling",
+    "MXFP4BlockScaling",
     "recipe_from_name",
     "recipe_to_config",
     "recipe_from_config",
@@ -75,12 +79,55 @@ class Format(enum.Enum):
         return cls[key]
 
 
+class FP4Format(enum.Enum):
+    """TransformerEngine's `Format.E2M1` (max 6 forward and backward): the element format of the FP4 recipes.
+    It is reached as `Format.E2M1`, TE's spelling, but is not a member of Format, whose members are the FP8
+    formats (iterating Format, `Format.from_name` and `--fp8-format` list those only)."""
+
+    E2M1 = _FormatHelper("E2M1", "E2M1", 6.0, 6.0)
+
+    @property
+    def fwd_dtype(self) -> FP4Dtype:
+        return FP4Dtype[self.value.fwd]
+
+    @property
+    def bwd_dtype(self) -> FP4Dtype:
+        return FP4Dtype[self.value.bwd]
+
+    @property
+    def max_fwd(self) -> float:
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        return self.value.max_bwd
+
+
+Format.E2M1 = FP4Format.E2M1  # an attribute of the enum class, not a member
+
+
+def _format_named(name: str) -> Union[Format, FP4Format]:
+    """Format[name], or FP4Format.E2M1 for "E2M1" (a recipe description's format)."""
+    return FP4Format[name] if name in FP4Format.__members__ else Format[name]
+
+
 @dataclass(frozen=True)
 class QParams:
-    """Quantization parameters of one tensor role (input, weight or gradient)."""
+    """Quantization parameters of one tensor role (input, weight or gradient). The last three are TE's FP4
+    options (the FP4 recipes set them; FP8 recipes ignore them, and the repr shows them only when set, so FP8
+    recipe keys are as before): a random Hadamard transform of the columnwise (wgrad) form, stochastic
+    rounding, 16x16 2-D block scales."""
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+    def __repr__(self) -> str:
+        shown = [f.name for f in dataclasses.fields(self)
+                 if f.name in ("power_2_scale", "amax_epsilon") or getattr(self, f.name)]
+        return "QParams(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in shown) + ")"
 
     def __post_init__(self) -> None:
         if not isinstance(self.amax_epsilon, (int, float)) or self.amax_epsilon < 0:
@@ -170,6 +217,12 @@ class Recipe:
 
     def mxfp8(self) -> bool:
         return isinstance(self, MXFP8BlockScaling)
+
+    def nvfp4(self) -> bool:
+        return isinstance(self, NVFP4BlockScaling)
+
+    def mxfp4(self) -> bool:
+        return isinstance(self, MXFP4BlockScaling)
 
     def key(self) -> str:
         """A string identifying the recipe's configuration (used for amax-reduction grouping and checkpoints).
@@ -400,6 +453,187 @@ class MXFP8BlockScaling(Recipe):
             )
 
 
+def _env_flag(name: str) -> Callable[[], bool]:
+    """A default read from the environment at construction ("1": True), as TE's class-level os.getenv reads it
+    at import."""
+    return lambda: os.getenv(name, "0") == "1"
+
+
+def _env_text(name: str, default: str) -> Callable[[], str]:
+    return lambda: os.getenv(name, default)
+
+
+_FP4_ROLES = ("fp4_quant_fwd_inp", "fp4_quant_fwd_weight", "fp4_quant_bwd_grad")
+
+
+class _FP4Recipe(Recipe):
+    """What the FP4 recipes share: E2M1 elements (`fp4_format`, TE's `Format.E2M1`), and per role the QParams
+    `fp4_quant_fwd_inp` (inputs and outputs), `fp4_quant_fwd_weight`, `fp4_quant_bwd_grad` (gradients), made
+    from the fields at construction. As in TE they are plain attributes, which may be replaced afterwards (TE's
+    own tests do); they are part of `key()`. `fwd_target_max` / `bwd_target_max` must stay None (the formats
+    fix where an amax maps: 6 for E2M1 elements, 448 for NVFP4's E4M3 block scales)."""
+
+    fp4_format: FP4Format
+    fp4_quant_fwd_inp: QParams
+    fp4_quant_fwd_weight: QParams
+    fp4_quant_bwd_grad: QParams
+
+    def _role_qparams(self) -> tuple[QParams, QParams, QParams]:
+        raise NotImplementedError
+
+    def __post_init__(self) -> None:
+        for name, value in zip(_FP4_ROLES, self._role_qparams()):
+            setattr(self, name, value)
+        super().__post_init__()
+
+    def qparams_changed(self) -> bool:
+        """Whether a role's QParams was replaced after construction (then the fields no longer describe it)."""
+        return tuple(getattr(self, name, None) for name in _FP4_ROLES) != self._role_qparams()
+
+    def validate(self) -> None:
+        super().validate()
+        name = type(self).__name__
+        if self.fp4_format is not FP4Format.E2M1:
+            raise ValueError(f"{name}.fp4_format must be Format.E2M1, got {self.fp4_format!r}")
+        if self.fwd_target_max is not None or self.bwd_target_max is not None:
+            raise ValueError(f"{name} takes no fwd_target_max/bwd_target_max: E2M1 (6) and its scale formats fix "
+                             "the targets")
+        for role in _FP4_ROLES:
+            if not isinstance(getattr(self, role, None), QParams):
+                raise TypeError(f"{name}.{role} must be a QParams, got {getattr(self, role, None)!r}")
+
+    def key(self) -> str:
+        key = self.__dict__.get("_key")
+        if key is None:
+            roles = ", ".join(f"{role}={getattr(self, role, None)!r}" for role in _FP4_ROLES)
+            key = self.__dict__["_key"] = f"{Recipe.key(self)}[{roles}]"
+        return key
+
+
+_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+
+
+@dataclass
+class NVFP4BlockScaling(_FP4Recipe):
+    """TransformerEngine's NVFP4 recipe: E2M1 elements, one E4M3 scale per 16 consecutive elements under one
+    float32 per-tensor scale from the tensor's amax (the rules in mindspeed_te/fp4.py, bit for bit TE's), both
+    layouts quantized from the high-precision tensor. TE's fields, defaults and environment switches (read
+    at construction):
+
+    - disable_rht (NVTE_NVFP4_DISABLE_RHT=1): no random Hadamard transform; otherwise the columnwise (wgrad)
+      forms of inputs and gradients are transformed in 16-element runs along the token dim before their amax
+      and cast (both wgrad operands alike, so the GEMM's product is unchanged);
+    - disable_stochastic_rounding (NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1): gradients round to nearest
+      instead of stochastically;
+    - disable_2d_quantization (NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1): weights use 1x16 blocks instead of 16x16
+      tiles (with tiles the columnwise form is the exact transpose of the rowwise one);
+    - row_scaled_activation (NVTE_NVFP4_ROW_SCALED_ACTIVATION), nvfp4_4over6 (NVTE_NVFP4_4OVER6, 'none' |
+      'weights' | 'activations' | 'all'), nvfp4_4over6_e4m3_use_256 (NVTE_NVFP4_4OVER6_E4M3_USE_256, default
+      'all'), nvfp4_4over6_err_mode (NVTE_NVFP4_4OVER6_ERR_MODE, 'MAE' | 'MSE'), backward_override
+      (NVTE_BACKWARD_OVERRIDE, None | 'high_precision' | 'dequantized'): TE 2.16+'s options; only their
+      defaults are implemented here, another value is refused naming the field;
+    - fp4_format (Format.E2M1 only), fp8_format (Format.E4M3 only: the block scales' format), fp8_dpa, fp8_mha.
+
+    Then ours: override_linear_precision (only the wgrad GEMM may stay in high precision), fwd_target_max /
+    bwd_target_max (None only). The per-role QParams (TE's): fp4_quant_fwd_inp = QParams(random_hadamard_
+    transform=not disable_rht), fp4_quant_fwd_weight = QParams(fp4_2d_quantization=not disable_2d_quantization),
+    fp4_quant_bwd_grad = QParams(random_hadamard_transform=not disable_rht, stochastic_rounding=not
+    disable_stochastic_rounding); power_2_scale and amax_epsilon are ignored, as in TE. Tensors need both dims
+    of their 2-D form divisible by 16.
+    """
+
+    disable_rht: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_RHT"))
+    disable_stochastic_rounding: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"))
+    disable_2d_quantization: bool = field(default_factory=_env_flag("NVTE_NVFP4_DISABLE_2D_QUANTIZATION"))
+    row_scaled_activation: bool = field(default_factory=_env_flag("NVTE_NVFP4_ROW_SCALED_ACTIVATION"))
+    nvfp4_4over6: str = field(default_factory=_env_text("NVTE_NVFP4_4OVER6", "none"))
+    nvfp4_4over6_e4m3_use_256: str = field(default_factory=_env_text("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all"))
+    nvfp4_4over6_err_mode: str = field(
+        default_factory=lambda: os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE").upper())
+    fp4_format: FP4Format = FP4Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = field(default_factory=lambda: os.getenv("NVTE_BACKWARD_OVERRIDE", None))
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    fwd_target_max: Optional[float] = None
+    bwd_target_max: Optional[float] = None
+
+    _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3,)
+
+    def _role_qparams(self) -> tuple[QParams, QParams, QParams]:
+        return (QParams(random_hadamard_transform=not self.disable_rht),
+                QParams(fp4_2d_quantization=not self.disable_2d_quantization),
+                QParams(random_hadamard_transform=not self.disable_rht,
+                        stochastic_rounding=not self.disable_stochastic_rounding))
+
+    def validate(self) -> None:
+        super().validate()
+        checks = (("nvfp4_4over6", _NVFP4_4OVER6_SCOPES), ("nvfp4_4over6_e4m3_use_256", _NVFP4_4OVER6_SCOPES),
+                  ("nvfp4_4over6_err_mode", ("MAE", "MSE")), ("backward_override", (None, "high_precision",
+                                                                                     "dequantized")))
+        for name, allowed in checks:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"NVFP4BlockScaling.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name, default in (("row_scaled_activation", False), ("nvfp4_4over6", "none"), ("backward_override", None)):
+            if getattr(self, name) != default:
+                raise ValueError(f"NVFP4BlockScaling.{name}={getattr(self, name)!r} is TransformerEngine's but not "
+                                 f"implemented here (only {default!r}); unset its environment variable")
+
+
+@dataclass
+class MXFP4BlockScaling(_FP4Recipe):
+    """MXFP4 as the Ascend 950 runs it (ours; TE has no MXFP4 recipe): E2M1 elements, one E8M0 (power-of-2)
+    scale per 32 consecutive elements, by the OCP MX rule by default: a block's scale is 2^(floor(log2(amax)) -
+    2), 2 being E2M1's emax (6 = 1.5 * 2^2), and elements saturate to +-6 (`scale_rounding="ceil"`:
+    2^ceil(log2(amax / 6)), nothing saturates). Tensors need both dims of their 2-D form divisible by 32.
+
+    - random_hadamard_transform: the columnwise (wgrad) forms of inputs and gradients are transformed as in
+      NVFP4BlockScaling (16-element runs, TE's signs) before their blocks are scaled;
+    - stochastic_rounding: gradients round stochastically (TE's rule, mindspeed_te/fp4.py);
+    - fp8_activations: weights in MXFP4, inputs and gradients in MXFP8 (fp8_format's forward / backward
+      element, E4M3 by default, HYBRID for E5M2 gradients) with the same scale rule: the 950's MXFP8 x MXFP4
+      GEMM. The stabilisers act on FP4 tensors only, so they cannot be combined with it.
+    - fp4_format (Format.E2M1), fp8_format, fp8_dpa, fp8_mha, override_linear_precision, fwd_target_max /
+      bwd_target_max (None only) as in the other recipes.
+
+    Per role: fp4_quant_fwd_inp = QParams(random_hadamard_transform=...), fp4_quant_fwd_weight = QParams(),
+    fp4_quant_bwd_grad = QParams(random_hadamard_transform=..., stochastic_rounding=...); MX blocks are 1x32,
+    so fp4_2d_quantization is refused.
+    """
+
+    fp4_format: FP4Format = FP4Format.E2M1
+    fp8_format: Format = Format.E4M3
+    scale_rounding: Literal["floor", "ceil"] = "floor"
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp8_activations: bool = False
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    fwd_target_max: Optional[float] = None
+    bwd_target_max: Optional[float] = None
+
+    _ALLOWED_FORMATS: ClassVar[tuple[Format, ...]] = (Format.E4M3, Format.HYBRID)
+
+    def _role_qparams(self) -> tuple[QParams, QParams, QParams]:
+        return (QParams(random_hadamard_transform=self.random_hadamard_transform), QParams(),
+                QParams(random_hadamard_transform=self.random_hadamard_transform,
+                        stochastic_rounding=self.stochastic_rounding))
+
+    def validate(self) -> None:
+        super().validate()
+        if self.scale_rounding not in ("floor", "ceil"):
+            raise ValueError(f"MXFP4BlockScaling.scale_rounding must be 'floor' or 'ceil', got {self.scale_rounding!r}")
+        for role in _FP4_ROLES:
+            if getattr(self, role).fp4_2d_quantization:
+                raise ValueError(f"MXFP4BlockScaling.{role}: fp4_2d_quantization is not an MX layout (1x32 blocks)")
+        if self.fp8_activations and any(getattr(self, role).random_hadamard_transform
+                                        or getattr(self, role).stochastic_rounding for role in _FP4_ROLES):
+            raise ValueError("MXFP4BlockScaling.fp8_activations: inputs and gradients are MXFP8, and "
+                             "random_hadamard_transform / stochastic_rounding act on FP4 tensors only")
+
+
 _RECIPE_NAMES = {
     "delayed": DelayedScaling,
     "hif8_delayed": HIF8DelayedScaling,
@@ -417,7 +651,7 @@ def recipe_from_name(name: str, fp8_format: Union[Format, str], **kwargs) -> Rec
     return _RECIPE_NAMES[name](fp8_format=fmt, **kwargs)
 
 
-_RECIPE_TYPES = {cls.__name__: cls for cls in _RECIPE_NAMES.values()}
+_RECIPE_TYPES = {cls.__name__: cls for cls in (*_RECIPE_NAMES.values(), NVFP4BlockScaling, MXFP4BlockScaling)}
 _FIELD_TYPES = {cls.__name__: cls for cls in (QParams, MMParams)}
 
 
@@ -426,12 +660,14 @@ def recipe_to_config(recipe: Recipe) -> Optional[dict]:
     cannot be rebuilt from them: a callable field, or a recipe class of the caller's own."""
     if _RECIPE_TYPES.get(type(recipe).__name__) is not type(recipe):
         return None
+    if isinstance(recipe, _FP4Recipe) and recipe.qparams_changed():
+        return None  # a role's QParams replaced after construction: not a field
     fields = {}
     for f in dataclasses.fields(recipe):
         if not f.init:
             continue
         value = getattr(recipe, f.name)
-        if isinstance(value, Format):
+        if isinstance(value, (Format, FP4Format)):
             value = {"Format": value.name}
         elif type(value).__name__ in _FIELD_TYPES:
             value = {type(value).__name__: dataclasses.asdict(value)}
@@ -447,7 +683,7 @@ def recipe_from_config(config: dict) -> Recipe:
         fields = {}
         for name, value in config["fields"].items():
             if isinstance(value, dict) and "Format" in value:
-                value = Format[value["Format"]]
+                value = _format_named(value["Format"])
             elif isinstance(value, dict):
                 (kind, params), = value.items()
                 value = _FIELD_TYPES[kind](**params)

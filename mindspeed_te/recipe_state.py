@@ -17,7 +17,9 @@ from mindspeed_te.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8WarmupQuantizer,
+    MXFP4Quantizer,
     MXFP8Quantizer,
+    NVFP4Quantizer,
     Quantizer,
 )
 from mindspeed_te.recipe import (
@@ -25,7 +27,9 @@ from mindspeed_te.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     HIF8DelayedScaling,
+    MXFP4BlockScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     QParams,
     Recipe,
 )
@@ -38,6 +42,8 @@ __all__ = [
     "Float8CurrentScalingRecipeState",
     "Float8BlockScalingRecipeState",
     "MXFP8BlockScalingRecipeState",
+    "NVFP4BlockScalingRecipeState",
+    "MXFP4BlockScalingRecipeState",
     "FORWARD_ROLES",
     "BACKWARD_ROLES",
 ]
@@ -197,6 +203,55 @@ class MXFP8BlockScalingRecipeState(RecipeState):
     def make_quantizers(self) -> list[Quantizer]:
         return self._watched([MXFP8Quantizer(self.fp8_dtype, rounding=self.recipe.scale_rounding)
                               for _ in range(self.num_quantizers)])
+
+
+def _fp4_qparams(recipe: Recipe, role: str) -> QParams:
+    """TE's dispatch of an FP4 recipe's QParams: gradients `fp4_quant_bwd_grad`, weights `fp4_quant_fwd_weight`,
+    inputs and outputs `fp4_quant_fwd_inp`."""
+    if role in BACKWARD_ROLES:
+        return recipe.fp4_quant_bwd_grad
+    return recipe.fp4_quant_fwd_weight if role == "weight" else recipe.fp4_quant_fwd_inp
+
+
+class NVFP4BlockScalingRecipeState(RecipeState):
+    """NVFP4 keeps no state: one NVFP4Quantizer per slot with its role's QParams (TE's
+    NVFP4BlockScalingRecipeState): a random Hadamard transform of the columnwise form, stochastic rounding,
+    16x16 tiles as they say."""
+
+    def __init__(self, recipe: NVFP4BlockScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device, roles)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        quantizers: list[Quantizer] = []
+        for role in self.roles:
+            q = _fp4_qparams(self.recipe, role)
+            quantizers.append(NVFP4Quantizer(with_rht=q.random_hadamard_transform,
+                                             with_2d_quantization=q.fp4_2d_quantization,
+                                             stochastic_rounding=q.stochastic_rounding))
+        return self._watched(quantizers)
+
+
+class MXFP4BlockScalingRecipeState(RecipeState):
+    """MXFP4 keeps no state: per slot an MXFP4Quantizer with its role's QParams, or, with `fp8_activations`,
+    an MXFP8Quantizer (the recipe's forward or backward FP8 element, the same scale rule) for every role but
+    the weights."""
+
+    def __init__(self, recipe: MXFP4BlockScaling, *, mode: Mode, num_quantizers: int = 1,
+                 device: Optional[torch.device] = None, roles: Optional[Sequence[str]] = None) -> None:
+        super().__init__(recipe, mode, num_quantizers, device, roles)
+
+    def make_quantizers(self) -> list[Quantizer]:
+        recipe: MXFP4BlockScaling = self.recipe
+        quantizers: list[Quantizer] = []
+        for role in self.roles:
+            if recipe.fp8_activations and role != "weight":
+                quantizers.append(MXFP8Quantizer(recipe.fp8_dtype(self.forward), rounding=recipe.scale_rounding))
+                continue
+            q = _fp4_qparams(recipe, role)
+            quantizers.append(MXFP4Quantizer(rounding=recipe.scale_rounding, with_rht=q.random_hadamard_transform,
+                                             stochastic_rounding=q.stochastic_rounding))
+        return self._watched(quantizers)
 
 
 class ScaleInv:
@@ -491,4 +546,6 @@ _STATE_TYPES: dict[type, type[RecipeState]] = {
     Float8CurrentScaling: Float8CurrentScalingRecipeState,
     Float8BlockScaling: Float8BlockScalingRecipeState,
     MXFP8BlockScaling: MXFP8BlockScalingRecipeState,
+    NVFP4BlockScaling: NVFP4BlockScalingRecipeState,
+    MXFP4BlockScaling: MXFP4BlockScalingRecipeState,
 }

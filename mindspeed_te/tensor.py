@@ -18,9 +18,11 @@ import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, cast_from_fp8, decode_table
+from mindspeed_te.fp4 import e2m1_decode, inverse_hadamard_transform, nvfp4_decode_scale, unpack_fp4
 from mindspeed_te.scaling import e8m0_decode
 
-__all__ = ["QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage"]
+__all__ = ["QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
+           "NVFP4TensorStorage", "MXFP4TensorStorage"]
 
 
 def _as_2d(shape: torch.Size) -> tuple[int, int]:
@@ -328,3 +330,97 @@ class MXFP8TensorStorage(_TiledTensor):
 
     def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
         return e8m0_decode(scale_inv)
+
+
+@dataclass
+class _FP4TensorStorage(QuantizedTensorStorage):
+    """FP4 data: E2M1 codes packed two per byte (element 2i of the last stored dim in the low nibble, 2i + 1 in the
+    high one) with one scale per `block_len` elements along it. Rowwise data has the tensor's shape with the last
+    dim halved, scales (M, K / block_len) for its (M, K) 2-D form; the columnwise form is the quantized transpose,
+    data (K, M / 2), scales (K, M / block_len). `columnwise_rht_sign_mask`: None, or the sign mask of the random
+    Hadamard transform the columnwise form was quantized after (mindspeed_te/fp4.py): its values are then those
+    of the transpose transformed in 16-element runs along M, which `columnwise_hadamard_values` returns exactly
+    and `dequantize(columnwise=True)` transforms back (in float32)."""
+
+    rowwise_data: Optional[torch.Tensor] = None
+    rowwise_scale_inv: Optional[torch.Tensor] = None
+    columnwise_data: Optional[torch.Tensor] = None
+    columnwise_scale_inv: Optional[torch.Tensor] = None
+    columnwise_rht_sign_mask: Optional[int] = None
+    block_len: int = 16
+
+    def has_data(self, columnwise: bool = False) -> bool:
+        return (self.columnwise_data if columnwise else self.rowwise_data) is not None
+
+    def _multipliers(self, columnwise: bool) -> torch.Tensor:
+        """The float32 multiplier of each block's codes, (rows, k / block_len) of the stored form."""
+        raise NotImplementedError
+
+    def _values_2d(self, columnwise: bool) -> torch.Tensor:
+        """The exact float32 values of the stored form: (M, K) rowwise, (K, M) columnwise."""
+        self._require(columnwise)
+        m, k = _as_2d(self.shape)
+        rows, cols = (k, m) if columnwise else (m, k)
+        data = self.columnwise_data if columnwise else self.rowwise_data.reshape(rows, cols // 2)
+        values = e2m1_decode(unpack_fp4(data)).reshape(rows, -1, self.block_len)
+        return (values * self._multipliers(columnwise)[:, :, None]).reshape(rows, cols)
+
+    def columnwise_hadamard_values(self) -> torch.Tensor:
+        """The columnwise form's exact float32 values as stored, (K, M): for a Hadamard-transformed form, the
+        transformed values (two such operands of one GEMM contract to the product: the transform is orthogonal)."""
+        return self._values_2d(True)
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        values = self._values_2d(columnwise)
+        if columnwise:
+            if self.columnwise_rht_sign_mask is not None:
+                values = inverse_hadamard_transform(values, self.columnwise_rht_sign_mask)
+            values = values.t()
+        return _to(values.reshape(self.shape), dtype)
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is False:
+            self.rowwise_data = self.rowwise_scale_inv = None
+        if columnwise is False:
+            self.columnwise_data = self.columnwise_scale_inv = None
+
+    def nbytes(self) -> int:
+        return _nbytes(*(v for v in vars(self).values() if isinstance(v, torch.Tensor)))
+
+
+@dataclass
+class NVFP4TensorStorage(_FP4TensorStorage):
+    """NVFP4 (TransformerEngine's name): one E4M3 scale (torch.float8_e4m3fn) per 16 elements and the float32
+    amax of the data each form was quantized from (`amax_rowwise`; `amax_columnwise`, which differs only after a
+    Hadamard transform), from which the per-tensor scale follows. A value is code * ((float(scale) * amax) *
+    float32(1 / 2688)), TE's dequantize kernel. With 16x16 tiles (`with_2d_quantization`, weights) the 16 rows
+    of a tile hold the same scale, and the columnwise form is the exact transpose of the rowwise one."""
+
+    amax_rowwise: Optional[torch.Tensor] = None
+    amax_columnwise: Optional[torch.Tensor] = None
+    with_2d_quantization: bool = False
+
+    def _multipliers(self, columnwise: bool) -> torch.Tensor:
+        scale, amax = ((self.columnwise_scale_inv, self.amax_columnwise) if columnwise
+                       else (self.rowwise_scale_inv, self.amax_rowwise))
+        return nvfp4_decode_scale(scale, amax)
+
+    def nonfinite_scales(self) -> torch.Tensor:
+        """The amax a form was quantized from: NaN or Inf exactly when the data held NaN/Inf (a transform of such
+        data holds them too)."""
+        amax = self.amax_rowwise if self.rowwise_data is not None or self.amax_columnwise is None else None
+        return amax if amax is not None else self.amax_columnwise
+
+
+@dataclass
+class MXFP4TensorStorage(_FP4TensorStorage):
+    """MXFP4: one E8M0 scale (uint8, value 2^(b - 127), 0xFF NaN: a block that held NaN/Inf) per 32 elements."""
+
+    block_len: int = 32
+
+    def _multipliers(self, columnwise: bool) -> torch.Tensor:
+        return e8m0_decode(self.columnwise_scale_inv if columnwise else self.rowwise_scale_inv)
+
+    def nonfinite_scales(self) -> torch.Tensor:
+        return self.rowwise_scale_inv if self.rowwise_scale_inv is not None else self.columnwise_scale_inv

@@ -1,0 +1,245 @@
+"""FP4 (E2M1) elements and the element-level rules of the FP4 recipes, as pure functions on tensors.
+
+- E2M1 codes: 1 sign, 2 exponent, 1 mantissa bit, values +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, no Inf or NaN (the
+  OCP MX spec's FP4; `ml_dtypes.float4_e2m1fn`). Encoding rounds to nearest, ties to even, and saturates to
+  +-6 (Inf included), as ml_dtypes does and as TransformerEngine's NVFP4 cast (`cvt.rn.satfinite`) needs. NaN,
+  which E2M1 cannot hold, becomes +6 (code 0x7): TE's satfinite rule (transformer_engine/common/util/ptx.cuh,
+  `stochastic_round_fp4_e2m1`: "NaN becomes positive MAX_NORM"); ml_dtypes gives +-0 there and TE's Python
+  reference quantizer 0. The recipes never rely on it: a block holding NaN gets a NaN scale.
+- Stochastic rounding (TE's rule for gradients): with 8 random bits r per element, u = r / 256, step the grid
+  spacing at |x| (0.5 below 2, 1 in [2, 4), 2 from 4), t = |x| + u * step rounded once to float32, the result
+  is t rounded down onto the grid in the spacing at t, at most 6, with x's sign (NaN: +6). E[result] = |x| up
+  to step / 256 (the bits' resolution); TE's software path for chips without `cvt.rs` computes exactly this.
+- Packing: two codes per byte, the even element (along the last dim) in the low nibble, the odd one in the
+  high nibble (TE: `cvt.rn.satfinite.e2m1x2.f32 d, a, b` puts b in the low nibble and TE passes element 2i as
+  b; its reference quantizer packs `codes[:, ::2] + codes[:, 1::2] * 16`).
+- The random Hadamard transform (RHT) of TE's NVFP4 recipe: each run of 16 elements along the last dim is
+  multiplied by the orthogonal 16x16 matrix diag(s) H / 4, H the Sylvester Hadamard matrix (H[i, j] =
+  (-1)^popcount(i & j)) and s TE's fixed sign vector, here its bit mask 0xD7E8 (bit i set: row i negated;
+  TE's `rht_matrix_random_sign_mask_t`). The result is rounded to the input's dtype (TE transforms bfloat16
+  data and rounds the transform to bfloat16 before its amax and cast).
+- NVFP4 scales (TE's `compute_global_encode_scaling_factor_FP4`, `compute_decoding_scaling_factor`, the
+  quantize and dequantize kernels): S_enc = 448 * 6 / amax in float32 (at most FLT_MAX; 1 where amax is 0 or
+  the quotient is 0), S_dec = 1 / S_enc; a block's E4M3 scale is block_amax * (S_enc * float32(1/6)) rounded
+  to E4M3 (clamped to 448); its encode multiplier 1 / (float(scale) * S_dec) (at most FLT_MAX); codes are
+  E2M1(x * multiplier). Dequantized: code * ((float(scale) * amax) * float32(1 / 2688)).
+
+Stochastic rounding draws its bits from a torch.Generator: the quantizer's own when it has one, else the
+hook set with `set_stochastic_rounding_generator` (a function of the device returning a generator, e.g. one
+forked from Megatron's CUDA RNG tracker so that tensor-parallel ranks draw as the model's RNG state says),
+else the device's default generator (TE's choice: its kernels take their Philox state from the default CUDA
+generator, so `torch.manual_seed` and the tracker's `fork()` govern them).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+import torch
+
+__all__ = [
+    "FP4Dtype",
+    "E2M1_VALUES",
+    "E2M1_MAX",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_fp4",
+    "unpack_fp4",
+    "RHT_SIZE",
+    "RHT_SIGN_MASK",
+    "rht_matrix",
+    "random_hadamard_transform",
+    "inverse_hadamard_transform",
+    "nvfp4_global_encode_scale",
+    "nvfp4_block_scales",
+    "nvfp4_decode_scale",
+    "set_stochastic_rounding_generator",
+    "stochastic_rounding_bits",
+]
+
+E2M1_MAX = 6.0
+# Code -> value: codes 0-7 the magnitudes, bit 3 the sign.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_NAN_CODE = 0x7
+
+E4M3_MAX = 448.0
+FLT_MAX = torch.finfo(torch.float32).max
+_FP4_MAX_INV = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # float32(1/6), TE's constexpr
+_DEQUANT_FACTOR = torch.tensor(1.0 / (6.0 * 448.0), dtype=torch.float32).item()  # float32(1/2688)
+
+
+class FP4Dtype(enum.Enum):
+    """Element format of FP4 data."""
+
+    E2M1 = "e2m1"
+
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        return E2M1_MAX
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal value (6 = 1.5 * 2^2), the OCP MX scale rule's emax."""
+        return 2
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The torch dtype holding the data: uint8, two codes per byte."""
+        return torch.uint8
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _values(device: torch.device) -> torch.Tensor:
+    table = _TABLES.get(device)
+    if table is None:
+        table = _TABLES[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return table
+
+
+def _spacing(a: torch.Tensor) -> torch.Tensor:
+    """The E2M1 grid spacing at magnitude a: 0.5 below 2, 1 in [2, 4), 2 from 4 (NaN: 2)."""
+    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+
+
+def e2m1_encode(x: torch.Tensor, rbits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """E2M1 codes (uint8 in [0, 16), x's shape, one per byte) of the float32 values of x: round to nearest even,
+    saturating to +-6, or with `rbits` (integers in [0, 256), x's shape) stochastic rounding (module docstring).
+    -0 and negative values that round to 0 keep their sign (code 8); NaN -> 0x7."""
+    if not x.is_floating_point():
+        raise TypeError(f"e2m1_encode expects a floating-point tensor, got {x.dtype}")
+    x = x.detach().float()
+    a = x.abs()
+    if rbits is None:
+        a = a.clamp(max=E2M1_MAX)
+        q = torch.round(a / _spacing(a)) * _spacing(a)  # exact: a / step scales by a power of 2; ties to even
+    else:
+        if rbits.shape != x.shape:
+            raise ValueError(f"rbits must have x's shape {tuple(x.shape)}, got {tuple(rbits.shape)}")
+        t = a + rbits.float().mul_(1.0 / 256.0) * _spacing(a)  # u * step is exact: one rounding, as fmaf
+        step = _spacing(t)
+        q = torch.floor(t / step).mul_(step).clamp_(max=E2M1_MAX)
+    magnitude = torch.where(q < 2.0, q * 2.0, torch.where(q < 4.0, q + 2.0, q * 0.5 + 4.0))
+    codes = magnitude.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
+    return torch.where(torch.isnan(x), torch.full_like(codes, _NAN_CODE), codes)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Exact float32 values of E2M1 codes (integers in [0, 16), one per element)."""
+    return _values(codes.device)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte along the last dim (even length): element 2i in the low nibble, 2i + 1 in the high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"packing FP4 needs an even last dim, got shape {tuple(codes.shape)}")
+    codes = codes.to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """The codes of packed FP4 bytes, one per byte, the last dim twice as long."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed FP4 data is uint8, got {packed.dtype}")
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# The random Hadamard transform ------------------------------------------------------------------------------
+RHT_SIZE = 16
+RHT_SIGN_MASK = 0xD7E8  # TE's fixed signs (+ + + - + - - - - - - + - + - -), bit i set where sign i is -1
+
+_RHT: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def rht_matrix(sign_mask: int = RHT_SIGN_MASK, device: Optional[torch.device] = None) -> torch.Tensor:
+    """The float32 16x16 transform diag(s) H / 4 (orthogonal: its transpose is its inverse), s_i = -1 where bit
+    i of `sign_mask` is set (0: the plain Hadamard transform)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    key = (sign_mask, device)
+    m = _RHT.get(key)
+    if m is None:
+        i = torch.arange(RHT_SIZE)
+        popcount = torch.zeros(RHT_SIZE, RHT_SIZE, dtype=torch.int64)
+        both = i[:, None] & i[None, :]
+        for bit in range(4):
+            popcount += (both >> bit) & 1
+        hadamard = 1.0 - 2.0 * (popcount % 2).float()
+        signs = torch.tensor([-1.0 if sign_mask >> k & 1 else 1.0 for k in range(RHT_SIZE)])
+        m = _RHT[key] = (signs[:, None] * hadamard * 0.25).to(device)
+    return m
+
+
+def _blocks_of_16(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % RHT_SIZE:
+        raise ValueError(f"the Hadamard transform needs a last dim divisible by {RHT_SIZE}, got {tuple(x.shape)}")
+    return x.float().reshape(-1, RHT_SIZE)
+
+
+def random_hadamard_transform(x: torch.Tensor, sign_mask: int = RHT_SIGN_MASK) -> torch.Tensor:
+    """Each run of 16 elements along x's last dim times `rht_matrix(sign_mask)`, summed in float32 and rounded
+    to x's dtype."""
+    return (_blocks_of_16(x) @ rht_matrix(sign_mask, x.device)).reshape(x.shape).to(x.dtype)
+
+
+def inverse_hadamard_transform(y: torch.Tensor, sign_mask: int = RHT_SIGN_MASK) -> torch.Tensor:
+    """The inverse of `random_hadamard_transform` on float32 values (times the transpose), in float32."""
+    return (_blocks_of_16(y) @ rht_matrix(sign_mask, y.device).t()).reshape(y.shape)
+
+
+# NVFP4 scales -----------------------------------------------------------------------------------------------
+def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator in one IEEE float32 division."""
+    return torch.div(torch.full_like(denominator, numerator), denominator)
+
+
+def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 448 * 6 / amax (float32, at most FLT_MAX; 1 where amax is 0 or Inf). A NaN amax gives FLT_MAX,
+    as the kernel's fminf does (the tensor then dequantizes to NaN through its amax)."""
+    amax = amax.float()
+    scale = torch.fmin(_divide(E4M3_MAX * E2M1_MAX, amax), torch.full_like(amax, FLT_MAX))
+    return torch.where((amax == 0) | (scale == 0), torch.ones_like(scale), scale)
+
+
+def nvfp4_block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 decode scales (torch.float8_e4m3fn), float32 encode multipliers) of blocks with amax `block_amax`
+    under the global encode scale `s_enc` (broadcastable). A NaN block amax gives a NaN scale (the block
+    dequantizes to NaN), an Inf one 448."""
+    s_enc = s_enc.float()
+    decode = block_amax.float() * (s_enc * _FP4_MAX_INV)
+    scale = torch.clamp(torch.minimum(decode, torch.full_like(decode, FLT_MAX)), -E4M3_MAX, E4M3_MAX)
+    scale = scale.to(torch.float8_e4m3fn)
+    s_dec = _divide(1.0, s_enc)
+    denominator = scale.float() * s_dec
+    encode = torch.minimum(_divide(1.0, denominator), torch.full_like(denominator, FLT_MAX))
+    return scale, encode
+
+
+def nvfp4_decode_scale(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The float32 multiplier of a block's codes: (float(scale) * amax) * float32(1 / (6 * 448)), TE's dequantize
+    kernel's product in its order."""
+    return (scale.float() * amax.float()) * _DEQUANT_FACTOR
+
+
+# Stochastic rounding's random bits ----------------------------------------------------------------------------
+_SR_HOOK: Optional[Callable[[torch.device], Optional[torch.Generator]]] = None
+
+
+def set_stochastic_rounding_generator(hook: Optional[Callable[[torch.device], Optional[torch.Generator]]]
+                                      ) -> None:
+    """Where quantizers without a generator of their own draw stochastic rounding's bits: `hook(device)` returns
+    the torch.Generator to use (None: the device's default generator); None removes the hook. A Megatron
+    integration can return a generator whose state it forks from `tensor_parallel.get_cuda_rng_tracker()`."""
+    global _SR_HOOK
+    if hook is not None and not callable(hook):
+        raise TypeError(f"the stochastic rounding hook must be callable or None, got {type(hook).__name__}")
+    _SR_HOOK = hook
+
+
+def stochastic_rounding_bits(shape: tuple[int, ...], device: torch.device,
+                             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """8 random bits per element (uint8, `shape`) from `generator`, else the hook's, else the device's default."""
+    if generator is None and _SR_HOOK is not None:
+        generator = _SR_HOOK(torch.device(device))
+    return torch.randint(0, 256, shape, generator=generator, device=device, dtype=torch.int32).to(torch.uint8)
