@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from mindspeed_te.patches.precision_optimizer import register_precision_optimizer
 from mindspeed_te.patches.registry import resolve
 
 MODULE = "megatron.core.optimizer.distrib_optimizer"
@@ -111,3 +112,4 @@ def register_optimizer(registry) -> None:
                        ("_set_main_param_and_optimizer_states", _keeping_step)):
         target = f"{MODULE}.DistributedOptimizer.{name}"
         registry.register(target, wrap(resolve(target)))
+    register_precision_optimizer(registry)  # --use-precision-aware-optimizer: our FusedAdam, around the above

@@ -1,0 +1,95 @@
+"""Bench group "memory": bytes per parameter that training keeps, measured from the tensors that exist.
+
+The linear layers of GPT transformer layers (mindspeed_te's LayerNormLinear / Linear, their norms included;
+FP8 weights from fp8_model_init with current scaling) take one FusedAdam step; then the row counts, per
+parameter and unsharded: the weights' storage (codes and scales for FP8 weights), the gradient (Megatron's
+main_grad buffer, in --main-grads-dtype) and every tensor the optimizer holds (moments, master weights or
+their remainders, scales). The baseline is Megatron's default bf16 training: bf16 weights, fp32 main grads,
+fp32 master weights and fp32 moments, about 18 bytes. Issue 33's goal: at most 9 bytes with FP8 weights and
+8-bit moments (1 + 2 + 4 + 1 + 1 for an FP8 weight; the bf16 norms and biases cost 10 with an fp32 master, 8
+with a remainder, hence the two fp8-moment rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mindspeed_te.bench.params import gpt_layers
+from mindspeed_te.optimizers import FusedAdam
+from mindspeed_te.quantized_tensor import QuantizedTensor
+
+__all__ = ["bench_memory", "bytes_per_parameter", "COMBINATIONS"]
+
+
+@dataclass(frozen=True)
+class Combination:
+    label: str
+    fp8_weights: bool
+    grad_dtype: torch.dtype
+    master: str  # "fp32", "fp16" or "remainder" (store_param_remainders: a bf16 weight's master is the weight and
+    # an int16 remainder; an FP8 weight's stays fp32)
+    moments: str  # FusedAdam's exp_avg_dtype / exp_avg_sq_dtype
+
+
+COMBINATIONS = (
+    Combination("bf16 weights + fp32 grads, master, moments", False, torch.float32, "fp32", "fp32"),
+    Combination("bf16 weights + bf16 grads, fp32 master, bf16 moments", False, torch.bfloat16, "fp32", "bf16"),
+    Combination("bf16 weights + bf16 grads, master remainders, bf16 moments", False, torch.bfloat16, "remainder",
+                "bf16"),
+    Combination("bf16 weights + bf16 grads, master remainders, fp8 moments", False, torch.bfloat16, "remainder",
+                "fp8"),
+    Combination("fp8 weights + bf16 grads, fp32 master, bf16 moments", True, torch.bfloat16, "fp32", "bf16"),
+    Combination("fp8 weights + bf16 grads, fp32 master, fp8 moments", True, torch.bfloat16, "fp32", "fp8"),
+    # store_param_remainders (Megatron's default): the bf16 norms and biases keep remainders, FP8 weights fp32
+    Combination("fp8 weights + bf16 grads, fp32 master + remainders, fp8 moments", True, torch.bfloat16,
+                "remainder", "fp8"),
+    Combination("fp8 weights + bf16 grads, fp32 master + remainders, hif8 moments", True, torch.bfloat16,
+                "remainder", "hif8"),
+    Combination("fp8 weights + bf16 grads, fp32 master + remainders, mxfp8 moments", True, torch.bfloat16,
+                "remainder", "mxfp8"),
+    Combination("fp8 weights + bf16 grads, fp16 master, fp8 moments", True, torch.bfloat16, "fp16", "fp8"),
+)
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    if t is None:
+        return 0
+    if isinstance(t, QuantizedTensor):
+        return t._storage.nbytes()
+    return t.numel() * t.element_size()
+
+
+def bytes_per_parameter(combo: Combination, hidden: int = 256, layers: int = 2) -> dict[str, float]:
+    """{"weights", "grads", "optimizer", "total"}: bytes per parameter after one step of `combo`."""
+    torch.manual_seed(0)
+    params = list(gpt_layers(hidden, layers, combo.fp8_weights).parameters())
+    numel = sum(p.numel() for p in params)
+    optimizer = FusedAdam(params, lr=1e-4, weight_decay=0.01, master_weights=True, use_decoupled_grad=True,
+                          master_weight_dtype=torch.float16 if combo.master == "fp16" else torch.float32,
+                          store_param_remainders=combo.master == "remainder",
+                          exp_avg_dtype=combo.moments, exp_avg_sq_dtype=combo.moments)
+    for p in params:
+        p.decoupled_grad = torch.randn(p.shape).to(combo.grad_dtype) * 1e-3
+    optimizer.step()
+    state_bytes = 0
+    for p in params:
+        state_bytes += sum(_nbytes(t) for t in optimizer.state[p].values() if t is not p)
+        state_bytes += sum(_nbytes(t) for t in optimizer._scales.get(p, {}).values())
+    result = {"weights": sum(_nbytes(p) for p in params) / numel,
+              "grads": sum(_nbytes(p.decoupled_grad) for p in params) / numel,
+              "optimizer": state_bytes / numel}
+    result["total"] = sum(result.values())
+    return result
+
+
+def bench_memory(hidden: int = 256, layers: int = 2) -> list[tuple[str, float, str]]:
+    rows = []
+    for combo in COMBINATIONS:
+        b = bytes_per_parameter(combo, hidden, layers)
+        rows.append((f"bytes per parameter, {combo.label}", b["total"],
+                     f"{b['total']:.3f} = weights {b['weights']:.3f} + grads {b['grads']:.3f} + optimizer "
+                     f"{b['optimizer']:.3f} bytes "
+                     f"({layers} GPT layers hidden {hidden})"))
+    return rows
