@@ -3,12 +3,12 @@ compute what the plugin expects?
 
     python -m mindspeed_te.selfcheck [--chip Ascend950DT] [--no-gpt]
 
-Every module path the plugin runs (Linear, LayerNormLinear with RMSNorm and LayerNorm, GroupedLinear,
-DotProductAttention) runs a training step per recipe on the NPU backend and on the reference backend, from the
-same weights and inputs. Each torch_npu kernel a case calls is judged by the case's largest relative error
-over outputs and gradients; one line per kernel says ok, mismatch (with the error) or missing in the installed
-torch_npu. Then a short Megatron GPT step runs per recipe on both backends. The exit status is 1 on any
-mismatch, missing kernel or failed step.
+Every module path the plugin runs (Linear, LayerNormLinear with RMSNorm and LayerNorm, LayerNormMLP with
+SwiGLU, GroupedLinear, DotProductAttention) runs a training step per recipe on the NPU backend and on the
+reference backend, from the same weights and inputs. Each torch_npu kernel a case calls is judged by the case's
+largest relative error over outputs and gradients; one line per kernel says ok, mismatch (with the error) or
+missing in the installed torch_npu. Then a short Megatron GPT step runs per recipe on both backends. The exit
+status is 1 on any mismatch, missing kernel or failed step.
 
 The NPU path was built against a simulator of the documented kernels, not on hardware: this program is how a
 user with a chip checks that the documents and the chip agree. Without an NPU it runs on the simulator.
@@ -28,7 +28,7 @@ from mindspeed_te import fused_cast
 from mindspeed_te.bench.launches import launch_recipes
 from mindspeed_te.diagnostics import LaunchCounter
 from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
-from mindspeed_te.modules import DotProductAttention, GroupedLinear, LayerNormLinear, Linear
+from mindspeed_te.modules import DotProductAttention, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from mindspeed_te.recipe import Recipe
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
@@ -106,6 +106,14 @@ def _norm_linear(normalization: str) -> Case:
     return case
 
 
+def _mlp(recipe: Recipe, device: str) -> list[torch.Tensor]:
+    """RMSNorm + FC1 + SwiGLU + FC2: the norm and activation quantize kernels, where the chip has them."""
+    torch.manual_seed(0)
+    layer = LayerNormMLP(256, 512, bias=True, normalization="RMSNorm", activation="swiglu",
+                         params_dtype=torch.bfloat16)
+    return _train(layer, recipe, device, [_randn(128, 256)])
+
+
 def _grouped(recipe: Recipe, device: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     layer = GroupedLinear(4, 256, 256, bias=False, params_dtype=torch.bfloat16)
@@ -119,7 +127,8 @@ def _attention(recipe: Recipe, device: str) -> list[torch.Tensor]:
 
 
 CASES: dict[str, Case] = {"Linear": _linear, "LayerNormLinear RMSNorm": _norm_linear("RMSNorm"),
-                          "LayerNormLinear LayerNorm": _norm_linear("LayerNorm"), "GroupedLinear": _grouped,
+                          "LayerNormLinear LayerNorm": _norm_linear("LayerNorm"), "LayerNormMLP SwiGLU": _mlp,
+                          "GroupedLinear": _grouped,
                           "DotProductAttention": _attention}
 
 

@@ -400,14 +400,14 @@ def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
     950DT's dual-axis kernel makes both forms in one call, of joined rows where each block starts at a whole
     64-row pair of its columnwise scales (the weights here), else per expert (32 tokens each here). What each
     expert adds is its
-    columnwise quantizes and its wgrad's npu_quant_matmul, with no dequantize + matmul fallback (the fprop and
-    the dgrad of all experts are one npu_grouped_matmul each, its MX or G-B mode, whose stacked weights are a
-    view of the joined codes where the experts' weights have one form for both). Backward per
+    columnwise quantizes and (blockwise) its wgrad's npu_quant_matmul, with no dequantize + matmul fallback (the
+    fprop and the dgrad of all experts are one npu_grouped_matmul each, its MX or G-B mode, whose stacked weights
+    are a view of the joined codes where the experts' weights have one form for both; MXFP8's wgrad too, its
+    K-split MX mode, whose scales one concatenation per operand lays out as that mode reads them). Backward per
     expert: the grad_output's columnwise quantize (the 950DT: its one dual-axis call), for blockwise the E8M0
-    bytes of the two wgrad operands (each operand's tile bytes repeated per 32-block, one index_select; MX
-    columnwise scales come in the pairs the GEMM takes, padded by the kernel) and the wgrad. HiF8 tiles, which no
-    wgrad mode takes, are decoded (one npu_dtype_cast each) and scaled (one multiply each: an expert's 32
-    tokens are one tile cut short) for one matmul, cast to the gradient's dtype."""
+    bytes of the two wgrad operands (each operand's tile bytes repeated per 32-block, one index_select) and the
+    wgrad. HiF8 tiles, which no wgrad mode takes, are decoded (one npu_dtype_cast each) and scaled (one multiply
+    each: an expert's 32 tokens are one tile cut short) for one matmul, cast to the gradient's dtype."""
     from mindspeed_te.bench.launches import grouped_launches, launch_recipes, npu_simulated
 
     with npu_simulated(chip) as npu:
@@ -418,12 +418,13 @@ def test_block_scaled_experts_launch_a_fixed_few_kernels_each(chip, name):
         assert not a.counts - b.counts and all(n % 4 == 0 for n in added.values()), (a.counts, b.counts)
         per_expert.append({key: n // 4 for key, n in added.items()})
     forward, backward = per_expert
-    hif8 = name.endswith("HIF8")
+    hif8, mx = name.endswith("HIF8"), name.startswith("mxfp8")
     assert ("aten.mm" in backward) == hif8, backward
-    assert "torch_npu.npu_quant_matmul" not in forward and backward.get("torch_npu.npu_quant_matmul", 0) == 1 - hif8
+    assert "torch_npu.npu_quant_matmul" not in forward
+    assert backward.get("torch_npu.npu_quant_matmul", 0) == (0 if hif8 or mx else 1), backward
     want = {("Ascend950PR", "blockwise E4M3"): ({"torch_npu.npu_dynamic_mx_quant": 1}, 4),
-            ("Ascend950PR", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant": 1}, 2),
-            ("Ascend950DT", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant_with_dual_axis": 1}, 2),
+            ("Ascend950PR", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant": 1}, 1),
+            ("Ascend950DT", "mxfp8 E4M3"): ({"torch_npu.npu_dynamic_mx_quant_with_dual_axis": 1}, 1),
             ("Ascend950PR", "blockwise HIF8"): ({"torch_npu.npu_dynamic_block_quant": 1}, 7)}[(chip, name)]
     assert forward == want[0], forward
     assert sum(backward.values()) == want[1], backward
@@ -456,6 +457,103 @@ def test_save_original_input_adds_only_the_inputs_quantize_to_backward(chip, nam
     # per expert for grouped 1x128 tiles and per-tensor scales (each expert's own)
     want = {f"torch_npu.{kernel}": 4 if grouped and not name.startswith("mxfp8") else 1}
     assert backward[True] - backward[False] == want and not backward[False] - backward[True], backward
+
+
+# The weight-gradient kernels of op-plugin 26.0.0 and later (npu_sim.fused_wgrad), in the backend's simulator
+def _with_fused_wgrad(monkeypatch):
+    from mindspeed_te.testing import npu_sim
+
+    monkeypatch.setattr(npu_sim, "make_simulator", npu_sim.make_simulator_with_fused_wgrad)
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+def test_mx_experts_add_no_launch_with_the_grouped_quantize(chip, monkeypatch):
+    """With npu_grouped_dynamic_mx_quant in torch_npu no MXFP8 expert adds a launch (GroupedLinear(e, 256, 256),
+    32 tokens each, 4 or 8 experts: the same counts). Forward: the inputs' rowwise form (one
+    npu_dynamic_mx_quant of the joined rows), their columnwise forms (one grouped quantize, in the K-split
+    GEMM's scale layout), the weights' two forms (row blocks of one buffer, 256 rows each: on the 950PR one
+    npu_dynamic_mx_quant per form, on the 950DT one dual-axis call), the fprop npu_grouped_matmul (float32) and
+    its cast to bfloat16. Backward: the grad_outputs' rowwise form (one quantize of the joined rows), their
+    columnwise forms (one grouped quantize), the dgrad and the wgrad npu_grouped_matmul (the K-split MX mode,
+    reading both operands' codes and scales as the grouped quantizes laid them out: no concatenation). Before:
+    one columnwise quantize per expert forward and backward, and one npu_quant_matmul per expert's wgrad
+    (8 experts: 13 / 18 on the 950PR, 13 / 19 on the 950DT)."""
+    from mindspeed_te.bench.launches import grouped_launches, launch_recipes, npu_simulated
+
+    _with_fused_wgrad(monkeypatch)
+    with npu_simulated(chip) as npu:
+        few, many = (grouped_launches(launch_recipes()["mxfp8 E4M3"], torch.bfloat16, npu, experts=e) for e in (4, 8))
+    assert few[0].counts == many[0].counts and few[1].counts == many[1].counts, (few, many)
+    weights = ({"torch_npu.npu_dynamic_mx_quant": 2} if chip == "Ascend950PR"
+               else {"torch_npu.npu_dynamic_mx_quant_with_dual_axis": 1})
+    want_forward = Counter({"torch_npu.npu_dynamic_mx_quant": 1, "torch_npu.npu_grouped_dynamic_mx_quant": 1,
+                            "torch_npu.npu_grouped_matmul": 1, "aten._to_copy": 1}) + Counter(weights)
+    assert many[0].counts == want_forward
+    assert many[1].counts == {"torch_npu.npu_dynamic_mx_quant": 1, "torch_npu.npu_grouped_dynamic_mx_quant": 1,
+                              "torch_npu.npu_grouped_matmul": 2}
+
+
+def _accumulating_launches(name, npu, experts=None, layout="apart"):
+    """Backward launches of Linear(256, 256) (experts None) or GroupedLinear(experts, 256, 256) (32 tokens each)
+    in bfloat16 with fuse_wgrad_accumulation into float32 main_grads: each its own ("apart"), or slices of one
+    buffer in expert order ("in order") or in reverse (Megatron's grad buffer)."""
+    from mindspeed_te.bench.launches import _second_layer_launches, launch_recipes
+    from mindspeed_te.modules import GroupedLinear, Linear
+
+    if experts is None:
+        layer = Linear(256, 256, bias=True, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+        layer.weight.main_grad = torch.zeros(256, 256)
+        return _second_layer_launches(launch_recipes()[name], layer, 128, npu)[1]
+    layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    buffer = torch.zeros(experts, 256, 256)
+    for i, w in enumerate(layer.weights):
+        w.main_grad = {"apart": torch.zeros(256, 256), "in order": buffer[i], "reverse": buffer[-1 - i]}[layout]
+    return _second_layer_launches(launch_recipes()[name], layer, 32 * experts, npu, [32] * experts)[1]
+
+
+def test_mx_wgrad_accumulation_into_main_grad_is_the_gemm(monkeypatch):
+    """--gradient-accumulation-fusion: with npu_add_quant_matmul_ in torch_npu an MXFP8 Linear's wgrad is added
+    into the float32 main_grad by the GEMM itself: backward 6 -> 5 launches (grad_output's two forms, the dgrad,
+    the fused wgrad, the bias gradient's sum), in place of npu_quant_matmul + add_. Other recipes keep the add."""
+    from mindspeed_te.bench.launches import npu_simulated
+
+    with npu_simulated() as npu:
+        before = {name: _accumulating_launches(name, npu).counts for name in ("mxfp8 E4M3", "delayed HIF8")}
+    _with_fused_wgrad(monkeypatch)
+    with npu_simulated() as npu:
+        after = {name: _accumulating_launches(name, npu).counts for name in ("mxfp8 E4M3", "delayed HIF8")}
+    assert before["mxfp8 E4M3"] == {"torch_npu.npu_dynamic_mx_quant": 2, "torch_npu.npu_quant_matmul": 2,
+                                    "aten.add_": 1, "aten.sum": 1}
+    assert after["mxfp8 E4M3"] == {"torch_npu.npu_dynamic_mx_quant": 2, "torch_npu.npu_quant_matmul": 1,
+                                   "torch_npu.npu_add_quant_matmul_": 1, "aten.sum": 1}
+    assert after["delayed HIF8"] == before["delayed HIF8"] and before["delayed HIF8"]["aten.add_"] == 1
+
+
+@pytest.mark.parametrize("name", ["delayed E4M3", "mxfp8 E4M3"])
+def test_experts_wgrad_accumulation_is_one_launch_for_all(name, monkeypatch):
+    """The experts' wgrads (one grouped GEMM, float32) are added into their float32 main_grads by one
+    multi-tensor add (torch_npu's fused _foreach_add_, 24 tensors a call) in place of one add per expert: 8
+    experts' backward, delayed 21 -> 14, MXFP8 (950PR, its wgrad also one grouped GEMM now) 26 -> 16, whether
+    the main_grads lie apart or in Megatron's grad buffer (the last expert's first). With
+    npu_grouped_dynamic_mx_quant and npu_add_quant_gmm_ in torch_npu the MXFP8 experts' backward
+    is 5 launches, 4 where the main_grads are slices of one buffer in expert order (the GEMM adds into them)."""
+    from mindspeed_te.bench.launches import npu_simulated
+
+    with npu_simulated() as npu:
+        counts = {(layout, e): _accumulating_launches(name, npu, e, layout).counts
+                  for layout in ("apart", "reverse") for e in (4, 8)}
+    for layout in ("apart", "reverse"):
+        added = counts[(layout, 8)] - counts[(layout, 4)]
+        assert added == ({} if name.startswith("delayed") else {"torch_npu.npu_dynamic_mx_quant": 4}), added
+        assert counts[(layout, 8)]["aten._foreach_add_"] == 1 and "aten.add_" not in counts[(layout, 8)]
+    assert sum(counts[("apart", 8)].values()) == (14 if name.startswith("delayed") else 16)
+    assert counts[("reverse", 8)] == counts[("apart", 8)]
+    if name.startswith("mxfp8"):
+        _with_fused_wgrad(monkeypatch)
+        with npu_simulated() as npu:
+            apart, in_order = (_accumulating_launches(name, npu, 8, layout) for layout in ("apart", "in order"))
+        assert apart.total == 5 and in_order.total == 4
+        assert in_order.counts["torch_npu.npu_add_quant_gmm_"] == 1 and "aten._foreach_add_" not in in_order.counts
 
 
 # What a LayerNormLinear adds to a Linear on the norm's output, forward and backward: the norm's kernel on the bf16
@@ -590,3 +688,58 @@ def test_rope_is_one_kernel_each_way():
                                               {"torch_npu.npu_rotary_mul_backward": 1})
         assert _rope_launches(mla, t, npu) == ({"torch_npu.npu_rotary_mul": 1, "aten.cat": 1},
                                                {"torch_npu.npu_rotary_mul_backward": 1, "aten.cat": 1})
+
+
+# The fused norm / SwiGLU + MX quantize kernels (torch_npu with op-plugin 26.0.0 / 26.1.0 and later), measured on a
+# simulated torch_npu that has them against the default simulator (which lacks them), MXFP8 E4M3, bf16, 128 tokens,
+# LayerNormMLP(256, 256, RMSNorm, swiglu) and LayerNormLinear(256, 256, RMSNorm) with a bias.
+#
+# LayerNormMLP forward, unfused: the norm (npu_rms_norm) 1; FC1: its input's MX forms (950DT: one dual-axis call,
+# 950PR: one npu_dynamic_mx_quant per layout), the weight's likewise, the bias cast, the GEMM; the activation in
+# float32: cast, silu, mul, cast back (4); FC2 as FC1: 13 on the 950DT, 17 on the 950PR. Fused:
+# npu_swiglu_mx_quant_with_dual_axis makes FC2's input's two forms from FC1's output in one launch (on both chips),
+# replacing the 4 activation ops and FC2's input quantize: 9 / 12.
+# LayerNormMLP backward, unfused: per linear the grad_output's MX forms (1 or 2), the dgrad and wgrad GEMMs, the bias
+# sum; the activation's autograd: grad cast to float32, two muls, silu_backward, cat, cast back (6); the norm's
+# npu_rms_norm_backward and the dgamma cast: 16 / 18. Fused: the activation's backward first recomputes its float32
+# graph from the saved bf16 input (cast, silu, mul: +3; the unfused graph instead keeps float32 copies of FC1's
+# output and silu's, 12 bytes per FFN element against 4), then runs the same 6: 19 / 21.
+# LayerNormLinear with a frozen weight (no wgrad, so no columnwise input): npu_rms_norm_dynamic_mx_quant makes the
+# rowwise input in place of the norm and its rowwise quantize: forward 5 -> 4 (950DT), 6 -> 5 (950PR); backward
+# unchanged (5: grad_output's rowwise MX, dgrad, bias sum, npu_rms_norm_backward with the kernel's rstd, the dgamma
+# cast). In training (a weight gradient) nothing fuses: the pinned NORM_LAUNCHES above hold.
+FUSED_LAUNCHES = {  # (kind, chip): ((forward, backward) unfused, (forward, backward) fused)
+    ("mlp", "Ascend950DT"): ((13, 16), (9, 19)),
+    ("mlp", "Ascend950PR"): ((17, 18), (12, 21)),
+    ("frozen linear", "Ascend950DT"): ((5, 5), (4, 5)),
+    ("frozen linear", "Ascend950PR"): ((6, 5), (5, 5)),
+}
+
+
+@pytest.mark.parametrize("kind,chip", list(FUSED_LAUNCHES))
+def test_fused_norm_and_swiglu_quantize_launches(kind, chip, monkeypatch):
+    from mindspeed_te.bench.launches import _second_layer_launches, launch_recipes
+    from mindspeed_te.kernels.npu import NpuBackend
+    from mindspeed_te.modules import LayerNormLinear, LayerNormMLP
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
+
+    def measure(fused: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        if kind == "mlp":
+            layer = LayerNormMLP(256, 256, normalization="RMSNorm", activation="swiglu", params_dtype=torch.bfloat16)
+        else:
+            layer = LayerNormLinear(256, 256, bias=True, params_dtype=torch.bfloat16, normalization="RMSNorm")
+            layer.weight.requires_grad_(False)
+        if fused:
+            backend = NpuBackend(make_simulator_with_fused_quant(chip))
+            monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: backend)
+        with _simulated(chip) as npu:
+            forward, backward = _second_layer_launches(launch_recipes()["mxfp8 E4M3"], layer, 128, npu)
+        monkeypatch.undo()
+        kernels = {"torch_npu.npu_swiglu_mx_quant_with_dual_axis", "torch_npu.npu_rms_norm_dynamic_mx_quant"}
+        assert bool(kernels & set(forward.counts)) == fused, dict(forward.counts)
+        return forward.total, backward.total
+
+    unfused, fused = FUSED_LAUNCHES[kind, chip]
+    assert measure(False) == unfused
+    assert measure(True) == fused

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # of its longest listed prefix; "mindspeed_te" alone is the package's own __init__ (the public API).
 LAYERS: dict[str, tuple[str, ...]] = {
     "formats": ("mindspeed_te.formats", "mindspeed_te.hif8", "mindspeed_te.fused_cast", "mindspeed_te._fused_cast",
-                "mindspeed_te.distributed"),
+                "mindspeed_te.distributed", "mindspeed_te.fp4"),
     "recipe": ("mindspeed_te.recipe", "mindspeed_te.scaling"),
     "tensor": ("mindspeed_te.tensor", "mindspeed_te.nonfinite", "mindspeed_te.quantizers",
                "mindspeed_te.quantized_tensor"),
@@ -21,6 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "mindspeed_te.te_extra_state"),
     "ops": ("mindspeed_te.ops",),
     "modules": ("mindspeed_te.modules",),
+    "optimizers": ("mindspeed_te.optimizers",),
     "megatron": ("mindspeed_te.megatron",),
     "api": ("mindspeed_te",),
     "tools": ("mindspeed_te.debug", "mindspeed_te.diagnostics", "mindspeed_te.npu_foreach"),

@@ -295,8 +295,8 @@ def test_rms_norm_runs_the_fused_kernel(monkeypatch, use_backend):
 @pytest.mark.parametrize("name", ["delayed/hybrid", "delayed/hif8", "tensorwise/hif8", "mxfp8/hybrid",
                                   "blockwise/e4m3", "blockwise/hif8"])
 def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backend):
-    """MoE experts: per-tensor recipes use one npu_grouped_matmul per GEMM kind, MXFP8 and blockwise one for
-    fprop and one for dgrad (its MX and G-B modes); results equal the reference."""
+    """MoE experts: per-tensor recipes and MXFP8 use one npu_grouped_matmul per GEMM kind (MXFP8 its M-split and
+    K-split MX modes), blockwise one for fprop and one for dgrad (its G-B mode); results equal the reference."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
 
@@ -320,12 +320,11 @@ def test_grouped_linear_through_npu_grouped_matmul(name, monkeypatch, use_backen
     want = run("reference")
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-    if name.startswith(("delayed", "tensorwise")):
-        assert sim.launch_counts["npu_grouped_matmul"] == 3  # fprop, dgrad, wgrad: one call each
+    if name.startswith(("delayed", "tensorwise", "mxfp8")):
+        # fprop, dgrad, wgrad: one call each (MXFP8's wgrad the K-split MX mode)
+        assert sim.launch_counts["npu_grouped_matmul"] == 3 and "npu_quant_matmul" not in sim.launch_counts
     else:
         assert sim.launch_counts["npu_grouped_matmul"] == 2  # fprop, dgrad; the wgrad takes one GEMM per expert
-        if name.startswith("mxfp8"):
-            assert sim.launch_counts["npu_quant_matmul"] == 2  # the two experts with tokens
     if name.startswith("delayed"):
         # the two experts' inputs, and their grad_outputs, each in one call; the weights one by one
         assert sim.launch_counts["npu_quantize"] == 4
@@ -436,15 +435,18 @@ def test_mx_experts_take_one_quantize_per_part_of_whole_pairs(splits, rows, weig
 def test_wgrad_over_an_odd_number_of_32_blocks_stays_on_the_mx_gemm(name, chip, monkeypatch, use_backend):
     """Experts, and linears, whose token count is an odd multiple of 32 give the wgrad an odd number of 32-blocks
     along k: their E8M0 scales fill the last pair (the quantize kernels pad theirs with 0, the dual-axis kernel's
-    come padded) and the GEMM stays npu_quant_matmul's MX mode, with the reference's results bit for bit."""
+    come padded) and the GEMM stays in the MX mode (the experts' MXFP8 wgrad the grouped GEMM's K-split MX
+    mode, which reads each group's ceil(K_i / 64) pairs; the blockwise one npu_quant_matmul per expert), with
+    the reference's results bit for bit."""
     splits = [32, 96, 0, 160]
     sim = make_simulator(chip)
     got = _grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
     for g, w in zip(got, _grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)):
         assert torch.equal(g, w)
+    mx = name.startswith("mxfp8")
     active = sum(1 for m in splits if m)
-    assert sim.launch_counts["npu_quant_matmul"] == active  # each expert's wgrad
-    assert sim.launch_counts["npu_grouped_matmul"] == 2  # fprop and dgrad of all experts
+    assert sim.launch_counts["npu_quant_matmul"] == (0 if mx else active)  # each expert's wgrad (blockwise)
+    assert sim.launch_counts["npu_grouped_matmul"] == 2 + mx  # fprop and dgrad of all experts (MX: the wgrad)
     sim = make_simulator(chip)
     got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=(96, 128, 256))
     for g, w in zip(got, _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=(96, 128, 256))):
@@ -1309,3 +1311,369 @@ def test_fresh_amax_slot_is_not_taken_after_writes_the_library_did_not_make(monk
     old.__setstate__(pickled)
     get_backend().quantize(old.make_quantizers()[0], torch.full((4, 64), 2.0).bfloat16())
     assert old.amax_history[0, 0] == 50.0  # the copy's slot 0, accumulated into
+
+
+# Fused norm / activation + quantize (docs/npu.md, "Fused norm and activation quantize") ---------------------------
+def _fused_npu(use_backend, monkeypatch, chip="Ascend950PR"):
+    """The NPU backend on a simulated torch_npu that has npu_rms_norm_dynamic_mx_quant and
+    npu_swiglu_mx_quant_with_dual_axis; returns the simulator."""
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
+
+    sim = make_simulator_with_fused_quant(chip)
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    return sim
+
+
+def _mx(rounding="ceil", rowwise=True, columnwise=False, fmt="E4M3"):
+    from mindspeed_te import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    return MXFP8Quantizer(FP8Dtype[fmt], rounding=rounding, rowwise=rowwise, columnwise=columnwise)
+
+
+def _same_mx(a, b, columnwise):
+    """Both MXFP8 storages hold the same codes and E8M0 scales in the layouts asked for."""
+    assert torch.equal(a.rowwise_data.view(torch.uint8), b.rowwise_data.view(torch.uint8))
+    assert torch.equal(a.rowwise_scale_inv, b.rowwise_scale_inv)
+    if columnwise:
+        assert torch.equal(a.columnwise_data.view(torch.uint8), b.columnwise_data.view(torch.uint8))
+        assert torch.equal(a.columnwise_scale_inv, b.columnwise_scale_inv)
+    else:
+        assert a.columnwise_data is None and b.columnwise_data is None
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+@pytest.mark.parametrize("dtype,gamma_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float32)])
+def test_fused_rms_norm_mx_quantize_is_the_norm_then_the_quantize(chip, rounding, dtype, gamma_dtype, monkeypatch,
+                                                                   use_backend):
+    """npu_rms_norm_dynamic_mx_quant gives the rowwise MXFP8 form of the norm's output bit for bit (the reference:
+    rms_norm, then quantize), and its stand-in output carries the same gradients to x and gamma."""
+    from mindspeed_te.kernels.reference import ReferenceBackend
+
+    sim = _fused_npu(use_backend, monkeypatch, chip)
+    npu = get_backend()
+    g = torch.Generator().manual_seed(0)
+    x0 = (torch.randn(64, 96, generator=g) * 3).to(dtype)
+    gamma0 = (torch.randn(96, generator=g) + 1).to(gamma_dtype)
+    dy = torch.randn(64, 96, generator=g).to(dtype)
+    results = []
+    for backend in (npu, ReferenceBackend()):
+        x, gamma = x0.clone().requires_grad_(), gamma0.clone().requires_grad_()
+        q = _mx(rounding)
+        assert backend.fuses_norm_quantize("RMSNorm", x, gamma, q) == (backend is npu)
+        y, quantized = backend.norm_quantize("RMSNorm", x, gamma, None, 1e-5, q)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        y.backward(dy)
+        results.append((quantized, x.grad, gamma.grad))
+    (got, *got_grads), (want, *want_grads) = results
+    _same_mx(got, want, columnwise=False)
+    assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads))
+    assert sim.launch_counts["npu_rms_norm_dynamic_mx_quant"] == 1 and "npu_rms_norm" not in sim.launch_counts
+    assert sim.launch_counts["npu_rms_norm_backward"] == 1
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+@pytest.mark.parametrize("columnwise", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_swiglu_mx_quantize_is_the_activation_then_the_quantize(chip, rounding, columnwise, dtype, monkeypatch,
+                                                                       use_backend):
+    """npu_swiglu_mx_quant_with_dual_axis gives both MXFP8 layouts of TE's swiglu (silu of the first half times the
+    second, in float32, x's dtype out) bit for bit: the reference computes the activation, then quantizes it."""
+    from mindspeed_te.kernels.reference import ReferenceBackend
+    from mindspeed_te.ops.activation import activation_function
+
+    sim = _fused_npu(use_backend, monkeypatch, chip)
+    npu = get_backend()
+    x = (torch.randn(96, 256, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    fn = activation_function("swiglu")
+    outs = []
+    for backend in (npu, ReferenceBackend()):
+        q = _mx(rounding, columnwise=columnwise)
+        assert backend.fuses_activation_quantize("swiglu", x, q) == (backend is npu)
+        outs.append(backend.activation_quantize("swiglu", x, q, fn))
+    assert tuple(outs[0].shape) == tuple(outs[1].shape) == (96, 128)
+    _same_mx(*outs, columnwise=columnwise)
+    assert sim.launch_counts == {"npu_swiglu_mx_quant_with_dual_axis": 1}
+
+
+def test_fused_quantize_only_where_the_kernel_takes_it_and_keeps_the_recipes_rule(monkeypatch, use_backend):
+    """The fused kernels serve MXFP8 alone (their scales are MX's), RMSNorm and SwiGLU alone, float16/bfloat16,
+    whole 32-blocks; the norm's kernel makes no columnwise form, and returns its rstd only for an x that requires
+    grad. A torch_npu without the kernels (the default simulator) fuses nothing."""
+    from mindspeed_te import FP8Dtype
+    from mindspeed_te.quantizers import Float8BlockQuantizer, Float8CurrentScalingQuantizer
+
+    _fused_npu(use_backend, monkeypatch)
+    npu = get_backend()
+    x = torch.randn(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    gamma = torch.ones(128, dtype=torch.bfloat16, requires_grad=True)
+    assert npu.fuses_norm_quantize("RMSNorm", x, gamma, _mx())
+    assert npu.fuses_activation_quantize("swiglu", x, _mx(columnwise=True))
+    refused_norm = [("LayerNorm", x, gamma, _mx()), ("RMSNorm", x, gamma, _mx(columnwise=True)),
+                    ("RMSNorm", x.float(), gamma.float(), _mx()), ("RMSNorm", x[:48], gamma, _mx()),
+                    ("RMSNorm", x.detach(), gamma, _mx()),  # no rstd for dgamma
+                    ("RMSNorm", x, gamma, Float8BlockQuantizer(FP8Dtype.E4M3, 448.0, columnwise=False)),
+                    ("RMSNorm", x, gamma, Float8CurrentScalingQuantizer(FP8Dtype.E4M3, 448.0, columnwise=False))]
+    for args in refused_norm:
+        assert not npu.fuses_norm_quantize(*args), args
+    for name, t in (("geglu", x), ("clamped_swiglu", x), ("swiglu", x.float()), ("swiglu", x[:, :96]),
+                    ("swiglu", x[:40])):
+        assert not npu.fuses_activation_quantize(name, t, _mx()), (name, tuple(t.shape))
+    assert not npu.fuses_activation_quantize("swiglu", x, Float8BlockQuantizer(FP8Dtype.E4M3, 448.0))
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(make_simulator()))
+    use_backend("npu")
+    assert not get_backend().fuses_norm_quantize("RMSNorm", x, gamma, _mx())
+    assert not get_backend().fuses_activation_quantize("swiglu", x, _mx())
+
+
+def _module_step(kind, recipe, frozen, normalization="RMSNorm", activation="swiglu", zero_centered_gamma=False):
+    """(output, input grad, parameter grads) of two training steps of LayerNormMLP(128, 128) or
+    LayerNormLinear(128, 96) in bfloat16, with frozen linear weights when asked."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.modules import LayerNormLinear, LayerNormMLP
+
+    torch.manual_seed(0)
+    if kind == "mlp":
+        layer = LayerNormMLP(128, 128, normalization=normalization, activation=activation,
+                             params_dtype=torch.bfloat16, zero_centered_gamma=zero_centered_gamma)
+        weights = [layer.fc1_weight, layer.fc2_weight]
+    else:
+        layer = LayerNormLinear(128, 96, normalization=normalization, params_dtype=torch.bfloat16,
+                                zero_centered_gamma=zero_centered_gamma)
+        weights = [layer.weight]
+    with torch.no_grad():
+        layer.layer_norm_weight.add_(torch.randn(128) * 0.1)
+    for w in weights:
+        w.requires_grad_(not frozen)
+    x = (torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(1)) * 2).bfloat16().requires_grad_()
+    for step in range(2):
+        with fp8_autocast(fp8_recipe=recipe):
+            y = layer(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2 + step)).bfloat16())
+    return [y.detach(), x.grad] + [p.grad for p in layer.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("rounding", ["ceil", "floor"])
+@pytest.mark.parametrize("kind,frozen,zero_centered_gamma", [("mlp", False, False), ("mlp", True, True),
+                                                              ("linear", True, False), ("linear", True, True),
+                                                              ("linear", False, False)])
+def test_modules_take_the_fused_kernels_with_the_references_bits(chip, rounding, kind, frozen, zero_centered_gamma,
+                                                                 monkeypatch, use_backend):
+    """LayerNormMLP (swiglu) takes npu_swiglu_mx_quant_with_dual_axis for FC2's input, and the RMSNorm's kernel
+    takes FC1's (LayerNormLinear's) input where the linear needs no columnwise input (a frozen weight: no wgrad);
+    outputs and gradients are the reference backend's, bit for bit, over two steps."""
+    recipe = MXFP8BlockScaling(scale_rounding=rounding)
+    sim = _fused_npu(use_backend, monkeypatch, chip)
+    got = _module_step(kind, recipe, frozen, zero_centered_gamma=zero_centered_gamma)
+    use_backend("reference")
+    want = _module_step(kind, recipe, frozen, zero_centered_gamma=zero_centered_gamma)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_swiglu_mx_quant_with_dual_axis"] == (2 if kind == "mlp" else 0)
+    assert sim.launch_counts["npu_rms_norm_dynamic_mx_quant"] == (2 if frozen else 0)
+    assert sim.launch_counts["npu_rms_norm"] == (0 if frozen else 2)
+
+
+@pytest.mark.parametrize("normalization,activation", [("LayerNorm", "geglu"), ("RMSNorm", "gelu")])
+def test_modules_without_a_fused_kernel_keep_the_unfused_path(normalization, activation, monkeypatch, use_backend):
+    """LayerNorm and activations other than swiglu have no fused MX kernel: the unfused path, the same bits."""
+    recipe = MXFP8BlockScaling()
+    sim = _fused_npu(use_backend, monkeypatch)
+    got = _module_step("mlp", recipe, True, normalization, activation)
+    use_backend("reference")
+    want = _module_step("mlp", recipe, True, normalization, activation)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert "npu_swiglu_mx_quant_with_dual_axis" not in sim.launch_counts
+    assert ("npu_rms_norm_dynamic_mx_quant" in sim.launch_counts) == (normalization == "RMSNorm")
+
+
+def test_an_operand_observer_or_another_recipe_keeps_the_unfused_path(monkeypatch, use_backend):
+    """The numerics report's observer reads the linear's high-precision input, which a fused kernel does not
+    make; per-tensor and blockwise recipes have no fused kernel of their rule."""
+    from mindspeed_te import Float8BlockScaling, Float8CurrentScaling
+
+    sim = _fused_npu(use_backend, monkeypatch)
+    seen = []
+    FP8GlobalStateManager.set_operand_observer(lambda weight, role, hp, q: seen.append(role))
+    try:
+        _module_step("mlp", MXFP8BlockScaling(), True)
+    finally:
+        FP8GlobalStateManager.set_operand_observer(None)
+    assert seen and not {"npu_swiglu_mx_quant_with_dual_axis", "npu_rms_norm_dynamic_mx_quant"} & set(sim.launch_counts)
+    for recipe in (DelayedScaling(), Float8CurrentScaling(), Float8BlockScaling()):
+        _module_step("mlp", recipe, True)
+    assert not {"npu_swiglu_mx_quant_with_dual_axis", "npu_rms_norm_dynamic_mx_quant"} & set(sim.launch_counts)
+
+
+def test_a_prequantized_input_refuses_another_usage():
+    """fp8_linear must ask the fused kernel's storage for the usage it was made with, once."""
+    from mindspeed_te.ops.prequantized import PrequantizedQuantizer
+
+    q = _mx(columnwise=True)
+    storage = q.quantize(torch.randn(32, 64))
+    pre = PrequantizedQuantizer(q, storage)
+    pre.set_usage(rowwise=True, columnwise=True)
+    with pytest.raises(RuntimeError, match="columnwise=False"):
+        pre.set_usage(rowwise=True, columnwise=False)
+    with pytest.raises(RuntimeError, match="not the tensor"):
+        pre.quantize(torch.randn(32, 32))
+    assert pre.quantize(torch.randn(32, 64)) is storage
+    with pytest.raises(RuntimeError, match="taken already"):
+        pre.quantize(torch.randn(32, 64))
+
+
+# The weight-gradient kernels of op-plugin 26.0.0 and later (npu_add_quant_matmul_, npu_grouped_dynamic_mx_quant,
+# npu_add_quant_gmm_), taken only where torch_npu has them ------------------------------------------------------
+def _wgrad_sim(chip="Ascend950PR"):
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_wgrad
+
+    return make_simulator_with_fused_wgrad(chip)
+
+
+@pytest.mark.parametrize("name, fused", [("mxfp8/e4m3", True), ("mxfp8/hybrid", True), ("mxfp8/e4m3 floor", True),
+                                         ("delayed/hif8", False), ("tensorwise/hif8", False),
+                                         ("tensorwise/e4m3", False), ("blockwise pow2/e4m3", False),
+                                         ("blockwise/hif8", False)])
+def test_wgrad_accumulates_into_main_grad_in_the_gemm(name, fused, monkeypatch, use_backend):
+    """Megatron's gradient-accumulation fusion: with npu_add_quant_matmul_ in torch_npu, the MXFP8 wgrad adds its
+    float32 sum into the float32 main_grad in the GEMM (one rounding, as the unfused GEMM + add and the
+    reference), bit for bit the reference's. HiF8 per-tensor (its T-T mode cuts x1Scale * x2Scale to 19 bits),
+    E4M3/E5M2 per-tensor (no such mode) and blockwise wgrads (their codes are not the (k, m) layout the kernel
+    reads) keep npu_quant_matmul + add."""
+    recipe = RECIPES.get(name) or recipes(name)[name]
+    sim = _wgrad_sim()
+    start = torch.randn(128, 192, generator=torch.Generator().manual_seed(9)) * 50
+    got = _step(use_backend, "npu", monkeypatch, recipe, sim, main_grad=start)
+    want = _step(use_backend, "reference", monkeypatch, recipe, main_grad=start)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_add_quant_matmul_"] == int(fused)
+    # fprop, dgrad and the unfused wgrad (HiF8 1x128 x 1x128 tiles: dequantize + matmul, no kernel)
+    assert sim.launch_counts["npu_quant_matmul"] == 2 + (not fused and name != "blockwise/hif8")
+    # a bfloat16 main_grad (--grad-reduce-in-bf16), which the kernel does not take ("self ... float32"): unfused
+    sim = _wgrad_sim()
+    got = _step(use_backend, "npu", monkeypatch, recipe, sim, main_grad=start.bfloat16())
+    want = _step(use_backend, "reference", monkeypatch, recipe, main_grad=start.bfloat16())
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and "npu_add_quant_matmul_" not in sim.launch_counts
+
+
+def test_fused_mx_wgrad_takes_any_number_of_tokens(monkeypatch, use_backend):
+    """npu_add_quant_matmul_ states no limit on k (op_api CheckMKN: "the K dimension ... must be positive"), so a
+    wgrad over more tokens than npu_quant_matmul's 65535 is one fused launch, no parts: the reference's bits."""
+    sim = _wgrad_sim()
+    shape = (65536 + 128, 64, 32)
+    got = _step(use_backend, "npu", monkeypatch, RECIPES["mxfp8/hybrid"], sim, shape=shape)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES["mxfp8/hybrid"], shape=shape)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts["npu_add_quant_matmul_"] == 1 and sim.launch_counts["npu_quant_matmul"] == 2
+
+
+def _grouped_mx_step(use_backend, backend_name, monkeypatch, splits, layout, sim=None, save_original_input=False,
+                     recipe=None):
+    """(output, input grad, each expert's main_grad) of GroupedLinear(len(splits), 128, 96) with fused wgrad
+    accumulation into float32 main_grads that lie as `layout` says: "apart" (each its own), "in order" (slices
+    of one (g, 96, 128) buffer, expert 0 first) or "reverse" (Megatron's grad buffer: the last expert first)."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.modules import GroupedLinear
+
+    use_backend(backend_name)
+    if sim is not None:
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    torch.manual_seed(0)
+    n = len(splits)
+    layer = GroupedLinear(n, 128, 96, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True,
+                          save_original_input=save_original_input)
+    start = torch.randn(n, 96, 128, generator=torch.Generator().manual_seed(2))
+    order = {"apart": None, "in order": list(range(n)), "reverse": list(range(n))[::-1]}[layout]
+    buffer = start.clone()
+    for i, w in enumerate(layer.weights):
+        w.main_grad = start[i].clone() if order is None else buffer[order[i]]
+        if order is not None:
+            w.main_grad.copy_(start[i])
+    x = (torch.randn(sum(splits), 128) * 3).bfloat16().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe or MXFP8BlockScaling()):
+        y = layer(x, splits)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
+    return [y.detach(), x.grad] + [w.main_grad.clone() for w in layer.weights]
+
+
+@pytest.mark.parametrize("splits", [[32, 96, 64], [64, 0, 160, 32], [96], [32] * 5])
+@pytest.mark.parametrize("layout", ["apart", "in order", "reverse"])
+def test_mx_experts_wgrad_is_one_grouped_launch(splits, layout, monkeypatch, use_backend):
+    """The MXFP8 experts' wgrad is one K-split npu_grouped_matmul in the MX mode, with or without torch_npu's
+    newer kernels, bit for bit the reference's (one GEMM per expert there): its scales come from the experts'
+    own columnwise quantizes laid out in the grouped layout by one concatenation per operand, or, with
+    npu_grouped_dynamic_mx_quant, from one grouped quantize per operand, as they lie. Accumulation into
+    main_grads in one buffer in expert order is the GEMM's own (npu_add_quant_gmm_); in other layouts (an
+    expert without tokens between, Megatron's reverse order) one multi-tensor add follows the grouped GEMM."""
+    active = sum(1 for m in splits if m)
+    want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, layout)
+    for newer in (False, True):
+        sim = _wgrad_sim() if newer else make_simulator()
+        got = _grouped_mx_step(use_backend, "npu", monkeypatch, splits, layout, sim)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        counts = sim.launch_counts
+        assert "npu_quant_matmul" not in counts  # no GEMM per expert
+        # the experts with tokens' main_grads one (g, 96, 128) tensor: in order, no expert left out between
+        in_kernel = newer and (active == 1 or (layout == "in order" and 0 not in splits))
+        assert counts["npu_add_quant_gmm_"] == int(in_kernel)
+        assert counts["npu_grouped_matmul"] == 3 - int(in_kernel)  # fprop, dgrad (, wgrad)
+        # the experts' input (forward) and grad_output (backward) MX columnwise forms: one grouped call each
+        assert counts["npu_grouped_dynamic_mx_quant"] == (2 if newer else 0)
+        if not newer:
+            assert counts["npu_dynamic_mx_quant"] >= 2 + active  # per expert, or per run of whole 64-row pairs
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("save_original_input", [False, True])
+def test_mx_experts_with_the_grouped_quantize(chip, save_original_input, monkeypatch, use_backend):
+    """npu_grouped_dynamic_mx_quant on both chips (the 950DT keeps its dual-axis call for both forms where all
+    experts but the last are whole 64-token pairs, and takes the grouped one otherwise), with the inputs
+    quantized again in backward (save_original_input: columnwise only, noted for the non-finite flags from its
+    scales), and the E5M2 grad_outputs of HYBRID: the reference's bits."""
+    recipe = MXFP8BlockScaling(fp8_format=Format.HYBRID)
+    for splits, grouped in (([32, 64, 96], True), ([64, 128, 32], chip == "Ascend950PR")):
+        want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, "apart",
+                                save_original_input=save_original_input, recipe=recipe)
+        sim = _wgrad_sim(chip)
+        got = _grouped_mx_step(use_backend, "npu", monkeypatch, splits, "apart", sim,
+                               save_original_input=save_original_input, recipe=recipe)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        # inputs (forward, or backward with save_original_input) and grad_outputs; on the 950DT the inputs
+        # quantized again in backward (columnwise only: no dual-axis call) still take the grouped one
+        calls = sim.launch_counts["npu_grouped_dynamic_mx_quant"]
+        assert calls == (2 if grouped else int(save_original_input)), sim.launch_counts
+
+
+def test_grouped_quantize_notes_nonfinite_columnwise_forms(monkeypatch, use_backend):
+    """Columnwise-only MX forms from the grouped quantize are noted for the non-finite flag (their scales read
+    as the kernel laid them out): a NaN in one expert's grad_output sets the flag as on the reference."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    backend = NpuBackend(_wgrad_sim())
+    x = torch.randn(160, 64, dtype=torch.bfloat16)
+    x[100, 3] = float("nan")
+    parts = list(torch.split(x, [32, 96, 32]))
+    qs = [MXFP8Quantizer(FP8Dtype.E4M3, rowwise=False, columnwise=True) for _ in parts]
+    for q in qs:
+        q.nonfinite = torch.zeros(1)
+    outs = backend.quantize_row_blocks(qs, parts, len(parts))
+    assert backend.npu.launch_counts == {"npu_grouped_dynamic_mx_quant": 1}
+    flags = [bool(q.nonfinite.isnan().item()) for q in qs]
+    assert flags == [False, True, False]
+    for out, part in zip(outs, parts):
+        want = MXFP8Quantizer(FP8Dtype.E4M3, rowwise=False, columnwise=True).quantize(part)
+        assert out.rowwise_data is None
+        assert torch.equal(out.dequantize(torch.float32, columnwise=True).nan_to_num(),
+                           want.dequantize(torch.float32, columnwise=True).nan_to_num())

@@ -627,8 +627,8 @@ def test_grouped_matmul_mx_and_gb_split_m(sim, fmt, transposed):
 def test_grouped_matmul_mx_and_gb_contract(sim):
     """What the MX and G-B grouped tables refuse: a bias ("以下入参为空：biasOptional" / MX FP8 rows "null"), HiF8
     MX operands (no such row), one E8M0 scale dtype without the other, no per_token_scale, other scale shapes;
-    the K-split forms, whose group offsets the document leaves open for groups of other sizes, are not
-    simulated."""
+    the K-split G-B form, which the library never asks for, is not simulated (the K-split MX form:
+    test_grouped_matmul_mx_split_k)."""
     m, k, n = 8, 64, 128
     x, _ = random_codes((m, k), "E4M3", 51)
     w, _ = random_codes((2, k, n), "E4M3", 52)
@@ -656,9 +656,8 @@ def test_grouped_matmul_mx_and_gb_contract(sim):
     xt, _ = random_codes((k * 2, m), "E4M3", 55)
     wk, _ = random_codes((k * 2, n), "E4M3", 56)
     with pytest.raises(NpuSimNotImplemented, match="K-split"):
-        gmm([xt.t()], [wk], **dict(mx, scale=[torch.full((4, n, 2), 127, dtype=torch.uint8)],
-                                   per_token_scale=[torch.full((4, m, 2), 127, dtype=torch.uint8)], group_type=2,
-                                   group_list=torch.tensor([64, 128])), **e8)
+        gmm([xt.t()], [wk], **dict(gb, scale=[torch.ones(3, 1, 1)], per_token_scale=[torch.ones(3, m)], group_type=2,
+                                   group_list=torch.tensor([64, 128])))
 
 
 def test_grouped_matmul_bf16(sim):
@@ -1753,3 +1752,349 @@ def test_quant_max_contract(qmax_sim):
         with pytest.raises(NpuSimNotImplemented):
             call()
     assert qmax_sim.launch_counts["npu_quant_max"] == 2  # the rejected calls launched nothing
+
+
+# Fused norm / SwiGLU + MX quantize (a simulator of their own: op-plugin 26.0.0 / 26.1.0 and later) ---------------
+@pytest.fixture
+def fused_sim():
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
+
+    return make_simulator_with_fused_quant()
+
+
+def test_fused_quant_kernels_only_on_their_own_simulator(fused_sim):
+    """The library calls them only where `hasattr(torch_npu, name)`; the default simulator (and so the self-check)
+    lacks them. Keywords, defaults and kinds are op-plugin's schemas: "npu_rms_norm_dynamic_mx_quant(Tensor x,
+    Tensor gamma, *, Tensor? beta=None, float epsilon=1e-06, int scale_alg=0, str round_mode="rint", int
+    dst_type=296)", "npu_swiglu_mx_quant_with_dual_axis(Tensor x, *, Tensor? group_index=None, bool
+    activate_left=True, str round_mode="rint", int scale_alg=1, int dst_type=24, float dst_type_max=0)"."""
+    for name in ("npu_rms_norm_dynamic_mx_quant", "npu_swiglu_mx_quant_with_dual_axis"):
+        assert not hasattr(make_simulator(), name) and hasattr(fused_sim, name)
+    params = inspect.signature(fused_sim.npu_rms_norm_dynamic_mx_quant).parameters
+    assert list(params) == ["x", "gamma", "beta", "epsilon", "scale_alg", "round_mode", "dst_type"]
+    assert [params[k].default for k in list(params)[2:]] == [None, 1e-6, 0, "rint", 296]
+    assert params["beta"].kind is inspect.Parameter.KEYWORD_ONLY
+    params = inspect.signature(fused_sim.npu_swiglu_mx_quant_with_dual_axis).parameters
+    assert list(params) == ["x", "group_index", "activate_left", "round_mode", "scale_alg", "dst_type", "dst_type_max"]
+    assert [params[k].default for k in list(params)[1:]] == [None, True, "rint", 1, 24, 0.0]
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("alg", [0, 1])
+@pytest.mark.parametrize("dtype,gamma_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                               (torch.bfloat16, torch.float32)])
+def test_rms_norm_dynamic_mx_quant_is_npu_rms_norm_then_mx_quant(fused_sim, fmt, alg, dtype, gamma_dtype):
+    """"y = RmsNorm(x) ... 在尾轴上按k = 32个数分组": the norm as npu_rms_norm computes it (its rstd too), rounded to
+    x's dtype (the kernel casts it into the buffer its MX quantize reads), then MX along the last dim by
+    npu_dynamic_mx_quant's rules (the oracle: mx_reference on that rounded output). mxscale: x.shape[:-1] +
+    (ceil(n / 64), 2); rstd: x.shape[:-1] + (1,) when x requires grad, else empty."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 40, 96, generator=gen) * 5).to(dtype).requires_grad_()
+    gamma = (torch.randn(96, generator=gen) * 2).to(gamma_dtype)
+    y, scale, rstd = fused_sim.npu_rms_norm_dynamic_mx_quant(x, gamma, epsilon=1e-5, scale_alg=alg,
+                                                             dst_type=npu_dtype(fused_sim, fmt))
+    normed, want_rstd = fused_sim.npu_rms_norm(x.detach(), gamma, 1e-5)
+    codes, scales = mx_reference(f32(normed).reshape(-1, 96), fmt, alg)
+    assert y.dtype == TORCH_FP8[fmt] and y.shape == x.shape
+    np.testing.assert_array_equal(raw(y).reshape(-1, 96), codes)
+    assert scale.dtype == torch.uint8 and tuple(scale.shape) == (2, 40, 2, 2)
+    np.testing.assert_array_equal(scale.numpy().reshape(80, 2, 2), pair_blocks(scales))
+    assert torch.equal(rstd, want_rstd) and tuple(rstd.shape) == (2, 40, 1)
+    assert fused_sim.npu_rms_norm_dynamic_mx_quant(x.detach(), gamma, dst_type=torch.float8_e4m3fn)[2].numel() == 0
+    assert fused_sim.launch_counts["npu_rms_norm_dynamic_mx_quant"] == 2
+
+
+def test_rms_norm_dynamic_mx_quant_quantizes_the_rounded_norm(fused_sim):
+    """The kernel stores the float32 norm in x's dtype (CAST_RINT) and quantizes that: its codes are those of the
+    bfloat16 output, which differ at some elements from those of the float32 norm (a rounding twice: the bfloat16
+    value can land on an E4M3 tie the float32 one lay beyond). beta is added in float32 before that rounding."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(64, 256, generator=gen) * 3).bfloat16()
+    gamma = torch.randn(256, generator=gen).bfloat16()
+    beta = torch.randn(256, generator=gen).bfloat16()
+    y, _, _ = fused_sim.npu_rms_norm_dynamic_mx_quant(x, gamma, beta=beta, scale_alg=1, dst_type=torch.float8_e4m3fn)
+    xf = f32(x).astype(np.float32)
+    rstd = f32(torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6))
+    y_hp = xf * rstd * f32(gamma) + f32(beta)
+    rounded, _ = mx_reference(f32(torch.from_numpy(y_hp).bfloat16()), "E4M3", 1)
+    unrounded, _ = mx_reference(y_hp, "E4M3", 1)
+    np.testing.assert_array_equal(raw(y), rounded)
+    assert (raw(y) != unrounded).any()
+
+
+def test_rms_norm_dynamic_mx_quant_nonfinite_rows(fused_sim):
+    """"当输入是Inf时：1、输出yOut为0；2、输出mxscaleOut为255，偶数pad填充值为0；3、输出rstdOut为0。当输入是NaN时：
+    ... rstdOut为NaN。", per row; other rows as usual."""
+    x = torch.randn(3, 96).bfloat16().requires_grad_()
+    with torch.no_grad():
+        x[0, 5], x[2, 40] = math.inf, math.nan
+    y, scale, rstd = fused_sim.npu_rms_norm_dynamic_mx_quant(x, torch.ones(96, dtype=torch.bfloat16),
+                                                             dst_type=torch.float8_e4m3fn)
+    assert (raw(y)[[0, 2]] == 0).all() and (raw(y)[1] != 0).any()
+    assert scale[0].flatten().tolist() == [255, 255, 255, 0] == scale[2].flatten().tolist()
+    assert (scale[1] != 255).all()
+    assert rstd[0].item() == 0 and math.isnan(rstd[2].item()) and math.isfinite(rstd[1].item())
+
+
+def test_rms_norm_dynamic_mx_quant_contract(fused_sim):
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    g = torch.ones(64, dtype=torch.bfloat16)
+    q = fused_sim.npu_rms_norm_dynamic_mx_quant
+    e4m3 = torch.float8_e4m3fn
+    # "Ascend 950PR/Ascend 950DT：支持", "Atlas A2 训练系列产品/Atlas A2 推理系列产品：不支持"
+    assert_raises(lambda: make_simulator_with_fused_quant("Ascend910B3").npu_rms_norm_dynamic_mx_quant(
+        x, g, dst_type=e4m3), NpuSocError, "Ascend910B3")
+    make_simulator_with_fused_quant("Ascend950DT").npu_rms_norm_dynamic_mx_quant(x, g, dst_type=e4m3)
+    assert_raises(lambda: q(x.float(), g.float(), dst_type=e4m3), NpuTypeError, "x")  # "FLOAT16、BFLOAT16"
+    assert_raises(lambda: q(x.reshape([1] * 7 + [4, 64]), g, dst_type=e4m3), NpuValueError, "x")  # "1-7"
+    assert_raises(lambda: q(x, g.half(), dst_type=e4m3), NpuTypeError, "gamma")  # x's dtype or FLOAT32
+    assert_raises(lambda: q(x, g.reshape(1, 64), dst_type=e4m3), NpuValueError, "gamma")  # "shape只能为一维"
+    assert_raises(lambda: q(x, g[:32], dst_type=e4m3), NpuValueError, "gamma")
+    assert_raises(lambda: q(x, g, beta=g.float(), dst_type=e4m3), NpuTypeError, "beta")  # "与gamma保持一致"
+    assert_raises(lambda: q(x, g, dst_type=torch.int8), NpuTypeError, "dst_type")  # {35, 36, 40, 41}
+    assert_raises(lambda: q(x, g, dst_type=e4m3, round_mode="round"), NpuValueError, "round_mode")
+    assert_raises(lambda: q(x, g, dst_type=e4m3, scale_alg=2), NpuValueError, "scale_alg")
+    with pytest.raises(NpuSimNotImplemented):
+        q(x, g)  # the default FP4 output
+    assert fused_sim.launch_counts["npu_rms_norm_dynamic_mx_quant"] == 0
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("fmt", ["E4M3", "E5M2"])
+@pytest.mark.parametrize("alg", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_swiglu_mx_quant_with_dual_axis_is_swiglu_then_dual_axis_mx_quant(chip, fmt, alg, dtype):
+    """"swigluOut_i = Swish(A_i) * B_i" in float32 (A the left half with activate_left), rounded to x's dtype, then
+    MX along -1 and -2: the oracle is mx_reference on rows and on columns of that output. Shapes: y1, y2 [M, N],
+    mxscale1 [M, ceil(N/64), 2], mxscale2 [ceil(M/64), N, 2] ("mxscale2Out输出需要对每两行数据进行交织处理").
+    On the 950PR too ("Ascend 950PR/Ascend 950DT：支持"), unlike npu_dynamic_mx_quant_with_dual_axis."""
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
+
+    sim = make_simulator_with_fused_quant(chip)
+    x = (torch.randn(96, 2 * 80, generator=torch.Generator().manual_seed(5)) * 4).to(dtype)
+    y1, s1, y2, s2 = sim.npu_swiglu_mx_quant_with_dual_axis(x, scale_alg=alg, dst_type=npu_dtype(sim, fmt))
+    a, b = x.float()[:, :80], x.float()[:, 80:]
+    act = f32((torch.nn.functional.silu(a) * b).to(dtype))
+    codes, scales = mx_reference(act, fmt, alg)
+    np.testing.assert_array_equal(raw(y1), codes)
+    assert tuple(s1.shape) == (96, 2, 2) and s1.dtype == torch.uint8
+    np.testing.assert_array_equal(s1.numpy(), pair_blocks(scales))
+    codes, scales = mx_reference(act.T.copy(), fmt, alg)
+    np.testing.assert_array_equal(raw(y2), codes.T)
+    assert tuple(s2.shape) == (2, 80, 2)
+    np.testing.assert_array_equal(s2.numpy(), pair_blocks(scales).transpose(1, 0, 2))
+    right = sim.npu_swiglu_mx_quant_with_dual_axis(torch.cat([x[:, 80:], x[:, :80]], -1), activate_left=False,
+                                                   scale_alg=alg, dst_type=npu_dtype(sim, fmt))
+    assert all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in zip(right, (y1, s1, y2, s2)))
+
+
+def test_swiglu_mx_quant_with_dual_axis_contract(fused_sim):
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
+
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    sq = fused_sim.npu_swiglu_mx_quant_with_dual_axis
+    assert_raises(lambda: make_simulator_with_fused_quant("Ascend910_9391").npu_swiglu_mx_quant_with_dual_axis(x),
+                  NpuSocError, "Ascend910_9391")
+    assert sq(x)[0].dtype == torch.float8_e4m3fn  # the default dst_type 24
+    assert_raises(lambda: sq(x.float()), NpuTypeError, "x")  # "FLOAT16、BFLOAT16"
+    assert_raises(lambda: sq(x.reshape(2, 32, 128)), NpuValueError, "x")  # 维度 "2"
+    assert_raises(lambda: sq(x[:, :127]), NpuValueError, "x")  # "最后一维必须为偶数"
+    assert_raises(lambda: sq(x[:0]), NpuValueError, "x")  # "不支持空Tensor"
+    assert_raises(lambda: sq(x, dst_type_max=448.0), NpuValueError, "dst_type_max")  # "取值仅支持0"
+    assert_raises(lambda: sq(x, round_mode="floor"), NpuValueError, "round_mode")
+    assert_raises(lambda: sq(x, scale_alg=2), NpuValueError, "scale_alg")
+    assert_raises(lambda: sq(x, dst_type=fused_sim.hifloat8), NpuTypeError, "dst_type")
+    for call in (lambda: sq(x, group_index=torch.tensor([32, 64])), lambda: sq(x, dst_type=296)):
+        with pytest.raises(NpuSimNotImplemented):
+            call()
+    assert fused_sim.launch_counts["npu_swiglu_mx_quant_with_dual_axis"] == 1
+
+
+# npu_grouped_dynamic_mx_quant, npu_add_quant_matmul_, npu_add_quant_gmm_ (a simulator of their own: op-plugin
+# 26.0.0 and later), and the K-split MX grouped GEMM they feed -----------------------------------------------------
+@pytest.fixture
+def wgrad_sim():
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_wgrad
+
+    return make_simulator_with_fused_wgrad()
+
+
+def grouped_pairs_reference(x, sizes, fmt, alg):
+    """NumPy: each group of rows of x MX-quantized along its rows on its own (`mx_reference` of its transpose),
+    its pairs placed at row (K_0 + .. + K_{i-1}) // 64 + i of a (K // 64 + g, n, 2) array; (codes, pairs, the
+    rows that hold a group's pairs)."""
+    m, n = x.shape
+    codes = np.zeros((m, n), np.uint8)
+    pairs = np.zeros((m // 64 + len(sizes), n, 2), np.int64)
+    used, start = [], 0
+    for i, size in enumerate(sizes):
+        if size:
+            c, sc = mx_reference(x[start:start + size].T.copy(), fmt, alg)
+            codes[start:start + size] = c.T
+            first = start // 64 + i
+            pairs[first:first + -(-size // 64)] = pair_blocks(sc).transpose(1, 0, 2)
+            used += range(first, first + -(-size // 64))
+        start += size
+    return codes, pairs, used
+
+
+def test_fused_wgrad_kernels_only_on_their_own_simulator(wgrad_sim):
+    """torch_npu releases before op-plugin 26.0.0 have none of them (hasattr is False): the default simulator
+    lacks them, as the self-check's list of kernels the plugin needs must."""
+    names = ("npu_grouped_dynamic_mx_quant", "npu_add_quant_matmul_", "npu_add_quant_gmm_")
+    assert not any(hasattr(make_simulator(), name) for name in names)
+    assert all(hasattr(wgrad_sim, name) for name in names) and wgrad_sim.npu.get_device_name() == "Ascend950PR"
+    params = inspect.signature(wgrad_sim.npu_add_quant_matmul_).parameters
+    assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "x1_scale", "group_sizes", "x1_dtype", "x2_dtype", "x1_scale_dtype", "x2_scale_dtype"]
+
+
+@pytest.mark.parametrize("fmt, alg", [("E4M3", 0), ("E4M3", 1), ("E5M2", 1)])
+def test_grouped_dynamic_mx_quant_quantizes_each_group_on_its_own(wgrad_sim, fmt, alg):
+    """Each group's rows MX-quantized along the rows in 32-row blocks from its first row, against NumPy; the scale
+    pairs of group i at row (m_0 + .. + m_{i-1}) // 64 + i (odd block counts paired with a 0 byte), the rows between
+    groups left unwritten (0xFF here); an empty group has none."""
+    sizes = [32, 96, 0, 64, 160]  # odd and even numbers of 32-blocks, an empty group
+    x = torch.randn(sum(sizes), 96, generator=torch.Generator().manual_seed(5)).bfloat16() * 40
+    y, mxscale = wgrad_sim.npu_grouped_dynamic_mx_quant(
+        x, torch.tensor(np.cumsum(sizes), dtype=torch.int32), dst_type=npu_dtype(wgrad_sim, fmt), scale_alg=alg)
+    codes, pairs, used = grouped_pairs_reference(x.float().numpy(), sizes, fmt, alg)
+    assert y.dtype == TORCH_FP8[fmt] and tuple(mxscale.shape) == (352 // 64 + 5, 96, 2)
+    np.testing.assert_array_equal(raw(y), codes)
+    np.testing.assert_array_equal(mxscale.numpy()[used], pairs[used])
+    assert (mxscale.numpy()[[r for r in range(mxscale.shape[0]) if r not in used]] == 0xFF).all()
+    assert wgrad_sim.launch_counts == {"npu_grouped_dynamic_mx_quant": 1}
+
+
+def test_grouped_dynamic_mx_quant_contract(wgrad_sim):
+    from mindspeed_te.testing.npu_sim import make_simulator_with_fused_wgrad
+
+    x = torch.randn(128, 64, dtype=torch.bfloat16)
+    ends = torch.tensor([64, 128], dtype=torch.int32)
+    q = wgrad_sim.npu_grouped_dynamic_mx_quant
+    assert q(x, ends)[0].dtype == torch.float8_e5m2  # the schema's default dst_type 23
+    assert_raises(lambda: make_simulator_with_fused_wgrad("Ascend910B1").npu_grouped_dynamic_mx_quant(x, ends),
+                  NpuSocError, "Ascend910B1")
+    assert_raises(lambda: q(x.float(), ends), NpuTypeError, "x")  # "FLOAT16、BFLOAT16"
+    assert_raises(lambda: q(x.reshape(2, 64, 64), ends), NpuValueError, "x")  # "shape仅支持2维"
+    assert_raises(lambda: q(x, ends.long()), NpuTypeError, "group_index")  # "INT32"
+    assert_raises(lambda: q(x, torch.tensor([64, 100], dtype=torch.int32)), NpuValueError, "group_index")
+    assert_raises(lambda: q(x, torch.tensor([64, 32, 128], dtype=torch.int32)), NpuValueError, "group_index")
+    assert_raises(lambda: q(x, ends, blocksize=64), NpuValueError, "blocksize")  # "仅支持32"
+    assert_raises(lambda: q(x, ends, round_mode="floor"), NpuValueError, "round_mode")
+    assert_raises(lambda: q(x, ends, scale_alg=2), NpuValueError, "scale_alg")  # FP8: 0 or 1
+    assert_raises(lambda: q(x, ends, dst_type=wgrad_sim.hifloat8), NpuTypeError, "dst_type")
+    with pytest.raises(NpuSimNotImplemented):
+        q(x, ends, dst_type=296)
+
+
+def _k_split_operands(sim, sizes, m=48, n=80, seed=7):
+    """Per-group MX operands of a K-split GEMM over the tokens: dY (K, m) and X (K, n) quantized by
+    npu_grouped_dynamic_mx_quant, with each group's own npu_dynamic_mx_quant(axis=0) forms beside."""
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(sum(sizes), m, generator=g).bfloat16() * 3
+    x = torch.randn(sum(sizes), n, generator=g).bfloat16()
+    ends = torch.tensor(np.cumsum(sizes), dtype=torch.int32)
+    a, sa = sim.npu_grouped_dynamic_mx_quant(dy, ends, dst_type=sim.float8_e5m2, scale_alg=1)
+    b, sb = sim.npu_grouped_dynamic_mx_quant(x, ends, dst_type=sim.float8_e4m3fn, scale_alg=1)
+    own, start = [], 0
+    for size in sizes:
+        own.append([sim.npu_dynamic_mx_quant(t[start:start + size], axis=0, dst_type=d, scale_alg=1)
+                    for t, d in ((dy, sim.float8_e5m2), (x, sim.float8_e4m3fn))] if size else None)
+        start += size
+    return (a, sa, b, sb), own
+
+
+def _own_product(sim, forms, out_dtype):
+    (qa, pa), (qb, pb) = forms
+    return sim.npu_quant_matmul(qa.t(), qb, pb, pertoken_scale=pa.permute(1, 0, 2), output_dtype=out_dtype,
+                                scale_dtype=sim.float8_e8m0fnu, pertoken_scale_dtype=sim.float8_e8m0fnu,
+                                group_sizes=[1, 1, 32])
+
+
+@pytest.mark.parametrize("sizes", [[32, 96, 64], [64, 0, 160, 32], [96]])
+def test_grouped_matmul_mx_split_k(wgrad_sim, sizes):
+    """aclnnGroupedMatmulV4's K-split MX mode (groupType 2, E8M0 scales ((K / 64) + g, M, 2) and ((K / 64) + g,
+    N, 2), group i's at row (K_0 + .. + K_{i-1}) // 64 + i): each group's product equals the MX npu_quant_matmul
+    of that group's own forms, bit for bit (float32 and bfloat16 out); an empty group gives zeros. The rows
+    between groups are never read (their 0xFF bytes would make NaN)."""
+    (a, sa, b, sb), own = _k_split_operands(wgrad_sim, sizes)
+    kw = dict(group_list=torch.tensor(np.cumsum(sizes)), split_item=3, group_type=2,
+              scale_dtype=wgrad_sim.float8_e8m0fnu, per_token_scale_dtype=wgrad_sim.float8_e8m0fnu)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        (y,) = wgrad_sim.npu_grouped_matmul([a.t()], [b], scale=[sb], per_token_scale=[sa], output_dtype=out_dtype,
+                                            **kw)
+        assert y.shape == (len(sizes), 48, 80) and y.dtype == out_dtype
+        for i, forms in enumerate(own):
+            want = torch.zeros(48, 80, dtype=out_dtype) if forms is None else _own_product(wgrad_sim, forms, out_dtype)
+            assert torch.equal(y[i], want)
+    # what the mode refuses: x not the transposed view, scales of other shapes or not contiguous
+    gmm = wgrad_sim.npu_grouped_matmul
+    args = dict(kw, scale=[sb], per_token_scale=[sa], output_dtype=torch.float32)
+    assert_raises(lambda: gmm([a.t().contiguous()], [b], **args), NpuValueError, "x[0]")
+    assert_raises(lambda: gmm([a.t()], [b], **dict(args, scale=[sb[1:]])), NpuValueError, "scale[0]")
+    assert_raises(lambda: gmm([a.t()], [b], **dict(args, per_token_scale=[sa[:, :-1]])), NpuValueError,
+                  "per_token_scale[0]")
+    swapped = sa.transpose(0, 1).contiguous().transpose(0, 1)
+    assert_raises(lambda: gmm([a.t()], [b], **dict(args, per_token_scale=[swapped])), NpuValueError, "contiguous")
+
+
+def test_add_quant_matmul_adds_the_mx_product_in_one_rounding(wgrad_sim):
+    """npu_add_quant_matmul_ (aclnnQuantBatchMatmulInplaceAdd, mx量化): y + the MX GEMM's float32 sum, rounded once
+    -- exactly y.add_(npu_quant_matmul(..., output_dtype=float32)) -- written into y itself; x1_scale as the
+    (ceil(K/64), M, 2) pairs or their transposed view (the document's example)."""
+    (_, _, _, _), own = _k_split_operands(wgrad_sim, [160])
+    (qa, pa), (qb, pb) = own[0]
+    y0 = torch.randn(48, 80, generator=torch.Generator().manual_seed(3)) * 100
+    want = y0 + _own_product(wgrad_sim, own[0], torch.float32)
+    e8 = dict(group_sizes=[1, 1, 32], x1_scale_dtype=wgrad_sim.float8_e8m0fnu, x2_scale_dtype=wgrad_sim.float8_e8m0fnu)
+    for x1_scale in (pa, pa.permute(1, 0, 2)):
+        y = y0.clone()
+        assert wgrad_sim.npu_add_quant_matmul_(y, qa.t(), qb, pb, x1_scale=x1_scale, **e8) is y
+        assert torch.equal(y, want)
+    add = wgrad_sim.npu_add_quant_matmul_
+    y = y0.clone()
+    assert_raises(lambda: add(y.bfloat16(), qa.t(), qb, pb, x1_scale=pa, **e8), NpuTypeError, "self")  # float32
+    assert_raises(lambda: add(y[:-1], qa.t(), qb, pb, x1_scale=pa, **e8), NpuValueError, "self")  # (M, N)
+    # "当前仅支持transposeX1=true且transposeX2=false"
+    assert_raises(lambda: add(y, qa.t().contiguous(), qb, pb, x1_scale=pa, **e8), NpuValueError, "x1")
+    assert_raises(lambda: add(y, qa.t(), qb.t().contiguous().t(), pb, x1_scale=pa, **e8), NpuValueError, "x2")
+    assert_raises(lambda: add(y, qa.t(), qb, pb, x1_scale=pa, **dict(e8, group_sizes=None)), NpuValueError,
+                  "group_sizes")
+    assert_raises(lambda: add(y, qa.t(), qb, pb, x1_scale=pa, **dict(e8, x2_scale_dtype=None)), NpuTypeError,
+                  "x2_scale_dtype")
+    assert_raises(lambda: add(y, qa.t(), qb, pb, **e8), NpuValueError, "x1_scale")
+    assert_raises(lambda: add(y, qa.t(), qb, pb[1:], x1_scale=pa, **e8), NpuValueError, "scale")
+    assert_raises(lambda: add(y, qa.t()[:, :0], qb[:0], pb[:0], x1_scale=pa[:0], **e8), NpuValueError, "K")
+    h1, _ = random_codes((160, 48), "HIF8", 8)
+    h2, _ = random_codes((160, 80), "HIF8", 9)
+    with pytest.raises(NpuSimNotImplemented):  # the HiF8 T-T mode, which the library does not call
+        add(y, h1.t(), h2, torch.ones(1), x1_scale=torch.ones(1), group_sizes=[0, 0, 0], x1_dtype=wgrad_sim.hifloat8,
+            x2_dtype=wgrad_sim.hifloat8)
+    assert torch.equal(y, y0)  # refused calls leave y as it was
+    assert wgrad_sim.launch_counts["npu_add_quant_matmul_"] == 2
+
+
+def test_add_quant_gmm_adds_each_groups_product(wgrad_sim):
+    """npu_add_quant_gmm_ (aclnnQuantGroupedMatmulInplaceAdd, mx量化): y[i] + group i's K-split MX product, its
+    float32 sum rounded once, in place; the group_list may stop short of K (the rest updates nothing)."""
+    sizes = [32, 96, 0, 64]
+    (a, sa, b, sb), own = _k_split_operands(wgrad_sim, sizes)
+    y0 = torch.randn(4, 48, 80, generator=torch.Generator().manual_seed(4))
+    e8 = dict(x1_scale_dtype=wgrad_sim.float8_e8m0fnu, x2_scale_dtype=wgrad_sim.float8_e8m0fnu)
+    y = y0.clone()
+    group_list = torch.tensor(np.cumsum(sizes))
+    assert wgrad_sim.npu_add_quant_gmm_(y, a.t(), b, sb, group_list, x1_scale=sa, **e8) is y
+    for i, forms in enumerate(own):
+        assert torch.equal(y[i], y0[i] if forms is None else y0[i] + _own_product(wgrad_sim, forms, torch.float32))
+    gmm_add = wgrad_sim.npu_add_quant_gmm_
+    assert_raises(lambda: gmm_add(y, a.t(), b, sb, group_list, x1_scale=sa, group_sizes=[1, 1, 32], **e8),
+                  NpuValueError, "group_sizes")  # the binding: "group_sizes is not supported currently."
+    assert_raises(lambda: gmm_add(y[:3], a.t(), b, sb, group_list, x1_scale=sa, **e8), NpuValueError, "self")
+    assert_raises(lambda: gmm_add(y.bfloat16(), a.t(), b, sb, group_list, x1_scale=sa, **e8), NpuTypeError, "self")
+    assert_raises(lambda: gmm_add(y, a.t(), b, sb, group_list.int(), x1_scale=sa, **e8), NpuTypeError, "group_list")
+    assert_raises(lambda: gmm_add(y, a.t(), b, sb, group_list, x1_scale=sa, group_list_type=2, **e8),
+                  NpuValueError, "group_list_type")
+    assert_raises(lambda: gmm_add(y, a.t(), b, sb, group_list, **e8), NpuValueError, "x1_scale")

@@ -2,7 +2,8 @@
 
     python -m mindspeed_te.bench [--size-mib 64] [--repeats 5] [--only quantize]
 
-Groups: linear (mindspeed_te.bench.linear), npu (launches), params, gpt, quantize and hif8 (quantize).
+Groups: linear (mindspeed_te.bench.linear, host), npu (launches, layer), params, memory, gpt, quantize and hif8
+(quantize).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=64, help="tensor size for the quantize cases")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params", "gpt"],
+    parser.add_argument("--only", choices=["quantize", "hif8", "linear", "npu", "params", "gpt", "memory"],
                         help="run one group of cases")
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.repeats < 1:
@@ -38,12 +39,23 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, float, str]] = []
     if args.only in (None, "linear"):
         rows += bench_linear(args.repeats)
+        from mindspeed_te.bench.host import bench_host_noop
+
+        rows += bench_host_noop(args.repeats)
     if args.only in (None, "npu"):
         rows += bench_npu_launches()
+        if _megatron_available():
+            from mindspeed_te.bench.layer import bench_layer_launches
+
+            rows += bench_layer_launches()
     if args.only in (None, "params"):
         from mindspeed_te.bench.params import bench_params
 
         rows += bench_params()
+    if args.only in (None, "memory"):
+        from mindspeed_te.bench.memory import bench_memory
+
+        rows += bench_memory()
     if args.only in (None, "gpt"):
         from mindspeed_te.bench.gpt import RECIPES, bench_gpt
 

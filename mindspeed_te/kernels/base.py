@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -58,6 +58,13 @@ class KernelBackend(ABC):
         small per-tensor ops into multi-tensor launches."""
         return [self.quantize(q, x) for q, x in zip(quantizers, tensors)]
 
+    def quantize_row_blocks(self, quantizers: Sequence[Quantizer], tensors: Sequence[torch.Tensor], blocks: int
+                            ) -> list[QuantizedTensorStorage]:
+        """`quantize_many`, where the first `blocks` tensors are consecutive row blocks of one tensor, in order (a
+        grouped linear's experts' inputs or grad_outputs, each quantized on its own): a backend may make a form
+        of all of them in one grouped kernel (the same values as one quantize each)."""
+        return self.quantize_many(quantizers, tensors)
+
     def read_twice(self, t: Operand) -> AbstractContextManager:
         """A block in which several GEMMs read operand `t` (a backward's dgrad and wgrad both read grad_output):
         a backend may keep what it derives from `t` for all of them, and drops it when the block ends."""
@@ -89,6 +96,32 @@ class KernelBackend(ABC):
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over gamma's trailing dims, x's dtype out."""
+
+    # A norm or an activation fused with the quantize of its output (the next GEMM's input) -----------------
+    def fuses_norm_quantize(self, normalization: str, x: torch.Tensor, gamma: torch.Tensor,
+                            quantizer: Quantizer) -> bool:
+        """Whether `norm_quantize` runs this norm ("RMSNorm" or "LayerNorm") of x and `quantizer` (its usage as
+        set) as one kernel, with the same bits, and so returns no norm output values."""
+        return False
+
+    @abstractmethod
+    def norm_quantize(self, normalization: str, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
+                      eps: float, quantizer: Quantizer) -> tuple[torch.Tensor, QuantizedTensorStorage]:
+        """(y, `quantize(quantizer, y)`) for y = `rms_norm(x, gamma, eps)` or `layer_norm(x, gamma, beta, eps)`.
+        Where `fuses_norm_quantize` holds, one kernel makes the quantized form and y has the norm output's shape
+        and dtype but no defined values: it only carries the norm's gradient to x and gamma in autograd."""
+
+    def fuses_activation_quantize(self, activation: str, x: torch.Tensor, quantizer: Quantizer) -> bool:
+        """Whether `activation_quantize` runs `activation` (TE's name: "swiglu", "gelu", ...) of x and
+        `quantizer` (its usage as set) as one kernel, with the same bits."""
+        return False
+
+    @abstractmethod
+    def activation_quantize(self, activation: str, x: torch.Tensor, quantizer: Quantizer,
+                            fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensorStorage:
+        """`quantize(quantizer, fn(x))`, where `fn` computes x's `activation` as the ops layer defines it (in at
+        least float32, x's dtype out). Where `fuses_activation_quantize` holds, one kernel computes both and
+        fn(x) is never made."""
 
     @abstractmethod
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

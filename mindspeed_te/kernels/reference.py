@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -32,6 +32,14 @@ def operand_2d(t: Operand, columnwise: bool, dtype: torch.dtype = torch.float32)
     if values.dim() != 2:
         values = values.reshape(-1, values.shape[-1])
     return values.t() if columnwise else values
+
+
+def hadamard_pair(a: Operand, b: Operand, a_columnwise: bool, b_columnwise: bool) -> bool:
+    """Whether a · bᵀ contracts two columnwise forms quantized after the same random Hadamard transform (FP4
+    storages with equal `columnwise_rht_sign_mask`); one transformed operand alone is transformed back instead,
+    by its dequantize."""
+    mask = getattr(a, "columnwise_rht_sign_mask", None) if a_columnwise and b_columnwise else None
+    return mask is not None and getattr(b, "columnwise_rht_sign_mask", None) == mask
 
 
 def holds_bf16_values(t: Operand) -> bool:
@@ -230,6 +238,17 @@ class ReferenceBackend(KernelBackend):
         dtype = torch.promote_types(x.dtype, torch.float32)
         return torch.nn.functional.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
 
+    def norm_quantize(self, normalization: str, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
+                      eps: float, quantizer: Quantizer) -> tuple[torch.Tensor, QuantizedTensorStorage]:
+        """The norm (`rms_norm` or `layer_norm`, differentiable), then `quantize` of its output."""
+        y = self.rms_norm(x, gamma, eps) if normalization == "RMSNorm" else self.layer_norm(x, gamma, beta, eps)
+        return y, self.quantize(quantizer, y)
+
+    def activation_quantize(self, activation: str, x: torch.Tensor, quantizer: Quantizer,
+                            fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedTensorStorage:
+        """fn(x), then `quantize` of it."""
+        return self.quantize(quantizer, fn(x))
+
     def moe_permute(self, tokens: torch.Tensor, routing_map: torch.Tensor,
                     num_out_tokens: Optional[Union[int, torch.Tensor]], probs: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -273,6 +292,10 @@ class ReferenceBackend(KernelBackend):
                 result = mm_float32(a_values.t() if a_columnwise else a_values,
                                     b_values if b_columnwise else b_values.t(), bf16_values=True)
             scales = (as_float32(b.scale_inv), as_float32(a.scale_inv))
+        elif hadamard_pair(a, b, a_columnwise, b_columnwise):
+            # Both operands hold their columnwise form Hadamard-transformed along the contraction dim with the
+            # same matrix Q (the FP4 recipes' wgrad): the GEMM of the stored values is the product (Q Qᵀ = I).
+            result = torch.mm(a.columnwise_hadamard_values(), b.columnwise_hadamard_values().t())
         elif (self.bf16_output_gemm and out is None and out_dtype == torch.bfloat16
               and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_rounds(a, b, a_columnwise)):
             a_values = self.gemm_operand(a, a_columnwise, torch.bfloat16)

@@ -3,6 +3,11 @@
 It is a `Linear` with a LayerNorm/RMSNorm in front: the linear part, with its FP8 GEMMs, tensor parallelism
 and sequence-parallel gather, is Linear's own code. With sequence parallelism the norm runs on this rank's
 slice of the sequence, and Linear then gathers the normalized activations before the GEMM.
+
+Where the backend's norm kernel makes the GEMM's quantized input itself (`fuses_norm_quantize`; on an NPU: RMSNorm
+into MXFP8 rowwise, for a linear that needs no columnwise input, i.e. no weight gradient), the norm's output is a
+stand-in that only carries its gradient (see ops/prequantized.py): not with sequence parallelism or
+`return_layernorm_output`, which need its values.
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ import torch
 
 from mindspeed_te.distributed import ProcessGroup
 from mindspeed_te.modules.linear import Linear
-from mindspeed_te.modules.norm import NORMALIZATIONS, norm_parameters, normalize
+from mindspeed_te.modules.norm import NORMALIZATIONS, norm_parameters, normalize, normalize_and_quantize
+from mindspeed_te.ops.linear import LinearQuantizers
+from mindspeed_te.ops.prequantized import fused_input_quantizer, with_prequantized_input
+from mindspeed_te.state import FP8GlobalStateManager
 
 LayerNormLinearOutput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
@@ -102,10 +110,35 @@ class LayerNormLinear(Linear):
         for name in ("weight", "bias"):
             self._parameters[name] = self._parameters.pop(name)
 
+    def prepare_forward(self, device: torch.device):
+        """The forward's quantizers: those `forward` prepared already for the norm's kernel (taken once), else
+        made now (FP8ModuleBase.prepare_forward)."""
+        prepared = self.__dict__.pop("_prepared_forward", None)
+        return prepared[0] if prepared is not None else super().prepare_forward(device)
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> LayerNormLinearOutput:
-        ln_out = normalize(inp, self.normalization, self.layer_norm_weight, getattr(self, "layer_norm_bias", None),
-                           self.eps, self.zero_centered_gamma)
-        out = super().forward(ln_out, is_first_microbatch=is_first_microbatch)
+        gamma, beta = self.layer_norm_weight, getattr(self, "layer_norm_bias", None)
+        if self.sequence_parallel or self.return_layernorm_output or not FP8GlobalStateManager.is_fp8_enabled():
+            # The norm's output is gathered before the GEMM's quantize, or returned: no fused norm + quantize.
+            ln_out = normalize(inp, self.normalization, gamma, beta, self.eps, self.zero_centered_gamma)
+        else:
+            # The norm's kernel may make the GEMM's quantized input itself (NpuBackend: RMSNorm into MXFP8 rowwise,
+            # for a linear that needs no columnwise input: no weight gradient): prepare this call's quantizers
+            # first (Linear.forward then takes them, see prepare_forward) and let the backend decide.
+            fp8 = super().prepare_forward(inp.device)
+            fwd, bwd, first = fp8
+            quantizers = LinearQuantizers(fwd[0], fwd[1], bwd[0])
+            quantizer = fused_input_quantizer(quantizers, self.weight, FP8GlobalStateManager.get_fp8_recipe()
+                                              .fp8_wgrad(), self.save_original_input)
+            ln_out, made = normalize_and_quantize(inp, self.normalization, gamma, beta, self.eps,
+                                                  self.zero_centered_gamma, quantizer)
+            if made is not None:
+                fp8 = ([with_prequantized_input(quantizers, made).input, *fwd[1:]], bwd, first)
+            self._prepared_forward = (fp8,)
+        try:
+            out = super().forward(ln_out, is_first_microbatch=is_first_microbatch)
+        finally:
+            self.__dict__.pop("_prepared_forward", None)
         if not self.return_layernorm_output:
             return out
         return (*out, ln_out) if self.return_bias else (out, ln_out)

@@ -20,9 +20,10 @@ from mindspeed_te.distributed import (
 )
 from mindspeed_te.modules.base import FP8ModuleBase
 from mindspeed_te.modules.linear import divide, resolve_tp_size, set_tensor_parallel_attributes
-from mindspeed_te.modules.norm import NORMALIZATIONS, norm_parameters, normalize
-from mindspeed_te.ops.activation import GATED_ACTIVATIONS, activation_function
+from mindspeed_te.modules.norm import NORMALIZATIONS, norm_parameters, normalize_and_quantize
+from mindspeed_te.ops.activation import GATED_ACTIVATIONS, activation_function, fused_activation_input
 from mindspeed_te.ops.linear import LinearQuantizers, WeightCache, fp8_linear
+from mindspeed_te.ops.prequantized import fused_input_quantizer, with_prequantized_input
 from mindspeed_te.state import FP8GlobalStateManager
 
 __all__ = ["LayerNormMLP"]
@@ -146,12 +147,6 @@ class LayerNormMLP(FP8ModuleBase):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> LayerNormMLPOutput:
         fp8 = self.prepare_forward(inp.device)
-        ln_out = normalize(inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps,
-                           self.zero_centered_gamma)
-        x = ln_out
-        if self.set_parallel_mode:
-            x = (gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel
-                 else copy_to_tensor_parallel_region(x, self.tp_group))
         fc1_q = fc2_q = None
         first = calibrating = False
         if fp8 is not None:
@@ -160,14 +155,32 @@ class LayerNormMLP(FP8ModuleBase):
                 fc1_q, fc2_q = LinearQuantizers(fwd[0], fwd[1], bwd[0]), LinearQuantizers(fwd[3], fwd[4], bwd[2])
             else:
                 calibrating = True
-                self.calibrate(fwd[0:2], x, self.fc1_weight)
-        common = dict(fp8_wgrad=FP8GlobalStateManager.get_fp8_recipe().fp8_wgrad(),
-                      is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-                      wgrad_store=self.wgrad_store)
+        fp8_wgrad = FP8GlobalStateManager.get_fp8_recipe().fp8_wgrad()
+        # The norm's kernel may make FC1's quantized input itself (as in LayerNormLinear), unless the norm's output
+        # is gathered before the GEMM or returned.
+        fused_norm = not (self.sequence_parallel or self.return_layernorm_output)
+        ln_out, made = normalize_and_quantize(
+            inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma,
+            fused_input_quantizer(fc1_q, self.fc1_weight, fp8_wgrad) if fused_norm else None)
+        if made is not None:
+            fc1_q = with_prequantized_input(fc1_q, made)
+        x = ln_out
+        if self.set_parallel_mode:
+            x = (gather_from_sequence_parallel_region(x, self.tp_group) if self.sequence_parallel
+                 else copy_to_tensor_parallel_region(x, self.tp_group))
+        if calibrating:
+            self.calibrate(fwd[0:2], x, self.fc1_weight)
+        common = dict(fp8_wgrad=fp8_wgrad, is_first_microbatch=is_first_microbatch,
+                      fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, wgrad_store=self.wgrad_store)
         # FC1's backward runs last in this module, so it reduces the step's backward amaxes when first.
         hidden = fp8_linear(x, self.fc1_weight, self.fc1_bias, quantizers=fc1_q, weight_cache=self._weight_caches[0],
                             reduce_amax_in_backward=first and fc1_q is not None, **common)
-        act = self._activation(hidden)
+        # The activation's kernel may make FC2's quantized input itself (NpuBackend: SwiGLU into MXFP8).
+        fused = fused_activation_input(self.activation, self._activation, hidden, fc2_q, self.fc2_weight, fp8_wgrad)
+        if fused is None:
+            act = self._activation(hidden)
+        else:
+            act, fc2_q = fused
         if calibrating:
             self.calibrate(fwd[3:5], act, self.fc2_weight)
         add_bias = self.fc2_bias is not None and not self.return_bias

@@ -8,8 +8,11 @@ from typing import Optional, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.quantizers import Quantizer
+from mindspeed_te.tensor import QuantizedTensorStorage
 
-__all__ = ["NORMALIZATIONS", "LayerNorm", "RMSNorm", "layer_norm", "norm_parameters", "normalize", "rms_norm"]
+__all__ = ["NORMALIZATIONS", "LayerNorm", "RMSNorm", "layer_norm", "norm_parameters", "normalize",
+           "normalize_and_quantize", "rms_norm"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -54,6 +57,24 @@ def normalize(x: torch.Tensor, normalization: str, weight: torch.Tensor, bias: O
     if normalization == "RMSNorm":
         return rms_norm(x, weight, eps, zero_centered_gamma)
     return layer_norm(x, weight, bias, eps, zero_centered_gamma)
+
+
+def normalize_and_quantize(x: torch.Tensor, normalization: str, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                           eps: float, zero_centered_gamma: bool, quantizer: Optional[Quantizer]
+                           ) -> tuple[torch.Tensor, Optional[QuantizedTensorStorage]]:
+    """`normalize`, and where the backend runs the norm and `quantizer` (its usage as set) as one kernel
+    (`fuses_norm_quantize`), the quantized form it makes: (a stand-in for the norm's output, carrying its gradient,
+    no values; the quantized form). Otherwise (the norm's output, None)."""
+    backend = get_backend(x.device)
+    gamma = _gamma(weight, zero_centered_gamma, _compute_dtype(x))
+    if quantizer is not None and x.dim() >= 1:
+        x2d = x.reshape(-1, x.shape[-1])
+        if backend.fuses_norm_quantize(normalization, x2d, gamma, quantizer):
+            stand_in, quantized = backend.norm_quantize(normalization, x2d, gamma, bias, eps, quantizer)
+            return stand_in.reshape(x.shape), quantized
+    if normalization == "RMSNorm":
+        return backend.rms_norm(x, gamma, eps), None
+    return backend.layer_norm(x, gamma, bias, eps), None
 
 
 def norm_parameters(

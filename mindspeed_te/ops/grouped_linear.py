@@ -88,7 +88,7 @@ class _GroupedLinear(torch.autograd.Function):
             caches = [args.weight_caches[i] if args.weight_caches is not None else None for i in active]
             a_ops, b_ops = quantize_inputs_and_weights([xs[i] for i in active], [weights[i] for i in active],
                                                        [q[i] for i in active], caches, args.is_first_microbatch,
-                                                       backend)
+                                                       backend, row_blocks=True)
             observe = FP8GlobalStateManager.get_operand_observer()  # e.g. the numerics report; off: one check
             if observe is not None:
                 for i, qx, qw in zip(active, a_ops, b_ops):
@@ -131,7 +131,8 @@ class _GroupedLinear(torch.autograd.Function):
         else:
             for i in active:
                 q[i].grad_output.set_usage(rowwise=need_dx, columnwise=ctx.fp8_wgrad)
-            grads = backend.quantize_many([q[i].grad_output for i in active], [dys[i] for i in active])
+            grads = backend.quantize_row_blocks([q[i].grad_output for i in active], [dys[i] for i in active],
+                                                len(active))
             observe = FP8GlobalStateManager.get_operand_observer()
             if observe is not None:
                 for i, dy in zip(active, grads):
@@ -147,7 +148,7 @@ class _GroupedLinear(torch.autograd.Function):
             if ctx.saved_x_quantizers is not None:
                 for quantizer in ctx.saved_x_quantizers:
                     quantizer.set_usage(rowwise=False, columnwise=True)
-                saved_x = backend.quantize_many(ctx.saved_x_quantizers, saved_x)
+                saved_x = backend.quantize_row_blocks(ctx.saved_x_quantizers, saved_x, len(saved_x))
             wgrad_a = grads if q is None or ctx.fp8_wgrad else [dys[i] for i in active]
             store = args.wgrad_store
             if store is not None and store.delay_wgrad_compute():

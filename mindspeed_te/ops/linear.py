@@ -71,17 +71,20 @@ class WeightCache:
 
 def quantize_inputs_and_weights(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
                                 qs: Sequence[LinearQuantizers], caches: Sequence[Optional[WeightCache]],
-                                is_first_microbatch: Optional[bool], backend
+                                is_first_microbatch: Optional[bool], backend, row_blocks: bool = False
                                 ) -> tuple[list[QuantizedTensorStorage], list[QuantizedTensorStorage]]:
     """The fprop operands of one or more GEMMs (a linear, or a grouped linear's experts): each input quantized
     now, each weight as stored when kept quantized (fp8_model_init: never quantized again) or cached for
     the step's later micro-batches, else quantized now; whatever is quantized now goes through one
-    `quantize_many` call, so the backend batches the small ops of all of them."""
+    `quantize_many` call, so the backend batches the small ops of all of them (`quantize_row_blocks` with
+    `row_blocks`: the inputs are row blocks of one tensor, a grouped linear's experts')."""
     stored = [w._storage if isinstance(w, QuantizedTensor) else (c.cached(is_first_microbatch) if c is not None
                                                                    else None) for w, c in zip(weights, caches)]
     fresh = [i for i, s in enumerate(stored) if s is None]
-    outs = backend.quantize_many([q.input for q in qs] + [qs[i].weight for i in fresh],
-                                 list(xs) + [weights[i] for i in fresh])
+    quantizers = [q.input for q in qs] + [qs[i].weight for i in fresh]
+    tensors = list(xs) + [weights[i] for i in fresh]
+    outs = (backend.quantize_row_blocks(quantizers, tensors, len(xs)) if row_blocks
+            else backend.quantize_many(quantizers, tensors))
     for i, qw in zip(fresh, outs[len(xs):]):
         stored[i] = qw
         if caches[i] is not None:

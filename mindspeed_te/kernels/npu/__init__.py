@@ -1,7 +1,8 @@
 """NPU backend: the torch_npu 2.14 quantization and GEMM kernels, called as their schemas define them.
 
 This package module assembles `NpuBackend` from one mixin per job, each in its own module (as the
-simulator is split): quantize.py (quantize, quantize_many and their kernels), gemm.py (gemm and its
+simulator is split): quantize.py (quantize, quantize_many and their kernels; fused_quantize.py, its base, the norm /
+activation + quantize kernels), gemm.py (gemm and its
 npu_quant_matmul modes), grouped_gemm.py, norm.py, attention.py, mc2.py (the fused communication
 GEMMs), moe_rope.py (MoE token permutation, RoPE); common.py holds the few helpers several of them use.
 
@@ -42,6 +43,17 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                repeated per 32-block (one op each), a float32 bias (one cast of a bf16 bias, as the late add
                is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
                takes the weight's).
+  wgrad into   MXFP8 into a float32 main_grad: npu_add_quant_matmul_ (op-plugin 26.0.0+, where torch_npu has it;
+  main_grad    the float32 sum added once, as GEMM + add); other recipes, a bf16 main_grad: GEMM, then add
+  experts      fprop/dgrad one npu_grouped_matmul (per-tensor, MX, G-B M-split); wgrad one K-split
+               npu_grouped_matmul for per-tensor and MXFP8 (MX scales laid out by one cat per operand, or as
+               npu_grouped_dynamic_mx_quant (26.0.0+) made the experts' columnwise forms: one call for all);
+               into main_grads: npu_add_quant_gmm_ (MXFP8, 26.0.0+, main_grads one buffer in expert order),
+               else one _foreach_add_; blockwise wgrads one npu_quant_matmul per expert
+  fused        npu_rms_norm_dynamic_mx_quant (RMSNorm into MXFP8 rowwise: a linear without wgrad) and
+               npu_swiglu_mx_quant_with_dual_axis (SwiGLU into both MXFP8 layouts), where torch_npu has them
+               (op-plugin 26.0.0 / 26.1.0 on); no other norm / activation + quantize kernel's rule is a recipe's:
+               docs/npu.md, "Fused norm and activation quantize"
   MoE, RoPE    npu_moe_token_permute / npu_moe_token_unpermute (dropless routing, bfloat16) and npu_rotary_mul, each
                with torch_npu's one backward kernel: npu/moe_rope.py
 """

@@ -84,6 +84,11 @@ class NpuGemm:
             # 时，输出为空tensor"): a sum over nothing (the wgrad of a rank without tokens) is the reference's zeros.
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
                                 bias=bias, out=out)
+        if out is not None and self._adds_in_kernel(x1, x2, kwargs, out):
+            # aclnnQuantBatchMatmulInplaceAdd's MX mode: the float32 product added into main_grad in the GEMM.
+            e8m0 = kwargs["scale_dtype"]
+            return self.npu.npu_add_quant_matmul_(out, x1, x2, kwargs["scale"], x1_scale=kwargs["pertoken_scale"],
+                                                  group_sizes=[1, 1, 32], x1_scale_dtype=e8m0, x2_scale_dtype=e8m0)
         if x2.shape[-1] > _MAX_LAST_DIM:  # n past the kernel's limit: no FP8 layer is that wide per rank
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
                                 bias=bias, out=out)
@@ -100,6 +105,20 @@ class NpuGemm:
         if late_bias:  # one add into the output dtype: float32 sum, rounded once
             return torch.add(result, bias, out=torch.empty_like(result, dtype=out_dtype))
         return out.add_(result) if out is not None else result
+
+    def _adds_in_kernel(self, x1: torch.Tensor, x2: torch.Tensor, kwargs: dict, out: torch.Tensor) -> bool:
+        """Whether npu_add_quant_matmul_ (op-plugin 26.0.0 and later) adds this GEMM into `out` with the
+        reference's rounding: the MX mode ("mx量化": float8_e4m3fn/e5m2 operands, E8M0 scales, self float32), whose
+        kernel sums each output over all of k in float32 and adds that into out once (a float32 atomic add),
+        as the unfused npu_quant_matmul + add does; x1 the transposed view of a contiguous (k, m) and x2 a
+        contiguous (k, n) ("当前仅支持transposeX1=true且transposeX2=false"): the wgrad of kernel-made MX columnwise
+        forms (a 1x128 x 1x128 blockwise wgrad in the MX mode has contiguous (m, k) codes: not taken). Its HiF8
+        T-T mode is not used: the kernel multiplies the sum by x1Scale * x2Scale cut to their top 19 bits
+        ("float deqScale = x1Scale.GetValue(0) * x2Scale.GetValue(0); ... & DEQ_SCALE_MUL; // fixpipe只能取高19位",
+        ops-nn kernel_qbmm_cube.h), where the reference multiplies by each float32 scale in turn."""
+        return (hasattr(self.npu, "npu_add_quant_matmul_") and kwargs.get("group_sizes") == [1, 1, 32]
+                and out.dtype == torch.float32 and out.shape == (x1.shape[0], x2.shape[1]) and x1.dim() == 2
+                and x1.t().is_contiguous() and not x1.is_contiguous() and x2.is_contiguous())
 
     def _gemm_over_k_parts(self, x1: torch.Tensor, x2: torch.Tensor, kwargs: dict, out_dtype: torch.dtype,
                            bias: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The NPU backend's grouped GEMM (`NpuGroupedGemm`, mixed into `NpuBackend`): per-tensor FP8/HiF8 groups on
 one npu_grouped_matmul (M-split for fprop/dgrad, K-split for wgrad), MXFP8 and blockwise fprop/dgrad on its
 M-split MX and G-B modes (`_grouped_block_gemm`, with the per-group arguments of `NpuGemm._quant_matmul_args`),
-and the row-joining and stacking of the groups' operands (`_rows_of`, `_stacked`)."""
+the MXFP8 wgrad on its K-split MX mode (`_grouped_mx_wgrad`; npu_add_quant_gmm_ where it adds into main_grads),
+the experts' MX columnwise forms from one npu_grouped_dynamic_mx_quant (`quantize_row_blocks`), and the
+row-joining and stacking of the groups' operands (`_rows_of`, `_stacked`, `_grouped_pairs`)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +12,8 @@ from typing import Any, Optional
 import torch
 
 from mindspeed_te.formats import FP8Dtype
-from mindspeed_te.kernels.npu.common import _MAX_LAST_DIM, _per_row
+from mindspeed_te.kernels.npu.common import _HALF, _MAX_LAST_DIM, _per_row
+from mindspeed_te.quantizers import MXFP8Quantizer, Quantizer, record_nonfinite_many
 from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, joined_rows
 
 
@@ -36,22 +39,149 @@ def _stacked(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return None
 
 
+def _tokens_major(t: MXFP8TensorStorage) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(codes (tokens, m) contiguous, scale pairs (ceil(tokens / 64), m, 2)) of an MX columnwise form that a
+    quantize kernel made along the tokens (`columnwise_scale_pairs`; `columnwise_data` its transposed view), or None."""
+    pairs, data = t.columnwise_scale_pairs, t.columnwise_data
+    if pairs is None or data is None or data.dim() != 2 or not data.t().is_contiguous():
+        return None
+    return data.t(), pairs
+
+
+def _grouped_pairs(pairs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The groups' scale pairs in the K-split grouped layout, (K // 64 + g, m, 2) with group i's at row
+    K_0..i-1 // 64 + i: the tensor they lie in when they are its rows there (npu_grouped_dynamic_mx_quant's
+    output), else one concatenation whose rows between groups repeat the group before (read by no group)."""
+    starts, total = [], 0
+    for i, k in enumerate(sizes):
+        starts.append(total // 64 + i)
+        total += k
+    rows, first = total // 64 + len(sizes), pairs[0]
+    row = math.prod(first.shape[1:])
+    if all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+           and p.storage_offset() == first.storage_offset() + start * row for p, start in zip(pairs, starts)):
+        if first.storage_offset() + rows * row <= first.untyped_storage().nbytes() // first.element_size():
+            return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    pieces = []
+    for i, p in enumerate(pairs):
+        pieces.append(p)
+        end = starts[i + 1] if i + 1 < len(pairs) else rows
+        if end > starts[i] + p.shape[0]:
+            pieces.append(p[-1:].expand(end - starts[i] - p.shape[0], *p.shape[1:]))
+    return torch.cat(pieces)
+
+
+def _group_stack(out) -> Optional[torch.Tensor]:
+    """The groups' outputs (each (m, n)) as one (g, m, n) tensor when they are its slices in order (main_grads
+    that lie so in one buffer), else None (never a copy: the kernel adds into it)."""
+    if not all(o.dim() == 2 and o.is_contiguous() for o in out):
+        return None
+    joined = joined_rows([o.reshape(1, -1) for o in out])
+    return None if joined is None else joined.view(len(out), *out[0].shape)
+
+
+def _added_into(out, results: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each result added into its output (the float32 sum rounded once to the output's dtype): one multi-tensor
+    add where all are float32 (torch_npu's fused _foreach_add_, 24 tensors a launch), else one add each."""
+    if all(o.dtype == r.dtype == torch.float32 for o, r in zip(out, results)):
+        torch._foreach_add_(list(out), results)
+        return list(out)
+    return [o.add_(r) for o, r in zip(out, results)]
+
+
+def _rowwise_only(q: Quantizer) -> Quantizer:
+    """A shallow copy of `q` that makes only the rowwise form (its non-finite flag and pending list shared, so
+    that what the copy's quantize notes is noted against `q`)."""
+    other = object.__new__(type(q))
+    other.__dict__.update(vars(q))
+    other.set_usage(rowwise=True, columnwise=False)
+    return other
+
+
 class NpuGroupedGemm:
-    """grouped_gemm of the NPU backend (its per-group operands from `NpuGemm._quant_matmul_args`); the
-    reference's one GEMM per group otherwise."""
+    """grouped_gemm and quantize_row_blocks of the NPU backend (its per-group operands from
+    `NpuGemm._quant_matmul_args`); the reference's one GEMM per group, and `quantize_many`, otherwise."""
 
     npu: Any
+
+    def quantize_row_blocks(self, quantizers, tensors, blocks: int):
+        """`quantize_many`, except the MX columnwise forms of the first `blocks` tensors (a grouped linear's
+        experts' inputs or grad_outputs, row blocks of one tensor), which one npu_grouped_dynamic_mx_quant
+        (op-plugin 26.0.0 and later) makes for all of them: each expert's 32-token blocks start at its first
+        token, as in its own npu_dynamic_mx_quant(axis=-2) (aclnnGroupedDynamicMxQuant: "将输入x在第0维上先按照
+        groupIndex进行分组，每个group内按k = blocksize个数分组"; the same scale rules, scaleAlg 0 / 1), and the scales
+        come in the K-split grouped GEMM's layout, which the wgrad (`_grouped_mx_wgrad`) then reads as they lie.
+        Their rowwise forms, and the other tensors, go through `quantize_many` (one quantize of the joined rows).
+        Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16") of whole 32-token blocks, except on the 950DT
+        where one dual-axis call makes both forms of the joined rows (all experts but the last of whole 64-token
+        pairs)."""
+        qs, xs = list(quantizers), list(tensors)
+        joined = self._grouped_mx_rows(qs[:blocks], xs[:blocks])
+        if joined is None:
+            return self.quantize_many(qs, xs)
+        rowwise = [i for i in range(blocks) if qs[i].rowwise_usage]
+        others = rowwise + list(range(blocks, len(qs)))
+        made = self.quantize_many([_rowwise_only(qs[i]) if i < blocks else qs[i] for i in others],
+                                  [xs[i] for i in others])
+        outs: list = [None] * len(qs)
+        for i, out in zip(others, made):
+            outs[i] = out
+        q = qs[0]
+        ends, total = [], 0
+        for x in xs[:blocks]:
+            total += math.prod(x.shape[:-1])
+            ends.append(total)
+        y, mxscale = self.npu.npu_grouped_dynamic_mx_quant(
+            joined, torch.tensor(ends, dtype=torch.int32, device=joined.device),
+            dst_type=self._npu_dtype(q.fp8_dtype), scale_alg=1 if q.rounding == "ceil" else 0)
+        start, fresh = 0, []
+        for i, end in enumerate(ends):
+            out = outs[i]
+            if out is None:  # no rowwise form asked for
+                out = outs[i] = MXFP8TensorStorage(q.fp8_dtype, xs[i].shape, xs[i].dtype)
+                fresh.append(i)
+            first = start // 64 + i  # the group's pairs (aclnnGroupedMatmulV4's K-split MX layout)
+            out.columnwise_data = y[start:end].t()
+            out.columnwise_scale_pairs = mxscale[first: first + math.ceil((end - start) / 64)]
+            start = end
+        record_nonfinite_many([qs[i] for i in fresh], [outs[i] for i in fresh])
+        return outs
+
+    def _grouped_mx_rows(self, qs: list, xs: list) -> Optional[torch.Tensor]:
+        """The joined (rows, k) tensor of row blocks `xs` whose MX columnwise forms npu_grouped_dynamic_mx_quant
+        makes (see `quantize_row_blocks`), or None."""
+        if not qs or not hasattr(self.npu, "npu_grouped_dynamic_mx_quant"):
+            return None
+        q = qs[0]
+        if any(type(p) is not MXFP8Quantizer or not p.columnwise_usage or p.block_len != 32
+               or (p.fp8_dtype, p.rounding) != (q.fp8_dtype, q.rounding) for p in qs):
+            return None
+        x2ds = [x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x for x in xs]
+        if any(t.dtype not in _HALF or not t.shape[0] or t.shape[0] % 32 or t.shape[1] % 32 for t in x2ds):
+            return None
+        joined = joined_rows(x2ds)
+        if joined is None:
+            return None
+        if (any(p.rowwise_usage for p in qs) and self._dual_axis_mx(joined)
+                and all(t.shape[0] % 64 == 0 for t in x2ds[:-1])):
+            return None  # one dual-axis call makes both forms of all the rows
+        return joined
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
         """Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
         all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). MXFP8 and
         blockwise (1x128 by 128x128 tiles) fprop/dgrad take its M-split MX and G-B modes
-        (`_grouped_block_gemm`). Other operands take one GEMM per group."""
+        (`_grouped_block_gemm`), the MXFP8 wgrad its K-split MX mode (`_grouped_mx_wgrad`). Other operands take
+        one GEMM per group. With `out`, the float32 results are added into it (`_added_into`)."""
         if not a_columnwise:
             y = self._grouped_block_gemm(a, b, b_columnwise, torch.float32 if out is not None else out_dtype)
             if y is not None:
                 results = list(torch.split(y, [math.prod(t.shape[:-1]) for t in a]))
-                return [o.add_(r) for o, r in zip(out, results)] if out is not None else results
+                return _added_into(out, results) if out is not None else results
+        if a_columnwise and b_columnwise:
+            results = self._grouped_mx_wgrad(a, b, out_dtype, out)
+            if results is not None:
+                return results
         # The K-split form over fewer than 128 tokens in all reads its scales in other modes ("K小于128 ... x则选择
         # pergroup量化", aclnnGroupedMatmulV4): then one GEMM per group.
         few_tokens = a_columnwise and sum(math.prod(t.shape[:-1]) for t in a) < 128
@@ -84,9 +214,50 @@ class NpuGroupedGemm:
                 group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=2, output_dtype=mm_dtype, **hif8)
             results = list(y.unbind(0))
-        if out is not None:
-            return [o.add_(r) for o, r in zip(out, results)]
-        return results
+        return _added_into(out, results) if out is not None else results
+
+    def _grouped_mx_wgrad(self, a, b, out_dtype: torch.dtype, out) -> Optional[list[torch.Tensor]]:
+        """Every group's a_i · b_iᵀ of MXFP8 columnwise forms (the experts' wgrad dW_i = dY_iᵀ·X_i, the tokens
+        split) as one K-split npu_grouped_matmul in the MX mode, (g, m, n) unbound per group; with `out`, added into
+        it: by npu_add_quant_gmm_ (op-plugin 26.0.0 and later) where out is one float32 (g, m, n) tensor in group
+        order, else by one multi-tensor add (`_added_into`). None where the operands do not fit: other storages,
+        forms the quantize kernels did not make (their codes a transposed view of the tokens-major (k, m) codes,
+        their scales in the kernels' (ceil(k/64), m, 2) pairs), an empty group.
+
+        The kernel reads each operand's tokens-major codes of all groups as one (K, m) tensor (a view where one
+        quantize made them, else one concatenation) and their scales in the grouped layout: group i's
+        ceil(K_i / 64) pairs at row K_0..i-1 // 64 + i of a (K // 64 + g, m, 2) tensor (aclnnGroupedMatmulV4, MX,
+        groupType 2: "scale_i起始地址偏移为((K_0 + K_1 + ...+ K_{i-1})/ 64 + g_i)*N* 2"). That is the layout
+        npu_grouped_dynamic_mx_quant writes (`quantize_row_blocks`): its groups' pairs are then taken as they lie;
+        other pairs (one call per expert, or per run of whole 64-token pairs) are laid out so by one
+        concatenation, whose rows between groups repeat a neighbour (the kernel reads none of them). Each group's
+        sum is the single MX npu_quant_matmul's over its tokens, so the results are those of one GEMM per
+        expert."""
+        if not a or any(not isinstance(t, MXFP8TensorStorage) for t in (*a, *b)):
+            return None
+        forms = [(_tokens_major(ai), _tokens_major(bi)) for ai, bi in zip(a, b)]
+        if any(fa is None or fb is None for fa, fb in forms):
+            return None
+        sizes = [fa[0].shape[0] for fa, _ in forms]
+        if 0 in sizes or any(fb[0].shape[0] != k for (_, fb), k in zip(forms, sizes)):
+            return None
+        if len({fa[0].shape[1] for fa, _ in forms}) != 1 or len({fb[0].shape[1] for _, fb in forms}) != 1:
+            return None
+        x_codes, w_codes = _rows_of([fa[0] for fa, _ in forms]), _rows_of([fb[0] for _, fb in forms])
+        x_scale, w_scale = (_grouped_pairs([f[j][1] for f in forms], sizes) for j in (0, 1))
+        e8m0 = self.npu.float8_e8m0fnu
+        group_list = self._group_list(sizes, x_codes.device)
+        y = _group_stack(out) if out is not None else None
+        if y is not None and y.dtype == torch.float32 and hasattr(self.npu, "npu_add_quant_gmm_"):
+            self.npu.npu_add_quant_gmm_(y, x_codes.t(), w_codes, w_scale, group_list, x1_scale=x_scale,
+                                        x1_scale_dtype=e8m0, x2_scale_dtype=e8m0)
+            return list(out)
+        (y,) = self.npu.npu_grouped_matmul(
+            [x_codes.t()], [w_codes], scale=[w_scale], per_token_scale=[x_scale], group_list=group_list,
+            split_item=3, group_type=2, output_dtype=torch.float32 if out is not None else out_dtype,
+            scale_dtype=e8m0, per_token_scale_dtype=e8m0)
+        results = list(y.unbind(0))
+        return _added_into(out, results) if out is not None else results
 
     def _grouped_block_gemm(self, a, b, b_columnwise: bool, out_dtype: torch.dtype) -> Optional[torch.Tensor]:
         """a_i · b_iᵀ of every group as one M-split npu_grouped_matmul in the MX or G-B mode, (rows, n), or None

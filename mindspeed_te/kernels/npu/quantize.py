@@ -13,6 +13,7 @@ import torch
 
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels.npu.common import _HALF, _per_row
+from mindspeed_te.kernels.npu.fused_quantize import NpuFusedQuantize
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -127,9 +128,10 @@ class _TileLayout(NamedTuple):
         return self.tiles.shape[:2] if self.dims == -1 else self.tiles.shape[0:3:2]
 
 
-class NpuQuantize:
+class NpuQuantize(NpuFusedQuantize):
     """quantize and quantize_many of the NPU backend on torch_npu's quantize kernels; the quantizers' own torch
-    ops (the reference) where none applies."""
+    ops (the reference) where none applies. The fused norm / activation + quantize kernels come from
+    `NpuFusedQuantize`."""
 
     npu: Any
     device_name: str

@@ -23,7 +23,11 @@ activations fused into grouped GEMMs, ...) raise `NpuSimNotImplemented` instead 
 Layout: dtypes.py (dtype numbers), errors.py, checks.py (argument checks, the `kernel` wrapper), codecs.py
 (encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, norm.py, moe.py,
 rope.py, simulator.py; quant_max.py: npu_quant_max, which the backend does not call (its rule multiplies by the
-scale), on a simulator of its own (`make_simulator_with_quant_max`), so that the default one lacks it.
+scale), on a simulator of its own (`make_simulator_with_quant_max`), so that the default one lacks it;
+fused_quant.py: npu_rms_norm_dynamic_mx_quant and npu_swiglu_mx_quant_with_dual_axis (op-plugin 26.0.0 / 26.1.0 and
+later), which the backend calls where torch_npu has them, on a simulator of their own
+(`make_simulator_with_fused_quant`); fused_wgrad.py: npu_grouped_dynamic_mx_quant, npu_add_quant_matmul_ and
+npu_add_quant_gmm_ (op-plugin 26.0.0 and later), likewise (`make_simulator_with_fused_wgrad`).
 """
 from mindspeed_te.testing.npu_sim.dtypes import FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, HIFLOAT8
 from mindspeed_te.testing.npu_sim.errors import (
@@ -32,6 +36,14 @@ from mindspeed_te.testing.npu_sim.errors import (
                                                  NpuSocError,
                                                  NpuTypeError,
                                                  NpuValueError,
+)
+from mindspeed_te.testing.npu_sim.fused_quant import (
+                                                 NpuSimulatorWithFusedQuant,
+                                                 make_simulator_with_fused_quant,
+)
+from mindspeed_te.testing.npu_sim.fused_wgrad import (
+                                                 NpuSimulatorWithFusedWgrad,
+                                                 make_simulator_with_fused_wgrad,
 )
 from mindspeed_te.testing.npu_sim.quant_max import (
                                                  NpuSimulatorWithQuantMax,
@@ -44,6 +56,10 @@ __all__ = [
     "make_simulator",
     "NpuSimulatorWithQuantMax",
     "make_simulator_with_quant_max",
+    "NpuSimulatorWithFusedQuant",
+    "make_simulator_with_fused_quant",
+    "NpuSimulatorWithFusedWgrad",
+    "make_simulator_with_fused_wgrad",
     "NpuContractError",
     "NpuTypeError",
     "NpuValueError",

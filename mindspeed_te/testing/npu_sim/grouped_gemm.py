@@ -21,6 +21,7 @@ from mindspeed_te.testing.npu_sim.checks import (
     dtype_arg,
     dtype_name,
     kernel,
+    layouts,
 )
 from mindspeed_te.testing.npu_sim.codecs import decode
 from mindspeed_te.testing.npu_sim.cube import cube_matmul, cube_matmul_rounded
@@ -73,8 +74,10 @@ class GroupedMatmulKernels:
         (float16/bfloat16/float32) required, no bias. scale = [float32 (g,) or (g, 1) per group, or (g, n) per
         channel] dequantizes the weight; per_token_scale = [float32 (m,) per row, or (g,) / (g, 1) per group]
         (group_type 0), or [(g, m) per row of each group, or (g,) / (g, 1) per group] (group_type 2). Results
-        are (x_g @ w_g) * scale_g * per_token_scale. The rules quoted below are aclnnGroupedMatmulV4.md's
-        Ascend 950PR/950DT sections unless another source is named."""
+        are (x_g @ w_g) * scale_g * per_token_scale. MX (scale_dtype = per_token_scale_dtype =
+        torch_npu.float8_e8m0fnu) and G-B (3-D float32 scale) modes: group_type 0 (`_gmm_blocks`), and for MX
+        group_type 2 too (`_mx_k_split`). The rules quoted below are aclnnGroupedMatmulV4.md's Ascend 950PR/950DT
+        sections unless another source is named."""
         xs = check_list("x", x)
         ws = check_list("weight", weight)
         if not 0 < len(xs) <= MAX_GROUPS or not 0 < len(ws) <= MAX_GROUPS:
@@ -286,9 +289,8 @@ class GroupedMatmulKernels:
         aclnnGroupedMatmulV4, Ascend 950, 动态量化（mx量化）/（G-B量化）场景约束."""
         mode = "MX" if mx else "G-B"
         # MX: "计算公式中量化block size为：gsM = gsN = 1，gsK = 32"; G-B: "当前仅支持gsM = 1， gsN = gsK = 128".
-        if group_type != 0:
-            # groupType 2 places scale_i at "((K_0 + K_1 + ...+ K_{i-1})/ gsK + g_i)" rows: which rows a group whose
-            # K_i is no multiple of gsK uses is not stated, so the simulator does not guess.
+        if group_type != 0 and not mx:
+            # The library never asks for the K-split G-B form (it wants 128x128 tiles on the tokens).
             raise NpuSimNotImplemented(f"the K-split (group_type 2) {mode} grouped GEMM is not simulated")
         # MX table: x/weight "FLOAT8_E5M2/FLOAT8_E4M3FN" (or FP4) only; G-B table: HIFLOAT8 or FLOAT8 pairs.
         if mx and fx == HIFLOAT8:
@@ -296,6 +298,9 @@ class GroupedMatmulKernels:
         if p is None:  # both tables give perTokenScaleOptional a dtype, never null
             raise NpuValueError(f"per_token_scale is required in the {mode} grouped GEMM")
         check_same_device({"x": x, "weight": w, "scale": s, "per_token_scale": p, "group_list": group_list})
+        if group_type == 2:
+            # MX table: groupType "0/2" for FLOAT8_E5M2/FLOAT8_E4M3FN x and weight.
+            return [self._mx_k_split(x, w, fx, fw, s, p, group_list, group_list_type, out_dtype, accumulate=None)]
         check_dims("x[0]", x, 2, 2)
         # groupType 0 单单单: "weight中tensor需为3维，shape为（g, N, K）或（g, K, N）";
         # "支持x不转置，weight转置、不转置均支持"
@@ -335,6 +340,60 @@ class GroupedMatmulKernels:
                 a, b = self._block_operands(x[rows], w[i], fx, fw, s[i], p[rows], lay_x, lay_w, (1, 128, 128))
             out[rows] = cube_matmul_rounded(a, b, out_dtype)
         return [out]
+
+    def _mx_k_split(self, x: torch.Tensor, w: torch.Tensor, fx, fw, s: torch.Tensor, p: torch.Tensor,
+                    group_list: Any, group_list_type: int, out_dtype, accumulate: Optional[torch.Tensor]
+                    ) -> torch.Tensor:
+        """The K-split MX grouped GEMM (aclnnGroupedMatmulV4 groupType 2; also aclnnQuantGroupedMatmulInplaceAdd's
+        mx mode, which adds the float32 products into `accumulate` (g, m, n) in place): group i multiplies the
+        columns K_i of x (m, K), a transposed view, by the same rows of weight (K, n), its scales the rows of
+        the grouped scale tensors that the documents place it at, each group's product that of a single
+        npu_quant_matmul in the MX mode over its tokens (`_mx_operands`). Returns (g, m, n) in out_dtype, or
+        `accumulate`.
+
+        Scale rows, aclnnGroupedMatmulV4 (Ascend 950, 动态量化（mx量化）场景约束), scaleOptional groupType 2: "每个
+        tensor 3维，shape为((K / 64) + g, N, 2)，scale_i起始地址偏移为((K_0 + K_1 + ...+ K_{i-1})/ 64 + g_i)*N* 2" (g_i:
+        "第i个分组（下标从0开始）"), perTokenScaleOptional groupType 2: "shape为((K / 64) + g, M, 2), 起始地址偏移与
+        scale 同理". The division is an integer one: torch_npu's npu_grouped_dynamic_mx_quant, which writes this layout,
+        sizes it "mxscale_shape[0] / blocksize / NUM_TWO + group_index.sizes()[0]" (int64), and the kernels place
+        a group at "(groupStart / 64 + groupIdx + blockColIdx)" (ops-nn grouped_dynamic_mx_quant_combine.h) and
+        "(params_.bGroupAddrOffset / params_.n / QuantUtils::MXFP_DIVISOR_SIZE + groupIdx)" (ops-transformer
+        quant_block_sch.h), int64 divisions. Group i reads ceil(K_i / 64) pairs there ("kLoops=ceil(K_i / gsK)，支持
+        最后的切片长度不足gsK"); the rows between groups are read by no group."""
+        check_dims("x[0]", x, 2, 2)
+        check_dims("weight[0]", w, 2, 2)
+        (m, k), (kw, n) = x.shape, w.shape
+        if kw != k:
+            raise NpuValueError(f"k of x[0] {tuple(x.shape)} and weight[0] {tuple(w.shape)} differ")
+        # groupType 2 单单单: "仅支持x转置且weight不转置"
+        check_layout("x[0]", x, ("col",))
+        check_layout("weight[0]", w, ("row",))
+        sizes = self._group_sizes_from_list(group_list, group_list_type, k, "columns of k")
+        g = len(sizes)
+        # MX table: scaleOptional / perTokenScaleOptional "FLOAT8_E8M0".
+        check_tensor("scale[0]", s, E8M0_CARRIERS)
+        check_tensor("per_token_scale[0]", p, E8M0_CARRIERS)
+        rows = k // 64 + g
+        check_shape("scale[0]", s, (rows, n, 2))
+        check_shape("per_token_scale[0]", p, (rows, m, 2))
+        # The documents give these scales no transposed form: contiguous, as the grouped quantize writes them.
+        for name, t in (("scale[0]", s), ("per_token_scale[0]", p)):
+            if not t.is_contiguous():
+                raise NpuValueError(f"{name} must be contiguous (strides {t.stride()})")
+        out = accumulate if accumulate is not None else torch.zeros(g, m, n, dtype=out_dtype)
+        start = 0
+        for i, size in enumerate(sizes):
+            first, pairs = start // 64 + i, ceil_div(size, 64)
+            if size:
+                x1, x2 = x[:, start:start + size], w[start:start + size]
+                x1_scale = p[first:first + pairs].permute(1, 0, 2)
+                a, b = self._mx_operands(x1, x2, fx, fw, s[first:first + pairs], x1_scale, layouts(x1), layouts(x2))
+                if accumulate is None:
+                    out[i] = cube_matmul_rounded(a, b, out_dtype)
+                else:  # the float32 products added into y in one rounding
+                    out[i].add_(cube_matmul(a, b))
+            start += size
+        return out
 
     @staticmethod
     def _check_weight_scale(s: torch.Tensor, g: int, n: int) -> None:
