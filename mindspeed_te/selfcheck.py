@@ -24,10 +24,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mindspeed_te import fused_cast
-from mindspeed_te.bench.launches import launch_recipes
+from mindspeed_te.bench.launches import backend_environment, launch_recipes
 from mindspeed_te.diagnostics import LaunchCounter
-from mindspeed_te.kernels import BACKEND_ENV, SIMULATOR_ENV, get_backend, reset_backend
+from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.modules import DotProductAttention, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from mindspeed_te.recipe import Recipe
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
@@ -53,24 +52,13 @@ def real_npu() -> bool:
 def backend(name: str, chip: str) -> Iterator[Any]:
     """The kernel backend `name` ("npu" or "reference") for the duration; yields the torch_npu module (real or
     simulated) for "npu". The CPU-only fused cast is off on the simulator, which takes the NPU's torch ops."""
-    saved = {key: os.environ.get(key) for key in (BACKEND_ENV, SIMULATOR_ENV)}
-    os.environ[BACKEND_ENV] = name
-    if name == "npu" and not real_npu():
-        os.environ[SIMULATOR_ENV] = chip
-    reset_backend()
-    FP8GlobalStateManager.reset()
-    fused, fused_cast.enabled = fused_cast.enabled, fused_cast.enabled and name != "npu"
-    try:
-        yield get_backend().npu if name == "npu" else None
-    finally:
-        fused_cast.enabled = fused
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        reset_backend()
-        FP8GlobalStateManager.reset()
+    simulator = chip if name == "npu" and not real_npu() else None
+    FP8GlobalStateManager.reset()  # first: its reset makes the backend be chosen again, a new one
+    with backend_environment(name, simulator, fused=name != "npu") as chosen:
+        try:
+            yield chosen.npu if name == "npu" else None
+        finally:
+            FP8GlobalStateManager.reset()
 
 
 def _train(module: torch.nn.Module, recipe: Recipe, device: str, inputs: list[torch.Tensor], *args: Any
@@ -186,27 +174,10 @@ def missing_kernels(chip: str) -> list[str]:
 
 def gpt_steps(chip: str) -> dict[str, tuple[float, float]]:
     """Per recipe, the loss of one Megatron GPT step on the NPU backend and on the reference backend."""
-    import tempfile
-    import warnings
+    from mindspeed_te.bench.gpt import gpt_step, megatron_world
 
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mindspeed_te.bench.gpt import gpt_step
-    from mindspeed_te.patches.megatron_te import register_megatron_te
-    from mindspeed_te.patches.registry import PatchRegistry
-
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    registry = PatchRegistry()
-    register_megatron_te(registry)
-    registry.apply()
-    started = not dist.is_initialized()
-    if started:
-        init = f"file://{os.path.join(tempfile.mkdtemp(), 'init')}"
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
     losses = {}
-    try:
+    with megatron_world():
         for label, flags in GPT_RECIPES.items():
             pair = []
             for name in ("npu", "reference"):
@@ -214,11 +185,6 @@ def gpt_steps(chip: str) -> dict[str, tuple[float, float]]:
                     device = "npu" if name == "npu" and real_npu() else "cpu"
                     pair.append(gpt_step(flags, layers=2, hidden=128, seq=128, device=device)())
             losses[label] = (pair[0], pair[1])
-    finally:
-        parallel_state.destroy_model_parallel()
-        if started:
-            dist.destroy_process_group()
-        registry.revert()
     return losses
 
 

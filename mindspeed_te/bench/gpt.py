@@ -7,11 +7,12 @@ is reported as a ratio to the same step without FP8, the recipes timed in turn i
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -88,34 +89,45 @@ def _interleaved_best(steps: dict[str, Callable[[], object]], repeats: int) -> d
     return best
 
 
-def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
-    """Per recipe: best FP8 step time / best bf16 step time, over 6 * `repeats` rounds: a step takes tens of
-    milliseconds, and on a shared machine the best of 5 rounds moved the ratios by +-0.05 between runs, the best
-    of 15 by +-0.02 on a quiet day and +-0.05 on a busy one, the best of 30 by +-0.04 on that busy day."""
+@contextlib.contextmanager
+def megatron_world(cpu_adaptor: bool = False) -> Iterator[None]:
+    """Megatron's TE patches (and with `cpu_adaptor` the CPU device adaptor) applied, model parallelism
+    initialized in a one-process gloo world (started here unless one is), all undone on the way out."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from mindspeed_te.patches.device_cpu import register_device_cpu
     from mindspeed_te.patches.megatron_te import register_megatron_te
     from mindspeed_te.patches.registry import PatchRegistry
 
     registry = PatchRegistry()
     register_megatron_te(registry)
+    if cpu_adaptor:
+        register_device_cpu(registry)
     registry.apply()
-    tmp = tempfile.mkdtemp()
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+        init = f"file://{os.path.join(tempfile.mkdtemp(), 'init')}"
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     try:
-        FP8GlobalStateManager.reset()
-        times = _interleaved_best({label: gpt_step(fp8) for label, fp8 in RECIPES.items()}, 6 * repeats)
+        yield
     finally:
         parallel_state.destroy_model_parallel()
         if started:
             dist.destroy_process_group()
         registry.revert()
         FP8GlobalStateManager.reset()
+
+
+def bench_gpt(repeats: int = 5) -> list[tuple[str, float, str]]:
+    """Per recipe: best FP8 step time / best bf16 step time, over 6 * `repeats` rounds: a step takes tens of
+    milliseconds, and on a shared machine the best of 5 rounds moved the ratios by +-0.05 between runs, the best
+    of 15 by +-0.02 on a quiet day and +-0.05 on a busy one, the best of 30 by +-0.04 on that busy day."""
+    with megatron_world():
+        FP8GlobalStateManager.reset()
+        times = _interleaved_best({label: gpt_step(fp8) for label, fp8 in RECIPES.items()}, 6 * repeats)
     base = times.pop("bf16")
     return [(f"GPT step {label} / bf16", t / base,
              f"{t * 1e3:.0f} ms vs {base * 1e3:.0f} ms (4 layers, hidden 256, seq 256, batch 2)")

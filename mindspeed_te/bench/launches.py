@@ -28,26 +28,36 @@ from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
 
 @contextmanager
-
-
-def npu_simulated(chip: str = "1") -> Iterator[Any]:
-    """The NPU backend on the torch_npu simulator for CPU tensors; yields the simulated torch_npu module.
-    `chip`: "1" (the simulator's default, an Ascend 950PR) or a chip name such as "Ascend950DT". The CPU-only
-    fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
+def backend_environment(backend: str, simulator: Optional[str] = None, fused: bool = True) -> Iterator[Any]:
+    """MINDSPEED_TE_BACKEND = `backend` (and MINDSPEED_TE_NPU_SIMULATOR = `simulator` when given) for the block,
+    with the backend chosen afresh on the way in and out (it is read from the environment once); `fused=False`
+    turns the CPU-only fused cast off, so the library takes the torch ops it would run on an NPU. Yields the
+    backend."""
     saved = {name: os.environ.get(name) for name in (BACKEND_ENV, SIMULATOR_ENV)}
-    os.environ[BACKEND_ENV], os.environ[SIMULATOR_ENV] = "npu", chip
-    reset_backend()  # the backend is chosen from the environment once; choose again now and on the way out
-    fused, fused_cast.enabled = fused_cast.enabled, False
+    os.environ[BACKEND_ENV] = backend
+    if simulator is not None:
+        os.environ[SIMULATOR_ENV] = simulator
+    reset_backend()
+    enabled, fused_cast.enabled = fused_cast.enabled, fused_cast.enabled and fused
     try:
-        yield get_backend().npu
+        yield get_backend()
     finally:
-        fused_cast.enabled = fused
+        fused_cast.enabled = enabled
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
         reset_backend()
+
+
+@contextmanager
+def npu_simulated(chip: str = "1") -> Iterator[Any]:
+    """The NPU backend on the torch_npu simulator for CPU tensors; yields the simulated torch_npu module.
+    `chip`: "1" (the simulator's default, an Ascend 950PR) or a chip name such as "Ascend950DT". The CPU-only
+    fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
+    with backend_environment("npu", chip, fused=False) as chosen:
+        yield chosen.npu
 
 
 def launch_recipes() -> dict[str, Recipe]:

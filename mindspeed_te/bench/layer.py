@@ -26,15 +26,12 @@ second layer's, and the constant takes the difference from the first.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import tempfile
-import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
+from mindspeed_te.bench.gpt import megatron_world
 from mindspeed_te.diagnostics import LaunchCounter
 
 MICRO_BATCHES = 2
@@ -116,38 +113,6 @@ class LayerSplit:
 
     def total(self, layers: int) -> int:
         return layers * self.per_layer + self.constant
-
-
-@contextlib.contextmanager
-def megatron_world() -> Iterator[None]:
-    """Megatron's TE patches and the CPU adaptor applied, model parallelism initialized in a one-process gloo
-    world (started here unless one is), all undone on the way out."""
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from mindspeed_te.patches.device_cpu import register_device_cpu
-    from mindspeed_te.patches.megatron_te import register_megatron_te
-    from mindspeed_te.patches.registry import PatchRegistry
-    from mindspeed_te.state import FP8GlobalStateManager
-
-    registry = PatchRegistry()
-    register_megatron_te(registry)
-    register_device_cpu(registry)
-    registry.apply()
-    started = not dist.is_initialized()
-    if started:
-        init = f"file://{os.path.join(tempfile.mkdtemp(), 'init')}"
-        dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        if started:
-            dist.destroy_process_group()
-        registry.revert()
-        FP8GlobalStateManager.reset()
 
 
 def build_block(layers: int, fp8: Optional[tuple[str, str]], moe: bool) -> torch.nn.Module:
@@ -420,7 +385,7 @@ def bench_layer_launches(kinds: tuple[str, ...] = KINDS, chips: tuple[str, ...] 
 
     names = recipes or tuple(RECIPES)
     rows = []
-    with megatron_world():
+    with megatron_world(cpu_adaptor=True):
         for kind in kinds:
             for chip in chips:
                 splits = {}
