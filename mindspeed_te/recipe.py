@@ -43,7 +43,21 @@ class _FormatHelper(NamedTuple):
     max_bwd: float
 
 
-class Format(enum.Enum):
+class _FormatLimits:
+    """The largest finite values of a format's forward and backward tensors (its value's max_fwd / max_bwd)."""
+
+    value: _FormatHelper
+
+    @property
+    def max_fwd(self) -> float:
+        return self.value.max_fwd
+
+    @property
+    def max_bwd(self) -> float:
+        return self.value.max_bwd
+
+
+class Format(_FormatLimits, enum.Enum):
     """TransformerEngine's recipe.Format, plus HIF8: element dtypes and default target maxima of forward
     tensors (activations, weights) and backward tensors (gradients). HiF8's targets 15 and 224 are the tops
     of its 3- and 2-mantissa-bit ranges (MindSpeed's choice); recipes can override them."""
@@ -61,14 +75,6 @@ class Format(enum.Enum):
     def bwd_dtype(self) -> FP8Dtype:
         return FP8Dtype[self.value.bwd]
 
-    @property
-    def max_fwd(self) -> float:
-        return self.value.max_fwd
-
-    @property
-    def max_bwd(self) -> float:
-        return self.value.max_bwd
-
     @classmethod
     def from_name(cls, name: str) -> Format:
         """Format from Megatron's --fp8-format value (case-insensitive)."""
@@ -79,7 +85,7 @@ class Format(enum.Enum):
         return cls[key]
 
 
-class FP4Format(enum.Enum):
+class FP4Format(_FormatLimits, enum.Enum):
     """TransformerEngine's `Format.E2M1` (max 6 forward and backward): the element format of the FP4 recipes.
     It is reached as `Format.E2M1`, TE's spelling, but is not a member of Format, whose members are the FP8
     formats (iterating Format, `Format.from_name` and `--fp8-format` list those only)."""
@@ -93,14 +99,6 @@ class FP4Format(enum.Enum):
     @property
     def bwd_dtype(self) -> FP4Dtype:
         return FP4Dtype[self.value.bwd]
-
-    @property
-    def max_fwd(self) -> float:
-        return self.value.max_fwd
-
-    @property
-    def max_bwd(self) -> float:
-        return self.value.max_bwd
 
 
 Format.E2M1 = FP4Format.E2M1  # an attribute of the enum class, not a member

@@ -139,8 +139,30 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return _nbytes(self.data, self.scale_inv)
 
 
+class _TwoForms(QuantizedTensorStorage):
+    """A storage with a rowwise form and a columnwise one, each data plus scale_inv (tiled FP8, FP4)."""
+
+    rowwise_data: Optional[torch.Tensor]
+    rowwise_scale_inv: Optional[torch.Tensor]
+    columnwise_data: Optional[torch.Tensor]
+    columnwise_scale_inv: Optional[torch.Tensor]
+
+    def has_data(self, columnwise: bool = False) -> bool:
+        return (self.columnwise_data if columnwise else self.rowwise_data) is not None
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is False:
+            self.rowwise_data = self.rowwise_scale_inv = None
+        if columnwise is False:
+            self.columnwise_data = self.columnwise_scale_inv = None
+
+    def nbytes(self) -> int:
+        """Every tensor held, as stored (a kernel's own scale form included; nothing is made to count it)."""
+        return _nbytes(*(v for v in vars(self).values() if isinstance(v, torch.Tensor)))
+
+
 @dataclass
-class _TiledTensor(QuantizedTensorStorage):
+class _TiledTensor(_TwoForms):
     """Data scaled per tile along the last stored dim, with an optional columnwise (transposed) copy."""
 
     rowwise_data: Optional[torch.Tensor] = None
@@ -153,9 +175,6 @@ class _TiledTensor(QuantizedTensorStorage):
 
     def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
         return scale_inv
-
-    def has_data(self, columnwise: bool = False) -> bool:
-        return (self.columnwise_data if columnwise else self.rowwise_data) is not None
 
     def columnwise_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(data (K, M), scale_inv) of the columnwise form."""
@@ -212,15 +231,6 @@ class _TiledTensor(QuantizedTensorStorage):
             values = self._dequantize_2d(self.rowwise_data.reshape(_as_2d(self.shape)), self.rowwise_scale_inv, dtype)
         return _to(values.reshape(self.shape), dtype)
 
-    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        if rowwise is False:
-            self.rowwise_data = self.rowwise_scale_inv = None
-        if columnwise is False:
-            self.columnwise_data = self.columnwise_scale_inv = None
-
-    def nbytes(self) -> int:
-        """Every tensor held, as stored (a kernel's own scale form included; nothing is made to count it)."""
-        return _nbytes(*(v for v in vars(self).values() if isinstance(v, torch.Tensor)))
 
 
 class _KernelFormScale:
@@ -333,7 +343,7 @@ class MXFP8TensorStorage(_TiledTensor):
 
 
 @dataclass
-class _FP4TensorStorage(QuantizedTensorStorage):
+class _FP4TensorStorage(_TwoForms):
     """FP4 data: E2M1 codes packed two per byte (element 2i of the last stored dim in the low nibble, 2i + 1 in the
     high one) with one scale per `block_len` elements along it. Rowwise data has the tensor's shape with the last
     dim halved, scales (M, K / block_len) for its (M, K) 2-D form; the columnwise form is the quantized transpose,
@@ -348,9 +358,6 @@ class _FP4TensorStorage(QuantizedTensorStorage):
     columnwise_scale_inv: Optional[torch.Tensor] = None
     columnwise_rht_sign_mask: Optional[int] = None
     block_len: int = 16
-
-    def has_data(self, columnwise: bool = False) -> bool:
-        return (self.columnwise_data if columnwise else self.rowwise_data) is not None
 
     def _multipliers(self, columnwise: bool) -> torch.Tensor:
         """The float32 multiplier of each block's codes, (rows, k / block_len) of the stored form."""
@@ -379,14 +386,6 @@ class _FP4TensorStorage(QuantizedTensorStorage):
             values = values.t()
         return _to(values.reshape(self.shape), dtype)
 
-    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        if rowwise is False:
-            self.rowwise_data = self.rowwise_scale_inv = None
-        if columnwise is False:
-            self.columnwise_data = self.columnwise_scale_inv = None
-
-    def nbytes(self) -> int:
-        return _nbytes(*(v for v in vars(self).values() if isinstance(v, torch.Tensor)))
 
 
 @dataclass

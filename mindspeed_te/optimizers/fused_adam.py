@@ -314,10 +314,11 @@ class FusedAdam(torch.optim.Optimizer):
         for name, (values, stored, scales) in moments.items():
             states.encode(self.formats[name], values, stored, scales)
 
-    def _adam(self, group: dict, weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
-        """torch.optim.AdamW's (Adam's, with adam_w_mode=False) multi-tensor update, op for op."""
+    def _moments(self, group: dict, weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
+        """Weight decay (decoupled, or added to the gradient) and the two moments' updates, as torch's Adam(W)
+        does them: the part both update paths share."""
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay, step = group["lr"], group["eps"], group["weight_decay"], group["step"]
+        lr, weight_decay = group["lr"], group["weight_decay"]
         if weight_decay != 0:
             if self.adam_w_mode:
                 torch._foreach_mul_(weights, 1 - lr * weight_decay)
@@ -326,6 +327,12 @@ class FusedAdam(torch.optim.Optimizer):
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+
+    def _adam(self, group: dict, weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
+        """torch.optim.AdamW's (Adam's, with adam_w_mode=False) multi-tensor update, op for op."""
+        beta1, beta2 = group["betas"]
+        lr, eps, step = group["lr"], group["eps"], group["step"]
+        self._moments(group, weights, grads, exp_avgs, exp_avg_sqs)
         bias_correction1 = 1 - beta1 ** float(step) if group["bias_correction"] else 1.0
         bias_correction2 = 1 - beta2 ** float(step) if group["bias_correction"] else 1.0
         denom = torch._foreach_sqrt(exp_avg_sqs)
@@ -336,16 +343,9 @@ class FusedAdam(torch.optim.Optimizer):
     def _adam_capturable(self, group: dict, weights: list, grads: list, exp_avgs: list, exp_avg_sqs: list) -> None:
         """The same update with lr and step as device tensors (no host sync)."""
         beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        lr, eps = group["lr"], group["eps"]
         step = group["step"].float().reshape(())
-        if weight_decay != 0:
-            if self.adam_w_mode:
-                torch._foreach_mul_(weights, 1 - lr * weight_decay)
-            else:
-                grads = torch._foreach_add(grads, weights, alpha=weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        self._moments(group, weights, grads, exp_avgs, exp_avg_sqs)
         one = torch.ones_like(step)
         bias_correction1 = 1 - beta1 ** step if group["bias_correction"] else one
         bias_correction2 = 1 - beta2 ** step if group["bias_correction"] else one
