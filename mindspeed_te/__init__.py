@@ -15,6 +15,8 @@ from mindspeed_te.modules import (
     convert_linears,
     set_extra_state_format,
 )
+from mindspeed_te.ops.cpu_offload import get_cpu_offload_context, mark_not_offload
+from mindspeed_te.optimizers import FusedAdam
 from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
@@ -86,7 +88,7 @@ __all__ = [
     "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-    "checkpoint", "Fp8Padding", "Fp8Unpadding",
+    "checkpoint", "Fp8Padding", "Fp8Unpadding", "get_cpu_offload_context", "mark_not_offload", "FusedAdam",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "GroupedLinear", "DotProductAttention",
     "convert_linears", "set_extra_state_format",
 ]

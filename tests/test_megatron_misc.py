@@ -92,10 +92,16 @@ def test_rng_tracker_streams_are_reproducible_and_isolated():
 
 
 def test_cpu_offload_context():
+    """Megatron's positional call (enabled, num_layers, model_layers, activations, weights, double_buffering
+    [, retain_pinned_cpu_buffers]); tests/test_cpu_offload.py checks what the context does."""
     ctx, sync = get_cpu_offload_context(False, 2, 2, False, False, False)
     with ctx:
         assert sync(3) == 3
-    with pytest.raises(NotImplementedError, match="--cpu-offloading"):
+    ctx, sync = get_cpu_offload_context(True, 1, 4, True, False, False, True)
+    assert (ctx.num_layers, ctx.model_layers, ctx.retain_pinned_cpu_buffers, ctx.inside_context) == (1, 4, True, False)
+    with ctx:
+        assert ctx.inside_context  # what Megatron's own linear layers read
+    with pytest.raises(ValueError, match="--cpu-offloading-num-layers"):
         get_cpu_offload_context(True, 2, 2, True, False, False)
 
 

@@ -115,8 +115,10 @@ class LayerSplit:
         return layers * self.per_layer + self.constant
 
 
-def build_block(layers: int, fp8: Optional[tuple[str, str]], moe: bool) -> torch.nn.Module:
-    """A bf16 TransformerBlock of `layers` GPT layers (TE spec), no final norm; needs `megatron_world`."""
+def build_block(layers: int, fp8: Optional[tuple[str, str]], moe: bool, hidden: int = HIDDEN,
+                **config_args: Any) -> torch.nn.Module:
+    """A bf16 TransformerBlock of `layers` GPT layers (TE spec), no final norm, `config_args` added to its
+    TransformerConfig; needs `megatron_world`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -124,14 +126,14 @@ def build_block(layers: int, fp8: Optional[tuple[str, str]], moe: bool) -> torch
     fp8_args = dict(fp8=fp8[0], fp8_recipe=fp8[1]) if fp8 is not None else {}
     # Any token count per expert (no --moe-router-padding-for-quantization: the padded map takes the permutation
     # off npu_moe_token_permute, whose contract is k experts per token)
-    moe_args = dict(num_moe_experts=EXPERTS, moe_grouped_gemm=True, moe_router_topk=2, moe_ffn_hidden_size=HIDDEN,
+    moe_args = dict(num_moe_experts=EXPERTS, moe_grouped_gemm=True, moe_router_topk=2, moe_ffn_hidden_size=hidden,
                     moe_token_dispatcher_type="alltoall", moe_permute_fusion=True, moe_aux_loss_coeff=0.0,
                     add_bias_linear=False) if moe else {}
     config = TransformerConfig(
-        num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=HEADS, use_cpu_initialization=True,
         params_dtype=torch.bfloat16, bf16=True, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, **fp8_args, **moe_args)
+        hidden_dropout=0.0, attention_dropout=0.0, **fp8_args, **moe_args, **config_args)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS if moe else None, moe_grouped_gemm=moe)
     torch.manual_seed(0)
     return TransformerBlock(config, spec, pre_process=True, post_process=False)

@@ -12,15 +12,20 @@ with a remainder, hence the two fp8-moment rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from mindspeed_te.bench.gpt import megatron_world
+from mindspeed_te.bench.layer import build_block
 from mindspeed_te.bench.params import gpt_layers
 from mindspeed_te.optimizers import FusedAdam
 from mindspeed_te.quantized_tensor import QuantizedTensor
 
-__all__ = ["bench_memory", "bytes_per_parameter", "COMBINATIONS"]
+__all__ = ["bench_memory", "bench_activations", "bytes_per_parameter", "activation_bytes", "COMBINATIONS"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +98,77 @@ def bench_memory(hidden: int = 256, layers: int = 2) -> list[tuple[str, float, s
                      f"{b['optimizer']:.3f} bytes "
                      f"({layers} GPT layers hidden {hidden})"))
     return rows
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every storage a torch op makes while this mode is on, held weakly: those still alive later are what
+    someone keeps (for a layer's forward: what autograd saved for its backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:  # views make nothing
+                storage = t.untyped_storage()
+                key = storage._cdata
+                known = self._made.get(key)
+                if known is None or known[0].expired():
+                    self._made[key] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def live_bytes(self, leave_out: tuple[torch.Tensor, ...] = ()) -> int:
+        left = {t.untyped_storage()._cdata for t in leave_out}
+        return sum(n for key, (ref, n) in self._made.items() if not ref.expired() and key not in left)
+
+
+def activation_bytes(fp8: Optional[tuple[str, str]], offload: bool, seq: int = 1024, batch: int = 1,
+                     hidden: int = 512) -> int:
+    """Bytes that the first layer of a two-layer Megatron GPT block (TE spec, bf16) keeps for its backward
+    during a later micro-batch (weights already quantized): every storage its forward made that is alive once
+    the block's forward is done, less its output (the next layer's input) and, with --cpu-offloading of one
+    layer, less what went to host memory. Needs `megatron_world`."""
+    offload_args = dict(cpu_offloading=True, cpu_offloading_num_layers=1) if offload else {}
+    block = build_block(2, fp8, moe=False, hidden=hidden, **offload_args)
+    x = torch.randn(seq, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
+    block.set_is_first_microbatch()
+    block(x, attention_mask=None).float().sum().backward()  # quantized weights, FP8 metadata
+    tracker = LiveStorages()
+    layer = block.layers[0]
+    outputs: list[torch.Tensor] = []
+
+    def start(*_: Any) -> None:
+        tracker.__enter__()
+
+    def stop(_module: Any, _inputs: Any, out: Any) -> None:
+        tracker.__exit__(None, None, None)
+        outputs.append(out[0])
+
+    hooks = (layer.register_forward_pre_hook(start), layer.register_forward_hook(stop))
+    try:
+        out = block(x, attention_mask=None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    schedule = block.config._cpu_offloading_context
+    held = tracker.live_bytes(leave_out=tuple(outputs)) - (schedule.host_bytes if schedule is not None else 0)
+    out.float().sum().backward()
+    return held
+
+
+ACTIVATION_CASES = (("bf16", None, False), ("hif8 delayed", ("hif8", "delayed"), False),
+                    ("mxfp8", ("e4m3", "mxfp8"), False), ("hif8 delayed + cpu offload", ("hif8", "delayed"), True),
+                    ("mxfp8 + cpu offload", ("e4m3", "mxfp8"), True))
+
+
+def bench_activations() -> list[tuple[str, float, str]]:
+    """Per case: activation bytes a GPT layer keeps per micro-batch, as a ratio to bf16's."""
+    with megatron_world():
+        held = {label: activation_bytes(fp8, offload) for label, fp8, offload in ACTIVATION_CASES}
+    base = held.pop("bf16")
+    return [(f"activation bytes per GPT layer, {label} / bf16", n / base,
+             f"{n / 2**20:.2f} MiB vs {base / 2**20:.2f} MiB (hidden 512, seq 1024, micro-batch 1)")
+            for label, n in held.items()]

@@ -10,6 +10,7 @@ import torch
 from mindspeed_te.checkpointing import checkpoint
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
 from mindspeed_te.ops.grouped_linear import check_m_splits
+from mindspeed_te.ops.cpu_offload import get_cpu_offload_context as _get_cpu_offload_context
 from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
 
@@ -147,11 +148,10 @@ def te_checkpoint(forward_func: Callable, distribute_saved_activations: bool, ge
 def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, activation_offloading: bool,
                             weight_offloading: bool, double_buffering: bool = False,
                             retain_pinned_cpu_buffers: bool = False) -> tuple[Any, Callable]:
-    """CPU offloading is not implemented: a no-op context and an identity sync function, and a clear error
-    when Megatron's --cpu-offloading asks for it (`retain_pinned_cpu_buffers`: megatron-core 0.17 on)."""
-    if enabled:
-        raise NotImplementedError("mindspeed_te does not implement CPU offloading (--cpu-offloading); turn it off")
-    return contextlib.nullcontext(), (lambda x: x)
+    """Megatron's positional form of TE's `get_cpu_offload_context` (--cpu-offloading): the activations of the
+    first `num_layers` layers go to host memory (`retain_pinned_cpu_buffers`: megatron-core 0.17 on)."""
+    return _get_cpu_offload_context(enabled, num_layers, model_layers, activation_offloading, weight_offloading,
+                                    double_buffering, retain_pinned_cpu_buffers)
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,

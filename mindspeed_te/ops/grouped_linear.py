@@ -15,6 +15,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.ops.cpu_offload import stash, unstash
 from mindspeed_te.ops.linear import (
     LinearQuantizers,
     WeightCache,
@@ -109,6 +110,8 @@ class _GroupedLinear(torch.autograd.Function):
         saved_w = None
         if inp.requires_grad:
             saved_w = b_ops if q is None else [w.columnwise_only() for w in b_ops]
+        if saved_x is not None:  # the activations may go to host memory (cpu_offload)
+            saved_x = [stash(x) for x in saved_x]
         ctx.args, ctx.active, ctx.saved = args, active, (saved_x, saved_w)
         ctx.saved_x_quantizers = saved_x_quantizers
         if q is not None and args.reduce_amax_in_backward:
@@ -120,6 +123,7 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         args: _GroupedArgs = ctx.args
         active, (saved_x, saved_w), weights = ctx.active, ctx.saved, ctx.weights
+        saved_x = [unstash(x) for x in saved_x] if saved_x is not None else None
         backend = get_backend(grad_out.device)
         n = len(args.splits)
         need_dx = ctx.needs_input_grad[0]

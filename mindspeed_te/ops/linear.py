@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.ops.cpu_offload import stash, unstash
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import (
@@ -168,7 +169,7 @@ class _Linear(torch.autograd.Function):
         ctx.saved_x_quantizer = saved_x_quantizer
         if args.reduce_amax_in_backward:
             FP8GlobalStateManager.expect_backward_reduction(ctx)
-        ctx.saved = (saved_x, saved_w)
+        ctx.saved = (stash(saved_x), saved_w)  # the activation may go to host memory (cpu_offload)
         ctx.weight = weight
         ctx.input_shape = inp.shape
         ctx.input_dtype = inp.dtype
@@ -179,6 +180,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         args: _LinearArgs = ctx.args
         saved_x, saved_w = ctx.saved
+        saved_x = unstash(saved_x)
         weight = ctx.weight
         backend = get_backend(grad_out.device)
         dy = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])

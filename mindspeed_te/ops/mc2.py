@@ -13,6 +13,7 @@ import torch
 
 from mindspeed_te.distributed import group_size
 from mindspeed_te.kernels.base import KernelBackend
+from mindspeed_te.ops.cpu_offload import stash, unstash
 from mindspeed_te.ops.linear import LinearQuantizers, _finish_fused_wgrad, _main_grad, wgrad_high_precision
 from mindspeed_te.tensor import MXFP8TensorStorage
 
@@ -110,13 +111,14 @@ class _MXFusedLinear(torch.autograd.Function):
             qx = _gather_columnwise(qx, group, group_size(group))
         else:
             y = backend.matmul_reduce_scatter_mx(qx, qw, group, b_columnwise=False, out_dtype=x.dtype)
-        ctx.saved = (qx, qw)
+        ctx.saved = (stash(qx), qw)  # the activation may go to host memory (cpu_offload)
         ctx.args = (q, backend, group, column, fuse, weight, x.dtype)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         qx, qw = ctx.saved
+        qx = unstash(qx)
         q, backend, group, column, fuse, weight, dtype = ctx.args
         q.grad_output.set_usage(rowwise=True, columnwise=True)
         qdy = backend.quantize(q.grad_output, dy.contiguous())

@@ -50,13 +50,28 @@ class FusedAdamConfigError(ValueError, RuntimeError):
 class FusedAdam(torch.optim.Optimizer):
     """Adam / AdamW over parameter groups with low-precision optimizer states; TransformerEngine's keywords.
 
-    Arguments as TE's: `lr`, `betas`, `eps`, `weight_decay`, `amsgrad` (refused), `bias_correction`,
-    `adam_w_mode` (True: decoupled weight decay), `capturable` (lr and step kept as tensors, no host sync in
-    `step`; float32 master weights and both moments float32 or both bfloat16), `master_weights`,
-    `master_weight_dtype` (torch.float32 / torch.float16), `exp_avg_dtype`, `exp_avg_sq_dtype`
-    (torch.float32 / bfloat16 / float16 / uint8 = FP8 E4M3, or the names "fp32", "bf16", "fp16", "fp8" /
-    "e4m3", "hif8", "mxfp8"), `use_decoupled_grad`, `store_param_remainders` (bf16 parameters with float32
-    master weights only), `set_grad_none` (deprecated, as in TE)."""
+    Arguments:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr: learning rate (a float, or a tensor with `capturable`).
+        betas: the moments' decay rates, each in [0, 1).
+        eps: added to the second moment's square root.
+        weight_decay: decoupled (AdamW) or L2 (Adam), by `adam_w_mode`.
+        amsgrad: refused, as TE refuses it.
+        bias_correction: divide the moments by 1 - beta^step.
+        adam_w_mode: True for decoupled weight decay (AdamW).
+        capturable: lr and step kept as tensors, no host sync in `step`; float32 master weights and both
+            moments float32 or both bfloat16.
+        master_weights: keep a high-precision copy of each parameter.
+        master_weight_dtype: torch.float32 or torch.float16.
+        exp_avg_dtype: the first moment's storage: torch.float32 / bfloat16 / float16 / uint8 (FP8 E4M3), or
+            the names "fp32", "bf16", "fp16", "fp8" / "e4m3", "hif8", "mxfp8".
+        exp_avg_sq_dtype: the second moment's storage, the same choices.
+        use_decoupled_grad: read `param.decoupled_grad` instead of `param.grad` (Megatron's precision-aware
+            optimizer).
+        store_param_remainders: keep a bf16 parameter's float32 master as the parameter plus a 16-bit
+            remainder (bf16 parameters with float32 master weights only).
+        set_grad_none: deprecated, as in TE.
+    """
 
     def __init__(
         self,
