@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> None:
 
         rows += bench_params()
     if args.only in (None, "memory"):
-        from mindspeed_te.bench.memory import bench_memory
+        from mindspeed_te.bench.memory import bench_activations, bench_memory
 
         rows += bench_memory()
     if args.only in (None, "gpt"):
+        if _megatron_available():
+            rows += bench_activations()
         from mindspeed_te.bench.gpt import RECIPES, bench_gpt
 
         missing = [(f"GPT step {label} / bf16", float("nan"), "megatron-core not installed")

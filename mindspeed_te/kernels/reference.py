@@ -164,6 +164,36 @@ def _with_offset_key(mask: Optional[torch.Tensor], offset: torch.Tensor, query: 
 
 
 class ReferenceBackend(KernelBackend):
+class _KeepingInput(torch.autograd.Function):
+    """`norm(x, *params)` that keeps x itself for backward, not the float32 copy it computes on (half the bytes
+    for a bfloat16 x), and runs the norm again there: the same gradients as autograd through the cast."""
+
+    @staticmethod
+    def forward(ctx, norm: Callable[..., torch.Tensor], x: torch.Tensor, *params: Optional[torch.Tensor]
+                ) -> torch.Tensor:
+        ctx.norm = norm
+        ctx.save_for_backward(x, *params)
+        return norm(x, *params)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, *params = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[1:]
+        inputs = [t.detach().requires_grad_(need) if t is not None else None for t, need in zip((x, *params), wanted)]
+        with torch.enable_grad():
+            y = ctx.norm(*inputs)
+        differentiable = [t for t in inputs if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(y, differentiable, dy))
+        return (None, *(next(grads) if t is not None and t.requires_grad else None for t in inputs))
+
+
+def _keeping_input(norm: Callable[..., torch.Tensor], x: torch.Tensor, *params: Optional[torch.Tensor]
+                   ) -> torch.Tensor:
+    if x.dtype == torch.promote_types(x.dtype, torch.float32) or not torch.is_grad_enabled():
+        return norm(x, *params)  # no copy to spare
+    return _KeepingInput.apply(norm, x, *params)
+
+
     """Emulates every quantized kernel exactly with torch ops."""
 
     name = "reference"
@@ -186,7 +216,11 @@ class ReferenceBackend(KernelBackend):
         `softmax_offset` is one extra key per head whose logit is the offset and whose value is zero.
         Returns [s, b, heads · d]."""
         s_q, b, h, _ = query.shape
-        mask = as_matrix(mask, s_q, key.shape[0], query.device)
+        # torch's causal mode (top-left aligned) instead of the matrix: the same bits, and no s_q x s_k float
+        # mask made and kept for backward in every layer
+        is_causal = (isinstance(mask, CausalMask) and mask.causal and mask.window is None and softmax_offset is None
+                     and (s_q == key.shape[0] or not mask.bottom_right))
+        mask = None if is_causal else as_matrix(mask, s_q, key.shape[0], query.device)
         if softmax_offset is not None:
             mask, key, value = _with_offset_key(mask, softmax_offset, query, key, value)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
@@ -194,7 +228,7 @@ class ReferenceBackend(KernelBackend):
             k = k.repeat_interleave(h // k.shape[1], dim=1)
             v = v.repeat_interleave(h // v.shape[1], dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                               scale=scale)
+                                                               is_causal=is_causal, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(s_q, b, h * v.shape[-1])
 
     @contextmanager
@@ -229,14 +263,20 @@ class ReferenceBackend(KernelBackend):
         """(x - mean) / sqrt(var + eps) · gamma + beta over gamma's trailing dims on x cast to float32 (float64
         stays), x's dtype out. (PyTorch's CPU kernel takes a bfloat16 x with float32 gamma itself, but its dgamma
         and dbeta then carry about three times bfloat16's rounding error.)"""
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        beta = beta.to(dtype) if beta is not None else None
-        return torch.nn.functional.layer_norm(x.to(dtype), gamma.shape, gamma.to(dtype), beta, eps).to(x.dtype)
+        def norm(x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor]) -> torch.Tensor:
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            beta = beta.to(dtype) if beta is not None else None
+            return torch.nn.functional.layer_norm(x.to(dtype), gamma.shape, gamma.to(dtype), beta, eps).to(x.dtype)
+
+        return _keeping_input(norm, x, gamma, beta)
 
     def rms_norm(self, x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(mean(x², trailing gamma dims) + eps) · gamma in float32 (float64 stays), x's dtype out."""
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        return torch.nn.functional.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
+        def norm(x: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            return torch.nn.functional.rms_norm(x.to(dtype), gamma.shape, gamma.to(dtype), eps).to(x.dtype)
+
+        return _keeping_input(norm, x, gamma)
 
     def norm_quantize(self, normalization: str, x: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor],
                       eps: float, quantizer: Quantizer) -> tuple[torch.Tensor, QuantizedTensorStorage]:
