@@ -1,12 +1,14 @@
 """The demo's runs: a GPT built from megatron-core (GPTModel, Megatron's TransformerEngine layer spec, patched
 so that the TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16 and in
-every FP8/HiF8 recipe, from the same initial weights and the same batches.
+every FP8/HiF8 recipe, and two recipes again with 8-bit Adam moments, from the same initial weights and the
+same batches.
 
-    python -m mindspeed_te.demo [--out demo_out] [--steps 150] [--runs bf16,hif8-delayed,...]
+    python -m mindspeed_te.demo [--out demo_out] [--steps 150] [--runs bf16,hif8-delayed,...] [--seeds N]
 
 Prints a table (final train and validation loss, the difference to bf16, time per step) and writes to --out:
 demo_loss.png (train and validation loss curves), demo_numerics.png (per-layer FP8 numerics of one run, from
-mindspeed_te.debug), summary.csv, losses.csv and the numerics report (numerics/).
+mindspeed_te.debug), summary.csv, losses.csv and the numerics report (numerics/). With --seeds N, every run
+is trained with N seeds, and the run-to-run noise of the validation loss is printed and written to seeds.csv.
 """
 from __future__ import annotations
 
@@ -16,25 +18,49 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from mindspeed_te.demo.corpus import VOCAB_SIZE, load_corpus, train_batches, unigram_entropy, val_batches
 from mindspeed_te.demo.plots import combine_heatmaps, plot_losses
+from mindspeed_te.demo.seeds import format_noise, noise, write_seeds_csv
+from mindspeed_te.patches.precision_optimizer import QUANT_STATES
 from mindspeed_te.state import FP8GlobalStateManager
 
-# name: (--fp8-format, --fp8-recipe); None is the bf16 baseline. Every run has bf16 parameters.
-RUNS: dict[str, tuple[Optional[str], Optional[str]]] = {
-    "bf16": (None, None),
-    "hif8-delayed": ("hif8", "delayed"),
-    "hif8-tensorwise": ("hif8", "tensorwise"),
-    "e4m3-tensorwise": ("e4m3", "tensorwise"),
-    "hybrid-delayed": ("hybrid", "delayed"),
-    "e4m3-blockwise": ("e4m3", "blockwise"),
-    "e4m3-mxfp8": ("e4m3", "mxfp8"),
+
+@dataclass(frozen=True)
+class Run:
+    """One run, as Megatron's flags name it. Every run has bf16 parameters and fp32 main weights."""
+    fp8_format: Optional[str] = None  # --fp8-format; None: the bf16 baseline
+    fp8_recipe: Optional[str] = None  # --fp8-recipe
+    # --quant-states: Adam moments in 8 bits (--use-precision-aware-optimizer --exp-avg-dtype fp8
+    # --exp-avg-sq-dtype fp8) in this format; None: fp32 moments
+    quant_states: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.quant_states is not None and self.quant_states not in QUANT_STATES:
+            raise ValueError(f"Run: quant_states={self.quant_states!r}; allowed: None, {', '.join(QUANT_STATES)}")
+
+
+RUNS: dict[str, Run] = {
+    "bf16": Run(),
+    "hif8-delayed": Run("hif8", "delayed"),
+    "hif8-tensorwise": Run("hif8", "tensorwise"),
+    "e4m3-tensorwise": Run("e4m3", "tensorwise"),
+    "hybrid-delayed": Run("hybrid", "delayed"),
+    "e4m3-blockwise": Run("e4m3", "blockwise"),
+    "e4m3-mxfp8": Run("e4m3", "mxfp8"),
+    "hif8-delayed+hif8-moments": Run("hif8", "delayed", quant_states="hif8"),
+    "e4m3-mxfp8+mxfp8-moments": Run("e4m3", "mxfp8", quant_states="mxfp8"),
 }
+
+
+def base_run(name: str) -> str:
+    """The run that `name` repeats with fp32 moments (itself if its moments are fp32)."""
+    fp32_moments = replace(RUNS[name], quant_states=None)
+    return next(other for other, run in RUNS.items() if run == fp32_moments)
 
 
 @dataclass
@@ -52,6 +78,8 @@ def setup_megatron() -> None:
 
     # megatron-core's notes about optional packages and its own defaults, printed at import and config time
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|full scope is deprecated).*")
+    # torch's note on the collectives Megatron's distributed optimizer calls (runs with 8-bit moments)
+    warnings.filterwarnings("ignore", message=".*(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated.*")
     from megatron.core import parallel_state
 
     import mindspeed_te.megatron_adaptor  # noqa: F401  (applies the patch registry)
@@ -64,9 +92,11 @@ def setup_megatron() -> None:
         parallel_state.initialize_model_parallel(1, 1)
 
 
-def build(args: argparse.Namespace, fp8: Optional[str], recipe: Optional[str]):
+def build(args: argparse.Namespace, run: Run, seed: int):
     """GPT + Megatron's DDP (fp32 gradient buffers) + its mixed-precision Adam (fp32 main weights) + its
-    learning-rate schedule (linear warm-up, cosine decay), seeded identically for every run."""
+    learning-rate schedule (linear warm-up, cosine decay), seeded identically for every run of one seed.
+    8-bit moments take Megatron's own path: its precision-aware optimizer (which needs its distributed
+    optimizer, here over one rank) with TE's FusedAdam, served by mindspeed_te's through the patch registry."""
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -79,18 +109,26 @@ def build(args: argparse.Namespace, fp8: Optional[str], recipe: Optional[str]):
     from mindspeed_te import FP8GlobalStateManager
 
     FP8GlobalStateManager.reset()
-    torch.manual_seed(args.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 32,
                                bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                               fp8=fp8, fp8_recipe=recipe or "delayed")
+                               fp8=run.fp8_format, fp8_recipe=run.fp8_recipe or "delayed")
     gpt = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=VOCAB_SIZE,
                    max_sequence_length=args.seq_length, position_embedding_type="rope")
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                    Float16Module(config, gpt))
+    low_precision = run.quant_states is not None
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=low_precision),
+        Float16Module(config, gpt))
     config.finalize_model_grads_func = finalize_model_grads  # as Megatron's training loop sets them
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr / 10,
-                                                       weight_decay=0.1, clip_grad=1.0, bf16=True), [model])
+    moments = torch.uint8 if low_precision else torch.float32  # --exp-avg-dtype / --exp-avg-sq-dtype fp8
+    optimizer_config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.lr / 10, weight_decay=0.1, clip_grad=1.0, bf16=True,
+        use_distributed_optimizer=low_precision, use_precision_aware_optimizer=low_precision,
+        exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
+    if low_precision:
+        optimizer_config.quant_states = run.quant_states  # where --quant-states puts it (patches/precision_optimizer)
+    optimizer = get_megatron_optimizer(optimizer_config, [model])
     warmup = max(1, args.steps // 10)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.lr / 10,
                                         lr_warmup_steps=warmup, lr_decay_steps=args.steps, lr_decay_style="cosine",
@@ -130,17 +168,19 @@ def evaluate(model: torch.nn.Module, batches: list) -> float:
     return loss
 
 
-def train(name: str, args: argparse.Namespace, corpus, val, report=None) -> RunResult:
-    """One run: args.steps steps on the seeded batches, validation every args.eval_interval steps and at
-    the end. With `report` (a mindspeed_te.debug.NumericsReport), the last step's numerics are recorded."""
+def train(name: str, args: argparse.Namespace, corpus, val, seed: int, report=None) -> RunResult:
+    """One run: args.steps steps on the batches of `seed` from the weights of `seed`, validation every
+    args.eval_interval steps and at the end. With `report` (a mindspeed_te.debug.NumericsReport), the last
+    step's numerics are recorded."""
     from tqdm import tqdm
 
-    gpt, model, optimizer, scheduler = build(args, *RUNS[name])
+    gpt, model, optimizer, scheduler = build(args, RUNS[name], seed)
     if report is not None:
         report.watch(gpt)
     result, busy = RunResult(name), 0.0
-    batches = train_batches(corpus.train, args.steps, args.batch_size, args.seq_length, args.seed)
-    with tqdm(total=args.steps, desc=f"{name:16s}", unit="step", leave=True) as bar:
+    batches = train_batches(corpus.train, args.steps, args.batch_size, args.seq_length, seed)
+    desc = f"{name:{max(map(len, RUNS))}s}" + (f" seed {seed}" if args.seeds > 1 else "")
+    with tqdm(total=args.steps, desc=desc, unit="step", leave=True) as bar:
         for step, batch in enumerate(batches, start=1):
             start = time.perf_counter()
             if report is not None:
@@ -206,7 +246,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seed", type=int, default=1234, help="the initial weights and the order of the batches")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train every run with N seeds (--seed, --seed + 1, ...) and print the run-to-run noise "
+                             "of the validation loss (seeds.csv); the figures and summary.csv show --seed")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: the GEMMs are small, and one thread never waits for a "
                              "descheduled partner on a busy machine)")
@@ -215,9 +258,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     unknown = [r for r in args.runs + [args.numerics_run] if r not in RUNS]
     if unknown or not args.runs:
         parser.error(f"--runs / --numerics-run: unknown run {unknown or '(none given)'}; allowed: {', '.join(RUNS)}")
-    if RUNS[args.numerics_run][0] is None:
+    if RUNS[args.numerics_run].fp8_format is None:
         parser.error("--numerics-run must name an FP8 run (the bf16 run quantizes nothing)")
-    for flag in ("steps", "eval_interval", "eval_batches", "layers", "threads"):
+    for flag in ("steps", "eval_interval", "eval_batches", "layers", "threads", "seeds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     # MXFP8 quantizes 32-element blocks along both dims of every GEMM operand: tokens and hidden sizes.
@@ -242,16 +285,25 @@ def main(argv: Optional[list[str]] = None) -> list[list]:
     print(f"model: GPT, {args.layers} layers, hidden {args.hidden}, sequence {args.seq_length}, batch "
           f"{args.batch_size}, {args.steps} steps, bf16 parameters\n")
     report = NumericsReport(os.path.join(args.out, "numerics"), interval=args.steps)
-    results = [train(name, args, corpus, val, report if name == args.numerics_run else None) for name in args.runs]
+    by_seed = {seed: [train(name, args, corpus, val, seed,
+                            report if seed == args.seed and name == args.numerics_run else None)
+                      for name in args.runs]
+               for seed in range(args.seed, args.seed + args.seeds)}
+    results = by_seed[args.seed]
 
     table = write_csv(results, args.out)
-    plot_losses(results, entropy, os.path.join(args.out, "demo_loss.png"))
+    plot_losses(results, entropy, os.path.join(args.out, "demo_loss.png"), base_run)
     heatmaps = [p for p in report.write() if p.endswith(".png")]
     if heatmaps:
         combine_heatmaps(heatmaps, os.path.join(args.out, "demo_numerics.png"))
-    print(f"\n{'run':16s} {'train loss':>10s} {'val loss':>9s} {'val - bf16':>10s} {'ms/step':>8s}")
+    width = max(len("run"), *(len(name) for name in args.runs))
+    print(f"\n{'run':{width}s} {'train loss':>10s} {'val loss':>9s} {'val - bf16':>10s} {'ms/step':>8s}")
     for name, train_loss, val_loss, diff, ms in table:
-        print(f"{name:16s} {train_loss:10.4f} {val_loss:9.4f} {diff:+10.4f} {ms:8.0f}")
+        print(f"{name:{width}s} {train_loss:10.4f} {val_loss:9.4f} {diff:+10.4f} {ms:8.0f}")
+    if args.seeds > 1:
+        write_seeds_csv(by_seed, os.path.join(args.out, "seeds.csv"))
+        print(f"\nrun-to-run noise: the final validation loss over seeds {args.seed}..{args.seed + args.seeds - 1}\n"
+              + format_noise(noise(by_seed, base_run)))
     print(f"\n(unigram entropy {entropy:.3f}; figures and CSV files in {args.out}/; "
           f"{time.perf_counter() - started:.0f} s in all)")
     return table
