@@ -144,6 +144,7 @@ def test_small_parameters_and_marked_tensors_stay(offloads):
     (dict(num_layers=0, model_layers=2), "--cpu-offloading-num-layers"),
     (dict(num_layers=1, model_layers=2, offload_weights=True), "--cpu-offloading-weights"),
     (dict(num_layers=1, model_layers=2, offload_activations=False), "--no-cpu-offloading-activations"),
+    (dict(num_layers=1, model_layers=2, manual_synchronization=True), "manual_synchronization"),
 ])
 def test_bad_settings_are_refused_by_name(kwargs, flag):
     with pytest.raises(ValueError, match=flag):

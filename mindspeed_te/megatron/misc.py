@@ -151,7 +151,7 @@ def get_cpu_offload_context(enabled: bool, num_layers: int, model_layers: int, a
     """Megatron's positional form of TE's `get_cpu_offload_context` (--cpu-offloading): the activations of the
     first `num_layers` layers go to host memory (`retain_pinned_cpu_buffers`: megatron-core 0.17 on)."""
     return _get_cpu_offload_context(enabled, num_layers, model_layers, activation_offloading, weight_offloading,
-                                    double_buffering, retain_pinned_cpu_buffers)
+                                    double_buffering, retain_pinned_cpu_buffers=retain_pinned_cpu_buffers)
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,

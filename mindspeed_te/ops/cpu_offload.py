@@ -268,13 +268,17 @@ def unstash(obj: Any) -> Any:
 
 def get_cpu_offload_context(enabled: bool = False, num_layers: Optional[int] = 1, model_layers: int = 1,
                             offload_activations: bool = True, offload_weights: bool = False,
-                            double_buffering: bool = False, retain_pinned_cpu_buffers: bool = False
+                            double_buffering: bool = False, manual_synchronization: bool = False,
+                            retain_pinned_cpu_buffers: bool = False, offload_stream: Any = None
                             ) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor]]:
     """TE's context and sync function: wrap each layer's forward in the context and pass its output through
     the sync function. The first `num_layers` of `model_layers` layers are offloaded. `double_buffering` is
-    accepted and unused, as in TE; offloading weights is refused (TE has deprecated it)."""
+    accepted and unused, as in TE; offloading weights and TE's manual synchronization are refused."""
     if not enabled:
         return contextlib.nullcontext(), (lambda x: x)
+    if manual_synchronization or offload_stream is not None:
+        raise ValueError("get_cpu_offload_context: manual_synchronization / offload_stream (TE's manual offload "
+                         "control) are not supported; use the default schedule (num_layers of model_layers)")
     if offload_weights:
         raise ValueError("get_cpu_offload_context: offload_weights=True (--cpu-offloading-weights) is not "
                          "supported: mindspeed_te offloads activations only, as TransformerEngine 2.x does")
