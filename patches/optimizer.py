@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from mindspeed_te.patches.optimizer_offload import register_optimizer_offload
 from mindspeed_te.patches.precision_optimizer import register_precision_optimizer
 from mindspeed_te.patches.registry import resolve
 
@@ -113,3 +114,4 @@ def register_optimizer(registry) -> None:
         target = f"{MODULE}.DistributedOptimizer.{name}"
         registry.register(target, wrap(resolve(target)))
     register_precision_optimizer(registry)  # --use-precision-aware-optimizer: our FusedAdam, around the above
+    register_optimizer_offload(registry)  # --optimizer-cpu-offload on the training device, around the above

@@ -61,7 +61,7 @@ QUANT_STATES = {"fp8": "e4m3", "hif8": "hif8", "mxfp8": "mxfp8"}
 
 
 @contextlib.contextmanager
-def _module_values(module_name: str, **values: Any) -> Iterator[None]:
+def module_values(module_name: str, **values: Any) -> Iterator[None]:
     """Set module attributes for the duration of one call, then restore them."""
     module = importlib.import_module(module_name)
     saved = {name: getattr(module, name) for name in values}
@@ -142,7 +142,7 @@ def _with_fused_adam(build: Callable) -> Callable:
             return build(*args, **kwargs)
         _refuse_fp8_params_in_optimizer(config, kwargs["param_groups"] if "param_groups" in kwargs else
                                         (args[2] if len(args) > 2 else None))
-        with _module_values(OPTIMIZER, Adam=_fused_adam_factory(config), USING_PYTORCH_OPTIMIZER=False):
+        with module_values(OPTIMIZER, Adam=_fused_adam_factory(config), USING_PYTORCH_OPTIMIZER=False):
             return build(*args, **kwargs)
     return wrapped
 
@@ -158,7 +158,7 @@ def _as_with_te(method: Callable) -> Callable:
             optimizer = getattr(self, "optimizer", None)
         if not isinstance(optimizer, FusedAdam):
             return method(self, *args, **kwargs)
-        with _module_values(DISTRIB, Adam=FusedAdam, HAVE_APEX_OR_TE=True, USING_TE_OPTIMIZER=True):
+        with module_values(DISTRIB, Adam=FusedAdam, HAVE_APEX_OR_TE=True, USING_TE_OPTIMIZER=True):
             return method(self, *args, **kwargs)
     return wrapped
 
@@ -234,7 +234,7 @@ def _config_with_quant_states(get_config: Callable) -> Callable:
     return wrapped
 
 
-def _wrap(registry: PatchRegistry, target: str, wrap: Callable) -> None:
+def wrap_patch(registry: PatchRegistry, target: str, wrap: Callable) -> None:
     """Register wrap(current): around the replacement another patch of this registry already holds, if any."""
     existing = next((patch for patch in registry.patches if patch.target == target), None)
     if existing is None:
@@ -256,9 +256,9 @@ def register_precision_optimizer(registry: PatchRegistry) -> None:
     registry.register(f"{CONFIG}.OptimizerConfig.__post_init__",
                       _checked_with_our_fused_adam(resolve(f"{CONFIG}.OptimizerConfig.__post_init__")))
     for name in ("__init__", "state_dict", "load_state_dict"):
-        _wrap(registry, f"{DISTRIB}.DistributedOptimizer.{name}", _as_with_te)
-    _wrap(registry, f"{DISTRIB}.DistributedOptimizer._get_main_param_and_optimizer_states", _unscaled_states)
-    _wrap(registry, f"{DISTRIB}.DistributedOptimizer._set_main_param_and_optimizer_states", _scaled_states)
+        wrap_patch(registry, f"{DISTRIB}.DistributedOptimizer.{name}", _as_with_te)
+    wrap_patch(registry, f"{DISTRIB}.DistributedOptimizer._get_main_param_and_optimizer_states", _unscaled_states)
+    wrap_patch(registry, f"{DISTRIB}.DistributedOptimizer._set_main_param_and_optimizer_states", _scaled_states)
     if has_module(ARGUMENTS) and has_module(TRAINING):
         if hasattr(importlib.import_module(ARGUMENTS), "_add_experimental_args") \
                 and hasattr(importlib.import_module(TRAINING), "get_megatron_optimizer_config"):

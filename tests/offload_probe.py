@@ -1,6 +1,7 @@
-"""`python -m tests.offload_probe pretrain_gpt.py ...`: `mindspeed_te.launch` plus a count of what the activation
-offload moved, printed by rank 0 at exit as one line `OFFLOADPROBE {json}`: the storages copied to host memory
-(count, bytes, and bytes per element size: codes are 1 byte) and the views read back in backward."""
+"""`python -m tests.offload_probe pretrain_gpt.py ...`: `mindspeed_te.launch` plus what the offloads moved, printed
+by rank 0 at exit as one line `OFFLOADPROBE {json}`: for activation offload, the storages copied to host memory
+(count, bytes, and bytes per element size: codes are 1 byte) and the views read back in backward; for optimizer
+offload (Megatron's HybridDeviceOptimizer), the parameter elements each part updates and its optimizer class."""
 from __future__ import annotations
 
 import atexit
@@ -35,6 +36,24 @@ def main() -> None:
         report["schedules"] += 1
         init(self, *args, **kwargs)
 
+    from megatron.training import training
+
+    setup = training.setup_model_and_optimizer
+
+    def recorded_setup(*args, **kwargs):
+        model, optimizer, scheduler = setup(*args, **kwargs)
+        hybrid = getattr(optimizer, "optimizer", None)
+        if type(hybrid).__name__ == "HybridDeviceOptimizer":
+            device = hybrid.gpu_optimizer
+            report["optimizer"] = {
+                "host_elements": sum(p.numel() for o in hybrid.cpu_optimizers for g in o.param_groups
+                                     for p in g["params"]),
+                "device_elements": sum(p.numel() for g in device.param_groups for p in g["params"]) if device else 0,
+                "host_class": sorted({type(o).__qualname__ for o in hybrid.cpu_optimizers}),
+                "device_class": type(device).__module__ + "." + type(device).__qualname__ if device else None}
+        return model, optimizer, scheduler
+
+    training.setup_model_and_optimizer = recorded_setup
     cpu_offload.OffloadSchedule._offload = counted_offload
     cpu_offload.OffloadSchedule.reload = counted_reload
     cpu_offload.OffloadSchedule.__init__ = counted_init

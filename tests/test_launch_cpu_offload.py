@@ -1,6 +1,7 @@
-"""Megatron-LM's own pretrain_gpt.py with --cpu-offloading-num-layers (megatron-core 0.16 on; needs
-MEGATRON_LM_PATH, see test_launch_megatron.py): the losses equal those of the same run without offload, bit for
-bit, and the first layer's activations went to host memory and came back, FP8 ones as 1-byte codes."""
+"""Megatron-LM's own pretrain_gpt.py with its offloads (needs MEGATRON_LM_PATH, see test_launch_megatron.py): the
+losses equal those of the same run without offload. --cpu-offloading-num-layers (megatron-core 0.16 on): the
+first layer's activations went to host memory and came back, FP8 ones as 1-byte codes. --optimizer-cpu-offload:
+the host optimizer updates the offloaded fraction of the parameters, mindspeed_te's FusedAdam the rest."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ import re
 
 import pytest
 
-from tests.test_launch_megatron import MEGATRON, _launch, _losses, dataset_helpers  # noqa: F401
+from tests.test_launch_megatron import MEGATRON, _launch, _losses, _losses_of_6, dataset_helpers  # noqa: F401
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
@@ -38,3 +39,22 @@ def test_pretrain_gpt_with_cpu_offloading_trains_the_same(fp8):
     assert probe["schedules"] == 1 and probe["offloaded"] > 0 and probe["reloaded"] >= probe["offloaded"]
     codes = probe["bytes_by_element_size"].get("1", 0)
     assert (codes > 0) == bool(fp8), probe
+
+
+@pytest.mark.parametrize("fraction", ["0.5", "1.0"])
+def test_pretrain_gpt_with_optimizer_cpu_offload_trains_the_same(fraction):
+    """Megatron requires --use-precision-aware-optimizer (and the distributed optimizer) for it; its hybrid
+    optimizer splits the parameters by elements between torch's AdamW on the host and the device optimizer,
+    each with float32 copies of the bf16 weights, and takes none of the precision-aware options: the same
+    update as the distributed optimizer's default (float32 main weights and moments)."""
+    flags = ("--bf16", "--use-distributed-optimizer", "--train-iters", "6")
+    plain = _losses_of_6(_launch(*flags, launcher=PROBE, port=29655))
+    run = _launch(*flags, "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                  fraction, launcher=PROBE, port=29657)
+    assert _losses_of_6(run) == plain and len(plain) == 6
+    split = _probe(run)["optimizer"]
+    total = split["host_elements"] + split["device_elements"]
+    assert split["host_class"] == ["AdamW"]
+    assert abs(split["host_elements"] - float(fraction) * total) <= 0.25 * total  # whole parameters move
+    if fraction != "1.0":
+        assert split["device_class"] == "mindspeed_te.optimizers.fused_adam.FusedAdam"
