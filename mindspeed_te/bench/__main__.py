@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         from mindspeed_te.bench.memory import bench_activations, bench_memory
 
         rows += bench_memory()
-    if args.only in (None, "gpt"):
         if _megatron_available():
             rows += bench_activations()
+    if args.only in (None, "gpt"):
         from mindspeed_te.bench.gpt import RECIPES, bench_gpt
 
         missing = [(f"GPT step {label} / bf16", float("nan"), "megatron-core not installed")

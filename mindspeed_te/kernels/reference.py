@@ -163,7 +163,6 @@ def _with_offset_key(mask: Optional[torch.Tensor], offset: torch.Tensor, query: 
         (value, value.new_zeros(1, *value.shape[1:])))
 
 
-class ReferenceBackend(KernelBackend):
 class _KeepingInput(torch.autograd.Function):
     """`norm(x, *params)` that keeps x itself for backward, not the float32 copy it computes on (half the bytes
     for a bfloat16 x), and runs the norm again there: the same gradients as autograd through the cast."""
@@ -194,6 +193,7 @@ def _keeping_input(norm: Callable[..., torch.Tensor], x: torch.Tensor, *params: 
     return _KeepingInput.apply(norm, x, *params)
 
 
+class ReferenceBackend(KernelBackend):
     """Emulates every quantized kernel exactly with torch ops."""
 
     name = "reference"

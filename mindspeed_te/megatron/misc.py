@@ -9,8 +9,8 @@ import torch
 
 from mindspeed_te.checkpointing import checkpoint
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
-from mindspeed_te.ops.grouped_linear import check_m_splits
 from mindspeed_te.ops.cpu_offload import get_cpu_offload_context as _get_cpu_offload_context
+from mindspeed_te.ops.grouped_linear import check_m_splits
 from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
 
