@@ -17,6 +17,11 @@ Three faults of megatron-core 0.16's `DistributedOptimizer` on that path, fixed 
   `fully_sharded_model_space` counterpart already does.
 - megatron-core 0.15's `dp_reshardable` save fails on torch Adam's 0-dim `step` (an assert on its shape): it is
   left out of the saved buckets, as 0.16 does.
+
+One more, on every path: FP8 and FP4 weights (`--fp8-param-gather`) carry a host copy of their high-precision
+initial value, from which the optimizer builds its main shards and which it then drops, but only for the weights
+whose range meets this rank's shard. The others kept that copy for the whole run; every weight of the
+optimizer's buffers drops it once the optimizer is built.
 """
 from __future__ import annotations
 
@@ -98,8 +103,22 @@ def _keeping_step(set_states: Callable) -> Callable:
     return wrapped
 
 
+def _dropping_init_values(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        for buffer in self.buffers:
+            for param in buffer.params:
+                if hasattr(param, "clear_high_precision_init_val"):
+                    param.clear_high_precision_init_val()
+    return wrapped
+
+
 def register_optimizer(registry) -> None:
-    """Patch the torch-Adam branch of the distributed optimizer when Megatron takes it (no Apex, no TE)."""
+    """Patch the torch-Adam branch of the distributed optimizer when Megatron takes it (no Apex, no TE), and the
+    initial values of quantized weights on every branch."""
+    registry.register(f"{MODULE}.DistributedOptimizer.__init__",
+                      _dropping_init_values(resolve(f"{MODULE}.DistributedOptimizer.__init__")))
     if resolve(f"{MODULE}.HAVE_APEX_OR_TE"):
         return
     optimizer = resolve(f"{MODULE}.DistributedOptimizer")

@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not MEGATRON, reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")]
 
 DP2 = ("--bf16", "--use-distributed-optimizer")
+FORMS = {"tensorwise": "Float8Tensor: data", "delayed": "Float8Tensor: data",
+         "blockwise": "Float8BlockwiseQTensor: rowwise_data"}
 PROBE = ("-m", "tests.fp8_param_probe")  # the launcher with a probe of the parameters and collectives
 
 
@@ -52,6 +54,14 @@ def test_fp8_param_gather_trains_like_bf16_weights(recipe):
     # The bytes moved for all parameters drop accordingly against the bf16 run (embeddings and norms stay bf16).
     total = sum(b for _, b in probe["gather"].values())
     assert total < 0.8 * sum(b for _, b in without["gather"].values())
+    # No high-precision copy of an FP8 weight outlives the setup besides this rank's fp32 main shard: Megatron took
+    # the initial values into its main shards and dropped them, no module caches a quantized weight, no module
+    # attribute holds one in high precision; and the weights hold one data form (the columnwise one of
+    # per-tensor and 128x128-tile weights is the rowwise data read transposed, never stored).
+    copies = probe["copies"]
+    assert copies["init_values"] == copies["cached_weights"] == copies["weight_shaped_attributes"] == 0
+    assert copies["forms"] == [FORMS[recipe[1]]]
+    assert 0 < copies["main_elements"] <= without["copies"]["main_elements"]
 
 
 def test_dist_checkpoint_resume_with_fp8_parameters_is_exact(tmp_path):
