@@ -17,7 +17,14 @@ from mindspeed_te.modules import (
 )
 from mindspeed_te.ops.cpu_offload import get_cpu_offload_context, mark_not_offload
 from mindspeed_te.optimizers import FusedAdam
-from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
+from mindspeed_te.quantized_tensor import (
+    Float8BlockwiseQTensor,
+    Float8Tensor,
+    MXFP4Tensor,
+    MXFP8Tensor,
+    NVFP4Tensor,
+    QuantizedTensor,
+)
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -85,7 +92,7 @@ __all__ = [
     "MXFP4BlockScalingRecipeState",
     "QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
     "NVFP4TensorStorage", "MXFP4TensorStorage",
-    "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor",
+    "QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "NVFP4Tensor", "MXFP4Tensor",
     "FP8GlobalStateManager", "fp8_autocast", "autocast", "fp8_model_init", "quantized_model_init",
     "is_fp8_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
     "checkpoint", "Fp8Padding", "Fp8Unpadding", "get_cpu_offload_context", "mark_not_offload", "FusedAdam",

@@ -37,21 +37,27 @@ from typing import Callable, Optional
 
 import torch
 
+from mindspeed_te import fused_cast
+
 __all__ = [
     "FP4Dtype",
     "E2M1_VALUES",
     "E2M1_MAX",
     "e2m1_encode",
     "e2m1_decode",
+    "decode_packed_fp4",
     "pack_fp4",
     "unpack_fp4",
+    "e2m1_decode_table",
     "RHT_SIZE",
     "RHT_SIGN_MASK",
     "rht_matrix",
     "random_hadamard_transform",
     "inverse_hadamard_transform",
     "nvfp4_global_encode_scale",
+    "nvfp4_block_factors",
     "nvfp4_block_scales",
+    "NVFP4_DEQUANT_FACTOR",
     "nvfp4_decode_scale",
     "set_stochastic_rounding_generator",
     "stochastic_rounding_bits",
@@ -65,7 +71,7 @@ _NAN_CODE = 0x7
 E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
 _FP4_MAX_INV = torch.tensor(1.0 / 6.0, dtype=torch.float32).item()  # float32(1/6), TE's constexpr
-_DEQUANT_FACTOR = torch.tensor(1.0 / (6.0 * 448.0), dtype=torch.float32).item()  # float32(1/2688)
+NVFP4_DEQUANT_FACTOR = torch.tensor(1.0 / (6.0 * 448.0), dtype=torch.float32).item()  # float32(1/2688)
 
 
 class FP4Dtype(enum.Enum):
@@ -112,18 +118,31 @@ def e2m1_encode(x: torch.Tensor, rbits: Optional[torch.Tensor] = None) -> torch.
         raise TypeError(f"e2m1_encode expects a floating-point tensor, got {x.dtype}")
     x = x.detach().float()
     a = x.abs()
-    if rbits is None:
-        a = a.clamp(max=E2M1_MAX)
-        q = torch.round(a / _spacing(a)) * _spacing(a)  # exact: a / step scales by a power of 2; ties to even
-    else:
+    if rbits is not None:
         if rbits.shape != x.shape:
             raise ValueError(f"rbits must have x's shape {tuple(x.shape)}, got {tuple(rbits.shape)}")
         t = a + rbits.float().mul_(1.0 / 256.0) * _spacing(a)  # u * step is exact: one rounding, as fmaf
         step = _spacing(t)
-        q = torch.floor(t / step).mul_(step).clamp_(max=E2M1_MAX)
-    magnitude = torch.where(q < 2.0, q * 2.0, torch.where(q < 4.0, q + 2.0, q * 0.5 + 4.0))
-    codes = magnitude.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
-    return torch.where(torch.isnan(x), torch.full_like(codes, _NAN_CODE), codes)
+        a = torch.floor(t / step).mul_(step)  # a grid value (or past 6: saturated below)
+    magnitude = torch.bucketize(a.contiguous(), _rne_bounds(x.device), out_int32=True)  # |x| rounded, saturated
+    codes = torch.add(magnitude, torch.signbit(x), alpha=8).to(torch.uint8)
+    return codes.masked_fill_(torch.isnan(x), _NAN_CODE)
+
+
+_BOUNDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _rne_bounds(device: torch.device) -> torch.Tensor:
+    """float32 bounds b_i such that |x| > b_i rounds to at least magnitude code i + 1 (bucketize counts them): the
+    midpoints between neighbouring values, where a tie goes to the even code: down at 0.25, 1.25, 2.5 and 5
+    (codes 0, 2, 4, 6), up at 0.75, 1.75 and 3.5 (codes 2, 4, 6: the bound is the float32 just below)."""
+    bounds = _BOUNDS.get(device)
+    if bounds is None:
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+        up = torch.tensor([False, True, False, True, False, True, False])
+        below = torch.nextafter(mids, torch.zeros_like(mids))
+        bounds = _BOUNDS[device] = torch.where(up, below, mids).to(device)
+    return bounds
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -131,19 +150,58 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return _values(codes.device)[codes.long()]
 
 
+_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def decode_packed_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Exact float32 values of packed FP4 bytes (`pack_fp4`'s layout), the last dim twice as long: one lookup of
+    each byte's two values."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed FP4 data is uint8, got {packed.dtype}")
+    table = _PAIRS.get(packed.device)
+    if table is None:
+        byte = torch.arange(256)
+        table = _PAIRS[packed.device] = e2m1_decode(torch.stack((byte & 0x0F, byte >> 4), dim=-1)).to(packed.device)
+    return table[packed.long()].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """Two codes per byte along the last dim (even length): element 2i in the low nibble, 2i + 1 in the high."""
+    """Two codes per byte along the last dim (even length): element 2i in the low nibble, 2i + 1 in the high;
+    contiguous whatever the codes' layout (a kernel reads the bytes as they lie)."""
     if codes.shape[-1] % 2:
         raise ValueError(f"packing FP4 needs an even last dim, got shape {tuple(codes.shape)}")
     codes = codes.to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    fused = fused_cast.nibbles(codes, pack=True)
+    if fused is not None:
+        return fused
+    return torch.add(codes[..., 0::2], codes[..., 1::2], alpha=16).contiguous()  # at most 15 + 16 * 15: no carry
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """The codes of packed FP4 bytes, one per byte, the last dim twice as long."""
+    """The codes of packed FP4 bytes, one per byte, the last dim twice as long (two ops, written in place)."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed FP4 data is uint8, got {packed.dtype}")
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    fused = fused_cast.nibbles(packed, pack=False)
+    if fused is not None:
+        return fused
+    codes = torch.empty(*packed.shape[:-1], packed.shape[-1] * 2, dtype=torch.uint8, device=packed.device)
+    torch.bitwise_and(packed, 0x0F, out=codes[..., 0::2])
+    torch.bitwise_right_shift(packed, 4, out=codes[..., 1::2])
+    return codes
+
+
+_DECODE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_decode_table(device: torch.device) -> torch.Tensor:
+    """The 256 float32 values a byte-code decode kernel indexes (`fused_cast.dequantize_tiles`): E2M1's 16 values,
+    then zeros (codes past 15 never occur)."""
+    table = _DECODE_TABLES.get(device)
+    if table is None:
+        table = torch.zeros(256, dtype=torch.float32)
+        table[:16] = torch.tensor(E2M1_VALUES)
+        table = _DECODE_TABLES[device] = table.to(device)
+    return table
 
 
 # The random Hadamard transform ------------------------------------------------------------------------------
@@ -174,7 +232,8 @@ def rht_matrix(sign_mask: int = RHT_SIGN_MASK, device: Optional[torch.device] = 
 def _blocks_of_16(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % RHT_SIZE:
         raise ValueError(f"the Hadamard transform needs a last dim divisible by {RHT_SIZE}, got {tuple(x.shape)}")
-    return x.float().reshape(-1, RHT_SIZE)
+    # one copy for a transposed view too (the columnwise source): converted and laid out row-major at once
+    return x.to(torch.float32, memory_format=torch.contiguous_format).reshape(-1, RHT_SIZE)
 
 
 def random_hadamard_transform(x: torch.Tensor, sign_mask: int = RHT_SIGN_MASK) -> torch.Tensor:
@@ -202,16 +261,24 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (scale == 0), torch.ones_like(scale), scale)
 
 
+def nvfp4_block_factors(s_enc: torch.Tensor) -> torch.Tensor:
+    """The two float32 factors of the block scale rule, S_enc * float32(1/6) and S_dec = 1 / S_enc, stacked along
+    a new last dim: computed once per tensor (the fused kernel takes them as they are)."""
+    s_enc = s_enc.float()
+    return torch.stack((s_enc * _FP4_MAX_INV, _divide(1.0, s_enc)), dim=-1)
+
+
 def nvfp4_block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 decode scales (torch.float8_e4m3fn), float32 encode multipliers) of blocks with amax `block_amax`
-    under the global encode scale `s_enc` (broadcastable). A NaN block amax gives a NaN scale (the block
+    under the global encode scale `s_enc` (broadcastable). A NaN block amax gives the NaN scale 0xFF (the block
     dequantizes to NaN), an Inf one 448."""
-    s_enc = s_enc.float()
-    decode = block_amax.float() * (s_enc * _FP4_MAX_INV)
+    factors = nvfp4_block_factors(s_enc)
+    decode = block_amax.float() * factors[..., 0]
     scale = torch.clamp(torch.minimum(decode, torch.full_like(decode, FLT_MAX)), -E4M3_MAX, E4M3_MAX)
     scale = scale.to(torch.float8_e4m3fn)
-    s_dec = _divide(1.0, s_enc)
-    denominator = scale.float() * s_dec
+    # A NaN block amax: the byte 0xFF whichever NaN torch made (its vector and scalar loops differ in the sign).
+    scale.view(torch.uint8).masked_fill_(torch.isnan(decode), 0xFF)
+    denominator = scale.float() * factors[..., 1]
     encode = torch.minimum(_divide(1.0, denominator), torch.full_like(denominator, FLT_MAX))
     return scale, encode
 
@@ -219,7 +286,7 @@ def nvfp4_block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> tuple[t
 def nvfp4_decode_scale(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The float32 multiplier of a block's codes: (float(scale) * amax) * float32(1 / (6 * 448)), TE's dequantize
     kernel's product in its order."""
-    return (scale.float() * amax.float()) * _DEQUANT_FACTOR
+    return (scale.float() * amax.float()) * NVFP4_DEQUANT_FACTOR
 
 
 # Stochastic rounding's random bits ----------------------------------------------------------------------------
@@ -239,7 +306,11 @@ def set_stochastic_rounding_generator(hook: Optional[Callable[[torch.device], Op
 
 def stochastic_rounding_bits(shape: tuple[int, ...], device: torch.device,
                              generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """8 random bits per element (uint8, `shape`) from `generator`, else the hook's, else the device's default."""
+    """8 random bits per element (uint8, `shape`) from `generator`, else the hook's, else the device's default.
+    Drawn as int32 and cast, except on the CPU, whose generator gives uint8 draws the same bits (one 32-bit draw
+    per element either way, its low byte kept) without the cast."""
     if generator is None and _SR_HOOK is not None:
         generator = _SR_HOOK(torch.device(device))
+    if torch.device(device).type == "cpu":
+        return torch.randint(0, 256, shape, generator=generator, device=device, dtype=torch.uint8)
     return torch.randint(0, 256, shape, generator=generator, device=device, dtype=torch.int32).to(torch.uint8)

@@ -3,7 +3,7 @@
 Quantizing with torch ops costs one pass over memory per op (divide, clamp, cast) and a few microseconds of
 dispatch each; the extension reads every element once and also serves small tensors in one call. It covers
 the per-tensor hot path (contiguous float32/bfloat16 CPU tensors, one float32 scale) and the block-scaled
-ones (blockwise tiles, MX blocks), both layouts in one pass. Every function returns
+ones (blockwise tiles, MX blocks, both layouts in one pass; NVFP4 blocks, one layout a call). Every function returns
 None when its input is outside that, and the caller then uses the torch ops, which give the same bits.
 
 The kernels take raw addresses and trust them: before every call this module checks what they will read or
@@ -26,14 +26,16 @@ try:
 except ImportError:  # not built (no compiler at install time, or a source tree without `pip install -e .`)
     _ext = None
 
-__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_tiles", "gemm_bf16", "gemm_bf16_applies",
-           "gemm_epilogue", "quantize_current",
+__all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_nvfp4", "dequantize_tiles", "gemm_bf16",
+           "gemm_bf16_applies", "gemm_epilogue", "nibbles", "quantize_current", "quantize_nvfp4",
            "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd", "simd_level"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # format -> (the kernels' format code, the storage dtype of the codes)
-_OUT_FORMATS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2), "hif8": (2, torch.uint8)}
+# "e2m1": FP4 codes one per byte (uint8 in [0, 16)), quantize_tiles' MX modes only; the caller packs them.
+_OUT_FORMATS = {"e4m3": (0, torch.float8_e4m3fn), "e5m2": (1, torch.float8_e5m2), "hif8": (2, torch.uint8),
+                "e2m1": (3, torch.uint8)}
 
 
 # Below this many elements a kernel runs on the calling thread only. Built with OpenMP (`_ext.openmp`), the
@@ -143,6 +145,74 @@ def scaled_cast(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str,
     out = torch.empty_like(x, dtype=storage)
     _ext.scaled_cast(x.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), scale_inv.data_ptr(), out.data_ptr(),
                      code, table, _threads(x.numel()))
+    return out
+
+
+def nibbles(t: torch.Tensor, pack: bool) -> Optional[torch.Tensor]:
+    """FP4 codes (uint8 in [0, 16), an even last dim) two per byte along the last dim, element 2i in the low
+    nibble (`pack`), or such bytes back to their codes, the last dim twice as long; None when the extension does
+    not apply (a non-uint8, strided or non-CPU tensor, or an old build without the kernel)."""
+    if not (available() and hasattr(_ext, "nibbles") and t.is_cpu and t.dtype == torch.uint8 and t.is_contiguous()
+            and t.dim() >= 1 and not (pack and t.shape[-1] % 2)):
+        return None
+    shape = (*t.shape[:-1], t.shape[-1] // 2 if pack else t.shape[-1] * 2)
+    out = torch.empty(shape, dtype=torch.uint8)
+    n = out.numel() if pack else t.numel()
+    if n:
+        _ext.nibbles(t.data_ptr(), out.data_ptr(), n, pack, _threads(2 * n))
+    return out
+
+
+NVFP4_BLOCK = 16
+
+
+def quantize_nvfp4(x2d: torch.Tensor, factors: torch.Tensor, rbits: Optional[torch.Tensor],
+                   tile_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """NVFP4's quantize of a 2-D tensor along its rows in one call: (E2M1 codes packed two a byte (M, K / 2),
+    E4M3 scales (M, K / 16) as torch.float8_e4m3fn) of 1x16 blocks (tile_rows 1) or 16x16 tiles (16, the scale
+    repeated on each of the tile's rows). `factors`: the float32 S_enc * float32(1/6) and 1 / S_enc
+    (mindspeed_te.fp4.nvfp4_block_factors); `rbits`: None (round to nearest even) or x2d's shape in uint8 random
+    bytes (stochastic rounding). None when the extension does not apply; the torch ops then give the same bits."""
+    if tile_rows not in (1, NVFP4_BLOCK):
+        raise ValueError(f"tile_rows must be 1 or {NVFP4_BLOCK}, got {tile_rows!r}")
+    if not (_applies(x2d) and x2d.dim() == 2 and hasattr(_ext, "quantize_nvfp4")):
+        return None
+    m, k = x2d.shape
+    if m % tile_rows or k % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs rows divisible by {tile_rows} and columns by {NVFP4_BLOCK}, got {(m, k)}")
+    factors_ptr = _buffer_ptr(factors, "factors", torch.float32, 2, "S_enc / 6 and 1 / S_enc")
+    rbits_ptr = 0 if rbits is None else _buffer_ptr(rbits, "rbits", torch.uint8, m * k, "one random byte per element")
+    if factors_ptr is None or rbits_ptr is None:
+        return None
+    data = torch.empty((m, k // 2), dtype=torch.uint8)
+    scale = torch.empty((m, k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn)
+    if data.numel():
+        _ext.quantize_nvfp4(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, tile_rows, factors_ptr, rbits_ptr,
+                            data.data_ptr(), scale.data_ptr(), _threads(m * k))
+    return data, scale
+
+
+def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, values: torch.Tensor,
+                     factor: float) -> Optional[torch.Tensor]:
+    """The float32 (M, K) values of NVFP4 codes packed two a byte (M, K / 2) with E4M3 scales (M, K / 16) in one
+    pass: values[code] * ((float(scale) * amax) * factor), `values` the 256-entry E2M1 table
+    (mindspeed_te.fp4.e2m1_decode_table), `amax` a one-element float32 tensor, `factor` float32(1 / 2688). None
+    when the extension does not apply (then the torch ops give the same products)."""
+    if not (available() and hasattr(_ext, "dequantize_nvfp4") and data.is_cpu and data.dtype == torch.uint8
+            and data.dim() == 2 and data.is_contiguous() and scale.is_cpu and scale.dtype == torch.float8_e4m3fn
+            and scale.is_contiguous() and _one_element_f32(amax)):
+        return None
+    m, k = data.shape[0], 2 * data.shape[1]
+    if k % NVFP4_BLOCK or scale.shape != (m, k // NVFP4_BLOCK):
+        raise ValueError(f"NVFP4 scales must be (M, K / {NVFP4_BLOCK}) = {(m, k // NVFP4_BLOCK)} for codes of shape "
+                         f"{tuple(data.shape)}, got {tuple(scale.shape)}")
+    table = _values_ptr(values, "values")
+    if table is None:
+        return None
+    out = torch.empty((m, k), dtype=torch.float32)
+    if out.numel():
+        _ext.dequantize_nvfp4(data.data_ptr(), scale.data_ptr(), m, k, table, amax.data_ptr(), factor,
+                              out.data_ptr(), _threads(out.numel()))
     return out
 
 
@@ -343,7 +413,8 @@ def quantize_tiles(x2d: torch.Tensor, fmt: str, table: Optional[torch.Tensor], *
     if not isinstance(block, int) or block < 1 or tile_rows not in (1, block):
         raise ValueError(f"block must be an integer >= 1 and tile_rows 1 or block, got block={block!r}, "
                          f"tile_rows={tile_rows!r}")
-    if not (_applies(x2d) and x2d.dim() == 2 and block <= 128) or (mode != "block" and fmt == "hif8"):
+    mx = mode != "block"
+    if not (_applies(x2d) and x2d.dim() == 2 and block <= 128) or (mx and fmt == "hif8") or (not mx and fmt == "e2m1"):
         return None
     m, k = x2d.shape
     checked = _format_table(fmt, table)

@@ -3,8 +3,9 @@
 A foreach op is one launch only where torch_npu has a fused kernel and the tensors take its fast route;
 otherwise it runs one op per tensor, and long lists are split into several kernel calls. The rules below
 follow op-plugin's sources (op_plugin/ops/opapi/Foreach*.cpp, op_plugin_functions.yaml) for the 950, where
-every fused kernel is enabled ("is_support_nd_out"), and PyTorch's `can_use_fast_route` (ForeachUtils.h).
-`LaunchCounter` counts foreach ops with `foreach_launches`.
+every fused kernel is enabled ("is_support_nd_out") and CANN has the V2 kernels the bindings prefer
+(DO_COMPATIBILITY(aclnnForeachMulScalarV2, ...): the v1 fallback refuses bfloat16), and PyTorch's
+`can_use_fast_route` (ForeachUtils.h). `LaunchCounter` counts foreach ops with `foreach_launches`.
 """
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ from typing import Any, Sequence
 
 import torch
 
-# Tensors per kernel call of the fused foreach kernels the library uses: ForeachNormKernelOpApi.cpp
-# (FOREACH_NORM_MAX_TENSOR_COUNT = 24), ForeachAddKernelNpuOpApi.cpp and ForeachMaximumKernelNpuOpApi.cpp
-# ("max_tensor_count = is_inplace ? 24 : 16"), ForeachCopyKernelOpApi.cpp and
-# ForeachZeroInplaceKernelNpuOpApi.cpp (SINGLE_FOREACH_OP_TENSOR_COUNT = 48).
+# Tensors per kernel call of the fused foreach kernels the library and torch's foreach Adam/AdamW use:
+# ForeachNormKernelOpApi.cpp (FOREACH_NORM_MAX_TENSOR_COUNT = 24), ForeachAddKernelNpuOpApi.cpp and
+# ForeachMaximumKernelNpuOpApi.cpp ("max_tensor_count = is_inplace ? 24 : 16"), ForeachCopyKernelOpApi.cpp and
+# ForeachZeroInplaceKernelNpuOpApi.cpp (SINGLE_FOREACH_OP_TENSOR_COUNT = 48); ForeachMulScalarKernelOpApi.cpp,
+# ForeachAddScalarKernelNpuOpApi.cpp and ForeachSqrtKernelNpuOpApi.cpp ("is_inplace ? 48 : 24"),
+# ForeachLerpScalarKernelNpuOpApi.cpp ("is_inplace ? 24 : 16"), ForeachAddcmulScalarKernelNpuOpApi.cpp
+# ("is_inplace ? 16 : 12"), ForeachDivKernelNpuOpApi.cpp (scalar list: "is_inplace ? 50 : 24"). Not listed, so one
+# launch per tensor: _foreach_addcdiv(_).ScalarList, which ForeachAddcdivScalarListKernelNpuOpApi.cpp always
+# sends to PyTorch's slow path (torch's non-capturable Adam divides by its per-tensor step sizes so).
 _CHUNK = {
     "_foreach_norm.Scalar": 24,
     "_foreach_add.List": 16,
@@ -25,9 +31,24 @@ _CHUNK = {
     "_foreach_maximum_.List": 24,
     "_foreach_copy_.default": 48,
     "_foreach_zero_.default": 48,
+    "_foreach_mul.Scalar": 24,
+    "_foreach_mul_.Scalar": 48,
+    "_foreach_add.Scalar": 24,
+    "_foreach_add_.Scalar": 48,
+    "_foreach_sqrt.default": 24,
+    "_foreach_sqrt_.default": 48,
+    "_foreach_lerp.Scalar": 16,
+    "_foreach_lerp_.Scalar": 24,
+    "_foreach_addcmul.Scalar": 12,
+    "_foreach_addcmul_.Scalar": 16,
+    "_foreach_div.ScalarList": 24,
+    "_foreach_div_.ScalarList": 50,
 }
 # ForeachMaximumKernelNpuOpApi.cpp: check_dtype_foreach(..., TO_INT32, ...); other dtypes take the slow path.
 _MAXIMUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+# Ops whose binding sends integer tensors to the slow path: `has_integral_tensor(input, true)` (sqrt, addcmul) or
+# `can_use_fast_route(..., does_op_promote_integer_inputs_to_float=true)` (div).
+_FLOAT_ONLY = ("_foreach_sqrt", "_foreach_addcmul", "_foreach_div")
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -58,7 +79,7 @@ def _fast_route(lists: Sequence[Sequence[torch.Tensor]], scalars: Sequence[Any] 
 
 def _fused(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
     """Launches of an overload listed in `_CHUNK`: its kernel calls on the fast route, else one per tensor."""
-    lists = [a for a in args if isinstance(a, (list, tuple))]
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
     n = len(lists[0])
     calls = math.ceil(n / _CHUNK[name])
     if name == "_foreach_norm.Scalar":
@@ -84,7 +105,14 @@ def _fused(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
         return calls if _fast_route(lists) and all(t.is_floating_point() for t in lists[0]) else n
     if name.startswith("_foreach_maximum") and lists[0][0].dtype not in _MAXIMUM_DTYPES:
         return n
-    scalars = [kwargs["alpha"]] if "alpha" in kwargs else []
+    if name.startswith(_FLOAT_ONLY) and not lists[0][0].is_floating_point():
+        return n
+    scalars: list[Any] = []
+    for a in (*args, *kwargs.values()):  # alpha, a Scalar (mul's, add's, lerp's weight, addcmul's value), a Scalar[]
+        if isinstance(a, (int, float, bool)):
+            scalars.append(a)
+        elif isinstance(a, (list, tuple)) and a and not isinstance(a[0], torch.Tensor):
+            scalars.extend(a)
     return calls if _fast_route(lists, scalars) else n
 
 
@@ -92,8 +120,8 @@ def foreach_launches(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: d
     """Kernel launches of one aten foreach op on the NPU. An out= overload is PyTorch's generated composite
     (torch_npu registers none): the functional op, then one copy per output. An overload outside `_CHUNK`
     counts one launch per tensor: exact for ops without a torch_npu kernel (such as `_foreach_max`, which the
-    library's code avoids for that reason), an upper bound for the many others torch_npu fuses (such as
-    `_foreach_abs`), whose rules this model does not cover."""
+    library's code avoids for that reason, and Adam's `_foreach_addcdiv_.ScalarList`), an upper bound for the
+    many others torch_npu fuses (such as `_foreach_abs`), whose rules this model does not cover."""
     packet = func.overloadpacket.__name__
     overload = func._overloadname
     if overload.endswith("out"):

@@ -19,15 +19,19 @@ import torch
 from torch.utils._pytree import tree_map
 
 from mindspeed_te.formats import FP8Dtype
+from mindspeed_te.fp4 import pack_fp4, unpack_fp4
 from mindspeed_te.quantizers import Quantizer
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
+    MXFP4TensorStorage,
     MXFP8TensorStorage,
+    NVFP4TensorStorage,
     QuantizedTensorStorage,
 )
 
-__all__ = ["QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "dequantize_if_quantized"]
+__all__ = ["QuantizedTensor", "Float8Tensor", "Float8BlockwiseQTensor", "MXFP8Tensor", "FP4Tensor", "NVFP4Tensor",
+           "MXFP4Tensor", "dequantize_if_quantized"]
 
 _aten = torch.ops.aten
 # Ops that return the same tensor under another name: the result shares the storage (and so sees updates).
@@ -117,6 +121,10 @@ class QuantizedTensor(torch.Tensor):
             else:
                 setattr(self._storage, name, theirs)
 
+    def _alias(self) -> QuantizedTensor:
+        """The same tensor under another name (detach, `.data`): the same storage."""
+        return type(self)(self._storage, self._quantizer)
+
     def _same_layout(self, other: QuantizedTensor) -> bool:
         return type(other) is type(self) and other._storage.fp8_dtype == self._storage.fp8_dtype and \
             _tensor_fields(other._storage) == _tensor_fields(self._storage)
@@ -139,8 +147,7 @@ class QuantizedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ALIASES or (func in _VIEWS and list(args[1]) == list(args[0].shape)):
-            t = args[0]
-            return type(t)(t._storage, t._quantizer)
+            return args[0]._alias()
         if func is _aten.clone.default:
             t = args[0]
             return type(t)(t.clone_storage(), t._quantizer)
@@ -196,10 +203,106 @@ class MXFP8Tensor(_TiledQuantizedTensor):
     """MXFP8: an E8M0 scale_inv per 32 elements, rowwise and columnwise copies."""
 
 
+@dataclasses.dataclass
+class _GatherCodes:
+    """An FP4 parameter's codes one per byte in Megatron's uint8 parameter buffer, and the buffer's version
+    counter when the packed forms were last made from them."""
+
+    codes: torch.Tensor
+    version: int
+
+
+class FP4Tensor(_TiledQuantizedTensor):
+    """FP4 weights (--fp4-param-gather): E2M1 codes packed two per byte in the storage (TE's NVFP4Tensor calls
+    them `_rowwise_data`, answered here too). Megatron's parameter buffer holds 1 byte per element and its
+    distributed optimizer shards the all-gather by element, so `_data` is the codes one per byte in the
+    parameter's shape: once pointed into that buffer, the packed forms are made again from it whenever it has
+    changed (a shard written by `quantize_param_shard`, the all-gather). Only a form that follows from the
+    rowwise codes can be: NVFP4 with 16x16 weight tiles, whose columnwise form is their transpose."""
+
+    _gather: Optional[_GatherCodes] = None
+
+    def _alias(self) -> FP4Tensor:
+        alias = super()._alias()
+        alias._gather = self._gather
+        return alias
+
+    @property
+    def _storage(self) -> QuantizedTensorStorage:
+        storage = self.__dict__["_fp4_storage"]
+        gather = self._gather
+        if gather is not None and gather.codes._version != gather.version:
+            _pack_gathered(storage, gather.codes)
+            gather.version = gather.codes._version
+        return storage
+
+    @_storage.setter
+    def _storage(self, storage: QuantizedTensorStorage) -> None:
+        self.__dict__["_fp4_storage"] = storage
+
+    @property
+    def _rowwise_data(self) -> torch.Tensor:
+        return self._storage.rowwise_data
+
+    @property
+    def _data(self) -> torch.Tensor:
+        """The rowwise codes one per byte, uint8 in the parameter's shape."""
+        if self._gather is not None:
+            return self._gather.codes
+        return unpack_fp4(self._storage.rowwise_data).view(self.shape)
+
+    @_data.setter
+    def _data(self, new: torch.Tensor) -> None:
+        """Keep the codes in `new` (uint8, one per element, e.g. a slice of Megatron's parameter buffer)."""
+        if new.dtype != torch.uint8 or new.numel() != self.numel():
+            raise ValueError(f"_data must be a uint8 tensor of {self.numel()} elements (one FP4 code per byte), "
+                             f"got {new.dtype} with {new.numel()}")
+        if not gatherable_fp4(self._storage):
+            raise NotImplementedError(f"{type(self).__name__} weights of this recipe keep a columnwise form that "
+                                      "cannot be made from gathered rowwise codes; only NVFP4 with 16x16 weight "
+                                      "tiles (the default) can be gathered")
+        codes = new.view(self.shape)
+        codes.copy_(self._data)
+        self._gather = _GatherCodes(codes, codes._version)
+
+    def _copy_storage(self, new: QuantizedTensorStorage) -> None:
+        super()._copy_storage(new)
+        if self._gather is not None:  # the buffer follows a copy_ / quantize_ (a checkpoint load)
+            self._gather.codes.copy_(unpack_fp4(self.__dict__["_fp4_storage"].rowwise_data).view(self.shape))
+            self._gather.version = self._gather.codes._version
+
+
+def gatherable_fp4(storage: QuantizedTensorStorage) -> bool:
+    """Whether the whole FP4 storage follows from its rowwise codes and scales (see FP4Tensor)."""
+    return isinstance(storage, NVFP4TensorStorage) and storage.with_2d_quantization
+
+
+def _pack_gathered(storage: NVFP4TensorStorage, codes: torch.Tensor) -> None:
+    """Both packed forms of 16x16-tile NVFP4 from the rowwise codes one per byte (the scales and amax are
+    already the whole tensor's): the columnwise form is the exact transpose, codes and tile scales alike."""
+    codes2d = codes.reshape(-1, codes.shape[-1])
+    storage.rowwise_data = pack_fp4(codes).view(storage.rowwise_data.shape)
+    if storage.columnwise_data is not None:
+        storage.columnwise_data = pack_fp4(codes2d.t())
+        tiles = storage.rowwise_scale_inv[::16]  # every row of a 16-row tile holds its scale
+        storage.columnwise_scale_inv = tiles.t().repeat_interleave(16, dim=0)
+        storage.amax_columnwise = storage.amax_rowwise
+
+
+class NVFP4Tensor(FP4Tensor):
+    """NVFP4: an E4M3 scale per 16 elements (16x16 tiles for weights) under a per-tensor fp32 amax."""
+
+
+class MXFP4Tensor(FP4Tensor):
+    """MXFP4: an E8M0 scale per 32 elements, rowwise and columnwise copies."""
+
+
 _CLASS_OF = {
     Float8TensorStorage: Float8Tensor,
     Float8BlockwiseQTensorStorage: Float8BlockwiseQTensor,
     MXFP8TensorStorage: MXFP8Tensor,
+    NVFP4TensorStorage: NVFP4Tensor,
+    MXFP4TensorStorage: MXFP4Tensor,
 }
 
 

@@ -16,6 +16,7 @@ from mindspeed_te.fp4 import (
     RHT_SIGN_MASK,
     FP4Dtype,
     e2m1_encode,
+    nvfp4_block_factors,
     nvfp4_block_scales,
     nvfp4_global_encode_scale,
     pack_fp4,
@@ -425,16 +426,19 @@ class _FP4Quantizer(Quantizer):
         self.rht_sign_mask = RHT_SIGN_MASK if with_random_sign_mask else 0
         self.generator = generator
 
-    def _encode(self, scaled: torch.Tensor) -> torch.Tensor:
-        """Packed E2M1 codes of float32 (rows, cols) values, rounded as the quantizer says."""
-        rbits = (stochastic_rounding_bits(tuple(scaled.shape), scaled.device, self.generator)
-                 if self.stochastic_rounding else None)
+    def _random_bits(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """Stochastic rounding's random bytes for the elements of t (drawn now), or None: round to nearest."""
+        return (stochastic_rounding_bits(tuple(t.shape), t.device, self.generator)
+                if self.stochastic_rounding else None)
+
+    def _encode(self, scaled: torch.Tensor, rbits: Optional[torch.Tensor]) -> torch.Tensor:
+        """Packed E2M1 codes of float32 (rows, cols) values, rounded with `rbits` (`_random_bits`)."""
         return pack_fp4(e2m1_encode(scaled, rbits))
 
     def _columnwise_source(self, x2d: torch.Tensor) -> torch.Tensor:
         """The (K, M) tensor the columnwise form quantizes: the transpose, Hadamard-transformed with `with_rht`."""
         col = x2d.t()
-        return random_hadamard_transform(col.contiguous(), self.rht_sign_mask) if self.with_rht else col
+        return random_hadamard_transform(col, self.rht_sign_mask) if self.with_rht else col
 
 
 class NVFP4Quantizer(_FP4Quantizer):
@@ -467,9 +471,13 @@ class NVFP4Quantizer(_FP4Quantizer):
         """(packed codes (rows, cols / 2), E4M3 scales (rows, cols / 16)) of a 2-D tensor under global amax."""
         rows, cols = t.shape
         tile = 16 if self.with_2d_quantization else 1
+        s_enc, rbits = nvfp4_global_encode_scale(amax), self._random_bits(t)
+        fused = fused_cast.quantize_nvfp4(t.contiguous(), nvfp4_block_factors(s_enc).reshape(2), rbits, tile)
+        if fused is not None:
+            return fused
         blocks = t.float().reshape(rows // tile, tile, cols // 16, 16)
-        scale, encode = nvfp4_block_scales(blocks.abs().amax(dim=(1, 3)), nvfp4_global_encode_scale(amax))
-        data = self._encode((blocks * encode[:, None, :, None]).reshape(rows, cols))
+        scale, encode = nvfp4_block_scales(blocks.abs().amax(dim=(1, 3)), s_enc)
+        data = self._encode((blocks * encode[:, None, :, None]).reshape(rows, cols), rbits)
         return data, (scale.repeat_interleave(tile, dim=0) if tile > 1 else scale)
 
     def quantize(self, x: torch.Tensor) -> NVFP4TensorStorage:
@@ -521,17 +529,39 @@ class MXFP4Quantizer(_FP4Quantizer):
         exponent = mx_scale_exponent(amax, FP4Dtype.E2M1.max, FP4Dtype.E2M1.emax, self.rounding)
         code = torch.where(torch.isfinite(amax), e8m0_encode(exponent), 0xFF)
         scale = torch.ldexp(torch.ones_like(amax), exponent)
-        return self._encode((blocks / scale[:, :, None]).reshape(rows, cols)), code
+        scaled = (blocks / scale[:, :, None]).reshape(rows, cols)
+        return self._encode(scaled, self._random_bits(scaled)), code
+
+    def _fused(self, t: torch.Tensor, rowwise: bool, columnwise: bool) -> Optional[list[Optional[torch.Tensor]]]:
+        """[rowwise data, scales, columnwise data, scales] of a 2-D tensor from the fused kernel (the same bits as
+        `_quantize_2d`, its codes packed here; the forms not asked for None), or None where it does not apply:
+        stochastic rounding, nothing asked, or an input the kernel does not take."""
+        if self.stochastic_rounding or not (rowwise or columnwise):
+            return None
+        fused = fused_cast.quantize_tiles(t, "e2m1", None, mode=self.rounding, tile_rows=1, block=self.block_len,
+                                          rowwise=rowwise, columnwise=columnwise, fp8_max=FP4Dtype.E2M1.max,
+                                          emax=FP4Dtype.E2M1.emax)
+        return None if fused is None else [f if i % 2 or f is None else pack_fp4(f) for i, f in enumerate(fused)]
 
     def quantize(self, x: torch.Tensor) -> MXFP4TensorStorage:
         x2d = _fp4_2d(x, self.block_len, "MXFP4")
         out = MXFP4TensorStorage(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
-        if self.rowwise_usage:
-            data, out.rowwise_scale_inv = self._quantize_2d(x2d)
-            out.rowwise_data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
-        if self.columnwise_usage:
-            out.columnwise_data, out.columnwise_scale_inv = self._quantize_2d(self._columnwise_source(x2d))
-            out.columnwise_rht_sign_mask = self.rht_sign_mask if self.with_rht else None
+        transformed = self.columnwise_usage and self.with_rht
+        fused = self._fused(x2d, self.rowwise_usage, self.columnwise_usage and not transformed)
+        if fused is not None:
+            data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv = fused
+            out.rowwise_data = None if data is None else data.reshape(*x.shape[:-1], x.shape[-1] // 2)
+        else:
+            if self.rowwise_usage:
+                data, out.rowwise_scale_inv = self._quantize_2d(x2d)
+                out.rowwise_data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
+            if self.columnwise_usage and not transformed:
+                out.columnwise_data, out.columnwise_scale_inv = self._quantize_2d(x2d.t())
+        if transformed:
+            col = self._columnwise_source(x2d)
+            fused = self._fused(col, True, False)
+            out.columnwise_data, out.columnwise_scale_inv = fused[:2] if fused is not None else self._quantize_2d(col)
+            out.columnwise_rht_sign_mask = self.rht_sign_mask
         return out
 
 

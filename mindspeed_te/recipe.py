@@ -509,6 +509,10 @@ class _FP4Recipe(Recipe):
 
 
 _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+# TE's variables that turn NVFP4's stabilisers off, each on by default: the Hadamard transform, stochastic
+# rounding, the 16x16 weight tiles
+NVFP4_DISABLE_SWITCHES = ("NVTE_NVFP4_DISABLE_RHT", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
+                          "NVTE_NVFP4_DISABLE_2D_QUANTIZATION")
 
 
 @dataclass

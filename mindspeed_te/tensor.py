@@ -18,7 +18,15 @@ import torch
 
 from mindspeed_te import fused_cast
 from mindspeed_te.formats import FP8Dtype, cast_from_fp8, decode_table
-from mindspeed_te.fp4 import e2m1_decode, inverse_hadamard_transform, nvfp4_decode_scale, unpack_fp4
+from mindspeed_te.fp4 import (
+    NVFP4_DEQUANT_FACTOR,
+    decode_packed_fp4,
+    e2m1_decode_table,
+    inverse_hadamard_transform,
+    nvfp4_decode_scale,
+    pack_fp4,
+    unpack_fp4,
+)
 from mindspeed_te.scaling import e8m0_decode
 
 __all__ = ["QuantizedTensorStorage", "Float8TensorStorage", "Float8BlockwiseQTensorStorage", "MXFP8TensorStorage",
@@ -234,20 +242,24 @@ class _TiledTensor(_TwoForms):
 
 
 class _KernelFormScale:
-    """`columnwise_scale_inv` of a storage that may hold the columnwise scales as a kernel returned them
-    (another layout or E8M0 bytes), which is what the GEMM kernels take: the storage's own form is made from
-    it (one small op) only when something reads it, then kept. Written, it is stored as given."""
+    """A columnwise field (`columnwise_scale_inv`, or an FP4 storage's `columnwise_data`) of a storage that may hold
+    that form as a kernel returned it (another layout, E8M0 bytes), which is what the GEMM kernels take: the
+    storage's own form is made from it (`_<field>_from_kernel`, a few small ops) only when something reads it,
+    then kept. Written, it is stored as given."""
 
-    def __get__(self, obj: Optional[_TiledTensor], owner: type) -> Optional[torch.Tensor]:
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key, self.make = f"_{name}", f"_{name}_from_kernel"
+
+    def __get__(self, obj: Optional[_TwoForms], owner: type) -> Optional[torch.Tensor]:
         if obj is None:
             return None  # the class attribute: the field's default
-        scale = obj.__dict__.get("_columnwise_scale_inv")
-        if scale is None:
-            scale = obj.__dict__["_columnwise_scale_inv"] = obj._columnwise_scale_inv_from_kernel()
-        return scale
+        value = obj.__dict__.get(self.key)
+        if value is None:
+            value = obj.__dict__[self.key] = getattr(obj, self.make)()
+        return value
 
-    def __set__(self, obj: _TiledTensor, value: Optional[torch.Tensor]) -> None:
-        obj.__dict__["_columnwise_scale_inv"] = value
+    def __set__(self, obj: _TwoForms, value: Optional[torch.Tensor]) -> None:
+        obj.__dict__[self.key] = value
 
 
 @dataclass
@@ -369,8 +381,13 @@ class _FP4TensorStorage(_TwoForms):
         m, k = _as_2d(self.shape)
         rows, cols = (k, m) if columnwise else (m, k)
         data = self.columnwise_data if columnwise else self.rowwise_data.reshape(rows, cols // 2)
-        values = e2m1_decode(unpack_fp4(data)).reshape(rows, -1, self.block_len)
-        return (values * self._multipliers(columnwise)[:, :, None]).reshape(rows, cols)
+        multipliers = self._multipliers(columnwise)
+        fused = fused_cast.dequantize_tiles(unpack_fp4(data), e2m1_decode_table(data.device), multipliers, 1,
+                                            self.block_len)
+        if fused is not None:  # the same products in one pass
+            return fused
+        values = decode_packed_fp4(data).reshape(rows, -1, self.block_len)
+        return (values * multipliers[:, :, None]).reshape(rows, cols)
 
     def columnwise_hadamard_values(self) -> torch.Tensor:
         """The columnwise form's exact float32 values as stored, (K, M): for a Hadamard-transformed form, the
@@ -401,9 +418,22 @@ class NVFP4TensorStorage(_FP4TensorStorage):
     with_2d_quantization: bool = False
 
     def _multipliers(self, columnwise: bool) -> torch.Tensor:
-        scale, amax = ((self.columnwise_scale_inv, self.amax_columnwise) if columnwise
-                       else (self.rowwise_scale_inv, self.amax_rowwise))
+        scale, amax = self._scale_and_amax(columnwise)
         return nvfp4_decode_scale(scale, amax)
+
+    def _scale_and_amax(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return ((self.columnwise_scale_inv, self.amax_columnwise) if columnwise
+                else (self.rowwise_scale_inv, self.amax_rowwise))
+
+    def _values_2d(self, columnwise: bool) -> torch.Tensor:
+        """As every FP4 storage's, in one pass of the fused kernel over the packed codes and E4M3 scales where it
+        applies (the same products)."""
+        self._require(columnwise)
+        m, k = _as_2d(self.shape)
+        data = self.columnwise_data if columnwise else self.rowwise_data.reshape(m, k // 2)
+        fused = fused_cast.dequantize_nvfp4(data, *self._scale_and_amax(columnwise), e2m1_decode_table(data.device),
+                                            NVFP4_DEQUANT_FACTOR)
+        return fused if fused is not None else super()._values_2d(columnwise)
 
     def nonfinite_scales(self) -> torch.Tensor:
         """The amax a form was quantized from: NaN or Inf exactly when the data held NaN/Inf (a transform of such
@@ -414,12 +444,65 @@ class NVFP4TensorStorage(_FP4TensorStorage):
 
 @dataclass
 class MXFP4TensorStorage(_FP4TensorStorage):
-    """MXFP4: one E8M0 scale (uint8, value 2^(b - 127), 0xFF NaN: a block that held NaN/Inf) per 32 elements."""
+    """MXFP4: one E8M0 scale (uint8, value 2^(b - 127), 0xFF NaN: a block that held NaN/Inf) per 32 elements.
+
+    `columnwise_kernel_data` / `columnwise_scale_pairs`, when an MX kernel quantized x along its rows as x lies
+    (M, K): the columnwise form as that kernel lays it out, codes (M, K / 2) packed along K and scales
+    (ceil(M / 64), K, 2) in pairs of 32-row blocks. The GEMM kernels take it as it is; `columnwise_data` and
+    `columnwise_scale_inv` are made from it (a repacking, one copy) only when something reads them."""
 
     block_len: int = 32
+    columnwise_kernel_data: Optional[torch.Tensor] = None
+    columnwise_scale_pairs: Optional[torch.Tensor] = None
+
+    columnwise_data = _KernelFormScale()  # type: ignore[assignment]
+    columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
+
+    def _columnwise_data_from_kernel(self) -> Optional[torch.Tensor]:
+        data = self.columnwise_kernel_data
+        return None if data is None else pack_fp4(unpack_fp4(data).t())
+
+    def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
+        pairs = self.columnwise_scale_pairs
+        if pairs is None:
+            return None
+        blocks = _as_2d(self.shape)[0] // self.block_len
+        return pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
+
+    def has_data(self, columnwise: bool = False) -> bool:
+        if columnwise and self.columnwise_kernel_data is not None:
+            return True
+        return (self.__dict__.get("_columnwise_data") if columnwise else self.rowwise_data) is not None
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        super().update_usage(rowwise, columnwise)
+        if columnwise is False:
+            self.columnwise_kernel_data = self.columnwise_scale_pairs = None
 
     def _multipliers(self, columnwise: bool) -> torch.Tensor:
         return e8m0_decode(self.columnwise_scale_inv if columnwise else self.rowwise_scale_inv)
 
+    def dequantize(self, dtype: Optional[torch.dtype] = None, columnwise: bool = False) -> torch.Tensor:
+        """As every FP4 storage's, in one pass of the fused kernel over the unpacked codes where it applies (bfloat16
+        written by it directly: the same float32 products, cast)."""
+        dtype = dtype or self.dtype
+        if columnwise and self.columnwise_rht_sign_mask is not None:
+            return super().dequantize(dtype, columnwise)
+        self._require(columnwise)
+        m, k = _as_2d(self.shape)
+        rows, cols = (k, m) if columnwise else (m, k)
+        data = self.columnwise_data if columnwise else self.rowwise_data
+        scales = self.columnwise_scale_inv if columnwise else self.rowwise_scale_inv
+        values = fused_cast.dequantize_tiles(unpack_fp4(data.reshape(rows, cols // 2)), e2m1_decode_table(data.device),
+                                             scales, 1, self.block_len,
+                                             torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+        if values is None:
+            return super().dequantize(dtype, columnwise)
+        return _to((values.t() if columnwise else values).reshape(self.shape), dtype)
+
     def nonfinite_scales(self) -> torch.Tensor:
-        return self.rowwise_scale_inv if self.rowwise_scale_inv is not None else self.columnwise_scale_inv
+        """The rowwise E8M0 bytes, else the columnwise ones as made (kernel pairs padded with 0 bytes, finite)."""
+        if self.rowwise_scale_inv is not None:
+            return self.rowwise_scale_inv
+        pairs = self.columnwise_scale_pairs
+        return pairs if pairs is not None else self.columnwise_scale_inv

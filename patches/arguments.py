@@ -3,9 +3,11 @@
 Flags: `--fp8-format hif8` (added to Megatron's own choices), `--fp8-recipe hif8_delayed` and its
 `--hif8-*` settings, `--hif8-fwd-max` / `--hif8-bwd-max` (HiF8 target maxima, default 15 / 224),
 `--fp8-step-recovery` (patches/training.py), `--fp8-numerics-report`, `--no-use-gmm-fp8` (MoE grouped GEMMs in
-high precision) and `--use-ascend-mc2` (fused matmul + communication kernels). Megatron copies only
-TransformerConfig's own fields from the arguments into the config, so `core_transformer_config_from_args` is
-wrapped to carry these over as config attributes, where the TE* modules read them.
+high precision), `--use-ascend-mc2` (fused matmul + communication kernels) and `--fp4-recipe mxfp4` (added to
+Megatron's own choices where the release has --fp4-format: 0.15 on) with its `--mxfp4-*` options. Megatron
+copies only TransformerConfig's own fields from the arguments into the config, so
+`core_transformer_config_from_args` is wrapped to carry these over as config attributes, where the TE* modules
+read them.
 
 `--fp8-recipe hif8_delayed` is delayed scaling with MindSpeed's HiF8 schedule. Megatron tests
 `fp8_recipe == "delayed"` in about ten places (the outer autocast of a transformer block, MLA's and shared experts'
@@ -20,7 +22,9 @@ import functools
 import os
 from typing import Callable, Optional
 
-from mindspeed_te.patches.registry import resolve
+from mindspeed_te.megatron.compat import packs_fp4_params
+from mindspeed_te.megatron.fp4 import FP4_RECIPES, MXFP4_OPTIONS, make_fp4_recipe, mxfp4_flags
+from mindspeed_te.patches.registry import installed_megatron_core, resolve
 from mindspeed_te.recipe import Format
 from mindspeed_te.te_extra_state import EXTRA_STATE_FORMAT_ENV, EXTRA_STATE_FORMATS
 
@@ -28,11 +32,13 @@ from mindspeed_te.te_extra_state import EXTRA_STATE_FORMAT_ENV, EXTRA_STATE_FORM
 CONFIG_FIELDS = {"use_gmm_fp8": True, "use_ascend_mc2": False, "hif8_fwd_max": None, "hif8_bwd_max": None,
                  "hif8_input_margin": 11, "hif8_weight_margin": 12, "hif8_grad_margin": 11,
                  "hif8_amax_collect_interval": 5, "hif8_scale_update_interval": 10, "hif8_amax_history_len": 128,
-                 "fp8_step_recovery": False, "hif8_delayed": False}
+                 "fp8_step_recovery": False, "hif8_delayed": False, **dict.fromkeys(MXFP4_OPTIONS, False)}
 # --fp8-recipe values added to Megatron's own
 RECIPE_CHOICES = ("hif8_delayed",)
 # what Megatron sees of --fp8-recipe hif8_delayed after parse_args (with args.hif8_delayed = True)
 HIF8_DELAYED_AS = "delayed"
+# --fp4-recipe values added to Megatron's own
+FP4_RECIPE_CHOICES = ("mxfp4",)
 # E5M2 alone is not a training format (TransformerEngine refuses it too): gradients only, through hybrid.
 FORMAT_CHOICES = tuple(f.name.lower() for f in Format if f is not Format.E5M2)
 
@@ -84,9 +90,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     fp8_recipe = _option(parser, "--fp8-recipe")
     if fp8_recipe is not None and fp8_recipe.choices is not None:
         fp8_recipe.choices = list(dict.fromkeys([*fp8_recipe.choices, *RECIPE_CHOICES]))
+    fp4_recipe = _option(parser, "--fp4-recipe")
+    if fp4_recipe is not None and fp4_recipe.choices is not None:
+        fp4_recipe.choices = list(dict.fromkeys([*fp4_recipe.choices, *FP4_RECIPE_CHOICES]))
     if _option(parser, "--hif8-fwd-max") is not None:
         return parser  # added by an earlier hook: adding them twice would be an argparse conflict
     group = parser.add_argument_group("mindspeed_te")
+    if fp4_recipe is not None:
+        for dest, help_text in (
+                ("mxfp4_random_hadamard_transform", "random Hadamard transform of the wgrad operands (inputs and "
+                                                    "gradients), as NVFP4's"),
+                ("mxfp4_stochastic_rounding", "stochastic rounding of the gradients, as NVFP4's"),
+                ("mxfp4_fp8_activations", "inputs and gradients in MXFP8, weights in MXFP4 (the 950's MXFP8 x MXFP4 "
+                                          "GEMM); not with the two above")):
+            group.add_argument("--" + dest.replace("_", "-"), action="store_true",
+                               help=f"--fp4-recipe mxfp4: {help_text} (NVFP4's are on by default; TE's "
+                                    "NVTE_NVFP4_DISABLE_* variables turn them off)")
+    parser.set_defaults(**dict.fromkeys(MXFP4_OPTIONS, False))  # also where the release has no FP4 flags
     parser.set_defaults(hif8_delayed=False)  # set by --fp8-recipe hif8_delayed, see use_hif8_delayed
     group.add_argument("--hif8-fwd-max", type=_hif8_target("--hif8-fwd-max"), default=None,
                        help="HiF8 target max of activations and weights (default 15)")
@@ -110,7 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "and retry the batch once")
     group.add_argument("--fp8-numerics-report", metavar="DIR", default=None,
                        help="write per-layer FP8 numerics (amax, scale, % saturated / flushed, SQNR, and the same "
-                            "in HiF8 / E4M3 / MXFP8) as CSV, JSON and PNG heatmaps to DIR")
+                            "in HiF8 / E4M3 / MXFP8 / NVFP4 / MXFP4) as CSV, JSON and PNG heatmaps to DIR")
     group.add_argument("--fp8-numerics-interval", type=_at_least("--fp8-numerics-interval", 1), default=100,
                        help="--fp8-numerics-report: record every N iterations (default 100)")
     group.add_argument("--no-use-gmm-fp8", dest="use_gmm_fp8", action="store_false",
@@ -155,10 +175,8 @@ def validate_args(args: argparse.Namespace) -> None:
     if fp8 == "hif8" and recipe == "mxfp8":
         raise ValueError("--fp8-format hif8 does not work with --fp8-recipe mxfp8 (MX blocks hold E4M3/E5M2 "
                          "elements); use delayed, tensorwise or blockwise")
+    validate_fp4_args(args)
     # Flags that would otherwise fail late (after the model is built) or be silently ignored.
-    if getattr(args, "fp4", None):
-        raise ValueError(f"--fp4-format {args.fp4} is not supported by mindspeed_te (it quantizes to FP8 and HiF8); "
-                         "use --fp8-format e4m3|hybrid|hif8")
     if recipe == "custom":
         raise ValueError("--fp8-recipe custom (--fp8-quantizer-factory) is not supported by mindspeed_te; allowed: "
                          "delayed, hif8_delayed, tensorwise, blockwise, mxfp8")
@@ -180,6 +198,44 @@ def validate_args(args: argparse.Namespace) -> None:
         name = "--" + flag.replace("_", "-")
         if fp8 != "hif8":
             raise ValueError(f"{name} only applies with --fp8-format hif8 (got --fp8-format {fp8})")
+
+
+def validate_fp4_args(args: argparse.Namespace) -> None:
+    """Refuse what Megatron or TransformerEngine would refuse about --fp4-format (later, or only on a GPU),
+    and the recipe options TE has that mindspeed_te does not implement, naming the flags or fields."""
+    fp4 = getattr(args, "fp4", None)
+    # --fp4-param-gather: dest fp4_param up to 0.16, fp4_param_gather from 0.17
+    param_gather = getattr(args, "fp4_param", False) or getattr(args, "fp4_param_gather", False)
+    if param_gather and not fp4:
+        raise ValueError("--fp4-param-gather needs --fp4-format e2m1 (the weights it keeps in FP4)")
+    if mxfp4_flags(args) and not fp4:
+        raise ValueError(f"{' '.join(mxfp4_flags(args))}: only with --fp4-format e2m1 --fp4-recipe mxfp4")
+    if not fp4:
+        return
+    if getattr(args, "fp8", None):
+        raise ValueError(f"--fp4-format {fp4} and --fp8-format {args.fp8} cannot be used together; choose one")
+    if getattr(args, "transformer_impl", "transformer_engine") != "transformer_engine":
+        raise ValueError(f"--fp4-format {fp4} needs --transformer-impl transformer_engine "
+                         f"(got --transformer-impl {args.transformer_impl})")
+    recipe = getattr(getattr(args, "fp4_recipe", None), "value", getattr(args, "fp4_recipe", None)) or "nvfp4"
+    if recipe not in FP4_RECIPES:
+        raise ValueError(f"--fp4-recipe {recipe} is not supported by mindspeed_te (custom quantizer factories "
+                         f"are TransformerEngine's); allowed: {', '.join(FP4_RECIPES)}")
+    try:
+        made = make_fp4_recipe(recipe, args)  # NVFP4BlockScaling reads TE's NVTE_NVFP4_* switches
+    except ValueError as error:
+        raise ValueError(f"--fp4-recipe {recipe}: {error}") from error
+    if param_gather and getattr(args, "use_distributed_optimizer", False) and packs_fp4_params():
+        raise ValueError("--fp4-param-gather with --use-distributed-optimizer is not supported by mindspeed_te on "
+                         f"this megatron-core release ({installed_megatron_core()}: it packs FP4 weights for TE's "
+                         "quantize_master_weights); leave out one of the two flags, or use megatron-core 0.15 / 0.16")
+    if param_gather and getattr(args, "use_distributed_optimizer", False) \
+            and not made.fp4_quant_fwd_weight.fp4_2d_quantization:
+        raise ValueError(f"--fp4-param-gather with --use-distributed-optimizer needs --fp4-recipe nvfp4 with its "
+                         f"16x16 weight tiles (got --fp4-recipe {recipe}"
+                         f"{', NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1' if recipe == 'nvfp4' else ''}): other FP4 "
+                         "weights keep a columnwise copy that cannot be rebuilt from the gathered codes; or leave "
+                         "out --use-distributed-optimizer")
 
 
 def wrap_parse_args(parse_args: Callable) -> Callable:

@@ -32,6 +32,7 @@ from mindspeed_te.megatron import (
     TENorm,
     TERowParallelGroupedLinear,
     TERowParallelLinear,
+    fp4,
     fp8_params,
     fused_apply_rotary_pos_emb,
     fused_apply_rotary_pos_emb_thd,
@@ -44,6 +45,7 @@ from mindspeed_te.megatron import (
 from mindspeed_te.megatron.fp8 import get_fp8_context, get_fp8_recipe
 from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
 from mindspeed_te.patches.registry import PatchRegistry, has_module, resolve
+from mindspeed_te.quantized_tensor import FP4Tensor
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
 # The TransformerEngine release whose API the modules mirror, as Megatron's version checks see it.
@@ -139,6 +141,9 @@ MLA_ROPE_IMPORTERS = ("megatron.core.transformer.multi_latent_attention",
 # megatron.core.fp8_utils functions whose no-TE versions would refuse or ignore our quantized parameters.
 FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_storage", "quantize_param_shard",
                    "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules", "_wrap_te_linear_for_padding")
+FP4_UTILS = "megatron.core.fp4_utils"
+# megatron.core.fp4_utils functions replaced by mindspeed_te.megatron.fp4's (get_fp4_align_size: 0.16 on)
+FP4_FUNCTIONS = ("get_fp4_recipe", "get_fp4_context", "get_fp4_align_size", "is_nvfp4tensor", "dequantize_fp4_tensor")
 # The linears Megatron's FP8 inference padding wraps (empty without TE).
 TE_LINEAR_TYPES = (TELinear, TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear)
 
@@ -195,3 +200,16 @@ def register_megatron_te(registry: PatchRegistry) -> None:
         registry.register(f"megatron.core.fp8_utils.{name}", getattr(fp8_params, name), create=True)
     registry.register("megatron.core.fp8_utils.TE_LINEAR_TYPES", TE_LINEAR_TYPES, create=True)  # 0.14 on
     registry.register("megatron.core.utils._te_version", Version(TE_API_VERSION))
+    if has_module(FP4_UTILS):  # --fp4-format: 0.15 on
+        register_fp4_utils(registry)
+
+
+def register_fp4_utils(registry: PatchRegistry) -> None:
+    """megatron.core.fp4_utils as with TE >= 2.7: it tests `import transformer_engine` once, at its import, and
+    without TE defines get_fp4_recipe / get_fp4_context as no-ops (FP4 silently off). Its TE flags are raised and
+    its functions are ours; `is_nvfp4tensor` follows from the flags and our FP4 parameter class."""
+    for name in ("HAVE_TE", "HAVE_TE_FP4_TENSOR_CLASS"):
+        registry.register(f"{FP4_UTILS}.{name}", True)
+    registry.register(f"{FP4_UTILS}.FP4_TENSOR_CLASS", FP4Tensor, create=True)
+    for name in FP4_FUNCTIONS:
+        registry.register(f"{FP4_UTILS}.{name}", getattr(fp4, name), create=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main demo, in the project's pinned environment (created on first use): a GPT built from megatron-core
-# learns the Python standard library's bytes in bf16, in every FP8/HiF8 recipe and with 8-bit Adam moments;
+# learns the Python standard library's bytes in bf16, in every FP8/HiF8 recipe, with 8-bit Adam moments and in
+# NVFP4 / MXFP4 with and without their stabilisers;
 # tables in the terminal, figures in demo_out/ (`python -m mindspeed_te.demo --help` for the options, passed
 # through from here).
 # With MEGATRON_LM_PATH set (a Megatron-LM checkout), Megatron's own pretrain_gpt.py follows on the same corpus.

@@ -41,34 +41,35 @@ def test_layer_bench_split_adds_up_to_the_measured_step():
     assert split.micro_batch > 0 and split.step >= split.optimizer > 0 and split.constant >= 0
     assert parts[2]["first"] > parts[2]["later"]  # the weights' quantizes
     rows = {name: (value, detail) for name, value, detail in out["rows"]}
-    fl = floor("tensorwise E4M3", "Ascend950PR", "dense")
+    fl = floor("tensorwise E4M3", "dense")
     value, detail = rows["NPU launches per GPT layer, dense, tensorwise E4M3, 950PR"]
     assert value == pytest.approx(split.per_layer / fl.per_layer)
     assert detail.startswith(f"micro-batch {split.micro_batch} / step {split.step} / constant {split.constant}")
     base = rows["NPU launches per GPT layer, dense, bf16, 950PR"]
     diff = rows["NPU launches per GPT layer FP8 - bf16, dense, tensorwise E4M3, 950PR"][0]
-    assert diff == split.per_layer - round(base[0] * floor("bf16", "Ascend950PR", "dense").per_layer)
+    assert diff == split.per_layer - round(base[0] * floor("bf16", "dense").per_layer)
 
 
 def test_floor_table_jobs_each_take_a_launch_and_give_the_ratio():
-    """Every job of the floor table (every kind, chip and recipe) is done at least once and costs at least one
-    launch, with a reason; the floor per layer is MICRO_BATCHES times its micro-batch jobs plus its step jobs;
-    FP8 adds jobs to bf16's (the quantizes), and the dual-axis MX quantize makes the 950DT's MXFP8 floor lower."""
-    from mindspeed_te.bench.layer import CHIPS, KINDS, MB, MICRO_BATCHES, RECIPES, STEP, floor, floor_jobs
+    """Every job of the floor table (every kind and recipe) is done at least once and costs at least one launch,
+    with a reason; the floor per layer is MICRO_BATCHES times its micro-batch jobs plus its step jobs; FP8 adds
+    jobs to bf16's (the quantizes); AdamW is one launch per parameter."""
+    from mindspeed_te.bench.layer import KINDS, MB, MICRO_BATCHES, RECIPES, STEP, floor, floor_jobs
 
     for kind in KINDS:
-        for chip in CHIPS:
-            base = floor("bf16", chip, kind)
-            for recipe in RECIPES:
-                jobs = floor_jobs(recipe, chip, kind)
-                assert jobs and all(j.count >= 1 and j.launches >= 1 and j.reason for j in jobs), recipe
-                assert {j.per for j in jobs} == {MB, STEP}
-                fl = floor(recipe, chip, kind)
-                per_layer = sum(j.count * j.launches * (MICRO_BATCHES if j.per == MB else 1) for j in jobs)
-                assert fl.per_layer == per_layer
-                if recipe != "bf16":
-                    assert fl.micro_batch > base.micro_batch and fl.step > base.step, recipe
-        assert floor("mxfp8 E4M3", "Ascend950DT", kind).per_layer < floor("mxfp8 E4M3", "Ascend950PR", kind).per_layer
+        base = floor("bf16", kind)
+        for recipe in RECIPES:
+            jobs = floor_jobs(recipe, kind)
+            assert jobs and all(j.count >= 1 and j.launches >= 1 and j.reason for j in jobs), recipe
+            assert {j.per for j in jobs} == {MB, STEP}
+            fl = floor(recipe, kind)
+            per_layer = sum(j.count * j.launches * (MICRO_BATCHES if j.per == MB else 1) for j in jobs)
+            assert fl.per_layer == per_layer
+            if recipe != "bf16":
+                assert fl.micro_batch > base.micro_batch and fl.step > base.step, recipe
+        # one update and one gradient accumulation per parameter
+        counts = {j.name: j.total for j in floor_jobs("bf16", kind)}
+        assert counts["AdamW"] == counts["gradient accumulation"] == {"dense": 12, "moe": 15}[kind]
 
 
 _NOOP_CASES = [("Ascend950PR", "tensorwise E4M3"), ("Ascend950PR", "delayed HIF8"), ("Ascend950PR", "blockwise E4M3"),

@@ -2,6 +2,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,7 +10,15 @@ from mindspeed_te import DelayedScaling, Format, FP8GlobalStateManager, fp8_auto
 from mindspeed_te.debug import NumericsReport, count, numerics, reset_counters, tensor_stats
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.modules import Linear
-from mindspeed_te.quantizers import Float8Quantizer
+from mindspeed_te.quantizers import Float8Quantizer, NVFP4Quantizer
+from mindspeed_te.recipe import MXFP4BlockScaling, NVFP4BlockScaling
+from tests.oracles import (
+    e2m1_values,
+    hadamard_reference,
+    mxfp4_reference,
+    nvfp4_dequantize_reference,
+    nvfp4_reference,
+)
 
 
 def _fixed_scale(dtype: FP8Dtype) -> Float8Quantizer:
@@ -63,6 +72,111 @@ def test_counterfactual_formats_of_an_outlier():
     assert recipe["flushed_pct"] == 0.0 and recipe["saturated_pct"] == pytest.approx(100 / 1024)
 
 
+def _expected_stats(x: np.ndarray, dq: np.ndarray, largest: np.ndarray) -> dict:
+    """The statistics from their definitions: `dq` the dequantized values, `largest` each element's largest
+    representable magnitude (6 x its block's float32 scale for E2M1, a float32 product, as elements at a block's
+    amax land on it within rounding); the sums in float64."""
+    saturated = np.abs(x.astype(np.float32)) > largest.astype(np.float32)
+    x, dq = x.astype(np.float64), dq.astype(np.float64)
+    signal, noise = np.square(x).sum(), np.square(dq - x).sum()
+    return {"saturated_pct": 100 * np.mean(saturated), "flushed_pct": 100 * np.mean((x != 0) & (dq == 0)),
+            "sqnr_db": 10 * math.log10(signal / noise), "rel_error": math.sqrt(noise / signal)}
+
+
+def _mxfp4_expected(x: np.ndarray) -> dict:
+    codes, exps = mxfp4_reference(x)
+    scale = np.repeat(2.0 ** (exps.astype(np.float64) - 127), 32, axis=1)
+    return _expected_stats(x, e2m1_values(codes) * scale, np.float32(6) * scale.astype(np.float32))
+
+
+def _nvfp4_expected(x: np.ndarray, tile_rows: int) -> dict:
+    codes, scales, amax = nvfp4_reference(x, tile_rows=tile_rows)
+    unit = nvfp4_dequantize_reference(np.full(codes.shape, 0x2, np.uint8), scales, amax)  # code 0x2 is 1.0
+    return _expected_stats(x, nvfp4_dequantize_reference(codes, scales, amax), np.float32(6) * unit)
+
+
+def _operand(seed: int = 0) -> torch.Tensor:
+    """Normal values over five octaves of block amax, a few outliers, some exact zeros: every block scale differs,
+    E2M1 both flushes and (under MXFP4's floor rule) saturates."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-2, 2, 96, base=2.0)
+    x[torch.rand(64, 96, generator=g) < 0.01] *= 40.0
+    x[:, 5] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("tensor,tile_rows", [("input", 1), ("grad_output", 1), ("weight", 16)])
+def test_fp4_counterfactuals_against_ml_dtypes(tensor, tile_rows):
+    """The NVFP4 and MXFP4 columns equal the statistics of the independent block-by-block quantizers
+    (tests/oracles.py: ml_dtypes' E2M1 cast, TE's NVFP4 scale rule, the OCP MX rule); NVFP4 weights take TE's
+    16x16 tiles, the other operands 1x16 blocks."""
+    x = _operand()
+    recorder = numerics.NumericsRecorder()
+    recorder.record(torch.nn.Parameter(torch.empty(1)), tensor, x, _fixed_scale(FP8Dtype.E4M3).quantize(x))
+    rows = {r["format"]: r for r in recorder.rows}
+    for fmt, expected in (("mxfp4", _mxfp4_expected(x.numpy())), ("nvfp4", _nvfp4_expected(x.numpy(), tile_rows))):
+        for key, value in expected.items():
+            assert rows[fmt][key] == pytest.approx(value, rel=1e-6, abs=1e-9), (fmt, key)
+    assert rows["mxfp4"]["saturated_pct"] > 0 and rows["mxfp4"]["flushed_pct"] > 0  # the case exercises both
+
+
+def test_fp4_counterfactuals_skip_operands_their_blocks_do_not_divide():
+    """48 rows: a multiple of NVFP4's 16 but not of MX's 32."""
+    x = _operand()[:48]
+    recorder = numerics.NumericsRecorder()
+    recorder.record(torch.nn.Parameter(torch.empty(1)), "input", x, _fixed_scale(FP8Dtype.E4M3).quantize(x))
+    assert {r["format"] for r in recorder.rows} == {"recipe:e4m3", "hif8", "e4m3", "nvfp4"}
+
+
+def test_hadamard_transformed_wgrad_form_is_compared_where_it_was_cast():
+    """A columnwise-only NVFP4 form after the random Hadamard transform (a wgrad operand) is compared with the
+    transformed transpose it was cast from: the oracle's transform, then its NVFP4 quantizer."""
+    x = _operand()
+    q = NVFP4Quantizer(rowwise=False, columnwise=True, with_rht=True).quantize(x)
+    stats = tensor_stats(x, q)
+    transformed = hadamard_reference(x.numpy().T.copy()).astype(np.float32)
+    expected = _nvfp4_expected(transformed, 1)
+    for key, value in expected.items():
+        assert getattr(stats, key) == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert stats.amax == pytest.approx(float(np.abs(transformed).max()), rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe", [NVFP4BlockScaling(), MXFP4BlockScaling(random_hadamard_transform=True,
+                                                                            stochastic_rounding=True)],
+                         ids=["nvfp4", "mxfp4+rht+sr"])
+def test_report_of_an_fp4_run_leaves_its_training_unchanged(recipe):
+    """An FP4 run with the report on: every operand gets its recipe row (E2M1) and every counterfactual; the
+    recipe row of the input is the oracle's rowwise FP4 cast of it; and the report draws no random bits, so
+    the stochastically rounded gradients are the same bits as with the report off."""
+    def step(report: NumericsReport | None) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Linear(64, 32)
+        x = (torch.randn(32, 64) * 3).requires_grad_()
+        if report is not None:
+            report.watch(model)
+            report.begin_step(1)
+        try:
+            with fp8_autocast(enabled=True, fp8_recipe=recipe):
+                y = model(x)
+            (y * torch.linspace(-1, 1, 32)).sum().backward()
+        finally:
+            FP8GlobalStateManager.set_operand_observer(None)
+        return x.detach(), model.weight.grad
+
+    report = NumericsReport("unused", interval=1)
+    x, grad_on = step(report)
+    _, grad_off = step(None)
+    assert torch.equal(grad_on, grad_off)
+    rows = {(r["tensor"], r["format"]): r for r in report.rows}
+    assert set(rows) == {(t, f) for t in ("input", "weight", "grad_output")
+                         for f in ("recipe:e2m1", "hif8", "e4m3", "mxfp8", "nvfp4", "mxfp4")}
+    expected = (_nvfp4_expected(x.numpy(), 1) if isinstance(recipe, NVFP4BlockScaling)
+                else _mxfp4_expected(x.numpy()))
+    for key, value in expected.items():
+        assert rows["input", "recipe:e2m1"][key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert all(math.isfinite(r["sqnr_db"]) for r in rows.values())
+
+
 def _train_step(model: torch.nn.Module, recipe) -> None:
     x = torch.randn(32, 64, requires_grad=True)
     with fp8_autocast(enabled=True, fp8_recipe=recipe):
@@ -86,7 +200,7 @@ def test_report_rows_files_and_counters(tmp_path):
     assert {k[0] for k in keys} == {2}
     tensors = {"input": "recipe:e4m3", "weight": "recipe:e4m3", "grad_output": "recipe:e5m2"}
     expected = {(2, layer, t, f) for layer in ("0", "1") for t, recipe_fmt in tensors.items()
-                for f in (recipe_fmt, "hif8", "e4m3", "mxfp8")}
+                for f in (recipe_fmt, "hif8", "e4m3", "mxfp8", "nvfp4", "mxfp4")}
     assert keys == expected
     paths = report.write()
     assert {p.rsplit("/", 1)[-1] for p in paths} == {

@@ -197,6 +197,7 @@ def test_a_backend_missing_a_kernel_fails_at_class_creation():
         MoeRopeKernels,
         NpuAttention,
         NpuBackend,
+        NpuFP4,
         NpuGemm,
         NpuGroupedGemm,
         NpuMc2,
@@ -205,8 +206,8 @@ def test_a_backend_missing_a_kernel_fails_at_class_creation():
     from mindspeed_te.kernels.reference import ReferenceBackend
 
     with pytest.raises(TypeError, match="without a declaration: available, layer_norm, rms_norm "):
-        class NoNorm(DeclaredEmulations, NpuMc2, NpuQuantize, NpuAttention, NpuGemm, NpuGroupedGemm,  # noqa: F841
-                     MoeRopeKernels, ReferenceBackend):
+        class NoNorm(DeclaredEmulations, NpuMc2, NpuQuantize, NpuAttention, NpuFP4, NpuGemm,  # noqa: F841
+                     NpuGroupedGemm, MoeRopeKernels, ReferenceBackend):
             reference_emulations = dict(NpuBackend.reference_emulations)
     with pytest.raises(TypeError, match="without a declaration: read_twice"):
         class Undeclared(NpuBackend):  # noqa: F841

@@ -160,8 +160,8 @@ def _mx_worker(rank: int, world: int, chip: str) -> dict:
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
 def test_mc2_mxfp8_matches_separate_collectives(chip):
     """MXFP8 through the quant mc2 kernels (the base ones pass groupSize 0, which E8M0 scales cannot take). On
-    the 950DT the weight's columnwise form comes from the dual-axis quantize, not laid out as those kernels take
-    x2 (transposed only): the dgrad copies it."""
+    either chip (Ascend 950PR/950DT) the weight's columnwise form comes from the dual-axis quantize, not laid out
+    as those kernels take x2 (transposed only): the dgrad copies it."""
     for res in run_distributed(_mx_worker, 2, chip):
         for mode in ("column", "row"):
             plain, fused = res[(mode, False)], res[(mode, True)]
@@ -173,5 +173,4 @@ def test_mc2_mxfp8_matches_separate_collectives(chip):
             assert not any("base_mm" in name for name in fused[3])
             assert fused[3]["npu_quant_matmul"] == 1  # only the wgrad GEMM stays unfused
             assert plain[3]["npu_quant_matmul"] == 3
-            quantize = "npu_dynamic_mx_quant_with_dual_axis" if chip == "Ascend950DT" else "npu_dynamic_mx_quant"
-            assert quantize in fused[3]
+            assert "npu_dynamic_mx_quant_with_dual_axis" in fused[3]

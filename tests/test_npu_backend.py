@@ -47,6 +47,20 @@ def _quantizers(recipe):
     return LinearQuantizers(f[0], f[1], b[0])
 
 
+def _simulator_without_dual_axis():
+    """A simulated Ascend 950PR whose torch_npu lacks npu_dynamic_mx_quant_with_dual_axis (`hasattr` is False), so
+    that both MX layouts take one npu_dynamic_mx_quant each, as float32 inputs always do."""
+    from mindspeed_te.testing.npu_sim import NpuSimulator
+
+    class WithoutDualAxis(NpuSimulator):
+        def __getattribute__(self, name):
+            if name == "npu_dynamic_mx_quant_with_dual_axis":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    return WithoutDualAxis("Ascend950PR")
+
+
 def _step(use_backend, backend_name, monkeypatch, recipe, sim=None, dtype=torch.bfloat16, shape=(64, 192, 128),
           main_grad=None):
     """One forward and backward of fp8_linear; shape = (tokens, in, out); the weight gradient is added into a
@@ -97,7 +111,7 @@ def test_npu_backend_matches_reference_bit_for_bit(name, monkeypatch, use_backen
     # (x and the weight are 192 wide: the quantizer's torch ops).
     quantize_kernel = {"delayed": ("npu_quantize", 3), "tensorwise": ("npu_dynamic_quant", 3),
                        "blockwise/": ("npu_dynamic_block_quant", 3), "blockwise pow2": ("npu_dynamic_mx_quant", 3),
-                       "blockwise pow2/hif8": ("npu_quantize", 2), "mxfp8": ("npu_dynamic_mx_quant", 3)}
+                       "blockwise pow2/hif8": ("npu_quantize", 2), "mxfp8": ("npu_dynamic_mx_quant_with_dual_axis", 3)}
     kernel, calls = quantize_kernel[max((p for p in quantize_kernel if name.startswith(p)), key=len)]
     assert sim.launch_counts[kernel] >= calls
 
@@ -336,9 +350,9 @@ def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_b
     """Expert weights that are row blocks of one buffer, in order (as GroupedLinear lays them out) or in
     reverse (Megatron's contiguous parameter buffer, --use-distributed-optimizer, no biases), are quantized as
     one tensor where the rowwise form is row-local or per-tensor with a divisor per row: delayed scaling, one
-    npu_quantize for all of them (and one for the inputs), MXFP8 on the 950PR one rowwise quantize of all
-    weights, 128x128 tiles (each expert whole tiles) one quantize. Results equal the reference bit for bit, and
-    those of the same layer with its weights apart (each in storage of its own)."""
+    npu_quantize for all of them (and one for the inputs), MXFP8 one dual-axis quantize of all weights (whole
+    64-row pairs each), 128x128 tiles (each expert whole tiles) one quantize. Results equal the reference bit for
+    bit, and those of the same layer with its weights apart (each in storage of its own)."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.bench.launches import GROUPED_LAYOUTS
     from mindspeed_te.modules import GroupedLinear
@@ -380,10 +394,14 @@ def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_b
         if name.startswith("delayed"):
             assert launches["npu_quantize"] == 2 * 3 < apart["npu_quantize"]  # per step: inputs, weights, grad_outputs
         if name.startswith("mxfp8"):
-            # per step, for weights, inputs and grad_outputs alike: the experts' rowwise forms in one call; the
-            # columnwise forms of the weights (128 rows each: whole 64-row pairs) in one call, those of the
-            # inputs and grad_outputs (32 rows each) one by one
-            assert launches["npu_dynamic_mx_quant"] == 2 * (2 + 5 + 5) < apart["npu_dynamic_mx_quant"], launches
+            # per step: both forms of the weights (128 rows each: whole 64-row pairs, one part) in one dual-axis
+            # call (apart: one each); for the inputs and grad_outputs (32 rows each) the rowwise forms in one call
+            # and the columnwise ones one by one
+            def quantizes(counts: dict) -> int:
+                return counts["npu_dynamic_mx_quant"] + counts["npu_dynamic_mx_quant_with_dual_axis"]
+            assert launches["npu_dynamic_mx_quant_with_dual_axis"] == 2, launches
+            assert launches["npu_dynamic_mx_quant"] == 2 * (5 + 5), launches
+            assert quantizes(launches) == quantizes(apart) - 2 * 3, (launches, apart)
 
 
 # (weights, inputs and grad_outputs alike): (parts their columnwise MX forms take, runs their rowwise forms take)
@@ -394,16 +412,16 @@ def test_expert_weights_in_one_buffer_quantize_together(name, monkeypatch, use_b
     ([32, 64, 32], 128, (1, 1), (2, 1)),  # the first expert's 32 tokens end their part: [32], [64, 32]
     ([64, 32, 64, 96, 64], 128, (1, 1), (3, 1)),  # parts [64, 32], [64, 96], [64]
 ])
-@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT", "without dual-axis"])
 def test_mx_experts_take_one_quantize_per_part_of_whole_pairs(splits, rows, weights, activations, chip,
                                                                monkeypatch, use_backend):
-    """MX columnwise forms are quantized along the rows (axis -2, or the 950DT's dual-axis kernel with the
-    rowwise form), so row blocks of one buffer (the experts' weights as GroupedLinear lays them out; their
+    """MX columnwise forms are quantized along the rows (axis -2, or the dual-axis kernel with the rowwise
+    form), so row blocks of one buffer (the experts' weights as GroupedLinear lays them out; their
     inputs and grad_outputs) take one call for a part of blocks that each start at a whole pair of 32-row blocks:
     the columnwise scales come in (ceil(M / 64), K, 2) pairs, so a block cut there owns whole pairs (the last one
     padded with 0 when it ends on an odd 32-block, as the kernel pads a tensor of its own). A block that is not
-    whole pairs ends its part. The rowwise forms of a run take one call (on the 950DT each part's dual-axis call
-    makes them). Results equal the reference bit for bit either way."""
+    whole pairs ends its part. The rowwise forms of a run take one call; a run of one part takes one dual-axis call
+    for both forms. Results equal the reference bit for bit either way."""
     from mindspeed_te import fp8_autocast
     from mindspeed_te.modules import GroupedLinear
 
@@ -419,15 +437,21 @@ def test_mx_experts_take_one_quantize_per_part_of_whole_pairs(splits, rows, weig
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
         return [y.detach(), x.grad] + [w.grad for w in layer.weights]
 
-    sim = make_simulator(chip)
+    sim = _simulator_without_dual_axis() if chip == "without dual-axis" else make_simulator(chip)
     got = run("npu", sim)
     for g, w in zip(got, run("reference")):
         assert torch.equal(g, w)
-    if chip == "Ascend950DT":
-        calls, want = sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"], weights[0] + 2 * activations[0]
-    else:
-        calls, want = sim.launch_counts["npu_dynamic_mx_quant"], sum(weights) + 2 * sum(activations)
-    assert calls == want, sim.launch_counts
+    def calls(parts_runs: tuple[int, int], dual: bool) -> tuple[int, int]:
+        """(dual-axis calls, npu_dynamic_mx_quant calls) of one set of row blocks: a run of one part takes one
+        dual-axis call; a run of several parts (or any run without the kernel) one rowwise call and one
+        columnwise call per part."""
+        parts, runs = parts_runs
+        return (runs, 0) if dual and parts == runs else (0, parts + runs)
+
+    dual = chip != "without dual-axis"
+    want = [w + 2 * a for w, a in zip(calls(weights, dual), calls(activations, dual))]
+    got = [sim.launch_counts["npu_dynamic_mx_quant_with_dual_axis"], sim.launch_counts["npu_dynamic_mx_quant"]]
+    assert got == want, sim.launch_counts
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
@@ -1092,14 +1116,16 @@ def test_blockwise_power_2_linear_equals_reference_with_128x128_weight_kernel(dt
     assert calls == [[1, 128, 128], [1, 128, 128]] + [[1, 1, 32]] * (fmt != "HIF8")  # fprop, dgrad, wgrad
 
 
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
 @pytest.mark.parametrize("name", ["mxfp8/hybrid", "mxfp8/e4m3 floor"])
-def test_mxfp8_dual_axis_on_950dt_matches_reference(name, monkeypatch, use_backend):
-    """On the Ascend 950DT a bf16 tensor needing both MX layouts takes one npu_dynamic_mx_quant_with_dual_axis;
-    the quantized storage and the linear's results equal the reference's bit for bit."""
+def test_mxfp8_dual_axis_matches_reference(name, chip, monkeypatch, use_backend):
+    """On an Ascend 950PR or 950DT (aclnnDynamicMxQuantWithDualAxis: "Ascend 950PR/Ascend 950DT：支持") a bf16
+    tensor needing both MX layouts takes one npu_dynamic_mx_quant_with_dual_axis; the quantized storage and the
+    linear's results equal the reference's bit for bit."""
     from mindspeed_te.formats import FP8Dtype
     from mindspeed_te.quantizers import MXFP8Quantizer
 
-    sim = make_simulator("Ascend950DT")
+    sim = make_simulator(chip)
     got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim)
     want = _step(use_backend, "reference", monkeypatch, RECIPES[name])
     for g, w in zip(got, want):
@@ -1118,16 +1144,17 @@ def test_mxfp8_dual_axis_on_950dt_matches_reference(name, monkeypatch, use_backe
     assert a.columnwise_scale_pairs is None
 
 
-def test_mxfp8_dual_axis_not_on_other_chips_or_float32():
-    """torch_npu documents the dual-axis kernel for the Ascend 950DT only, with float16/bfloat16 input."""
+def test_mxfp8_dual_axis_not_without_the_kernel_or_for_float32():
+    """The dual-axis kernel takes float16/bfloat16 input only, and a torch_npu may lack it (`hasattr`): then each
+    MX layout is one npu_dynamic_mx_quant, with the same bits."""
     from mindspeed_te.formats import FP8Dtype
     from mindspeed_te.quantizers import MXFP8Quantizer
 
     q = MXFP8Quantizer(FP8Dtype.E4M3)
     x = torch.randn(96, 64)
     dual = NpuBackend(make_simulator("Ascend950DT")).quantize(q, x.bfloat16())
-    for chip, dtype in (("Ascend950PR", torch.bfloat16), ("Ascend950DT", torch.float32)):
-        sim = make_simulator(chip)
+    for sim, dtype in ((_simulator_without_dual_axis(), torch.bfloat16),
+                       (make_simulator("Ascend950PR"), torch.float32)):
         out = NpuBackend(sim).quantize(q, x.to(dtype))
         assert sim.launch_counts == {"npu_dynamic_mx_quant": 2}
         # its columnwise form is the dual-axis kernel's: quantized along the rows of x as x lies (axis -2)
@@ -1627,21 +1654,23 @@ def test_mx_experts_wgrad_is_one_grouped_launch(splits, layout, monkeypatch, use
         in_kernel = newer and (active == 1 or (layout == "in order" and 0 not in splits))
         assert counts["npu_add_quant_gmm_"] == int(in_kernel)
         assert counts["npu_grouped_matmul"] == 3 - int(in_kernel)  # fprop, dgrad (, wgrad)
-        # the experts' input (forward) and grad_output (backward) MX columnwise forms: one grouped call each
-        assert counts["npu_grouped_dynamic_mx_quant"] == (2 if newer else 0)
-        if not newer:
-            assert counts["npu_dynamic_mx_quant"] >= 2 + active  # per expert, or per run of whole 64-row pairs
+        # the experts' input (forward) and grad_output (backward) MX columnwise forms: one grouped call each (one
+        # expert: one dual-axis call makes both forms)
+        assert counts["npu_grouped_dynamic_mx_quant"] == (2 if newer and len(splits) > 1 else 0)
+        if not newer:  # per expert, or per run of whole 64-row pairs; one part: both forms in one dual-axis call
+            calls = counts["npu_dynamic_mx_quant"] + counts["npu_dynamic_mx_quant_with_dual_axis"]
+            assert calls >= (2 if len(splits) == 1 else 2 + active), counts
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
 @pytest.mark.parametrize("save_original_input", [False, True])
 def test_mx_experts_with_the_grouped_quantize(chip, save_original_input, monkeypatch, use_backend):
-    """npu_grouped_dynamic_mx_quant on both chips (the 950DT keeps its dual-axis call for both forms where all
-    experts but the last are whole 64-token pairs, and takes the grouped one otherwise), with the inputs
+    """npu_grouped_dynamic_mx_quant on both chips (the dual-axis call makes both forms where all experts but the
+    last are whole 64-token pairs, and the grouped one is taken otherwise), with the inputs
     quantized again in backward (save_original_input: columnwise only, noted for the non-finite flags from its
     scales), and the E5M2 grad_outputs of HYBRID: the reference's bits."""
     recipe = MXFP8BlockScaling(fp8_format=Format.HYBRID)
-    for splits, grouped in (([32, 64, 96], True), ([64, 128, 32], chip == "Ascend950PR")):
+    for splits, grouped in (([32, 64, 96], True), ([64, 128, 32], False)):
         want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, "apart",
                                 save_original_input=save_original_input, recipe=recipe)
         sim = _wgrad_sim(chip)
@@ -1649,7 +1678,7 @@ def test_mx_experts_with_the_grouped_quantize(chip, save_original_input, monkeyp
                                save_original_input=save_original_input, recipe=recipe)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
-        # inputs (forward, or backward with save_original_input) and grad_outputs; on the 950DT the inputs
+        # inputs (forward, or backward with save_original_input) and grad_outputs; with the dual-axis call the inputs
         # quantized again in backward (columnwise only: no dual-axis call) still take the grouped one
         calls = sim.launch_counts["npu_grouped_dynamic_mx_quant"]
         assert calls == (2 if grouped else int(save_original_input)), sim.launch_counts

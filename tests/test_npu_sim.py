@@ -386,7 +386,7 @@ def test_dynamic_mx_quant_contract(sim):
     assert_raises(lambda: mq(x.int(), dst_type=e4m3), NpuTypeError, "input")
     assert_raises(lambda: make_simulator("Ascend910_9392").npu_dynamic_mx_quant(x, dst_type=e4m3), NpuSocError)
     with pytest.raises(NpuSimNotImplemented):
-        mq(x)  # FP4 (the default dst_type) is valid but not simulated
+        mq(x, scale_alg=2)  # FP4 (the default dst_type) with scale_alg 2 is valid but not simulated
 
 
 # npu_quant_matmul -------------------------------------------------------------------------------------------
@@ -1002,12 +1002,16 @@ def test_dynamic_mx_quant_with_dual_axis(fmt, alg):
 
 
 def test_dynamic_mx_quant_with_dual_axis_contract():
+    """aclnnDynamicMxQuantWithDualAxis, 产品支持情况: "Ascend 950PR/Ascend 950DT：支持", A2/A3 "不支持"."""
     sim = make_simulator("Ascend950DT")
     dq = sim.npu_dynamic_mx_quant_with_dual_axis
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     e4m3 = sim.float8_e4m3fn
-    assert_raises(lambda: make_simulator("Ascend950PR").npu_dynamic_mx_quant_with_dual_axis(x, dst_type=e4m3),
-                  NpuSocError, "950DT")
+    pr = make_simulator("Ascend950PR").npu_dynamic_mx_quant_with_dual_axis(x, dst_type=e4m3)
+    dt = make_simulator("Ascend950DT").npu_dynamic_mx_quant_with_dual_axis(x, dst_type=e4m3)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pr, dt))
+    assert_raises(lambda: make_simulator("Ascend910_9391").npu_dynamic_mx_quant_with_dual_axis(x, dst_type=e4m3),
+                  NpuSocError, "Ascend910_9391")
     assert_raises(lambda: dq(x.float(), dst_type=e4m3), NpuTypeError, "input")
     assert_raises(lambda: dq(x[0], dst_type=e4m3), NpuValueError, "input")
     assert_raises(lambda: dq(x, dst_type=e4m3, round_mode="floor"), NpuValueError, "round_mode")
@@ -1016,7 +1020,7 @@ def test_dynamic_mx_quant_with_dual_axis_contract():
     assert_raises(lambda: dq(x, dst_type=sim.hifloat8), NpuTypeError, "dst_type")
     assert sum(sim.launch_counts.values()) == 0
     with pytest.raises(NpuSimNotImplemented):
-        dq(x)  # FP4 (the default dst_type) is valid but not simulated
+        dq(x, scale_alg=2)  # FP4 (the default dst_type) with scale_alg 2 is valid but not simulated
 
 
 # More contract rules quoted from the documents (each: a violation raises, a legal call passes) ------------------
@@ -1869,7 +1873,7 @@ def test_swiglu_mx_quant_with_dual_axis_is_swiglu_then_dual_axis_mx_quant(chip, 
     """"swigluOut_i = Swish(A_i) * B_i" in float32 (A the left half with activate_left), rounded to x's dtype, then
     MX along -1 and -2: the oracle is mx_reference on rows and on columns of that output. Shapes: y1, y2 [M, N],
     mxscale1 [M, ceil(N/64), 2], mxscale2 [ceil(M/64), N, 2] ("mxscale2Out输出需要对每两行数据进行交织处理").
-    On the 950PR too ("Ascend 950PR/Ascend 950DT：支持"), unlike npu_dynamic_mx_quant_with_dual_axis."""
+    On the 950PR too ("Ascend 950PR/Ascend 950DT：支持"), as npu_dynamic_mx_quant_with_dual_axis."""
     from mindspeed_te.testing.npu_sim import make_simulator_with_fused_quant
 
     sim = make_simulator_with_fused_quant(chip)

@@ -84,15 +84,15 @@ def test_bad_combinations_name_the_flags(argv, message):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(fp4="nvfp4"), "--fp4-format nvfp4 is not supported"),
+    (dict(fp4="e2m1", fp8="e4m3"), "--fp4-format e2m1 and --fp8-format e4m3 cannot be used together"),
     (dict(fp8="e4m3", fp8_recipe="custom"), "--fp8-recipe custom"),
     (dict(fp8="e4m3", fp8_recipe="mxfp8", fp8_param_gather=True), "needs --reuse-grad-buf-for-mxfp8-param-ag"),
     (dict(use_te_activation_func=True), "--use-te-activation-func needs TransformerEngine"),
 ])
 def test_megatron_flags_without_a_mindspeed_te_counterpart_are_refused_at_parse_time(fields, message):
     """Megatron flags that would fail only after the model is built (custom recipes, MXFP8 parameter gather,
-    TE's activation ops) or be silently ignored (FP4) stop the launch at once, naming the flag; the combinations
-    that work pass."""
+    TE's activation ops, FP4 with FP8) stop the launch at once, naming the flag; the combinations that work
+    pass."""
     base = dict(fp8=None, fp8_recipe="delayed", transformer_impl="transformer_engine")
     with pytest.raises(ValueError, match=message):
         validate_args(argparse.Namespace(**{**base, **fields}))

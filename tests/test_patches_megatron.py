@@ -406,7 +406,8 @@ def test_every_te_gated_importer_is_patched_or_deliberately_left_alone():
 
 @pytest.mark.parametrize("fp8,recipe,quantize_kernel,moe", [("hif8", "tensorwise", "npu_dynamic_quant", False),
                                                              ("hif8", "delayed", "npu_quantize", False),
-                                                             ("e4m3", "mxfp8", "npu_dynamic_mx_quant", False),
+                                                             ("e4m3", "mxfp8", "npu_dynamic_mx_quant_with_dual_axis",
+                                                              False),
                                                              ("e4m3", "mxfp8", "npu_dynamic_mx_quant", True),
                                                              ("e4m3", "blockwise", "npu_dynamic_mx_quant", True)])
 def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, quantize_kernel, moe):

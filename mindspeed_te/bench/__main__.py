@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from mindspeed_te import fused_cast
-from mindspeed_te.bench.launches import bench_npu_launches
+from mindspeed_te.bench.launches import bench_fp4_launches, bench_npu_launches
 from mindspeed_te.bench.linear import bench_linear
 from mindspeed_te.bench.quantize import bench_hif8, bench_quantize
 from mindspeed_te.bench.report import report
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += bench_host_noop(args.repeats)
     if args.only in (None, "npu"):
         rows += bench_npu_launches()
+        rows += bench_fp4_launches()
         if _megatron_available():
             from mindspeed_te.bench.layer import bench_layer_launches
 

@@ -21,6 +21,7 @@ from mindspeed_te.recipe import (
     Float8CurrentScaling,
     Format,
     HIF8DelayedScaling,
+    MXFP4BlockScaling,
     MXFP8BlockScaling,
     Recipe,
 )
@@ -241,7 +242,7 @@ HIF8_UPDATE_STEPS = {"scale update": 3, "accumulating": 2}
 def bench_npu_launches() -> list[tuple[str, float, str]]:
     """Device launches (non-view aten ops + torch_npu kernels) of the NPU path on the simulator."""
     rows = []
-    for chip in ("Ascend950PR", "Ascend950DT"):  # the DT has the dual-axis MX quantize
+    for chip in ("Ascend950PR", "Ascend950DT"):  # MXFP8 on both (the dual-axis quantize's chip gate)
         with npu_simulated(chip) as npu:
             for name, recipe in launch_recipes().items():
                 kind = name.split()[0]
@@ -304,4 +305,22 @@ def bench_npu_launches() -> list[tuple[str, float, str]]:
                 rows.append(("NPU launches, non-finite fold per step", float(fold_launches(recipe, layers, npu).total),
                              f"{name}, {layers} layers"))
     FP8GlobalStateManager.reset()
+    return rows
+
+
+def bench_fp4_launches() -> list[tuple[str, float, str]]:
+    """An MXFP4 Linear's launches against an MXFP8 one's, same shapes, per chip and dtype (the difference; the
+    fp8_activations mode's counts beside)."""
+    rows = []
+    for chip in ("Ascend950PR", "Ascend950DT"):
+        with npu_simulated(chip) as npu:
+            for dtype in (torch.bfloat16, torch.float32):
+                fp4, fp8 = (linear_launches(r, dtype, npu) for r in (MXFP4BlockScaling(), MXFP8BlockScaling()))
+                pseudo = linear_launches(MXFP4BlockScaling(fp8_activations=True), dtype, npu)
+                short = "bf16" if dtype == torch.bfloat16 else "fp32"
+                for i, direction in enumerate(("forward", "backward")):
+                    rows.append((f"NPU launches, linear {direction}, MXFP4 - MXFP8 {short}",
+                                 float(fp4[i].total - fp8[i].total),
+                                 f"{chip}: MXFP4 {fp4[i].total}, MXFP8 {fp8[i].total}, MXFP4 with FP8 activations "
+                                 f"{pseudo[i].total}"))
     return rows

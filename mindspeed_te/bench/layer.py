@@ -243,8 +243,10 @@ COMMON_JOBS: list[tuple[str, str, int, int, int, str]] = [
                                                         "(fc1, fc2)"),
     ("probs multiply", MB, 0, 3, 1, "the experts' activations times their probs; backward: both gradients"),
     ("router and permute input gradients summed", MB, 0, 1, 1, "aclnnAdd"),
-    ("AdamW", STEP, 8, 8, 1, "its 8 multi-tensor ops over the layer's tensors, one fused aclnnForeach* kernel each "
-                             "(lists of 24+ tensors per call); the step counters stay on the host"),
+    ("AdamW", STEP, 12, 15, 1, "one launch per parameter: npu_apply_adam_w updates a tensor in one kernel; no "
+                               "kernel updates several (torch_npu's _fused_adamw_ loops aclnnApplyAdamWV2 over "
+                               "them; torch's foreach AdamW adds to its 7 fused multi-tensor ops one addcdiv per "
+                               "tensor, which no torch_npu kernel takes with per-tensor step sizes)"),
 ]
 
 # The tensors a layer quantizes, per role (dense, MoE): A activations (fprop input: rowwise, and columnwise for the
@@ -256,10 +258,10 @@ ROLES = {"dense": dict(A=3, A_saved=1, G=4, W=4, XA=0, XG=0, XW=0),
          "moe": dict(A=1, A_saved=1, G=2, W=2, XA=2, XG=2, XW=2)}
 
 
-def _quantize_jobs(recipe: str, chip: str, kind: str) -> list[Job]:
-    """The quantize jobs (and the GEMM changes) of `recipe` in one layer on `chip`."""
+def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
+    """The quantize jobs (and the GEMM changes) of `recipe` in one layer (the same kernels on the 950PR and
+    950DT)."""
     n = ROLES[kind]
-    dual = chip.startswith("Ascend950DT")
     family = recipe.split()[0]
     jobs: list[tuple[str, str, int, int, str]] = []  # (name, per, count, launches, reason)
     if family == "delayed":
@@ -272,7 +274,11 @@ def _quantize_jobs(recipe: str, chip: str, kind: str) -> list[Job]:
                  ("weight quantizes", STEP, n["W"], 2, why),
                  ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2,
                   "one multi-tensor amax over the experts' row blocks, one npu_quantize with a divisor per row"),
-                 ("expert weight quantizes", STEP, n["XW"], 2, "the same over the experts' weights (one buffer)")]
+                 ("expert weight quantizes", STEP, n["XW"], 2, "the same over the experts' weights (one buffer)"),
+                 ("NaN marks", MB, n["A"] + n["A_saved"] + n["G"] + n["XA"] + n["XG"], 1,
+                  "one per quantize pass (a GEMM's input and weight together): the decode scales + 0 * amax, so "
+                  "that an Inf, which npu_quantize may saturate, still makes the GEMM's output non-finite; no "
+                  "kernel returns the amax with the decode scale marked")]
     elif family == "tensorwise":
         why = "npu_dynamic_quant (per tensor: amax, scale and cast in one)"
         jobs += [("activation quantizes", MB, n["A"], 1, why + "; one code tensor serves the fprop and the wgrad"),
@@ -302,32 +308,28 @@ def _quantize_jobs(recipe: str, chip: str, kind: str) -> list[Job]:
                                                                         "documented for partial groups)"),
                  ("QKV bias added", MB, 1 if kind == "dense" else 0, 1, "the [1,128,128] GEMM takes no bias")]
     elif family == "mxfp8":
-        both = 1 if dual else 2
-        why = ("npu_dynamic_mx_quant_with_dual_axis: both MX layouts in one launch (950DT)" if dual
-               else "npu_dynamic_mx_quant per layout: no dual-axis kernel on the 950PR")
-        jobs += [("activation quantizes", MB, n["A"], both, why),
+        why = "npu_dynamic_mx_quant_with_dual_axis: both MX layouts in one launch (Ascend 950PR/950DT)"
+        jobs += [("activation quantizes", MB, n["A"], 1, why),
                  ("saved activation quantizes", MB, n["A_saved"], 2, "npu_dynamic_mx_quant rowwise in forward, "
                                                                      "columnwise in backward"),
-                 ("gradient quantizes", MB, n["G"], both, why),
-                 ("weight quantizes", STEP, n["W"], both, why),
-                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], EXPERTS if dual else 1 + EXPERTS,
-                  "per expert: its columnwise scales come in 64-row pairs (950DT: one dual-axis call each; 950PR: "
-                  "the rowwise form of the joined rows in one call, the columnwise one per expert)"),
-                 ("expert weight quantizes", STEP, n["XW"], both, why + ", the experts' weights in one buffer"),
-                 ("expert wgrads per expert", MB, n["XA"], EXPERTS - 1, "one npu_quant_matmul per expert (the "
-                                                                        "grouped K-split MX mode is not documented "
-                                                                        "for partial groups)")]
+                 ("gradient quantizes", MB, n["G"], 1, why),
+                 ("weight quantizes", STEP, n["W"], 1, why),
+                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 1 + EXPERTS,
+                  "the rowwise form of the joined rows in one call, the columnwise one per expert (its scales come "
+                  "in 64-row pairs); a dual-axis call per expert costs as many and scatters the rowwise forms, "
+                  "which the grouped GEMM reads as one tensor"),
+                 ("expert weight quantizes", STEP, n["XW"], 1, why + ", the experts' weights in one buffer")]
     if family in ("delayed", "tensorwise", "mxfp8") and kind == "dense":
         jobs.append(("QKV bias to float32", STEP, 1, 1, "the FP8 GEMMs take a float32 bias only; cast once per step "
                                                         "(kept for later micro-batches)"))
     return [Job(*job) for job in jobs if job[2] and job[3]]
 
 
-def floor_jobs(recipe: str, chip: str, kind: str) -> list[Job]:
+def floor_jobs(recipe: str, kind: str) -> list[Job]:
     """The floor table of one layer: the bf16 jobs and, for an FP8 recipe, its quantize jobs."""
     jobs = [Job(name, per, dense if kind == "dense" else moe, launches, reason)
             for name, per, dense, moe, launches, reason in COMMON_JOBS if (dense if kind == "dense" else moe)]
-    return jobs + (_quantize_jobs(recipe, chip, kind) if RECIPES[recipe] is not None else [])
+    return jobs + (_quantize_jobs(recipe, kind) if RECIPES[recipe] is not None else [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,8 +342,8 @@ class Floor:
         return MICRO_BATCHES * self.micro_batch + self.step
 
 
-def floor(recipe: str, chip: str, kind: str) -> Floor:
-    jobs = floor_jobs(recipe, chip, kind)
+def floor(recipe: str, kind: str) -> Floor:
+    jobs = floor_jobs(recipe, kind)
     return Floor(sum(j.total for j in jobs if j.per == MB), sum(j.total for j in jobs if j.per == STEP))
 
 
@@ -349,8 +351,6 @@ def floor(recipe: str, chip: str, kind: str) -> Floor:
 GAPS = {
     ("dense", "all"): "Megatron adds the proj, fc1 and fc2 biases outside their GEMMs (skip_bias_add, for its "
                       "bias-dropout-add and bias-GeLU fusions, which have no kernel here): +3 per micro-batch",
-    ("dense", "delayed"): "a NaN mark per quantize (the decode scale + 0 * amax, one multi-tensor add each): +8 per "
-                          "micro-batch",
     ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
                             "a 1-layer block skips: +1",
     ("moe", "all"): "the alltoall dispatcher sorts chunks by local expert (fused_sort_chunks_by_index in torch ops, "
@@ -360,7 +360,7 @@ GAPS = {
                     "+8 per micro-batch), which the NPU's GEMMs do not need",
     ("moe", "bf16"): "bf16 experts: GroupedLinear's high-precision GEMMs go to the reference emulation, a float32 mm "
                      "per expert with its casts (24 mm, 64 casts per micro-batch), not npu_grouped_matmul",
-    ("moe", "delayed"): "the experts' per-tensor scales concatenated for each grouped GEMM; a NaN mark per quantize",
+    ("moe", "delayed"): "the experts' per-tensor scales concatenated for each grouped GEMM",
     ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale), the scales concatenated for each "
                            "grouped GEMM",
     ("moe", "blockwise"): "the per-expert wgrads: each operand's tile bytes repeated per 32-block and the rowwise "
@@ -401,10 +401,10 @@ def bench_layer_launches(kinds: tuple[str, ...] = KINDS, chips: tuple[str, ...] 
 def _rows(kind: str, chip: str, names: tuple[str, ...], splits: dict[str, LayerSplit]
           ) -> list[tuple[str, float, str]]:
     rows = []
-    base, base_floor = splits["bf16"], floor("bf16", chip, kind)
+    base, base_floor = splits["bf16"], floor("bf16", kind)
     for name in names:
-        split, fl = splits[name], floor(name, chip, kind)
-        adamw = sum(j.total for j in floor_jobs(name, chip, kind) if j.name == "AdamW")
+        split, fl = splits[name], floor(name, kind)
+        adamw = sum(j.total for j in floor_jobs(name, kind) if j.name == "AdamW")
         bare = (split.per_layer - split.optimizer) / (fl.per_layer - adamw)
         rows.append((f"NPU launches per GPT layer, {kind}, {name}, {_label(chip)}", split.per_layer / fl.per_layer,
                      f"micro-batch {split.micro_batch} / step {split.step} / constant {split.constant}; per layer "

@@ -14,7 +14,9 @@ from mindspeed_te.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    MXFP4BlockScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
 )
 from mindspeed_te.recipe_state import RecipeState
 
@@ -56,6 +58,7 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
     rows.append(("host overhead 64x64 fwd+bwd / nn.Linear", small / small_base,
                  f"fp8 {small * 1e6:.0f} us, bf16 nn.Linear {small_base * 1e6:.0f} us"))
     rows.append(_per_tensor_gemm_row(repeats * 4))
+    rows += _fp4_rows(repeats)
     for recipe in (DelayedScaling(fp8_format=Format.HIF8), Float8BlockScaling(), MXFP8BlockScaling()):
         x = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(1024, 1024, dtype=torch.bfloat16, requires_grad=True)
@@ -65,6 +68,22 @@ def bench_linear(repeats: int, size: int = 2048) -> list[tuple[str, float, str]]
         _linear_case(DelayedScaling(fp8_format=Format.HIF8), 64, 64, 64)[0]()
     rows.append(("host syncs per fp8 linear fwd+bwd", float(counter.total), str(dict(counter.counts)) or "none"))
     return rows
+
+
+def _fp4_rows(repeats: int, size: int = 1024) -> list[tuple[str, float, str]]:
+    """The CPU emulation of an FP4 linear's forward + backward (each recipe's defaults) against the MXFP8 one,
+    same shapes and bf16 tensors (issue 32's goal: at most 1.5x). The three take turns, one call each per round,
+    and each keeps its best round: a load that comes and goes then weighs on all three alike."""
+    steps = {name: _linear_case(recipe, size, size, size, torch.bfloat16)[0] for name, recipe in
+             (("MXFP8", MXFP8BlockScaling()), ("NVFP4", NVFP4BlockScaling()), ("MXFP4", MXFP4BlockScaling()))}
+    best = {name: best_time(step, 1) for name, step in steps.items()}
+    for _ in range(2 * repeats - 1):
+        for name, step in steps.items():
+            best[name] = min(best[name], best_time(step, 1))
+    fp8 = best.pop("MXFP8")
+    return [(f"fp4 linear fwd+bwd {size}^3 / MXFP8, {name}", fp4 / fp8,
+             f"{name} {fp4 * 1e3:.0f} ms, MXFP8 {fp8 * 1e3:.0f} ms ({get_backend().name} backend)")
+            for name, fp4 in best.items()]
 
 
 def _per_tensor_gemm_row(repeats: int, m: int = 512, k: int = 1024, n: int = 256) -> tuple[str, float, str]:

@@ -18,6 +18,7 @@ TARGETS = {
     "hif8_encode vs en_dtypes": (10.0, True),  # speed-up
     "fp8 linear fwd+bwd 2048^3 / bf16 nn.Linear": (1.25, False),
     "host overhead 64x64 fwd+bwd / nn.Linear": (2.0, False),  # issue 30's goal
+    **{f"fp4 linear fwd+bwd 1024^3 / MXFP8, {name}": (1.5, False) for name in ("NVFP4", "MXFP4")},  # issue 32
     "host overhead 64x64 fwd+bwd, NPU path with no-op kernels / nn.Linear": (2.0, False),  # issue 30's goal
     "bytes saved for backward / bf16 linear": (0.55, False),
     "param all-gather bytes, fp8 / bf16 weights": (0.55, False),
@@ -29,15 +30,20 @@ TARGETS = {
     **{f"activation bytes per GPT layer, {recipe} + cpu offload / bf16": (0.15, False)
        for recipe in ("hif8 delayed", "mxfp8")},
     "host syncs per fp8 linear fwd+bwd": (0, False),
-    # The launch counts tests/test_launch_counts.py pins (the most over formats and chips), per recipe and dtype.
+    # Per Linear (bf16, bias), forward / backward: issue 30's goals (delayed, tensorwise, MXFP8 <= 4 / 5 on both
+    # chips; blockwise no worse than today: E4M3 10 / 8, HiF8 5 / 10, one row each way). float32: the counts
+    # tests/test_launch_counts.py pins (the most over formats and chips). Delayed bf16 misses: with the kernels that
+    # exist its floor is its count, 7 / 6 (docs/npu.md, "Launches").
     **{f"NPU launches, linear {direction}, {kind} {dtype}": (count, False)
-       for (kind, dtype), counts in {("delayed", "bf16"): (7, 6), ("delayed", "fp32"): (6, 6),
-                                     ("tensorwise", "bf16"): (4, 4), ("tensorwise", "fp32"): (8, 8),
+       for (kind, dtype), counts in {("delayed", "bf16"): (4, 5), ("delayed", "fp32"): (6, 6),
+                                     ("tensorwise", "bf16"): (4, 5), ("tensorwise", "fp32"): (8, 8),
                                      ("blockwise", "bf16"): (10, 10), ("blockwise", "fp32"): (16, 14),
-                                     ("mxfp8", "bf16"): (6, 5), ("mxfp8", "fp32"): (5, 5)}.items()
+                                     ("mxfp8", "bf16"): (4, 5), ("mxfp8", "fp32"): (5, 5)}.items()
        for direction, count in zip(("forward", "backward"), counts)},
     **{f"NPU launches, later micro-batch forward, {kind}": (6 if kind == "delayed" else 4, False)
        for kind in ("delayed", "tensorwise", "blockwise", "mxfp8")},
+    **{f"NPU launches, linear {direction}, MXFP4 - MXFP8 {dtype}": (0, False)  # issue 32: no more than MXFP8
+       for direction in ("forward", "backward") for dtype in ("bf16", "fp32")},
     "NPU launches, delayed update per step": (16, False),
     "NPU launches, HiF8 delayed update per step": (16, False),
     "NPU launches, non-finite fold per step": (4, False),

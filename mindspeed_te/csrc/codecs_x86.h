@@ -1,8 +1,8 @@
-/* The x86 vector forms of codecs.h that several kernel files use: the AVX2 FP8 encode and 8-element load
- * (cast.c, tiles.c), the AVX-512 FP8 encode in its three steps (cast.c, tiles_avx512.c), the bfloat16 rounding
- * of 16 lanes (decode.c, epilogue.c), and the AVX512 target attribute. Each function carries its own target
- * attribute, so every file compiles with the same baseline flags (setup.py) and simd_level (simd.c) picks the
- * code at run time. Static inline, as in codecs.h; empty off x86-64. */
+/* The x86 vector forms of codecs.h that several kernel files use: the AVX2 FP8 encode, 8-element load and horizontal
+ * max (cast.c, tiles.c, nvfp4.c), the AVX-512 FP8 encode in its three steps (cast.c, tiles_avx512.c), the bfloat16
+ * rounding of 16 lanes (decode.c, epilogue.c), and the AVX512 target attribute. Each function carries its own target
+ * attribute, so every file compiles with the same baseline flags (setup.py) and simd_level (simd.c) picks the code at
+ * run time. Static inline, as in codecs.h; empty off x86-64. */
 #ifndef MINDSPEED_TE_CODECS_X86_H
 #define MINDSPEED_TE_CODECS_X86_H
 
@@ -29,6 +29,24 @@ __attribute__((target("avx2"))) static inline __m256i fp8_codes_avx2(__m256 q, i
     __m256i binade = _mm256_srli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(min_normal << 23)), 23 - mbits);
     __m256i sign = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_setzero_si256(), u), _mm256_set1_epi32(0x80));
     return _mm256_or_si256(_mm256_add_epi32(binade, count), sign);
+}
+
+/* to_e2m1 of 8 lanes: fp8_codes_avx2's rounding with E2M1's fields (a NaN as 6, whose code is 7), then the sign
+ * moved from bit 7 to bit 3, and dropped for NaN (+6). */
+__attribute__((target("avx2"))) static inline __m256i e2m1_codes_avx2(__m256 q) {
+    const __m256i c = fp8_codes_avx2(q, 1, 127, 0x40C00000, 0);
+    const __m256i a = _mm256_and_si256(_mm256_castps_si256(q), _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    const __m256i sign = _mm256_andnot_si256(nan, _mm256_srli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 4));
+    return _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi32(0x7)), sign);
+}
+
+/* The largest of 8 non-negative int32 lanes (|x| bits: the signed max orders them). */
+__attribute__((target("avx2"))) static inline uint32_t hmax_avx2(__m256i m) {
+    __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    return (uint32_t)_mm_cvtsi128_si32(h);
 }
 
 /* 8 floats of the input from element i: float32, or bfloat16 widened. */

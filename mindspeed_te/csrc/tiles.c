@@ -30,18 +30,16 @@
 
 static inline int64_t at(const TileJob *j, int64_t r, int64_t c) { return (r - j->r_org) * j->ld + c - j->c_org; }
 
-static inline float load_elem(const TileJob *j, int64_t i) {
-    return j->in_dtype == IN_F32 ? ((const float *)j->in)[i] : float_of((uint32_t)((const uint16_t *)j->in)[i] << 16);
-}
+static inline float load_elem(const TileJob *j, int64_t i) { return input_value(j->in, j->in_dtype, i); }
 
 static inline uint8_t encode(const TileJob *j, float q) {
-    return j->out_format == OUT_E4M3 ? to_e4m3(q) : j->out_format == OUT_E5M2 ? to_e5m2(q) : to_hif8(j->table, q);
+    return j->out_format == OUT_E4M3   ? to_e4m3(q)
+           : j->out_format == OUT_E5M2 ? to_e5m2(q)
+           : j->out_format == OUT_E2M1 ? to_e2m1(q)
+                                       : to_hif8(j->table, q);
 }
 
-static inline uint32_t abs_bits(const TileJob *j, int64_t i) {
-    if (j->in_dtype == IN_F32) return ((const uint32_t *)j->in)[i] & 0x7FFFFFFFu;
-    return ((uint32_t)(((const uint16_t *)j->in)[i] & 0x7FFFu)) << 16;
-}
+static inline uint32_t abs_bits(const TileJob *j, int64_t i) { return input_abs_bits(j->in, j->in_dtype, i); }
 
 /* 2^e for -127 <= e <= 127 (2^-127 is a float32 subnormal). */
 static inline float exp2_int(int e) { return e > -127 ? float_of((uint32_t)(e + 127) << 23) : float_of(0x00400000u); }
@@ -116,8 +114,9 @@ __attribute__((target("avx2"))) static inline __m256i abs8_avx2(const TileJob *j
 /* 8 codes of x scaled by f, in int32 lanes. */
 __attribute__((target("avx2"))) static inline __m256i codes8_avx2(const TileJob *j, __m256 x, __m256 f) {
     const __m256 q = j->use_mul ? _mm256_mul_ps(x, f) : _mm256_div_ps(x, f);
-    return j->out_format == OUT_E4M3 ? fp8_codes_avx2(q, 3, 121, 0x43E00000, 0x00100000)
-                                     : fp8_codes_avx2(q, 2, 113, 0x47600000, 0x00800000);
+    return j->out_format == OUT_E4M3   ? fp8_codes_avx2(q, 3, 121, 0x43E00000, 0x00100000)
+           : j->out_format == OUT_E2M1 ? e2m1_codes_avx2(q)
+                                       : fp8_codes_avx2(q, 2, 113, 0x47600000, 0x00800000);
 }
 
 /* Four vectors of codes as 32 bytes in element order. */
@@ -130,14 +129,6 @@ __attribute__((target("avx2"))) static inline void store32_avx2(uint8_t *out, __
 __attribute__((target("avx2"))) static inline void store8_avx2(uint8_t *out, __m256i c) {
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(w, w));
-}
-
-/* The largest of 8 non-negative int32 lanes (|x| bits: the signed max orders them). */
-__attribute__((target("avx2"))) static inline uint32_t hmax_avx2(__m256i m) {
-    __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
-    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
-    h = _mm_max_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
-    return (uint32_t)_mm_cvtsi128_si32(h);
 }
 
 __attribute__((target("avx2"))) static uint32_t span_amax_avx2(const TileJob *j, int64_t i, int64_t n) {
@@ -383,9 +374,12 @@ PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
                           &proto.mode, &proto.tile_rows, &proto.block, &proto.emax, &fp8_max, &eps, &proto.pow2,
                           &row_data, &row_scale, &col_data, &col_scale, &threads))
         return NULL;
-    if (!check_formats(proto.in_dtype, proto.out_format, table, m * k) || m < 0 || k < 0 || proto.block < 1 ||
-        proto.block > MAX_BLOCK || (proto.tile_rows != 1 && proto.tile_rows != proto.block) ||
-        proto.mode < MODE_BLOCK || proto.mode > MODE_MX_FLOOR || (proto.mode != MODE_BLOCK && proto.out_format == OUT_HIF8)) {
+    /* E2M1 (one code per byte, packed by the caller) in the MX modes only, on the scalar and AVX2 loops. */
+    const int e2m1 = proto.out_format == OUT_E2M1;
+    if (!check_formats(proto.in_dtype, e2m1 ? OUT_E4M3 : proto.out_format, table, m * k) || m < 0 || k < 0 ||
+        proto.block < 1 || proto.block > MAX_BLOCK || (proto.tile_rows != 1 && proto.tile_rows != proto.block) ||
+        proto.mode < MODE_BLOCK || proto.mode > MODE_MX_FLOOR || (proto.mode != MODE_BLOCK && proto.out_format == OUT_HIF8) ||
+        (e2m1 && proto.mode == MODE_BLOCK)) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "quantize_tiles: bad tile, block or mode");
         return NULL;
     }
@@ -404,7 +398,7 @@ PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     proto.avx2 = has_avx2();
     proto.avx2_cast = proto.avx2 && proto.out_format != OUT_HIF8;
-    proto.avx512 = simd_level() >= SIMD_AVX512 && proto.out_format != OUT_HIF8 && T512 % proto.block == 0 &&
+    proto.avx512 = simd_level() >= SIMD_AVX512 && proto.out_format != OUT_HIF8 && !e2m1 && T512 % proto.block == 0 &&
                    proto.block % 16 == 0;
     proto.stream = m * k >= STREAM_MIN_ELEMENTS;
 #endif

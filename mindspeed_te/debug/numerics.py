@@ -1,5 +1,5 @@
-"""Per-layer FP8 numerics: how each quantized operand of each linear fares in its format, and how it would
-fare in the other formats (the counterfactual: "this layer in HiF8 vs E4M3 vs MXFP8").
+"""Per-layer FP8 / FP4 numerics: how each quantized operand of each linear fares in its format, and how it would
+fare in the other formats (the counterfactual: "this layer in HiF8 vs E4M3 vs MXFP8 vs NVFP4 vs MXFP4").
 
 An active report registers its recorder's `record` as the state manager's operand observer, which the linear
 autograd functions call with each quantized operand; a disabled report registers nothing, which costs one
@@ -14,10 +14,17 @@ from typing import Callable
 import torch
 
 from mindspeed_te.formats import FP8Dtype
-from mindspeed_te.quantizers import Float8CurrentScalingQuantizer, MXFP8Quantizer, Quantizer
-from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage, _TiledTensor
+from mindspeed_te.fp4 import random_hadamard_transform
+from mindspeed_te.quantizers import (
+    Float8CurrentScalingQuantizer,
+    MXFP4Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
+from mindspeed_te.tensor import Float8TensorStorage, QuantizedTensorStorage, _FP4TensorStorage, _TiledTensor
 
-__all__ = ["TensorStats", "tensor_stats", "element_scale_inv", "COUNTERFACTUALS", "NumericsRecorder"]
+__all__ = ["TensorStats", "tensor_stats", "element_scale_inv", "COUNTERFACTUALS", "BLOCK", "NumericsRecorder"]
 
 def _counterfactual(fwd_dtype: FP8Dtype, fwd_max: float, bwd_dtype: FP8Dtype, bwd_max: float
                     ) -> Callable[[str], Quantizer]:
@@ -27,13 +34,19 @@ def _counterfactual(fwd_dtype: FP8Dtype, fwd_max: float, bwd_dtype: FP8Dtype, bw
     return make
 
 
-# The formats every operand is also quantized in, with current (per-tensor) or MX (per-32) scaling; targets
-# are the recipes' defaults (HiF8 15 / 224, E4M3 448).
+# The formats every operand is also quantized in, with current (per-tensor), MX (per-32) or NVFP4 (per-16
+# under a per-tensor scale) scaling; targets are the recipes' defaults (HiF8 15 / 224, E4M3 448). FP4 rounds
+# to nearest, with no Hadamard transform (it acts on the wgrad forms, not on these rowwise ones): stochastic
+# rounding would draw from the generator training uses. NVFP4 weights take TE's default 16x16 tiles.
 COUNTERFACTUALS: dict[str, Callable[[str], Quantizer]] = {
     "hif8": _counterfactual(FP8Dtype.HIF8, 15.0, FP8Dtype.HIF8, 224.0),
     "e4m3": _counterfactual(FP8Dtype.E4M3, 448.0, FP8Dtype.E4M3, 448.0),
     "mxfp8": lambda tensor: MXFP8Quantizer(FP8Dtype.E4M3, rowwise=True, columnwise=False),
+    "nvfp4": lambda tensor: NVFP4Quantizer(rowwise=True, columnwise=False, with_2d_quantization=tensor == "weight"),
+    "mxfp4": lambda tensor: MXFP4Quantizer(rowwise=True, columnwise=False),
 }
+# Both dims of the 2-D operand must be multiples of the block for these; other operands skip the format.
+BLOCK = {"mxfp8": 32, "nvfp4": 16, "mxfp4": 32}
 
 
 @dataclass
@@ -61,13 +74,24 @@ def element_scale_inv(q: QuantizedTensorStorage) -> torch.Tensor:
         m, k = data.shape
         scales = scales.repeat_interleave(rows, dim=0)[:m].repeat_interleave(cols, dim=1)[:, :k]
         return scales.t() if columnwise else scales
+    if isinstance(q, _FP4TensorStorage):
+        columnwise = not q.has_data(False)
+        scales = q._multipliers(columnwise).repeat_interleave(q.block_len, dim=1)
+        # a Hadamard-transformed form is compared as stored, (K, M): see tensor_stats
+        return scales.t() if columnwise and q.columnwise_rht_sign_mask is None else scales
     raise TypeError(f"no element scales for {type(q).__name__}")
 
 
 def tensor_stats(x: torch.Tensor, q: QuantizedTensorStorage) -> TensorStats:
-    """Compare `q` (the quantized form of `x`) with `x`."""
-    x2d = x.detach().float().reshape(-1, x.shape[-1])
-    dq = q.dequantize(torch.float32, columnwise=not q.has_data(False)).reshape(x2d.shape)
+    """Compare `q` (the quantized form of `x`) with `x`: its rowwise form, else its columnwise one."""
+    columnwise = not q.has_data(False)
+    sign_mask = getattr(q, "columnwise_rht_sign_mask", None) if columnwise else None
+    if sign_mask is not None:  # an FP4 wgrad form alone: compared where it was cast, after the Hadamard transform
+        x2d = random_hadamard_transform(x.detach().reshape(-1, x.shape[-1]).t().contiguous(), sign_mask).float()
+        dq = q.columnwise_hadamard_values()
+    else:
+        x2d = x.detach().float().reshape(-1, x.shape[-1])
+        dq = q.dequantize(torch.float32, columnwise=columnwise).reshape(x2d.shape)
     scale_inv = element_scale_inv(q)
     ax = x2d.abs()
     n = max(x2d.numel(), 1)
@@ -109,7 +133,7 @@ class NumericsRecorder:
         if self.counterfactuals:
             x2d = x.detach().reshape(-1, x.shape[-1])
             for fmt, make in COUNTERFACTUALS.items():
-                if fmt == "mxfp8" and (x2d.shape[0] % 32 or x2d.shape[1] % 32):  # MX needs 32 | both dims
+                if x2d.shape[0] % BLOCK.get(fmt, 1) or x2d.shape[1] % BLOCK.get(fmt, 1):
                     continue
                 self._add(layer, tensor, fmt, tensor_stats(x2d, make(tensor).quantize(x2d)))
 

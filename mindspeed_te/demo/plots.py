@@ -1,6 +1,7 @@
 """The demo's figures (matplotlib, Agg): loss curves side by side, and the numerics heatmaps in one picture."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,10 @@ def _running_mean(values: list[float], window: int = 10) -> list[float]:
 
 def _styles(names: list[str], base_run: Callable[[str], str]) -> dict[str, dict]:
     """bf16 in thick black; every other run in a colour of its own, except that a run repeating another with
-    one change (8-bit moments) takes that run's colour, dashed, so the pair reads as one."""
+    one change (8-bit moments, or FP4 without its stabilisers) takes that run's colour, dashed, so the pair
+    reads as one."""
     plt = _pyplot()
-    colours = iter(plt.get_cmap("tab10").colors)
+    colours = itertools.cycle(plt.get_cmap("tab10").colors)
     styles = {}
     for name in names:
         base = base_run(name)
@@ -64,7 +66,8 @@ def plot_losses(results: list[RunResult], entropy: float, path: str, base_run: C
         ax.grid(alpha=0.3)
     right.set_ylabel("nats per byte")
     dashed = any(style.get("linestyle") == "--" for style in styles.values())
-    (right if baseline else middle).legend(fontsize=8, title="dashed: with 8-bit Adam moments" if dashed else None,
+    (right if baseline else middle).legend(fontsize=8, title="dashed: with 8-bit Adam moments,\nor FP4 without "
+                                           "its stabilisers" if dashed else None,
                                            title_fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle("GPT (megatron-core, TE layer spec via mindspeed_te) on the Python standard library's bytes")
     fig.tight_layout()

@@ -1,12 +1,12 @@
 """The demo's runs: a GPT built from megatron-core (GPTModel, Megatron's TransformerEngine layer spec, patched
-so that the TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16 and in
-every FP8/HiF8 recipe, and two recipes again with 8-bit Adam moments, from the same initial weights and the
-same batches.
+so that the TE* classes are mindspeed_te's) learns the bytes of the Python standard library, in bf16, in
+every FP8/HiF8 recipe, two recipes again with 8-bit Adam moments, and in NVFP4 and MXFP4 with and without
+their stabilisers, from the same initial weights and the same batches.
 
     python -m mindspeed_te.demo [--out demo_out] [--steps 150] [--runs bf16,hif8-delayed,...] [--seeds N]
 
 Prints a table (final train and validation loss, the difference to bf16, time per step) and writes to --out:
-demo_loss.png (train and validation loss curves), demo_numerics.png (per-layer FP8 numerics of one run, from
+demo_loss.png (train and validation loss curves), demo_numerics.png (per-layer numerics of one run, from
 mindspeed_te.debug), summary.csv, losses.csv and the numerics report (numerics/). With --seeds N, every run
 is trained with N seeds, and the run-to-run noise of the validation loss is printed and written to seeds.csv.
 """
@@ -18,8 +18,11 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Optional
+from unittest import mock
 
 import torch
 
@@ -27,21 +30,50 @@ from mindspeed_te.demo.corpus import VOCAB_SIZE, load_corpus, train_batches, uni
 from mindspeed_te.demo.plots import combine_heatmaps, plot_losses
 from mindspeed_te.demo.seeds import format_noise, noise, write_seeds_csv
 from mindspeed_te.patches.precision_optimizer import QUANT_STATES
+from mindspeed_te.recipe import NVFP4_DISABLE_SWITCHES
 from mindspeed_te.state import FP8GlobalStateManager
+
+# The --mxfp4-* options that are stabilisers (MXFP4BlockScaling's random_hadamard_transform, stochastic_rounding)
+MXFP4_STABILISERS = ("mxfp4_random_hadamard_transform", "mxfp4_stochastic_rounding")
 
 
 @dataclass(frozen=True)
 class Run:
     """One run, as Megatron's flags name it. Every run has bf16 parameters and fp32 main weights."""
-    fp8_format: Optional[str] = None  # --fp8-format; None: the bf16 baseline
+    fp8_format: Optional[str] = None  # --fp8-format; None with no fp4_recipe: the bf16 baseline
     fp8_recipe: Optional[str] = None  # --fp8-recipe
     # --quant-states: Adam moments in 8 bits (--use-precision-aware-optimizer --exp-avg-dtype fp8
     # --exp-avg-sq-dtype fp8) in this format; None: fp32 moments
     quant_states: Optional[str] = None
+    fp4_recipe: Optional[str] = None  # --fp4-format e2m1 --fp4-recipe nvfp4|mxfp4
+    mxfp4_options: tuple[str, ...] = ()  # the --mxfp4-* flags given, by their config fields (MXFP4_OPTIONS)
+    nvfp4_disabled: tuple[str, ...] = ()  # TE's variables set to 1 for the run (NVFP4_DISABLE_SWITCHES)
 
     def __post_init__(self) -> None:
+        """The checks that need no Megatron import; build() checks the names of fp4_recipe and mxfp4_options."""
         if self.quant_states is not None and self.quant_states not in QUANT_STATES:
             raise ValueError(f"Run: quant_states={self.quant_states!r}; allowed: None, {', '.join(QUANT_STATES)}")
+        if self.fp4_recipe is not None and self.fp8_format is not None:
+            raise ValueError("Run: fp4_recipe and fp8_format cannot be used together (--fp4-format, --fp8-format)")
+        if self.mxfp4_options and self.fp4_recipe != "mxfp4":
+            raise ValueError(f"Run: mxfp4_options={self.mxfp4_options!r} need fp4_recipe='mxfp4'")
+        if self.nvfp4_disabled and (self.fp4_recipe != "nvfp4"
+                                    or not set(self.nvfp4_disabled) <= set(NVFP4_DISABLE_SWITCHES)):
+            raise ValueError(f"Run: nvfp4_disabled={self.nvfp4_disabled!r} needs fp4_recipe='nvfp4'; allowed: "
+                             f"{', '.join(NVFP4_DISABLE_SWITCHES)}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.fp8_format is not None or self.fp4_recipe is not None
+
+    def stabilised(self) -> Run:
+        """This run with its FP4 recipe's stabilisers on: NVFP4 with TE's defaults (none disabled), MXFP4 with
+        the Hadamard transform and stochastic rounding (unless it has FP8 activations, which refuse them)."""
+        if self.fp4_recipe == "nvfp4":
+            return replace(self, nvfp4_disabled=())
+        if self.fp4_recipe == "mxfp4" and "mxfp4_fp8_activations" not in self.mxfp4_options:
+            return replace(self, mxfp4_options=MXFP4_STABILISERS)
+        return self
 
 
 RUNS: dict[str, Run] = {
@@ -54,13 +86,27 @@ RUNS: dict[str, Run] = {
     "e4m3-mxfp8": Run("e4m3", "mxfp8"),
     "hif8-delayed+hif8-moments": Run("hif8", "delayed", quant_states="hif8"),
     "e4m3-mxfp8+mxfp8-moments": Run("e4m3", "mxfp8", quant_states="mxfp8"),
+    "nvfp4": Run(fp4_recipe="nvfp4"),  # TE's defaults: its three stabilisers on
+    "nvfp4-no-stabilisers": Run(fp4_recipe="nvfp4", nvfp4_disabled=NVFP4_DISABLE_SWITCHES),
+    "mxfp4+rht+sr": Run(fp4_recipe="mxfp4", mxfp4_options=MXFP4_STABILISERS),
+    "mxfp4": Run(fp4_recipe="mxfp4"),
+    "mxfp4-fp8-activations": Run(fp4_recipe="mxfp4", mxfp4_options=("mxfp4_fp8_activations",)),
+    # one stabiliser off (NVFP4) or on (MXFP4) at a time: what each buys
+    "nvfp4-no-rht": Run(fp4_recipe="nvfp4", nvfp4_disabled=("NVTE_NVFP4_DISABLE_RHT",)),
+    "nvfp4-no-sr": Run(fp4_recipe="nvfp4", nvfp4_disabled=("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",)),
+    "nvfp4-no-2d": Run(fp4_recipe="nvfp4", nvfp4_disabled=("NVTE_NVFP4_DISABLE_2D_QUANTIZATION",)),
+    "mxfp4+rht": Run(fp4_recipe="mxfp4", mxfp4_options=("mxfp4_random_hadamard_transform",)),
+    "mxfp4+sr": Run(fp4_recipe="mxfp4", mxfp4_options=("mxfp4_stochastic_rounding",)),
 }
+# Runs only --runs selects, the one-stabiliser ablations: the CPU emulation of FP4 with its stabilisers is
+# several times slower than FP8's, and the default runs already take each FP4 recipe with and without them
+OPT_IN = ("nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-no-2d", "mxfp4+rht", "mxfp4+sr")
 
 
 def base_run(name: str) -> str:
-    """The run that `name` repeats with fp32 moments (itself if its moments are fp32)."""
-    fp32_moments = replace(RUNS[name], quant_states=None)
-    return next(other for other, run in RUNS.items() if run == fp32_moments)
+    """The run that `name` repeats with one change, fp32 moments or its FP4 stabilisers on (itself if none)."""
+    base = replace(RUNS[name], quant_states=None).stabilised()
+    return next(other for other, run in RUNS.items() if run == base)
 
 
 @dataclass
@@ -95,6 +141,7 @@ def setup_megatron() -> None:
 def build(args: argparse.Namespace, run: Run, seed: int):
     """GPT + Megatron's DDP (fp32 gradient buffers) + its mixed-precision Adam (fp32 main weights) + its
     learning-rate schedule (linear warm-up, cosine decay), seeded identically for every run of one seed.
+    FP4 runs set the config's fp4 / fp4_recipe and the fields the --mxfp4-* flags set.
     8-bit moments take Megatron's own path: its precision-aware optimizer (which needs its distributed
     optimizer, here over one rank) with TE's FusedAdam, served by mindspeed_te's through the patch registry."""
     from megatron.core import tensor_parallel
@@ -107,13 +154,22 @@ def build(args: argparse.Namespace, run: Run, seed: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from mindspeed_te import FP8GlobalStateManager
+    from mindspeed_te.megatron.fp4 import MXFP4_OPTIONS, make_fp4_recipe
 
     FP8GlobalStateManager.reset()
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.hidden // 32,
                                bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                               fp8=run.fp8_format, fp8_recipe=run.fp8_recipe or "delayed")
+                               fp8=run.fp8_format, fp8_recipe=run.fp8_recipe or "delayed",
+                               fp4="e2m1" if run.fp4_recipe else None, fp4_recipe=run.fp4_recipe or "nvfp4")
+    if run.fp4_recipe:
+        unknown = sorted(set(run.mxfp4_options) - set(MXFP4_OPTIONS))
+        if unknown:
+            raise ValueError(f"Run: mxfp4_options {unknown}; allowed: {', '.join(MXFP4_OPTIONS)}")
+        for dest in MXFP4_OPTIONS:  # where the --mxfp4-* flags put them (patches/arguments)
+            setattr(config, dest, dest in run.mxfp4_options)
+        make_fp4_recipe(run.fp4_recipe, config)  # a bad recipe or combination fails here, not in the first step
     gpt = GPTModel(config, get_gpt_layer_with_transformer_engine_spec(), vocab_size=VOCAB_SIZE,
                    max_sequence_length=args.seq_length, position_embedding_type="rope")
     low_precision = run.quant_states is not None
@@ -168,10 +224,26 @@ def evaluate(model: torch.nn.Module, batches: list) -> float:
     return loss
 
 
+@contextmanager
+def nvfp4_switches(run: Run) -> Iterator[None]:
+    """TE's NVFP4 switches as the run sets them (its nvfp4_disabled 1, the others unset), for the whole run:
+    Megatron's FP4 autocast makes the recipe, which reads them, at every forward. Restored afterwards."""
+    with mock.patch.dict(os.environ):
+        for switch in NVFP4_DISABLE_SWITCHES:
+            os.environ.pop(switch, None)
+        os.environ.update(dict.fromkeys(run.nvfp4_disabled, "1"))
+        yield
+
+
 def train(name: str, args: argparse.Namespace, corpus, val, seed: int, report=None) -> RunResult:
     """One run: args.steps steps on the batches of `seed` from the weights of `seed`, validation every
     args.eval_interval steps and at the end. With `report` (a mindspeed_te.debug.NumericsReport), the last
     step's numerics are recorded."""
+    with nvfp4_switches(RUNS[name]):
+        return _train(name, args, corpus, val, seed, report)
+
+
+def _train(name: str, args: argparse.Namespace, corpus, val, seed: int, report) -> RunResult:
     from tqdm import tqdm
 
     gpt, model, optimizer, scheduler = build(args, RUNS[name], seed)
@@ -235,9 +307,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mindspeed_te.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="demo_out", help="directory for the figures and CSV files")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of: {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=",".join(name for name in RUNS if name not in OPT_IN),
+                        help=f"comma-separated subset of: {', '.join(RUNS)} (default: all but {', '.join(OPT_IN)})")
     parser.add_argument("--numerics-run", default="hif8-delayed",
-                        help="the FP8 run whose last step is recorded by the numerics report")
+                        help="the FP8 or FP4 run whose last step is recorded by the numerics report")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=4)
@@ -258,12 +331,13 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     unknown = [r for r in args.runs + [args.numerics_run] if r not in RUNS]
     if unknown or not args.runs:
         parser.error(f"--runs / --numerics-run: unknown run {unknown or '(none given)'}; allowed: {', '.join(RUNS)}")
-    if RUNS[args.numerics_run].fp8_format is None:
-        parser.error("--numerics-run must name an FP8 run (the bf16 run quantizes nothing)")
+    if not RUNS[args.numerics_run].quantized:
+        parser.error("--numerics-run must name an FP8 or FP4 run (the bf16 run quantizes nothing)")
     for flag in ("steps", "eval_interval", "eval_batches", "layers", "threads", "seeds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    # MXFP8 quantizes 32-element blocks along both dims of every GEMM operand: tokens and hidden sizes.
+    # MXFP8 and MXFP4 quantize 32-element blocks (NVFP4 16) along both dims of every GEMM operand: tokens and
+    # hidden sizes (QKV 3x, FFN 4x the hidden size).
     if args.hidden % 32 or args.seq_length * args.batch_size % 32:
         parser.error("--hidden and --seq-length x --batch-size must be multiples of 32")
     return args

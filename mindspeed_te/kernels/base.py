@@ -48,6 +48,11 @@ class KernelBackend(ABC):
         """(whether FP8 kernels exist on this device, why not)."""
         return True, ""
 
+    def nvfp4_available(self) -> tuple[bool, str]:
+        """(whether NVFP4BlockScaling runs here, why not): its GEMM takes per-16 E4M3 block scales, which a device
+        may lack although it has other FP4 GEMMs (TransformerEngine's is_nvfp4_available)."""
+        return self.available()
+
     @abstractmethod
     def quantize(self, quantizer: Quantizer, x: torch.Tensor) -> QuantizedTensorStorage:
         """x quantized the way `quantizer` describes (its usage says which layouts)."""

@@ -16,6 +16,7 @@ from mindspeed_te.quantizers import Quantizer, record_nonfinite
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
     Float8TensorStorage,
+    MXFP4TensorStorage,
     MXFP8TensorStorage,
     QuantizedTensorStorage,
 )
@@ -43,12 +44,12 @@ def hadamard_pair(a: Operand, b: Operand, a_columnwise: bool, b_columnwise: bool
 
 
 def holds_bf16_values(t: Operand) -> bool:
-    """Whether every value `operand_2d` makes of `t` is a bfloat16 value: FP8 codes (E4M3, E5M2 and HiF8
-    alike) times power-of-2 scales, or a bfloat16 tensor."""
+    """Whether every value `operand_2d` makes of `t` is a bfloat16 value: FP8 and FP4 codes (E4M3, E5M2, HiF8,
+    E2M1 alike) times power-of-2 scales, or a bfloat16 tensor."""
     if isinstance(t, Float8BlockwiseQTensorStorage):
         return t.power_2_scale
     if isinstance(t, QuantizedTensorStorage):
-        return isinstance(t, MXFP8TensorStorage)
+        return isinstance(t, (MXFP8TensorStorage, MXFP4TensorStorage))
     return t.dtype == torch.bfloat16
 
 
@@ -335,7 +336,8 @@ class ReferenceBackend(KernelBackend):
         elif hadamard_pair(a, b, a_columnwise, b_columnwise):
             # Both operands hold their columnwise form Hadamard-transformed along the contraction dim with the
             # same matrix Q (the FP4 recipes' wgrad): the GEMM of the stored values is the product (Q Qᵀ = I).
-            result = torch.mm(a.columnwise_hadamard_values(), b.columnwise_hadamard_values().t())
+            result = mm_float32(a.columnwise_hadamard_values(), b.columnwise_hadamard_values().t(),
+                                bf16_values=holds_bf16_values(a) and holds_bf16_values(b))
         elif (self.bf16_output_gemm and out is None and out_dtype == torch.bfloat16
               and (bias is None or bias.dtype == torch.bfloat16) and bf16_kernel_rounds(a, b, a_columnwise)):
             a_values = self.gemm_operand(a, a_columnwise, torch.bfloat16)

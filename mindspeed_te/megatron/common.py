@@ -78,6 +78,17 @@ def _init_from_master_weight(weight: torch.Tensor, *, init_method: Callable, par
         weight.copy_(torch.cat(chunks[rank::world], dim=partition_dim))
 
 
+def quantization_align_size(recipe: Optional[Recipe]) -> int:
+    """Rows a quantized grouped GEMM needs per expert under `recipe` (TE's get_align_size_for_quantization):
+    one MX block (32) for MXFP8 and MXFP4, TE's 128 for NVFP4 (its grouped quantize with the Hadamard
+    transform), 16 otherwise."""
+    if recipe is not None and (recipe.mxfp8() or recipe.mxfp4()):
+        return 32
+    if recipe is not None and recipe.nvfp4():
+        return 128
+    return 16
+
+
 # HIF8DelayedScaling field -> default; each comes from the config attribute (and flag) hif8_<field without hif8_>
 _HIF8_DELAYED = {"hif8_input_margin": 11, "hif8_weight_margin": 12, "hif8_grad_margin": 11,
                  "amax_collect_interval": 5, "scale_update_interval": 10, "amax_history_len": 128}

@@ -5,7 +5,9 @@ codes into it), and its distributed optimizer keeps fp32 main parameters of its 
 `quantize_param_shard` writes the new codes of that shard into the buffer, and the parameter all-gather then
 moves 1 byte per element. Every rank must end with the same scale as one quantization of the whole tensor
 would give, so the shard's amax (per tensor, or per 128x128 tile) is MAX-reduced over the data-parallel group
-first; then each rank's codes are exactly the whole-tensor codes of its elements.
+first; then each rank's codes are exactly the whole-tensor codes of its elements. FP4 parameters
+(--fp4-param-gather, NVFP4 with 16x16 weight tiles) take the same path with one code per byte in the buffer
+(`FP4Tensor`), their tensor amax and tile amaxes reduced alike.
 
 Megatron's own `post_all_gather_processing` and `correct_amax_history_if_needed` stay as they are (no-ops
 without TE): the weights accepted here read their columnwise form as a view of the gathered codes, and the
@@ -19,7 +21,16 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from mindspeed_te.quantized_tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
+from mindspeed_te.fp4 import e2m1_encode, nvfp4_block_scales, nvfp4_global_encode_scale
+from mindspeed_te.megatron.common import quantization_align_size
+from mindspeed_te.quantized_tensor import (
+    Float8BlockwiseQTensor,
+    Float8Tensor,
+    FP4Tensor,
+    MXFP8Tensor,
+    QuantizedTensor,
+    gatherable_fp4,
+)
 from mindspeed_te.quantizers import _quantize_tiles
 from mindspeed_te.state import FP8GlobalStateManager
 
@@ -54,6 +65,13 @@ def _max_over(amax: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.T
 def _check_gatherable(param: QuantizedTensor) -> None:
     if isinstance(param, Float8Tensor):
         return
+    if isinstance(param, FP4Tensor):
+        if gatherable_fp4(param._storage):
+            return
+        raise NotImplementedError(
+            f"--fp4-param-gather with --use-distributed-optimizer: {type(param).__name__} weights keep a separate "
+            "columnwise copy that cannot be rebuilt from the gathered codes; use --fp4-recipe nvfp4 with its 16x16 "
+            "weight tiles (NVTE_NVFP4_DISABLE_2D_QUANTIZATION unset)")
     if isinstance(param, Float8BlockwiseQTensor) and param._storage.block_scaling_dim == 2:
         return
     raise NotImplementedError(
@@ -85,6 +103,22 @@ def _shard_codes_tiled(param: Float8BlockwiseQTensor, shard: torch.Tensor, start
     return data.reshape(-1)[start:start + shard.numel()], scale_inv
 
 
+def _shard_codes_nvfp4(param: FP4Tensor, shard: torch.Tensor, start: int,
+                       group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes of the shard one per byte, rowwise scale_inv, amax) of 16x16-tile NVFP4: the shard in place inside a
+    zero tensor of the parameter's shape, the tensor amax and the tile amaxes MAX-reduced over the group before
+    the scales are made (zeros raise no amax), so every code is the whole tensor's."""
+    whole = torch.zeros(param.numel(), dtype=shard.dtype, device=shard.device)
+    whole[start:start + shard.numel()] = shard
+    x = whole.view(-1, param.shape[-1]).float()
+    rows, cols = x.shape
+    amax = _max_over(x.abs().amax().reshape(1), group)
+    tiles = _max_over(x.reshape(rows // 16, 16, cols // 16, 16).abs().amax(dim=(1, 3)), group)
+    scale, encode = nvfp4_block_scales(tiles, nvfp4_global_encode_scale(amax))
+    codes = e2m1_encode(x * encode.repeat_interleave(16, dim=0).repeat_interleave(16, dim=1))
+    return codes.reshape(-1)[start:start + shard.numel()], scale.repeat_interleave(16, dim=0), amax
+
+
 @torch.no_grad()
 def quantize_param_shard(model_params: Sequence[QuantizedTensor], main_params: Sequence[Optional[torch.Tensor]],
                          start_offsets: Sequence[Optional[int]], data_parallel_group: dist.ProcessGroup,
@@ -100,12 +134,16 @@ def quantize_param_shard(model_params: Sequence[QuantizedTensor], main_params: S
         # Megatron casts the main parameter to the model dtype first, as the bf16 path does.
         shard = main.reshape(-1).to(param.dtype) if main is not None else param.new_zeros(0, dtype=param.dtype)
         start = start or 0
-        if isinstance(param, Float8Tensor):
+        if isinstance(param, FP4Tensor):
+            codes, scale_inv, amax = _shard_codes_nvfp4(param, shard, start, data_parallel_group)
+            param._storage.amax_rowwise.copy_(amax)
+        elif isinstance(param, Float8Tensor):
             codes, scale_inv = _shard_codes_per_tensor(param, shard, data_parallel_group)
         else:
             codes, scale_inv = _shard_codes_tiled(param, shard, start, data_parallel_group)
-        param._data.view(-1)[start:start + shard.numel()] = codes.view(torch.uint8)
+        # scales first: writing an FP4 parameter's codes marks its packed forms to be made again (with them)
         param._scale_inv.copy_(scale_inv.reshape(param._scale_inv.shape))
+        param._data.view(-1)[start:start + shard.numel()] = codes.view(torch.uint8)
 
 
 # FP8 inference: pad the token dimension to what the FP8 GEMMs need ------------------------------------------
@@ -113,9 +151,7 @@ _fp8_inference_wrapped_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakS
 
 
 def _token_alignment() -> int:
-    from mindspeed_te.recipe import MXFP8BlockScaling
-
-    return 32 if isinstance(FP8GlobalStateManager.get_fp8_recipe(), MXFP8BlockScaling) else 16
+    return quantization_align_size(FP8GlobalStateManager.get_fp8_recipe())
 
 
 def _wrap_te_linear_for_padding(module: torch.nn.Module) -> None:
@@ -146,8 +182,8 @@ def _wrap_te_linear_for_padding(module: torch.nn.Module) -> None:
 
 def prepare_model_for_fp8_inference(model: torch.nn.Module) -> torch.nn.Module:
     """Make every TE linear of `model` (Megatron's `fp8_utils.TE_LINEAR_TYPES`, which the patches set to ours)
-    pad its token (first) dimension to the FP8 GEMM alignment (16 rows, 32 for MXFP8) and drop the padding from
-    its output, so inference runs on any sequence length."""
+    pad its token (first) dimension to the quantized GEMM alignment (`quantization_align_size`) and drop the
+    padding from its output, so inference runs on any sequence length."""
     from megatron.core import fp8_utils
 
     for module in model.modules():

@@ -8,17 +8,16 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from mindspeed_te.checkpointing import checkpoint
+from mindspeed_te.megatron.common import quantization_align_size
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
 from mindspeed_te.ops.cpu_offload import get_cpu_offload_context as _get_cpu_offload_context
 from mindspeed_te.ops.grouped_linear import check_m_splits
-from mindspeed_te.recipe import MXFP8BlockScaling
 from mindspeed_te.state import FP8GlobalStateManager
 
 
 def _alignment() -> int:
     """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM."""
-    recipe = FP8GlobalStateManager.get_fp8_recipe()
-    return 32 if isinstance(recipe, MXFP8BlockScaling) else 16
+    return quantization_align_size(FP8GlobalStateManager.get_fp8_recipe())
 
 
 class _SplitPadding(torch.nn.Module):
@@ -38,7 +37,7 @@ class Fp8Padding(_SplitPadding):
 
     Args:
         num_gemms: number of experts (length of m_splits)
-        align_size: row alignment (None: the active recipe's, 32 for MXFP8 and 16 otherwise)
+        align_size: row alignment (None: the active recipe's, `quantization_align_size`)
     """
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -57,7 +56,7 @@ class Fp8Unpadding(_SplitPadding):
 
     Args:
         num_gemms: number of experts (length of m_splits)
-        align_size: row alignment (None: the active recipe's, 32 for MXFP8 and 16 otherwise)
+        align_size: row alignment (None: the active recipe's, `quantization_align_size`)
     """
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:

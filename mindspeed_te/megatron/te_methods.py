@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
+from mindspeed_te.megatron.fp4 import FP4_RECIPES
 from mindspeed_te.recipe import Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, Recipe
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
@@ -35,11 +36,15 @@ def _overrides(qrecipe, context_quantized: bool) -> bool:
 
 
 def _override_recipe(qrecipe) -> Recipe:
-    """Our recipe for an override's fp8_quantization_recipe / fp8_format (delayed scaling is refused by
-    Megatron's parser already; FP4 and custom recipe factories have no counterpart here)."""
+    """Our recipe for an override's fp8_quantization_recipe / fp8_format, or its fp4_quantization_recipe
+    (delayed scaling is refused by Megatron's parser already; custom recipe factories have no counterpart
+    here)."""
     if qrecipe.fp4_quantization_recipe is not None:
-        raise ValueError(f"quant_recipe: FP4 recipe {qrecipe.fp4_quantization_recipe} is not supported by "
-                         "mindspeed_te; use tensorwise, blockwise or mxfp8")
+        fp4 = getattr(qrecipe.fp4_quantization_recipe, "value", qrecipe.fp4_quantization_recipe)
+        if fp4 not in FP4_RECIPES:
+            raise ValueError(f"quant_recipe: fp4_quantization_recipe {fp4!r} is not supported; allowed: "
+                             f"{', '.join(FP4_RECIPES)}")
+        return FP4_RECIPES[fp4]()
     name = getattr(qrecipe.fp8_quantization_recipe, "value", qrecipe.fp8_quantization_recipe)
     if name not in _RECIPES:
         raise ValueError(f"quant_recipe: fp8_quantization_recipe {name!r} is not supported; allowed: "

@@ -15,6 +15,7 @@ from mindspeed_te.recipe import (
     Float8BlockScaling,
     Float8CurrentScaling,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     Recipe,
 )
 
@@ -79,13 +80,22 @@ class AvailabilityMixin:
         return _fp8_support()
 
     @classmethod
+    def is_nvfp4_available(cls) -> tuple[bool, str]:
+        """(available, reason) for NVFP4BlockScaling: the NPU has no GEMM with its per-16 E4M3 scales."""
+        available, reason = _fp8_support()
+        return get_backend(_accelerator_type()).nvfp4_available() if available else (available, reason)
+
+    @classmethod
     def _check_available(cls, recipe: Recipe) -> None:
         """Refuse an enabled region the device cannot run, with the reason."""
         if isinstance(recipe, MXFP8BlockScaling):
             available, reason = cls.is_mxfp8_available()
+        elif isinstance(recipe, NVFP4BlockScaling):
+            available, reason = cls.is_nvfp4_available()
         elif isinstance(recipe, Float8BlockScaling):
             available, reason = cls.is_fp8_block_scaling_available()
         else:
             available, reason = cls.is_fp8_available()
         if not available:
-            raise RuntimeError(f"FP8 is not available: {reason} (recipe {type(recipe).__name__})")
+            kind = "NVFP4" if isinstance(recipe, NVFP4BlockScaling) else "FP8"
+            raise RuntimeError(f"{kind} is not available: {reason} (recipe {type(recipe).__name__})")

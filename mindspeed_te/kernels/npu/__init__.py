@@ -28,9 +28,11 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                tile amaxes of all the pass's layouts into one buffer, its scales in one chain of torch ops, the
                cast one npu_quantize per layout; other scales (HiF8's default): npu_dynamic_block_quant
                (fp16/bf16/fp32, not with amax_epsilon; HiF8 dst_type_max 15, 56, 224, 32768)
-  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor on the
-               Ascend 950DT: one npu_dynamic_mx_quant_with_dual_axis (its columnwise scales kept as it lays
+  mxfp8        npu_dynamic_mx_quant(scale_alg 1=ceil, 0=floor); both layouts of a bf16/fp16 tensor: one
+               npu_dynamic_mx_quant_with_dual_axis (Ascend 950PR/950DT; its columnwise scales kept as it lays
                them out, which the GEMM takes)
+  mxfp4        the same kernels' FP4 output (scale_alg 0, the "floor" rule) and npu_quant_matmul's MX mode with
+               float4_e2m1fn_x2 operands (E4M3 x FP4 for fp8_activations); nvfp4 refused: npu/fp4.py
   flags        a quantize pass only notes its non-finite flag updates (quantizers.record_nonfinite_many); the
                state manager folds the whole step's once (FP8GlobalStateManager.fold_nonfinite)
   GEMMs        npu_quant_matmul (per-tensor, [1,128,128] blockwise, [1,1,32] MX, and the 1x128 x 1x128
@@ -71,6 +73,7 @@ from mindspeed_te import fused_cast
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.kernels.base import Capabilities, KernelBackend
 from mindspeed_te.kernels.npu.attention import NpuAttention
+from mindspeed_te.kernels.npu.fp4 import NpuFP4
 from mindspeed_te.kernels.npu.gemm import NpuGemm
 from mindspeed_te.kernels.npu.grouped_gemm import NpuGroupedGemm
 from mindspeed_te.kernels.npu.mc2 import NpuMc2
@@ -193,7 +196,7 @@ class DeclaredEmulations:
         check_emulations(cls)
 
 
-class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention, NpuGemm, NpuGroupedGemm,
+class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention, NpuFP4, NpuGemm, NpuGroupedGemm,
                  MoeRopeKernels, ReferenceBackend):
     """Dispatches quantize, GEMM, norm, attention, MoE permutation and RoPE to torch_npu kernels where they apply;
     the contract methods in `reference_emulations` are the reference's, for the reasons given there."""

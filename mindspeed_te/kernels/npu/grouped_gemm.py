@@ -112,8 +112,8 @@ class NpuGroupedGemm:
         groupIndex进行分组，每个group内按k = blocksize个数分组"; the same scale rules, scaleAlg 0 / 1), and the scales
         come in the K-split grouped GEMM's layout, which the wgrad (`_grouped_mx_wgrad`) then reads as they lie.
         Their rowwise forms, and the other tensors, go through `quantize_many` (one quantize of the joined rows).
-        Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16") of whole 32-token blocks, except on the 950DT
-        where one dual-axis call makes both forms of the joined rows (all experts but the last of whole 64-token
+        Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16") of whole 32-token blocks, except where a
+        dual-axis call makes both forms of the joined rows (all experts but the last of whole 64-token
         pairs)."""
         qs, xs = list(quantizers), list(tensors)
         joined = self._grouped_mx_rows(qs[:blocks], xs[:blocks])

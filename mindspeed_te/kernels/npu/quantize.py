@@ -1,7 +1,7 @@
 """The NPU backend's quantize (`NpuQuantize`, mixed into `NpuBackend`): quantize and quantize_many, with
 per-tensor delayed and current scaling batched over a pass's tensors, block scales on npu_dynamic_block_quant,
 power-of-2 block scales on npu_dynamic_mx_quant, HiF8 power-of-2 tiles in one chain of small ops and one
-npu_quantize per layout, MXFP8 on npu_dynamic_mx_quant (dual-axis on the 950DT), and row blocks of one buffer
+npu_quantize per layout, MXFP8 on npu_dynamic_mx_quant (both layouts: dual-axis), and row blocks of one buffer
 (a grouped linear's experts) joined into one kernel pass; the run-finding helpers and `_QUANTIZE_KERNELS`, the
 dispatch of the block-scaled quantizers."""
 from __future__ import annotations
@@ -13,11 +13,13 @@ import torch
 
 from mindspeed_te.formats import FP8Dtype
 from mindspeed_te.kernels.npu.common import _HALF, _per_row
+from mindspeed_te.kernels.npu.fp4 import NpuFP4
 from mindspeed_te.kernels.npu.fused_quantize import NpuFusedQuantize
 from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    MXFP4Quantizer,
     MXFP8Quantizer,
     Quantizer,
     record_nonfinite_many,
@@ -186,7 +188,10 @@ class NpuQuantize(NpuFusedQuantize):
         rowwise form: inputs quantized again in backward, `save_original_input`), its scales in
         (ceil(M / 64), K, 2) pairs: one call per part of the run (`_pair_parts`: cut after each block that is not
         whole pairs, whose last pair is then padded with 0, as the kernel pads the last of a tensor of its own).
-        On the 950DT the dual-axis kernel makes both MX forms of each part in one call."""
+        A run of one part takes the dual-axis kernel where both forms are needed: one call. A run of several parts
+        keeps its rowwise form in one call of the joined rows: one dual-axis call per part would cost as many calls
+        and scatter the rowwise forms, which the grouped GEMM then joins (one concatenation each of codes and
+        scales)."""
         for run in _row_runs(qs, x2ds, outs):
             q = qs[run[0]]
             joined = joined_rows([x2ds[i] for i in run])
@@ -196,7 +201,7 @@ class NpuQuantize(NpuFusedQuantize):
             kernel = _QUANTIZE_KERNELS[type(q)]
             parts = [(part, joined_rows([x2ds[i] for i in part])) for part in _pair_parts(x2ds, run)
                      ] if mx_columnwise else []
-            if parts and self._dual_axis_mx(joined):  # each part's forms in one call (dual-axis when both)
+            if len(parts) == 1 and self._dual_axis_mx(joined):  # the run's forms in one call (dual-axis when both)
                 wholes = [(part, kernel(self, q, rows, rows)) for part, rows in parts]
             else:
                 rowwise = _with_usage(q, columnwise=False)
@@ -567,9 +572,11 @@ class NpuQuantize(NpuFusedQuantize):
         return out
 
     def _dual_axis_mx(self, x2d: torch.Tensor) -> bool:
-        """Whether npu_dynamic_mx_quant_with_dual_axis can make both MX layouts: torch_npu's document says
-        "该接口仅在Ascend 950DT上支持" and its input is float16/bfloat16 only (aclnnDynamicMxQuantWithDualAxis)."""
-        return str(self.device_name).startswith("Ascend950DT") and x2d.dtype in _HALF
+        """Whether npu_dynamic_mx_quant_with_dual_axis can make both MX layouts: torch_npu has it, the kernel's
+        document lists the chip ("Ascend 950PR/Ascend 950DT：支持", aclnnDynamicMxQuantWithDualAxis; the FP8
+        chips) and its input is float16/bfloat16 only."""
+        return (self.supports_fp8 and hasattr(self.npu, "npu_dynamic_mx_quant_with_dual_axis")
+                and x2d.dtype in _HALF)
 
 
 # Quantize dispatch of the block-scaled quantizers (per-tensor ones go through quantize_many's batched forms):
@@ -578,4 +585,5 @@ class NpuQuantize(NpuFusedQuantize):
 _QUANTIZE_KERNELS = {
     Float8BlockQuantizer: NpuQuantize._quantize_blocks,
     MXFP8Quantizer: NpuQuantize._quantize_mx,
+    MXFP4Quantizer: NpuFP4._quantize_mxfp4,
 }

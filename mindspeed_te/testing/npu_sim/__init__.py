@@ -17,11 +17,13 @@ Keyword names follow torch_npu 2.14. The first tensor of the single-input kernel
 real ops are `torch.ops.npu` overloads whose schema calls it `self` or `x` while the docs say `input`, so the
 library must pass it positionally.
 
-Calls the real kernel accepts but that the library never makes (int8/int4/FP4 data, pseudo-quantization,
-activations fused into grouped GEMMs, ...) raise `NpuSimNotImplemented` instead of being guessed at.
+Calls the real kernel accepts but that the library never makes (int8/int4 data, FP4 other than E2M1 in the MX
+modes, pseudo-quantization other than MX E4M3 x FP4, activations fused into grouped GEMMs, ...) raise
+`NpuSimNotImplemented` instead of being guessed at.
 
 Layout: dtypes.py (dtype numbers), errors.py, checks.py (argument checks, the `kernel` wrapper), codecs.py
-(encode/decode), blocks.py (tiles), quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, norm.py, moe.py,
+(encode/decode), fp4.py (E2M1 codec, the packed layout, the MX quantize kernels' FP4 arguments), blocks.py (tiles),
+quantize.py, gemm.py, grouped_gemm.py, mc2.py, attention.py, norm.py, moe.py,
 rope.py, simulator.py; quant_max.py: npu_quant_max, which the backend does not call (its rule multiplies by the
 scale), on a simulator of its own (`make_simulator_with_quant_max`), so that the default one lacks it;
 fused_quant.py: npu_rms_norm_dynamic_mx_quant and npu_swiglu_mx_quant_with_dual_axis (op-plugin 26.0.0 / 26.1.0 and

@@ -27,6 +27,7 @@ from mindspeed_te.testing.npu_sim.codecs import decode, e8m0_values
 from mindspeed_te.testing.npu_sim.cube import cube_matmul, cube_matmul_rounded
 from mindspeed_te.testing.npu_sim.dtypes import (
     E8M0_CARRIERS,
+    FLOAT4_E2M1FN_X2,
     FLOAT8_E8M0FNU,
     FP4,
     FP8_NATIVE,
@@ -37,6 +38,7 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     DtypeArg,
 )
 from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
+from mindspeed_te.testing.npu_sim.fp4 import fp4_decode_packed, fp4_logical_shape
 
 
 class QuantMatmulKernels:
@@ -73,6 +75,12 @@ class QuantMatmulKernels:
         if (fmt1 == HIFLOAT8) != (fmt2 == HIFLOAT8):
             raise NpuTypeError(f"x1 ({dtype_name(fmt1)}) and x2 ({dtype_name(fmt2)}) must both be HiF8 or "
                                "both be float8_e4m3fn/float8_e5m2")
+        # MX table, FP4 rows: "MX全量化| FLOAT4_E2M1 | FLOAT4_E2M1" and "MX伪量化| FLOAT8_E4M3FN | FLOAT4_E2M1":
+        # an FP4 x1 pairs with an FP4 x2 only, an FP4 x2 with an FP4 or E4M3 x1.
+        pseudo = fmt1 == torch.float8_e4m3fn and fmt2 in FP4
+        if (fmt1 in FP4 or fmt2 in FP4) and not (pseudo or (fmt1 in FP4 and fmt2 in FP4)):
+            raise NpuTypeError(f"x1 ({dtype_name(fmt1)}) x x2 ({dtype_name(fmt2)}): FP4 GEMMs pair FP4 x FP4 or "
+                               "float8_e4m3fn x FP4")
         out_dtype = dtype_arg("output_dtype", output_dtype)
         # Same tables, out column of the FP8/HiF8 rows: "FLOAT16/BFLOAT16/FLOAT32". torch_npu's output_dtype None
         # means int8 output (torch_npu doc: "默认值为`None`，代表输出Tensor数据类型为`int8`。").
@@ -87,14 +95,19 @@ class QuantMatmulKernels:
         # x1 / x2 parameter table: "2-6" dims (ND).
         check_dims("x1", x1, 2, 6)
         check_dims("x2", x2, 2, 6)
-        m, k = x1.shape[-2:]
+        shape1, shape2 = (fp4_logical_shape(t) if f in FP4 else t.shape for t, f in ((x1, fmt1), (x2, fmt2)))
+        m, k = shape1[-2:]
         # "transposeX2为false时x2的shape：(batch, k, n)。... k与x1的shape中的k一致。" (same k)
-        if x2.shape[-2] != k:
+        if shape2[-2] != k:
             raise NpuValueError(f"k of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} differ")
-        n = x2.shape[-1]
+        n = shape2[-1]
         # torch_npu, npu_quant_matmul 约束说明: "当x1的数据类型为float8_e4m3fn, x2_dtype为torch_npu.float4_e2m1或
         # torch_npu.float4_e1m2的情况下, ... 其他情况, x1与x2最后一维的shape大小不能超过65535." (the shapes as
         # passed: x1's k, and x2's n for a (k, n) x2 or its transposed view)
+        if pseudo and (k % 64 or k > 65535 or n > 65535):
+            # "x1、x2的k值必须是64的倍数并且大小不能超过65535, x2的n值大小不能超过65535."
+            raise NpuValueError(f"float8_e4m3fn x FP4 needs k a multiple of 64 and k, n at most 65535; got k={k}, "
+                                f"n={n}")
         if x1.shape[-1] > 65535 or x2.shape[-1] > 65535:
             raise NpuValueError(f"the last dims of x1 {tuple(x1.shape)} and x2 {tuple(x2.shape)} may not exceed 65535")
         # x1, x2, x1Scale, x2Scale: "不支持空Tensor", except on the Ascend 950: "x2为ND格式时，当输入参数x1为m=0的空
@@ -122,6 +135,8 @@ class QuantMatmulKernels:
         elif sdt is not None or pdt is not None:
             # FLOAT8_E8M0 scales appear in the MX table only (the other modes' x1Scale/x2Scale are FLOAT32).
             raise NpuValueError("scale_dtype/pertoken_scale_dtype (E8M0) need group_sizes [1, 1, 32]")
+        if fmt2 in FP4:
+            self._check_fp4_mode(groups, pseudo, k, lay1, lay2, out_dtype, bias, n)
         if groups == (0, 0, 0):
             a, b = decode(x1, fmt1), decode(x2, fmt2)
             # 公共约束: "out的shape支持2~6维，(batch, m, n)，batch可不存在，支持x1与x2的batch维度broadcast".
@@ -157,6 +172,8 @@ class QuantMatmulKernels:
                 a, b = self._block_operands(x1, x2, fmt1, fmt2, scale, pertoken_scale, lay1, lay2, groups)
             if bias is None:  # the scales are inside the operands: the sum, rounded once, is the output
                 return cube_matmul_rounded(a, b, out_dtype)
+            if pseudo:  # its bias is in the output's dtype (checked above), added to the float32 sum
+                return (cube_matmul(a, b) + bias.float().reshape(1, n)).to(out_dtype)
             acc = cube_matmul(a, b)
         if bias is not None:
             acc = acc + self._quant_matmul_bias(bias, batch, n).float()
@@ -181,7 +198,12 @@ class QuantMatmulKernels:
             raise NpuTypeError(f"pass {arg_name} only when {name} is not a native torch dtype "
                                f"(torch_npu.hifloat8, torch_npu.float4_*); got {dtype_name(given)}")
         if given in FP4:
-            raise NpuSimNotImplemented(f"{arg_name}={dtype_name(given)}: FP4 is not simulated")
+            if given != FLOAT4_E2M1FN_X2:
+                raise NpuSimNotImplemented(f"{arg_name}={dtype_name(given)} is not simulated")
+            # torch_npu's FP4 bytes: uint8, two codes per byte ("FP4_IN_UINT8_NUM", the quantize kernels' output).
+            check_dtype(f"{name}.dtype", t.dtype, (torch.uint8,))
+            self._require_fp8_soc(f"{arg_name}=torch_npu.float4_e2m1fn_x2")
+            return given
         if t.dtype not in HIF8_CARRIERS:
             raise NpuTypeError(f"{name} must hold HiF8 codes as torch.uint8 when {arg_name} is "
                                f"torch_npu.hifloat8, got {t.dtype}")
@@ -245,7 +267,8 @@ class QuantMatmulKernels:
     @staticmethod
     def _mx_operands(x1, x2, fmt1, fmt2, scale, pertoken, lay1, lay2):
         """Dequantized (m, k), (k, n) operands of the MX mode (E8M0 scale pairs along k)."""
-        (m, k), n = x1.shape, x2.shape[1]
+        (m, k), n = (fp4_logical_shape(x1) if fmt1 in FP4 else x1.shape), x2.shape[1]
+        n = fp4_logical_shape(x2)[1] if fmt2 in FP4 else n
         kp = ceil_div(k, 64)
         # aclnnQuantMatmulV5, Ascend 950, MX table: x1Scale / x2Scale "FLOAT8_E8M0" (uint8 bytes in torch_npu).
         check_dtype("pertoken_scale.dtype", pertoken.dtype, E8M0_CARRIERS)
@@ -261,7 +284,32 @@ class QuantMatmulKernels:
         check_scale_layout("scale", scale, lay2, dims=(0, 1))
         s1 = e8m0_values(pertoken).reshape(m, 2 * kp).repeat_interleave(32, dim=1)[:, :k]
         s2 = e8m0_values(scale).permute(0, 2, 1).reshape(2 * kp, n).repeat_interleave(32, dim=0)[:k]
-        return decode(x1, fmt1) * s1, decode(x2, fmt2) * s2
+        a, b = ((fp4_decode_packed(t) if f in FP4 else decode(t, f)) for t, f in ((x1, fmt1), (x2, fmt2)))
+        return a * s1, b * s2
+
+    @staticmethod
+    def _check_fp4_mode(groups: tuple[int, int, int], pseudo: bool, k: int, lay1: set, lay2: set,
+                        out_dtype: Dtype, bias: Optional[torch.Tensor], n: int) -> None:
+        """The FP4 rows' constraints (aclnnQuantMatmulV5, Ascend 950, MX量化场景约束)."""
+        # FP4 operands appear in the MX table (and T-CG, E4M3 x FP4 with BFLOAT16/FLOAT16 x2Scale, not simulated).
+        if groups != (1, 1, 32):
+            raise NpuTypeError(f"FP4 operands need the MX mode (group_sizes [1, 1, 32]), got {list(groups)}")
+        if not pseudo:
+            # "MX全量化场景下，当x2数据类型为FLOAT4_E2M1时，x1和x2的内轴必须为偶数，且k必须大于2。" (the packed inner
+            # dims are even by construction)
+            if k <= 2:
+                raise NpuValueError(f"FP4 x FP4 needs k > 2, got {k}")
+            return
+        # "MX伪量化场景下，当x2数据类型为FLOAT4_E2M1时，transposeX1为false且transposeX2为true，不支持batch轴。"
+        if "row" not in lay1 or "col" not in lay2:
+            raise NpuValueError("float8_e4m3fn x FP4 needs x1 contiguous (m, k) and x2 the transposed view of a "
+                                "contiguous (n, k)")
+        # MX伪量化 row: out "BFLOAT16/FLOAT16", bias "null/BFLOAT16/FLOAT16"; "bias ... 数据类型要求与输出类型保持一致
+        # ... shape支持2维，shape表示(1，n)".
+        check_dtype("output_dtype", out_dtype, (torch.bfloat16, torch.float16))
+        if bias is not None:
+            check_dtype("bias.dtype", bias.dtype, (out_dtype,))
+            check_shape("bias", bias, (1, n))
 
     @staticmethod
     def _quant_matmul_bias(bias: torch.Tensor, batch: torch.Size, n: int) -> torch.Tensor:

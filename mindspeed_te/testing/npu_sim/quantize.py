@@ -36,7 +36,8 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     Dtype,
     DtypeArg,
 )
-from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuTypeError, NpuValueError
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
+from mindspeed_te.testing.npu_sim.fp4 import E2M1_EMAX, check_fp4_mx_args, fp4_encode_packed
 
 HIF8_DST_MAX = (0.0, 15.0, 56.0, 224.0, 32768.0)  # HiF8 targets of npu_dynamic_block_quant (aclnnDynamicBlockQuantV2)
 HIF8_DST_MAX_RANGE = (0.0, 32768.0)  # HiF8 target range of npu_dynamic_quant (aclnnDynamicQuantV4)
@@ -276,7 +277,8 @@ class QuantizeKernels:
                              dst_type_max: float = 0.0, max_low_bound: float = 0.0
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """MX quantization along `axis`: one E8M0 scale per block_size elements, y = cast(x / 2^e) (saturating,
-        nearest-even). scale_alg 0 (OCP): e = floor(log2(amax)) - emax (8 for E4M3, 15 for E5M2); scale_alg 1:
+        nearest-even; FP4 E2M1 packed two per byte along the last dim, see fp4.py). scale_alg 0 (OCP): e =
+        floor(log2(amax)) - emax (8 for E4M3, 15 for E5M2, 2 for E2M1); scale_alg 1 (FP8 only):
         e = ceil(log2(max(amax, max_low_bound) / fmt_max)). Scale bytes b = e + 127 in [0, 254] (0xFF for a
         non-finite amax), returned as uint8 with `axis` replaced by ceil(blocks / 2) and a trailing dim of 2
         holding blocks (2i, 2i + 1): (m, ceil(k/64), 2) for axis=-1 of (m, k), (ceil(k/64), n, 2) for axis=0.
@@ -294,21 +296,22 @@ class QuantizeKernels:
         out = dtype_arg("dst_type", dst_type, required=True)
         # dstType: "{35:FLOAT8_E5M2, 36:FLOAT8_E4M3FN, 40:FLOAT4_E2M1, 41:FLOAT4_E1M2}"
         check_dtype("dst_type", out, (*FP8_NATIVE, *FP4))
-        if out in FP4:
-            raise NpuSimNotImplemented(f"dst_type={dtype_name(out)}: only FP8 outputs are simulated")
-        # roundModeOptional: "当dstType为36/35时，仅支持{"rint"}。"
-        if round_mode != "rint":
-            raise NpuValueError(f"round_mode must be 'rint' for FP8 output, got {round_mode!r}")
         # blocksize: "仅支持32的倍数，不能为0，且不能超过1024。"
         check_int("block_size", block_size)
         if not (0 < block_size <= 1024 and block_size % 32 == 0):
             raise NpuValueError(f"block_size must be a multiple of 32 in [32, 1024], got {block_size}")
-        # scaleAlg (V3): 0 or 1 for FP8 ("场景2，当scaleAlg为1时，只涉及FP8类型"; "场景3，当scaleAlg为2时，只涉及
-        # FP4_E2M1类型").
-        check_choice("scale_alg", check_int("scale_alg", scale_alg), (0, 1), "for FP8 output")
-        # dstTypeMax: "支持取值0.0和6.0-12.0 ... 仅支持在FP4E2M1和blocksize取32时设置该值"
-        if check_float("dst_type_max", dst_type_max) != 0.0:
-            raise NpuValueError(f"dst_type_max must be 0 for FP8 output, got {dst_type_max}")
+        if out in FP4:
+            check_fp4_mx_args(out, input, round_mode, scale_alg, dst_type_max, block_size)
+        else:
+            # roundModeOptional: "当dstType为36/35时，仅支持{"rint"}。"
+            if round_mode != "rint":
+                raise NpuValueError(f"round_mode must be 'rint' for FP8 output, got {round_mode!r}")
+            # scaleAlg (V3): 0 or 1 for FP8 ("场景2，当scaleAlg为1时，只涉及FP8类型"; "场景3，当scaleAlg为2时，只涉及
+            # FP4_E2M1类型").
+            check_choice("scale_alg", check_int("scale_alg", scale_alg), (0, 1), "for FP8 output")
+            # dstTypeMax: "支持取值0.0和6.0-12.0 ... 仅支持在FP4E2M1和blocksize取32时设置该值"
+            if check_float("dst_type_max", dst_type_max) != 0.0:
+                raise NpuValueError(f"dst_type_max must be 0 for FP8 output, got {dst_type_max}")
         # maxLowBound: "仅当scaleAlg=1时生效，scaleAlg不为1时必须为0.0。取值为非负数。"
         bound = check_float("max_low_bound", max_low_bound)
         if bound < 0 or (scale_alg != 1 and bound != 0.0):
@@ -326,10 +329,10 @@ class QuantizeKernels:
         """MX quantization along the last and the second-to-last axis at once (blocks of 32, rules as
         npu_dynamic_mx_quant): (y1, mxscale1, y2, mxscale2) with y1/mxscale1 as axis=-1 and y2/mxscale2 as
         axis=-2 would give; mxscale2 is (..., ceil(M/64), N, 2), block pairs (2i, 2i + 1) interleaved."""
-        # "该接口仅在Ascend 950DT上支持." (torch_npu 2.14 _op_plugin_docs.py, npu_dynamic_mx_quant_with_dual_axis)
-        if not self.soc_name.startswith("Ascend950DT"):
-            raise NpuSocError(f"npu_dynamic_mx_quant_with_dual_axis runs on the Ascend 950DT only; the simulated "
-                              f"chip is {self.soc_name}")
+        # aclnnDynamicMxQuantWithDualAxis.md, 产品支持情况: "Ascend 950PR/Ascend 950DT：支持", A2/A3 "不支持";
+        # op-plugin's binding has no SoC check and its test runs on both (@SupportedDevices(['Ascend950'])).
+        # (torch_npu 2.14's page said "该接口仅在Ascend 950DT上支持"; the kernel's own document lists both.)
+        self._require_fp8_soc("npu_dynamic_mx_quant_with_dual_axis")
         # "input: ... 维度支持2-7维, ... 数据类型支持float16、bfloat16."
         check_tensor("input", input, HALF_FLOATS)
         check_dims("input", input, 2, 7)
@@ -337,13 +340,16 @@ class QuantizeKernels:
         out = dtype_arg("dst_type", dst_type, required=True)
         check_dtype("dst_type", out, (*FP8_NATIVE, *FP4))
         if out in FP4:
-            raise NpuSimNotImplemented(f"dst_type={dtype_name(out)}: only FP8 outputs are simulated")
-        # "float8_e5m2/float8_e4m3fn支持scale_alg为0、1, round_mode仅支持"rint", 不支持设置dst_type_max"
-        if round_mode != "rint":
-            raise NpuValueError(f"round_mode must be 'rint' for FP8 output, got {round_mode!r}")
-        check_choice("scale_alg", check_int("scale_alg", scale_alg), (0, 1), "for FP8 output")
-        if dst_type_max is not None and check_float("dst_type_max", dst_type_max) != 0.0:
-            raise NpuValueError(f"dst_type_max cannot be set for FP8 output (must be 0.0), got {dst_type_max}")
+            # aclnnDynamicMxQuantWithDualAxisV2 gives FP4 the rules of aclnnDynamicMxQuantV3 (x "最后一维必须是偶数",
+            # roundMode {"rint", "floor", "round"}, scaleAlg "仅支持取值为0和2", dstTypeMax 0.0 or 6.0-12.0).
+            check_fp4_mx_args(out, input, round_mode, scale_alg, dst_type_max, 32)
+        else:
+            # "float8_e5m2/float8_e4m3fn支持scale_alg为0、1, round_mode仅支持"rint", 不支持设置dst_type_max"
+            if round_mode != "rint":
+                raise NpuValueError(f"round_mode must be 'rint' for FP8 output, got {round_mode!r}")
+            check_choice("scale_alg", check_int("scale_alg", scale_alg), (0, 1), "for FP8 output")
+            if dst_type_max is not None and check_float("dst_type_max", dst_type_max) != 0.0:
+                raise NpuValueError(f"dst_type_max cannot be set for FP8 output (must be 0.0), got {dst_type_max}")
         y1, s1 = self._mx_quantize(input, input.dim() - 1, out, 32, scale_alg, 0.0)
         y2, s2 = self._mx_quantize(input, input.dim() - 2, out, 32, scale_alg, 0.0)
         return y1, s1, y2, s2
@@ -358,7 +364,10 @@ class QuantizeKernels:
         amax = padded.abs().reshape(*x.shape[:-1], blocks, block_size).amax(dim=-1)
         code = self._mx_scale_bytes(amax.clamp(min=bound) if scale_alg == 1 else amax, out, scale_alg)
         inv = torch.exp2(127.0 - code.double()).repeat_interleave(block_size, dim=-1)[..., :n]
-        y = encode(x.double() * inv, out).movedim(-1, dim)  # x * 2^-e is exact in float64: one rounding
+        y = x.double() * inv  # x * 2^-e is exact in float64: one rounding, at the encode
+        # FP4 bytes pack along the stored last dim, whatever the axis ("y_shape[input.dim() - 1] = last_dim_val /
+        # FP4_IN_UINT8_NUM", DynamicMxQuantKernelNpuOpApi.cpp)
+        y = fp4_encode_packed(y.movedim(-1, dim)) if out in FP4 else encode(y, out).movedim(-1, dim)
         # mxscaleOut: "shape在axis轴上为x对应轴的值除以blocksize向上取整，并对其进行偶数pad，pad填充值为0。当axis
         # 为非尾轴时，mxscaleOut输出需要对每两行数据进行交织处理。"
         code = torch.nn.functional.pad(code, (0, blocks % 2))  # pairs of blocks; the odd one out pads with 0
@@ -374,12 +383,13 @@ class QuantizeKernels:
         (log2(0)), on exponents outside E8M0's range and on NaN/Inf input: byte 0 (2^-127) for a zero block, the
         clamp to [0, 254] and 0xFF (E8M0's NaN) for a non-finite amax are the simulator's assumptions (the OCP MX
         specification's choices), not documented kernel behaviour."""
-        fmt_max = format_max(out)
         a = amax.double()
         if scale_alg == 0:
-            emax = 8 if out == torch.float8_e4m3fn else 15
+            # emax: "FLOAT4_E2M1 | 2", "FLOAT8_E4M3FN | 8", "FLOAT8_E5M2 | 15"
+            emax = E2M1_EMAX if out in FP4 else 8 if out == torch.float8_e4m3fn else 15
             exp = torch.frexp(a).exponent.to(torch.int64) - 1 - emax  # floor(log2(a)) for a > 0
         else:
+            fmt_max = format_max(out)
             k = torch.ceil(torch.log2(a / fmt_max)).nan_to_num(0.0, posinf=0.0, neginf=-127.0).to(torch.int64)
             k = torch.where(fmt_max * torch.exp2((k - 1).double()) >= a, k - 1, k)  # exact fix-ups of log2
             exp = torch.where(fmt_max * torch.exp2(k.double()) < a, k + 1, k)
