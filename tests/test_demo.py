@@ -116,6 +116,11 @@ def test_demo_trains_every_run_and_writes_its_outputs(tmp_path):
     assert {r["tensor"] for r in rows} == {"input", "weight", "grad_output"}
     assert {r["format"] for r in rows if r["format"].startswith("recipe")} == {"recipe:hif8"}
     assert {r["format"] for r in rows} >= {"hif8", "e4m3", "mxfp8", "nvfp4", "mxfp4"}  # the counterfactuals
+    # The memory table (issue 33): bf16 training keeps 2 + 4 + 4 + 8 bytes per parameter (weight, fp32 main grad,
+    # master, two moments); activation offload leaves a GPT layer a small fraction of its bf16 bytes.
+    memory = {r["what"]: r["figure"] for r in _read_csv(out / "memory.csv")}
+    assert memory["bytes per parameter, bf16 weights + fp32 grads, master, moments"] == "18.00"
+    assert float(memory["activation MiB per GPT layer, mxfp8 + cpu offload"].split("(")[1].split("x")[0]) < 0.15
 
 
 @pytest.mark.parametrize("argv,flag", [(["--runs", "bf16,fp4"], "--runs"), (["--hidden", "100"], "--hidden"),

@@ -27,6 +27,7 @@ from unittest import mock
 import torch
 
 from mindspeed_te.demo.corpus import VOCAB_SIZE, load_corpus, train_batches, unigram_entropy, val_batches
+from mindspeed_te.demo.memory import memory_rows, write_memory
 from mindspeed_te.demo.plots import combine_heatmaps, plot_losses
 from mindspeed_te.demo.seeds import format_noise, noise, write_seeds_csv
 from mindspeed_te.patches.precision_optimizer import QUANT_STATES
@@ -378,6 +379,12 @@ def main(argv: Optional[list[str]] = None) -> list[list]:
         write_seeds_csv(by_seed, os.path.join(args.out, "seeds.csv"))
         print(f"\nrun-to-run noise: the final validation loss over seeds {args.seed}..{args.seed + args.seeds - 1}\n"
               + format_noise(noise(by_seed, base_run)))
+    memory = memory_rows()
+    write_memory(memory, os.path.join(args.out, "memory.csv"))
+    width = max(len(what) for what, _ in memory)
+    print("\nmemory (python -m mindspeed_te.bench --only memory)")
+    for what, figure in memory:
+        print(f"{what:{width}s}  {figure}")
     print(f"\n(unigram entropy {entropy:.3f}; figures and CSV files in {args.out}/; "
           f"{time.perf_counter() - started:.0f} s in all)")
     return table
