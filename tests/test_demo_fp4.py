@@ -14,28 +14,13 @@ import pytest
 
 from mindspeed_te.demo.train import OPT_IN, RUNS, Run, base_run, nvfp4_switches, parse_args
 from mindspeed_te.recipe import NVFP4_DISABLE_SWITCHES
+from tests.demo_probe import probe_start
 
 FP4_RUNS = [name for name, run in RUNS.items() if run.fp4_recipe is not None]
 
 # A few steps of a tiny GPT per run through the demo's train(); then, per TE linear, the recipe it ran and the
 # options of the quantizers its recipe states make.
-_PROBE = textwrap.dedent("""
-    import json, os, sys
-    from mindspeed_te.demo import train as demo
-    from mindspeed_te.demo.corpus import load_corpus, val_batches
-
-    args = demo.parse_args(["--steps", "3", "--eval-interval", "3", "--eval-batches", "1", "--hidden", "64",
-                            "--seq-length", "64", "--batch-size", "4"])
-    demo.setup_megatron()
-    corpus = load_corpus()
-    val = val_batches(corpus.val, 1, 4, 64)
-    built, build = {}, demo.build
-
-    def spy(args, run, seed):
-        built[run] = parts = build(args, run, seed)
-        return parts
-
-    demo.build = spy
+_PROBE = probe_start(3) + textwrap.dedent("""
 
     def describe(q):
         return {"type": type(q).__name__, "rht": getattr(q, "with_rht", None),

@@ -18,26 +18,12 @@ import pytest
 
 from mindspeed_te.demo.seeds import format_noise, noise
 from mindspeed_te.demo.train import RUNS, Run, RunResult, base_run
+from tests.demo_probe import probe_start
 
 # A few steps of a tiny GPT through the demo's train(), the optimizer caught as build() returns it.
-_PROBE = textwrap.dedent("""
-    import json, sys, torch
+_PROBE = probe_start(5) + textwrap.dedent("""
+    import torch
     from megatron.core import optimizer as megatron_optimizer
-    from mindspeed_te.demo import train as demo
-    from mindspeed_te.demo.corpus import load_corpus, val_batches
-
-    args = demo.parse_args(["--steps", "5", "--eval-interval", "5", "--eval-batches", "1", "--hidden", "64",
-                            "--seq-length", "64", "--batch-size", "4"])
-    demo.setup_megatron()
-    corpus = load_corpus()
-    val = val_batches(corpus.val, 1, 4, 64)
-    built, build = {}, demo.build
-
-    def spy(args, run, seed):
-        built[run] = parts = build(args, run, seed)
-        return parts
-
-    demo.build = spy
 
     def inner(optimizer):
         return optimizer.chained_optimizers[0].optimizer if hasattr(optimizer, "chained_optimizers") \\
