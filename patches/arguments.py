@@ -225,6 +225,7 @@ def validate_fp4_args(args: argparse.Namespace) -> None:
         made = make_fp4_recipe(recipe, args)  # NVFP4BlockScaling reads TE's NVTE_NVFP4_* switches
     except ValueError as error:
         raise ValueError(f"--fp4-recipe {recipe}: {error}") from error
+    _check_fp4_dims(args, recipe, 16 if recipe == "nvfp4" else 32)
     if param_gather and getattr(args, "use_distributed_optimizer", False) and packs_fp4_params():
         raise ValueError("--fp4-param-gather with --use-distributed-optimizer is not supported by mindspeed_te on "
                          f"this megatron-core release ({installed_megatron_core()}: it packs FP4 weights for TE's "
@@ -236,6 +237,28 @@ def validate_fp4_args(args: argparse.Namespace) -> None:
                          f"{', NVTE_NVFP4_DISABLE_2D_QUANTIZATION=1' if recipe == 'nvfp4' else ''}): other FP4 "
                          "weights keep a columnwise copy that cannot be rebuilt from the gathered codes; or leave "
                          "out --use-distributed-optimizer")
+
+
+def _check_fp4_dims(args: argparse.Namespace, recipe: str, block: int) -> None:
+    """Every FP4 GEMM operand needs both dims of its 2-D form in whole blocks (both forms are quantized, the
+    columnwise one along the tokens): refused here, naming the flags, rather than at the first forward."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    heads, kv_channels = getattr(args, "num_attention_heads", None), getattr(args, "kv_channels", None)
+    dims = {"--hidden-size": getattr(args, "hidden_size", None),
+            "--ffn-hidden-size / --tensor-model-parallel-size": _per_rank(getattr(args, "ffn_hidden_size", None), tp),
+            "--num-attention-heads x --kv-channels / --tensor-model-parallel-size":
+                _per_rank(heads * kv_channels if heads and kv_channels else None, tp),
+            "--seq-length x --micro-batch-size / --context-parallel-size":
+                _per_rank(getattr(args, "seq_length", None) * getattr(args, "micro_batch_size", 1)
+                          if getattr(args, "seq_length", None) else None, cp)}
+    bad = [f"{flags} = {value}" for flags, value in dims.items() if value is not None and value % block]
+    if bad:
+        raise ValueError(f"--fp4-recipe {recipe} quantizes in blocks of {block}, which must divide: {'; '.join(bad)}")
+
+
+def _per_rank(total: Optional[int], ranks: int) -> Optional[int]:
+    return None if total is None else total // ranks
 
 
 def wrap_parse_args(parse_args: Callable) -> Callable:

@@ -111,6 +111,12 @@ def test_first_last_layers_bf16_under_fp4(megatron_args):
     (["--fp4-format", "e2m1"], {"NVTE_NVFP4_ROW_SCALED_ACTIVATION": "1"}, "NVFP4BlockScaling.row_scaled_activation"),
     (["--fp4-format", "e2m1"], {"NVTE_NVFP4_4OVER6": "weights"}, "NVFP4BlockScaling.nvfp4_4over6"),
     (["--fp4-format", "e2m1"], {"NVTE_BACKWARD_OVERRIDE": "dequantized"}, "NVFP4BlockScaling.backward_override"),
+    (["--fp4-format", "e2m1", "--fp4-recipe", "mxfp4", "--hidden-size", "80"], {},
+     "blocks of 32, which must divide: --hidden-size = 80"),
+    (["--fp4-format", "e2m1", "--seq-length", "24"], {},
+     "blocks of 16, which must divide: --seq-length x --micro-batch-size / --context-parallel-size = 24"),
+    (["--fp4-format", "e2m1", "--ffn-hidden-size", "200"], {},
+     "--ffn-hidden-size / --tensor-model-parallel-size = 200"),
     (["--mxfp4-random-hadamard-transform"], {}, "--mxfp4-random-hadamard-transform: only with --fp4-format e2m1"),
     (["--fp4-format", "e2m1", "--mxfp4-stochastic-rounding"], {},
      "--mxfp4-stochastic-rounding: only with --fp4-recipe mxfp4 .got --fp4-recipe nvfp4.*"
