@@ -8,12 +8,13 @@ package's autograd functions keep on their ctx (the hooks never see those).
 
 On an accelerator the copies run on a side stream, non-blocking, into pinned host memory: the forward does not
 wait for an offload, and each layer's reload is started one layer ahead in backward. A device tensor is released
-as soon as its copy is queued (`record_stream` keeps the allocator from reusing it before the copy ends). On a
-CPU the same steps run as plain copies, so the path is checked there, but nothing is saved.
+when its layer's forward ends (held until then so that each storage is copied once; `record_stream` keeps the
+allocator from reusing it before the copy ends). On a CPU the same steps run as plain copies, so the path is
+checked there, but nothing is saved.
 
 Which tensors go follows TE's rule: at least 256 Ki elements, not a parameter, not marked by
-`mark_not_offload`, and not a view of part of a larger tensor (the reload would lose the sharing). Weights stay:
-the modules keep quantized weights out of `stash`.
+`mark_not_offload`. A view goes with its whole storage, once per layer, unless that storage is more than
+`MAX_STORAGE_PER_VIEW` times the view. Weights stay: the modules keep quantized weights out of `stash`.
 """
 from __future__ import annotations
 
