@@ -28,17 +28,20 @@ from mindspeed_te.bench.launches import backend_environment, launch_recipes
 from mindspeed_te.diagnostics import LaunchCounter
 from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.modules import DotProductAttention, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
-from mindspeed_te.recipe import Recipe
+from mindspeed_te.recipe import MXFP4BlockScaling, Recipe
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
 
 # Largest relative error (max |npu - reference| / max |reference|) taken as agreement: bf16 outputs whose float32
 # GEMM sums are added in another order differ by a bf16 rounding or two (2^-8 relative each).
 TOLERANCE = 2.0**-6
 RECIPES = ("delayed E4M3", "delayed HIF8", "tensorwise E4M3", "tensorwise HIF8", "blockwise E4M3",
-           "blockwise HIF8", "mxfp8 E4M3")
-# Megatron's flags for the GPT steps: (--fp8-format, --fp8-recipe)
+           "blockwise HIF8", "mxfp8 E4M3", "mxfp4", "mxfp4, MXFP8 activations")
+# the FP4 recipes the NPU path runs on its MX kernels (FP4 x FP4, and E4M3 x FP4)
+FP4_RECIPES: dict[str, Recipe] = {"mxfp4": MXFP4BlockScaling(), "mxfp4, MXFP8 activations":
+                                  MXFP4BlockScaling(fp8_activations=True)}
+# Megatron's flags for the GPT steps: (--fp8-format, --fp8-recipe), or ("e2m1", --fp4-recipe) for FP4
 GPT_RECIPES = {"delayed HiF8": ("hif8", "delayed"), "tensorwise E4M3": ("e4m3", "tensorwise"),
-               "blockwise E4M3": ("e4m3", "blockwise"), "mxfp8 E4M3": ("e4m3", "mxfp8")}
+               "blockwise E4M3": ("e4m3", "blockwise"), "mxfp8 E4M3": ("e4m3", "mxfp8"), "mxfp4": ("e2m1", "mxfp4")}
 
 Case = Callable[[Recipe, str], list[torch.Tensor]]
 
@@ -140,7 +143,7 @@ def check_kernels(chip: str, recipes: tuple[str, ...] = RECIPES) -> tuple[dict[s
     errors: dict[str, float] = {}
     failed: list[str] = []
     for recipe_name in recipes:
-        recipe = launch_recipes()[recipe_name]
+        recipe = {**launch_recipes(), **FP4_RECIPES}[recipe_name]
         for case_name, case in CASES.items():
             label = f"{case_name}, {recipe_name}"
             with backend("reference", chip):
@@ -173,12 +176,20 @@ def missing_kernels(chip: str) -> list[str]:
 
 
 def gpt_steps(chip: str) -> dict[str, tuple[float, float]]:
-    """Per recipe, the loss of one Megatron GPT step on the NPU backend and on the reference backend."""
+    """Per recipe, the loss of one Megatron GPT step on the NPU backend and on the reference backend (FP4 where
+    the installed megatron-core has it: 0.15 on)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     from mindspeed_te.bench.gpt import gpt_step, megatron_world
 
+    has_fp4 = "fp4" in {f.name for f in dataclasses.fields(TransformerConfig)}
     losses = {}
     with megatron_world():
         for label, flags in GPT_RECIPES.items():
+            if flags[0] == "e2m1" and not has_fp4:
+                continue
             pair = []
             for name in ("npu", "reference"):
                 with backend(name, chip):

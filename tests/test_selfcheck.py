@@ -29,6 +29,17 @@ def test_every_kernel_agrees_on_the_simulator(capsys):
     assert set(kernels.values()) == {"ok"} and lines[-1] == "self-check passed"
 
 
+@pytest.mark.parametrize("recipe", ["mxfp4", "mxfp4, MXFP8 activations"])
+def test_mxfp4_cases_run_the_mx_kernels_and_agree(recipe):
+    """MXFP4 (FP4 x FP4) and MXFP4 weights with MXFP8 activations (E4M3 x FP4): the MX quantize and the quant
+    matmul kernels run, and every case agrees with the reference backend."""
+    errors, failed = selfcheck.check_kernels("Ascend950PR", (recipe,))
+    assert not failed
+    assert {"npu_quant_matmul", "npu_dynamic_mx_quant"} <= set(errors) or \
+        {"npu_quant_matmul", "npu_dynamic_mx_quant_with_dual_axis"} <= set(errors)
+    assert max(errors.values()) <= selfcheck.TOLERANCE
+
+
 def test_a_kernel_that_computes_something_else_is_a_mismatch(monkeypatch, capsys):
     from mindspeed_te.testing import npu_sim
 

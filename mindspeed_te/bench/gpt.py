@@ -44,7 +44,9 @@ def gpt_step(fp8: Optional[tuple[str, str]], layers: int = 4, hidden: int = 256,
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    fp8_args = dict(fp8=fp8[0], fp8_recipe=fp8[1]) if fp8 is not None else {}
+    # ("e2m1", recipe): Megatron's --fp4-format / --fp4-recipe (megatron-core 0.15 on)
+    fp8_args = ({} if fp8 is None else dict(fp4=fp8[0], fp4_recipe=fp8[1]) if fp8[0] == "e2m1"
+                else dict(fp8=fp8[0], fp8_recipe=fp8[1]))
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 64, use_cpu_initialization=True,
         params_dtype=torch.bfloat16, bf16=True, bias_dropout_fusion=False, apply_rope_fusion=False,
