@@ -29,6 +29,15 @@ def _div(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
     return torch.div(torch.full_like(denominator, numerator), denominator)
 
 
+def _quotient(numerator: torch.Tensor, denominator: float) -> torch.Tensor:
+    """numerator / denominator with one IEEE rounding. CUDA computes `tensor / Python number` as a product with
+    the number's rounded reciprocal (off by one bit for some values, e.g. amax / 448), so there the number
+    becomes a tensor; the CPU and the NPU divide."""
+    if numerator.device.type != "cuda":
+        return numerator / denominator
+    return torch.div(numerator, torch.full((), denominator, dtype=numerator.dtype, device=numerator.device))
+
+
 def compute_amax_from_history(amax_history: torch.Tensor, algo: AmaxComputeAlgo) -> torch.Tensor:
     """The amax a delayed-scaling update uses: max over the window or the newest value (slot 0)."""
     if callable(algo):
@@ -160,7 +169,7 @@ def current_scale_inv(
     if amax_epsilon > 0:
         amax = torch.clamp(amax, min=amax_epsilon)
     amax = torch.nan_to_num(amax, nan=0.0, posinf=0.0)
-    scale_inv = (amax / fp8_max).clamp_(min=1.0 / FLT_MAX)  # tensor / scalar is one IEEE division
+    scale_inv = _quotient(amax, fp8_max).clamp_(min=1.0 / FLT_MAX)
     return torch.where(amax > 0, scale_inv, 1.0)
 
 
@@ -199,7 +208,7 @@ def mx_scale_exponent(amax: torch.Tensor, fp8_max: float, emax_elem: int, roundi
     if rounding == "ceil":
         # frexp gives safe/fp8_max = m * 2^e with m in [0.5, 1): ceil(log2) is e, or e - 1 for an exact power of 2.
         # float64: a float32 quotient can round down onto a power of two and let the block saturate.
-        ratio = safe.double() / fp8_max
+        ratio = _quotient(safe.double(), fp8_max)
         mant, exp = torch.frexp(ratio)
         exponent = torch.where(mant == 0.5, exp - 1, exp)
         exponent = torch.where(ratio > 0, exponent, torch.full_like(exponent, -127))

@@ -16,6 +16,8 @@ from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format, MX
 TOKENS, HIDDEN = 1024, 512  # a [tokens, hidden] activation has 512 Ki elements: above TE's 256 Ki threshold
 RECIPES = {"bf16": None, "hif8-delayed": DelayedScaling(fp8_format=Format.HIF8),
            "e4m3-current": Float8CurrentScaling(), "mxfp8": MXFP8BlockScaling()}
+# on CUDA the accelerator path runs: side stream, pinned host buffers, non-blocking copies, record_stream
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture
@@ -33,9 +35,9 @@ def offloads(monkeypatch):
     return made
 
 
-def _layers(n: int = 4) -> list[torch.nn.Module]:
+def _layers(n: int = 4, device: str = "cpu") -> list[torch.nn.Module]:
     torch.manual_seed(0)
-    return [te.LayerNormLinear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16) for _ in range(n)]
+    return [te.LayerNormLinear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device=device) for _ in range(n)]
 
 
 def _run(layers, recipe, offload_layers: int, x0: torch.Tensor) -> list[torch.Tensor]:
@@ -56,15 +58,16 @@ def _run(layers, recipe, offload_layers: int, x0: torch.Tensor) -> list[torch.Te
     return grads
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", RECIPES)
-def test_offloaded_run_gives_the_same_bits(name, offloads):
+def test_offloaded_run_gives_the_same_bits(name, device, offloads):
     recipe = RECIPES[name]
-    x0 = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    x0 = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, device=device)
     # fresh layers alike for each (delayed scaling's state moves on with every step); two micro-batches each:
     # the schedule starts again at the first layer
-    layers = _layers()
+    layers = _layers(device=device)
     plain = [_run(layers, recipe, 0, x0) for _ in range(2)]
-    layers = _layers()
+    layers = _layers(device=device)
     offloaded = [_run(layers, recipe, 2, x0) for _ in range(2)]
     for a, b in zip(plain, offloaded):
         for u, v in zip(a, b):
@@ -105,6 +108,44 @@ def test_offloaded_layers_release_their_device_memory():
     # What stays: the weight's MX codes and scales, quantized in this forward (weights stay on the device: about
     # HIDDEN² bytes) and tensors below the threshold (the norm's statistics)
     assert with_offload < HIDDEN * HIDDEN * 1.1 + 65536
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_frees_cuda_memory_into_pinned_buffers(monkeypatch):
+    """4 layers, the first 2 offloaded: after the forward the device holds less by about what went to host
+    memory (each storage freed at its layer's end, once its side-stream copy has read it), all of it pinned."""
+    pinned: list[bool] = []
+    offload = cpu_offload.OffloadSchedule._offload
+
+    def recorded(self, t, storage):
+        copy = offload(self, t, storage)
+        pinned.append(copy.host.is_pinned())
+        return copy
+
+    monkeypatch.setattr(cpu_offload.OffloadSchedule, "_offload", recorded)
+    layers, recipe = _layers(device="cuda"), MXFP8BlockScaling()
+    x0 = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, device="cuda")
+
+    def held(offload_layers: int) -> tuple[int, int]:
+        context, sync = te.get_cpu_offload_context(offload_layers > 0, offload_layers, len(layers))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        h = x0.detach().requires_grad_()
+        with te.fp8_autocast(True, fp8_recipe=recipe):
+            for layer in layers:
+                with context:
+                    h = torch.nn.functional.gelu(layer(h))
+                h = sync(h)
+        torch.cuda.synchronize()
+        kept, host = torch.cuda.memory_allocated() - before, context.host_bytes if offload_layers else 0
+        h.float().square().sum().backward()
+        return kept, host
+
+    held(0)  # FP8 metadata and the weights' first quantize
+    without, _ = held(0)
+    with_offload, host = held(2)
+    assert pinned and all(pinned)
+    assert host > 2 * TOKENS * HIDDEN and without - with_offload >= 0.8 * host, (without, with_offload, host)
 
 
 def test_views_of_one_storage_travel_once(offloads):

@@ -46,6 +46,10 @@ class TorchBackend(ReferenceBackend):
                                 out_dtype=out_dtype, bias=bias, out=out)
         (a_data, a_scale), (b_data, b_scale) = pa, pb
         mm_dtype = torch.float32 if out is not None else out_dtype
+        # CUDA's _scaled_mm takes no bias with a float32 output: there it is added to the float32 product
+        fused_bias = bias is not None and mm_dtype != torch.float32
         result = torch._scaled_mm(a_data, b_data.t(), scale_a=a_scale, scale_b=b_scale,
-                                  bias=None if bias is None else bias.to(mm_dtype), out_dtype=mm_dtype)
+                                  bias=bias.to(mm_dtype) if fused_bias else None, out_dtype=mm_dtype)
+        if bias is not None and not fused_bias:
+            result = result + bias.float()
         return out.add_(result) if out is not None else result
