@@ -232,8 +232,9 @@ def rht_matrix(sign_mask: int = RHT_SIGN_MASK, device: Optional[torch.device] = 
 def _blocks_of_16(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % RHT_SIZE:
         raise ValueError(f"the Hadamard transform needs a last dim divisible by {RHT_SIZE}, got {tuple(x.shape)}")
-    # one copy for a transposed view too (the columnwise source): converted and laid out row-major at once
-    return x.to(torch.float32, memory_format=torch.contiguous_format).reshape(-1, RHT_SIZE)
+    # A transposed view (the columnwise source) is laid out row-major in its own dtype first: for bfloat16, that
+    # transposing copy and then a contiguous conversion took half the time of one converting transpose (1024^2).
+    return x.contiguous().to(torch.float32).reshape(-1, RHT_SIZE)
 
 
 def random_hadamard_transform(x: torch.Tensor, sign_mask: int = RHT_SIGN_MASK) -> torch.Tensor:

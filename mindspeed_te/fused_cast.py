@@ -193,14 +193,15 @@ def quantize_nvfp4(x2d: torch.Tensor, factors: torch.Tensor, rbits: Optional[tor
 
 
 def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, values: torch.Tensor,
-                     factor: float) -> Optional[torch.Tensor]:
+                     factor: float, out_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
     """The float32 (M, K) values of NVFP4 codes packed two a byte (M, K / 2) with E4M3 scales (M, K / 16) in one
     pass: values[code] * ((float(scale) * amax) * factor), `values` the 256-entry E2M1 table
-    (mindspeed_te.fp4.e2m1_decode_table), `amax` a one-element float32 tensor, `factor` float32(1 / 2688). None
-    when the extension does not apply (then the torch ops give the same products)."""
+    (mindspeed_te.fp4.e2m1_decode_table), `amax` a one-element float32 tensor, `factor` float32(1 / 2688) (or, with
+    amax 1, 1: code * scale). With out_dtype bfloat16, those products cast to bfloat16 (exact for code * scale).
+    None when the extension does not apply (then the torch ops give the same products)."""
     if not (available() and hasattr(_ext, "dequantize_nvfp4") and data.is_cpu and data.dtype == torch.uint8
             and data.dim() == 2 and data.is_contiguous() and scale.is_cpu and scale.dtype == torch.float8_e4m3fn
-            and scale.is_contiguous() and _one_element_f32(amax)):
+            and scale.is_contiguous() and _one_element_f32(amax) and out_dtype in (torch.float32, torch.bfloat16)):
         return None
     m, k = data.shape[0], 2 * data.shape[1]
     if k % NVFP4_BLOCK or scale.shape != (m, k // NVFP4_BLOCK):
@@ -209,10 +210,10 @@ def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor
     table = _values_ptr(values, "values")
     if table is None:
         return None
-    out = torch.empty((m, k), dtype=torch.float32)
+    out = torch.empty((m, k), dtype=out_dtype)
     if out.numel():
         _ext.dequantize_nvfp4(data.data_ptr(), scale.data_ptr(), m, k, table, amax.data_ptr(), factor,
-                              out.data_ptr(), _threads(out.numel()))
+                              out.data_ptr(), _threads(out.numel()), int(out_dtype == torch.bfloat16))
     return out
 
 

@@ -377,11 +377,14 @@ class _FP4TensorStorage(_TwoForms):
 
     def _values_2d(self, columnwise: bool) -> torch.Tensor:
         """The exact float32 values of the stored form: (M, K) rowwise, (K, M) columnwise."""
+        return self._codes_times(columnwise, self._multipliers(columnwise))
+
+    def _codes_times(self, columnwise: bool, multipliers: torch.Tensor) -> torch.Tensor:
+        """The stored form's codes times float32 `multipliers` (one per block), float32 (M, K) or (K, M)."""
         self._require(columnwise)
         m, k = _as_2d(self.shape)
         rows, cols = (k, m) if columnwise else (m, k)
         data = self.columnwise_data if columnwise else self.rowwise_data.reshape(rows, cols // 2)
-        multipliers = self._multipliers(columnwise)
         fused = fused_cast.dequantize_tiles(unpack_fp4(data), e2m1_decode_table(data.device), multipliers, 1,
                                             self.block_len)
         if fused is not None:  # the same products in one pass
@@ -428,12 +431,34 @@ class NVFP4TensorStorage(_FP4TensorStorage):
     def _values_2d(self, columnwise: bool) -> torch.Tensor:
         """As every FP4 storage's, in one pass of the fused kernel over the packed codes and E4M3 scales where it
         applies (the same products)."""
+        return self._decoded(columnwise, per_tensor=True)
+
+    def block_scaled_values(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored form's values (laid out as `_values_2d`'s, a Hadamard-transformed form as stored) split for a
+        GEMM that applies the per-tensor factor once to its float32 sum: (code * float(scale) in bfloat16, which
+        holds it exactly: a 2-bit E2M1 significand times a 4-bit E4M3 one has at most 6 significant bits, within
+        [2^-10, 2688]; amax * float32(1 / 2688), one-element float32)."""
+        _, amax = self._scale_and_amax(columnwise)
+        return self._decoded(columnwise, per_tensor=False), amax.float() * NVFP4_DEQUANT_FACTOR
+
+    def _decoded(self, columnwise: bool, per_tensor: bool) -> torch.Tensor:
+        """code * ((float(scale) * amax) * float32(1 / 2688)) of the stored form in float32, or without the
+        per-tensor part, code * float(scale) in bfloat16; in one pass of the fused kernel where it applies (the
+        same products)."""
         self._require(columnwise)
         m, k = _as_2d(self.shape)
         data = self.columnwise_data if columnwise else self.rowwise_data.reshape(m, k // 2)
-        fused = fused_cast.dequantize_nvfp4(data, *self._scale_and_amax(columnwise), e2m1_decode_table(data.device),
-                                            NVFP4_DEQUANT_FACTOR)
-        return fused if fused is not None else super()._values_2d(columnwise)
+        scale, amax = self._scale_and_amax(columnwise)
+        if not per_tensor:  # (float(scale) * 1) * 1: the scale itself
+            amax = torch.ones((), dtype=torch.float32, device=data.device)
+        fused = fused_cast.dequantize_nvfp4(data, scale, amax, e2m1_decode_table(data.device),
+                                            NVFP4_DEQUANT_FACTOR if per_tensor else 1.0,
+                                            torch.float32 if per_tensor else torch.bfloat16)
+        if fused is not None:
+            return fused
+        if per_tensor:
+            return super()._values_2d(columnwise)
+        return self._codes_times(columnwise, scale.float()).to(torch.bfloat16)
 
     def nonfinite_scales(self) -> torch.Tensor:
         """The amax a form was quantized from: NaN or Inf exactly when the data held NaN/Inf (a transform of such

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mindspeed_te as te
-from mindspeed_te import fp4
+from mindspeed_te import fp4, fused_cast
 from mindspeed_te.fp4 import (
     RHT_SIGN_MASK,
     FP4Dtype,
@@ -243,7 +243,8 @@ def test_reference_gemm_contracts_two_transformed_forms_and_undoes_a_lone_one():
     q_dy = te.NVFP4Quantizer(with_rht=True)(dy)
     q_x = te.NVFP4Quantizer(with_rht=True)(x)
     dw = backend.gemm(q_dy, q_x, a_columnwise=True, b_columnwise=True)
-    assert torch.equal(dw, q_dy.columnwise_hadamard_values() @ q_x.columnwise_hadamard_values().t())
+    stored = q_dy.columnwise_hadamard_values() @ q_x.columnwise_hadamard_values().t()
+    assert torch.allclose(dw, stored, rtol=1e-5, atol=1e-5 * stored.abs().max().item())  # float32 sums apart
     plain_x = te.NVFP4Quantizer()(x)
     mixed = backend.gemm(q_dy, plain_x, a_columnwise=True, b_columnwise=True)
     undone = inverse_hadamard_transform(q_dy.columnwise_hadamard_values())
@@ -251,6 +252,100 @@ def test_reference_gemm_contracts_two_transformed_forms_and_undoes_a_lone_one():
     exact = dy.t().double() @ x.double()
     for got in (dw, mixed):
         assert ((got.double() - exact).norm() / exact.norm()).item() < 0.25
+
+
+def _nvfp4_float64(q, columnwise: bool) -> tuple[np.ndarray, float]:
+    """A stored NVFP4 form decoded independently in float64, (rows, k) as the GEMM reads it: (ml_dtypes' E2M1 code
+    values times the E4M3 block scales, the per-tensor factor amax / (6 * 448))."""
+    if columnwise:
+        packed, scales, amax = q.columnwise_data, q.columnwise_scale_inv, q.amax_columnwise
+    else:
+        packed, scales, amax = q.rowwise_data, q.rowwise_scale_inv, q.amax_rowwise
+    codes = _codes(packed).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    block = scales.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return codes * np.repeat(block, 16, axis=1), float(amax) / (6 * 448)
+
+
+def _float32_sum_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """How far a float32 sum of exact products may be from a · bᵀ: k roundings of the running sum, plus slack for
+    the few float32 roundings of the per-tensor factors and their products, (k + 8) 2^-24 |a| |b|ᵀ."""
+    return (a.shape[1] + 8) * 2.0**-24 * (np.abs(a) @ np.abs(b).T)
+
+
+def _nvfp4_linear_operands():
+    """The three GEMMs of an NVFP4 Linear under the default recipe's quantizers, as (a, b, a_columnwise,
+    b_columnwise): fprop x · wᵀ, dgrad dy · w (the 16x16-tiled weight's columnwise form), wgrad dyᵀ · x (both
+    columnwise forms Hadamard-transformed, dy's stochastically rounded)."""
+    x, w, dy = _sample((32, 64), seed=41, spread=1.5), _sample((48, 64), seed=42), _sample((32, 48), seed=43)
+    qx = te.NVFP4Quantizer(with_rht=True)(x)
+    qw = te.NVFP4Quantizer(with_2d_quantization=True)(w)
+    qdy = te.NVFP4Quantizer(with_rht=True, stochastic_rounding=True, generator=torch.Generator().manual_seed(7))(dy)
+    return {"fprop": (qx, qw, False, False), "dgrad": (qdy, qw, False, True), "wgrad": (qdy, qx, True, True)}
+
+
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_nvfp4_gemm_is_the_product_of_its_codes_and_scales(gemm):
+    """The reference NVFP4 GEMM (code * block scale in a bf16 GEMM, its float32 sum times both per-tensor factors)
+    against the float64 product of the operands decoded independently, within float32 summation; the bias, the
+    bfloat16 output and the accumulation into `out` as the GEMM documents them."""
+    a, b, a_col, b_col = _nvfp4_linear_operands()[gemm]
+    backend = ReferenceBackend()
+    got = backend.gemm(a, b, a_columnwise=a_col, b_columnwise=b_col)
+    (a_block, a_factor), (b_block, b_factor) = _nvfp4_float64(a, a_col), _nvfp4_float64(b, b_col)
+    a64, b64 = a_block * a_factor, b_block * b_factor
+    exact = a64 @ b64.T
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert (np.abs(got.double().numpy() - exact) <= _float32_sum_bound(a64, b64)).all()
+
+    bias = _sample((got.shape[1],), seed=44)
+    assert torch.equal(backend.gemm(a, b, a_columnwise=a_col, b_columnwise=b_col, bias=bias), got + bias)
+    rounded = backend.gemm(a, b, a_columnwise=a_col, b_columnwise=b_col, bias=bias.bfloat16(),
+                           out_dtype=torch.bfloat16)
+    assert torch.equal(rounded, (got + bias.bfloat16().float()).bfloat16())
+    for dtype in (torch.float32, torch.bfloat16):
+        main_grad = _sample(got.shape, seed=45).to(dtype)
+        out = main_grad.clone()
+        assert backend.gemm(a, b, a_columnwise=a_col, b_columnwise=b_col, out=out) is out
+        assert torch.equal(out, (main_grad.float() + got).to(dtype))
+
+
+@pytest.mark.parametrize("gemm", ["fprop", "wgrad"])
+def test_nvfp4_gemm_bf16_route_and_float32_routes_agree(gemm, monkeypatch):
+    """The bf16 GEMM route (the extension's gemm_bf16 on a CPU with AVX-512 BF16), the float32 GEMM of the same
+    block-scaled values (the extension capped below AVX-512, or off) and the dequantize + float32 GEMM agree to
+    float32 summation; the block-scaled bfloat16 values are the same bits on every path."""
+    a, b, a_col, b_col = _nvfp4_linear_operands()[gemm]
+    backend = ReferenceBackend()
+    routes, values = {}, {}
+    for name, simd in (("bf16", "avx512"), ("avx2", "avx2"), ("scalar", "scalar")):
+        try:
+            fused_cast.set_simd(simd)
+            routes[name] = backend.gemm(a, b, a_columnwise=a_col, b_columnwise=b_col)
+            values[name] = a.block_scaled_values(a_col)[0]
+        finally:
+            fused_cast.set_simd("avx512")
+    monkeypatch.setattr(fused_cast, "enabled", False)
+    routes["torch"] = backend.gemm(a, b, a_columnwise=a_col, b_columnwise=b_col)
+    values["torch"] = a.block_scaled_values(a_col)[0]
+    if a_col:  # both forms Hadamard-transformed: their stored values' product
+        dequantized = a.columnwise_hadamard_values() @ b.columnwise_hadamard_values().t()
+    else:
+        dequantized = torch.mm(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
+    (a_block, a_factor), (b_block, b_factor) = _nvfp4_float64(a, a_col), _nvfp4_float64(b, b_col)
+    bound = 2 * _float32_sum_bound(a_block * a_factor, b_block * b_factor)
+    for name, got in (*routes.items(), ("dequantized", dequantized)):
+        assert (np.abs(got.double().numpy() - routes["bf16"].double().numpy()) <= bound).all(), name
+    for name, v in values.items():
+        assert v.dtype == torch.bfloat16 and np.array_equal(v.double().numpy(), a_block), name
+
+
+def test_nvfp4_gemm_of_a_nan_tensor_is_nan():
+    """A NaN in x makes its amax, hence its per-tensor factor, NaN: every output, as the dequantized values give."""
+    x = _sample((32, 32), seed=46)
+    x[3, 5] = float("nan")
+    qx, qw = te.NVFP4Quantizer()(x), te.NVFP4Quantizer()(_sample((16, 32), seed=47))
+    assert torch.isnan(ReferenceBackend().gemm(qx, qw)).all()
+    assert torch.isnan(torch.mm(qx.dequantize(), qw.dequantize().t())).all()
 
 
 # Stochastic rounding in the quantizers ---------------------------------------------------------------------------
@@ -492,10 +587,16 @@ def test_linear_trains_under_fp4_recipes_within_the_bound(clean_env, case, autoc
     bound_x = lambda t: _element_bound(t, act, 32 if act == "e4m3" else block)  # noqa: E731
     bound_g = lambda t: _element_bound(t, act, 32 if act == "e4m3" else block, sr=q[2].stochastic_rounding)  # noqa: E731
 
-    # The forward is exactly the dequantize + float32 GEMM of the role quantizers' forms (no SR in the forward).
+    # The forward is the dequantize + float32 GEMM of the role quantizers' forms (no SR in the forward): exactly for
+    # MXFP4; for NVFP4, whose per-tensor factors scale the float32 sum instead, to float32 summation.
     quantize_x, quantize_w, _ = te.RecipeState.create(recipe, mode="forward", num_quantizers=3).make_quantizers()
     xq, wq = quantize_x(x.detach().reshape(m, k)).dequantize(), quantize_w(linear.weight.detach()).dequantize()
-    assert torch.equal(y.detach().reshape(m, n), torch.mm(xq, wq.t()) + linear.bias.detach())
+    expected = torch.mm(xq, wq.t()) + linear.bias.detach()
+    if nv:
+        slack = 2 * _float32_sum_bound(xq.double().numpy(), wq.double().numpy()) + 2.0**-23 * expected.abs().numpy()
+        assert (np.abs(y.detach().reshape(m, n).double().numpy() - expected.double().numpy()) <= slack).all()
+    else:
+        assert torch.equal(y.detach().reshape(m, n), expected)
 
     y_ref = xd @ w.T + linear.bias.detach().double().numpy()
     bound = _gemm_bound(xd, bound_x(xd), w, _element_bound(w, kind, block, w_tile))

@@ -158,6 +158,12 @@ def test_fused_nvfp4_dequantize_is_tes_rule_over_every_code_and_scale(amax, simd
     want = nvfp4_dequantize_reference(unpack_fp4(data).numpy(), scales.numpy(), amax)
     assert np.array_equal(np.isnan(got.numpy()), np.isnan(want))
     assert np.array_equal(np.nan_to_num(got.numpy()), np.nan_to_num(want))
+    # bfloat16 out: the same products rounded as torch's cast rounds them (its NaNs keep their sign, ours not)
+    bf16 = fused_cast.dequantize_nvfp4(data, scales.view(torch.float8_e4m3fn), torch.tensor([amax]),
+                                       e2m1_decode_table(data.device), NVFP4_DEQUANT_FACTOR, torch.bfloat16)
+    cast = got.to(torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16.isnan(), cast.isnan())
+    assert torch.equal(bf16.nan_to_num(), cast.nan_to_num())
 
 
 def test_fused_nvfp4_checks_what_it_passes():

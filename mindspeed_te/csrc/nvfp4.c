@@ -4,7 +4,8 @@
  * The quantize makes one form of a 2-D float32 / bfloat16 tensor: blocks of 16 along its rows (or 16x16 tiles),
  * per block decode = amax * (S_enc / 6) clamped to 448, scale = E4M3(decode), encode = min(1 / (scale * S_dec),
  * FLT_MAX), codes = E2M1(x * encode) rounded to nearest even or stochastically with the caller's random bytes,
- * packed two a byte. The dequantize reads the packed codes and E4M3 scales: code * ((scale * amax) * 1 / 2688).
+ * packed two a byte. The dequantize reads the packed codes and E4M3 scales: code * ((scale * amax) * 1 / 2688), as
+ * float32 or bfloat16.
  * Scalar and AVX2 loops, chosen at run time, give the same bits. */
 #include "kernels.h"
 
@@ -164,9 +165,9 @@ typedef struct {
     const uint8_t *data, *scale;
     const float *values; /* E2M1's 16 values (the first entries of a 256-value table) */
     float amax, factor;
-    int avx2;
+    int avx2, bf16;      /* bf16: the products rounded to bfloat16 (bf16_bits), else float32 */
     int64_t k, row_begin, row_end;
-    float *out;
+    void *out;
 } Nvfp4Dequant;
 
 /* A block's multiplier, in nvfp4_decode_scale's order. */
@@ -174,10 +175,12 @@ static inline float block_multiplier(const Nvfp4Dequant *j, uint8_t scale) {
     return (e4m3_value(scale) * j->amax) * j->factor;
 }
 
-static void dequant_block_scalar(const Nvfp4Dequant *j, const uint8_t *in, float f, float *out) {
-    for (int t = 0; t < NV_BLOCK / 2; ++t) {
-        out[2 * t] = j->values[in[t] & 0x0F] * f;
-        out[2 * t + 1] = j->values[in[t] >> 4] * f;
+/* The block's 16 values at element offset i of out. */
+static void dequant_block_scalar(const Nvfp4Dequant *j, const uint8_t *in, float f, int64_t i) {
+    for (int t = 0; t < NV_BLOCK; ++t) {
+        const float v = j->values[t % 2 ? in[t / 2] >> 4 : in[t / 2] & 0x0F] * f;
+        if (j->bf16) ((uint16_t *)j->out)[i + t] = bf16_bits(v);
+        else ((float *)j->out)[i + t] = v;
     }
 }
 
@@ -188,17 +191,32 @@ __attribute__((target("avx2"))) static inline __m256 values8_avx2(__m256 lo, __m
                             _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
 }
 
-/* The 16 values of a block's 8 packed bytes times f: the bytes widened, split into their nibbles and
- * interleaved back into element order. */
+/* bf16_bits of 8 lanes, in the low half of each int32 lane. */
+__attribute__((target("avx2"))) static inline __m256i bf16_bits8_avx2(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb),
+                                              16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+/* The 16 values of a block's 8 packed bytes times f, at element offset i of out: the bytes widened, split into
+ * their nibbles and interleaved back into element order. */
 __attribute__((target("avx2"))) static void dequant_block_avx2(const Nvfp4Dequant *j, const uint8_t *in, float f,
-                                                              float *out) {
+                                                              int64_t i) {
     const __m256 lo = _mm256_loadu_ps(j->values), hi = _mm256_loadu_ps(j->values + 8), fv = _mm256_set1_ps(f);
     const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)in));
     const __m128i low = _mm_and_si128(bytes, _mm_set1_epi16(0x0F)), high = _mm_srli_epi16(bytes, 4);
-    const __m256i c0 = _mm256_cvtepu16_epi32(_mm_unpacklo_epi16(low, high));
-    const __m256i c1 = _mm256_cvtepu16_epi32(_mm_unpackhi_epi16(low, high));
-    _mm256_storeu_ps(out, _mm256_mul_ps(values8_avx2(lo, hi, c0), fv));
-    _mm256_storeu_ps(out + 8, _mm256_mul_ps(values8_avx2(lo, hi, c1), fv));
+    const __m256 v0 = _mm256_mul_ps(values8_avx2(lo, hi, _mm256_cvtepu16_epi32(_mm_unpacklo_epi16(low, high))), fv);
+    const __m256 v1 = _mm256_mul_ps(values8_avx2(lo, hi, _mm256_cvtepu16_epi32(_mm_unpackhi_epi16(low, high))), fv);
+    if (j->bf16) { /* packus interleaves the 128-bit halves: the permute puts elements 0-15 back in order */
+        const __m256i words = _mm256_packus_epi32(bf16_bits8_avx2(v0), bf16_bits8_avx2(v1));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)j->out + i), _mm256_permute4x64_epi64(words, 0xD8));
+        return;
+    }
+    _mm256_storeu_ps((float *)j->out + i, v0);
+    _mm256_storeu_ps((float *)j->out + i + 8, v1);
 }
 #endif
 
@@ -207,32 +225,32 @@ static void dequant_rows(Nvfp4Dequant *j) {
     for (int64_t r = j->row_begin; r < j->row_end; ++r)
         for (int64_t b = 0; b < nb; ++b) {
             const float f = block_multiplier(j, j->scale[r * nb + b]);
-            const uint8_t *in = j->data + (r * j->k + b * NV_BLOCK) / 2;
-            float *out = j->out + r * j->k + b * NV_BLOCK;
+            const int64_t i = r * j->k + b * NV_BLOCK;
 #if defined(__x86_64__)
-            if (j->avx2) { dequant_block_avx2(j, in, f, out); continue; }
+            if (j->avx2) { dequant_block_avx2(j, j->data + i / 2, f, i); continue; }
 #endif
-            dequant_block_scalar(j, in, f, out);
+            dequant_block_scalar(j, j->data + i / 2, f, i);
         }
 }
 
 static void *run_dequant(void *arg) { dequant_rows((Nvfp4Dequant *)arg); return NULL; }
 
-/* dequantize_nvfp4(data, scale, m, k, values, amax, factor, out, threads): `values` E2M1's values (16 float32 at
- * least), `amax` a float32, `factor` float32(1 / 2688); out float32 (m, k), k a multiple of 16. */
+/* dequantize_nvfp4(data, scale, m, k, values, amax, factor, out, threads, bf16): `values` E2M1's values (16
+ * float32 at least), `amax` a float32, `factor` float32(1 / 2688) (or 1 with amax 1: code * scale); out (m, k)
+ * float32, or bfloat16 when bf16, k a multiple of 16. */
 PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *args) {
     unsigned long long data, scale, values, amax, out;
     long long m, k;
     double factor;
-    int threads;
-    if (!PyArg_ParseTuple(args, "KKLLKKdKi", &data, &scale, &m, &k, &values, &amax, &factor, &out, &threads))
+    int threads, bf16;
+    if (!PyArg_ParseTuple(args, "KKLLKKdKii", &data, &scale, &m, &k, &values, &amax, &factor, &out, &threads, &bf16))
         return NULL;
     if (m < 0 || k < 0 || k % NV_BLOCK || !values || !amax) {
         PyErr_SetString(PyExc_ValueError, "dequantize_nvfp4: bad shape or table");
         return NULL;
     }
     Nvfp4Dequant proto = {(const uint8_t *)data, (const uint8_t *)scale, (const float *)values,
-                          *(const float *)amax, (float)factor, 0, k, 0, 0, (float *)out};
+                          *(const float *)amax, (float)factor, 0, bf16 != 0, k, 0, 0, (void *)out};
 #if defined(__x86_64__)
     proto.avx2 = has_avx2();
 #endif

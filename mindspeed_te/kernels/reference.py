@@ -18,6 +18,7 @@ from mindspeed_te.tensor import (
     Float8TensorStorage,
     MXFP4TensorStorage,
     MXFP8TensorStorage,
+    NVFP4TensorStorage,
     QuantizedTensorStorage,
 )
 
@@ -43,6 +44,20 @@ def hadamard_pair(a: Operand, b: Operand, a_columnwise: bool, b_columnwise: bool
     return mask is not None and getattr(b, "columnwise_rht_sign_mask", None) == mask
 
 
+def nvfp4_parts(a: Operand, b: Operand, a_columnwise: bool, b_columnwise: bool
+                ) -> Optional[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+    """For a · bᵀ of two NVFP4 operands read as stored (a lone Hadamard-transformed form is transformed back
+    instead, by its dequantize), each one's `block_scaled_values` as its (rows, k) matrix and per-tensor factor:
+    the bfloat16 values then meet in a bfloat16 GEMM and the factors scale its float32 sum. Else None."""
+    if not (isinstance(a, NVFP4TensorStorage) and isinstance(b, NVFP4TensorStorage)):
+        return None
+    if not hadamard_pair(a, b, a_columnwise, b_columnwise) and any(
+            columnwise and t.columnwise_rht_sign_mask is not None for t, columnwise in ((a, a_columnwise),
+                                                                                      (b, b_columnwise))):
+        return None
+    return a.block_scaled_values(a_columnwise), b.block_scaled_values(b_columnwise)
+
+
 def holds_bf16_values(t: Operand) -> bool:
     """Whether every value `operand_2d` makes of `t` is a bfloat16 value: FP8 and FP4 codes (E4M3, E5M2, HiF8,
     E2M1 alike) times power-of-2 scales, or a bfloat16 tensor."""
@@ -61,16 +76,17 @@ BF16_KERNEL_MIN_MACS = 1 << 22
 
 
 def mm_float32(a: torch.Tensor, b: torch.Tensor, bf16_values: bool) -> torch.Tensor:
-    """a @ b of float32 matrices, summed in float32. When every value is a bfloat16 value (`bf16_values`), it
-    runs on bfloat16 dot products (exact products, float32 sums): the same result class as the float32 GEMM, at
-    the bf16 GEMM's speed. That is the extension's `gemm_bf16` where it applies (any size; its fixed summation
-    order), else, for GEMMs large enough, oneDNN's bf16 GEMM, chosen through torch's process-wide matmul
-    precision set for this call only. Values below float32's normal range (2^-126) may count as zero on
-    either."""
+    """a @ b of float32 matrices (or, with `bf16_values`, bfloat16 ones), summed in float32. When every value is
+    a bfloat16 value (`bf16_values`), it runs on bfloat16 dot products (exact products, float32 sums): the same
+    result class as the float32 GEMM, at the bf16 GEMM's speed. That is the extension's `gemm_bf16` where it
+    applies (any size; its fixed summation order), else, for GEMMs large enough, oneDNN's bf16 GEMM, chosen
+    through torch's process-wide matmul precision set for this call only. Values below float32's normal range
+    (2^-126) may count as zero on either."""
     if bf16_values and a.device.type == "cpu":
         result = fused_cast.gemm_bf16(a, b.t())
         if result is not None:
             return result
+    a, b = as_float32(a), as_float32(b)
     large = a.shape[0] * a.shape[1] * b.shape[1] >= BF16_KERNEL_MIN_MACS
     if not (bf16_values and large and a.device.type == "cpu"):
         return torch.mm(a, b)
@@ -324,7 +340,14 @@ class ReferenceBackend(KernelBackend):
         product is added into it, rounded once to its dtype, and `out` is returned."""
         check_accumulate(out, bias)
         scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
-        if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
+        nvfp4 = nvfp4_parts(a, b, a_columnwise, b_columnwise)
+        if nvfp4 is not None:
+            # code * block scale is a bfloat16 value: the bf16 GEMM sums the exact products in float32, then the
+            # per-tensor factors scale the sum, b's then a's (as a per-tensor FP8 pair's scales).
+            (a_values, a_factor), (b_values, b_factor) = nvfp4
+            result = mm_float32(a_values, b_values.t(), bf16_values=True)
+            scales = (b_factor, a_factor)
+        elif isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             # Per-tensor scales factor out of the sum: decode, multiply, then scale (as the NPU kernel does).
             # The columnwise form is the transposed view of the data: decode the stored codes, then transpose.
             result = self._codes_gemm(a, b, a_columnwise, b_columnwise)
