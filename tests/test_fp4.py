@@ -349,12 +349,17 @@ def test_nvfp4_gemm_of_a_nan_tensor_is_nan():
 
 
 # Stochastic rounding in the quantizers ---------------------------------------------------------------------------
+def _draws(g: torch.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """The documented bits: the little-endian bytes of full-range 64-bit draws, 8 elements a draw."""
+    words = torch.empty(shape[0] * shape[1] // 8, dtype=torch.int64).random_(-(1 << 63), None, generator=g)
+    return np.frombuffer(words.numpy().astype("<i8").tobytes(), dtype=np.uint8).reshape(shape).astype(np.int32)
+
+
 def test_nvfp4_stochastic_rounding_matches_oracle_with_the_generators_bits():
     x = _sample((32, 32), seed=4)
     q = te.NVFP4Quantizer(stochastic_rounding=True, generator=torch.Generator().manual_seed(123))(x)
     g = torch.Generator().manual_seed(123)  # the documented order: rowwise bytes, then columnwise
-    row_bits = torch.randint(0, 256, (32, 32), generator=g, dtype=torch.int32).numpy()
-    col_bits = torch.randint(0, 256, (32, 32), generator=g, dtype=torch.int32).numpy()
+    row_bits, col_bits = (_draws(g, (32, 32)) for _ in range(2))
     codes, _, _ = nvfp4_reference(x.numpy(), rbits=row_bits)
     assert np.array_equal(_codes(q.rowwise_data), codes)
     codes, _, _ = nvfp4_reference(x.t().contiguous().numpy(), rbits=col_bits)
@@ -432,7 +437,7 @@ def test_mxfp4_rht_and_stochastic_rounding():
     g = torch.Generator().manual_seed(3)
     transformed = hadamard_reference(x.float().t().numpy()).astype(ml_dtypes.bfloat16).astype(F32)
     for data, source in ((q.rowwise_data, x.float().numpy()), (q.columnwise_data, transformed)):
-        bits = torch.randint(0, 256, (64, 64), generator=g, dtype=torch.int32).numpy()
+        bits = _draws(g, (64, 64))
         exps = mxfp4_reference(source)[1]
         scaled = source / np.repeat(np.exp2(exps.astype(np.float64) - 127), 32, axis=1).astype(F32)
         assert np.array_equal(_codes(data), e2m1_stochastic_codes(scaled, bits))
