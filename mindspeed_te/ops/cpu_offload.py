@@ -27,7 +27,7 @@ import torch
 
 from mindspeed_te.tensor import QuantizedTensorStorage
 
-__all__ = ["get_cpu_offload_context", "mark_not_offload", "stash", "unstash", "OffloadSchedule",
+__all__ = ["get_cpu_offload_context", "mark_not_offload", "offloading", "stash", "unstash", "OffloadSchedule",
            "MIN_OFFLOAD_NUMEL"]
 
 # TE's heuristic: smaller tensors cost more in copy latency than they save.
@@ -237,11 +237,16 @@ class _LayerBoundary(torch.autograd.Function):
         return grad, None, None, None
 
 
+def offloading() -> bool:
+    """Whether what autograd functions keep now goes to host memory (an offloaded layer's forward)."""
+    return _active is not None and _active.offloading()
+
+
 def stash(obj: Any) -> Any:
     """What an autograd function keeps for backward, offloaded when an offload context is active: a tensor,
     or a quantized storage whose codes and scales go (a shallow copy; the original, e.g. a cache, stays)."""
     schedule = _active
-    if schedule is None or obj is None or not schedule.offloading():
+    if obj is None or not offloading():
         return obj
     if isinstance(obj, torch.Tensor):
         return schedule.pack(obj)

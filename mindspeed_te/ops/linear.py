@@ -17,7 +17,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.ops.cpu_offload import stash, unstash
+from mindspeed_te.ops.cpu_offload import offloading, stash, unstash
+from mindspeed_te.ops.rebuild import RebuiltInput, rebuildable_input
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import (
@@ -142,7 +143,10 @@ class _Linear(torch.autograd.Function):
             saved_x, saved_w = x2d, weight_hp
         else:
             fp8_wgrad = args.fp8_wgrad and needs_wgrad
-            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input)
+            # an activation's output is rebuilt in backward, not kept (ops/rebuild.py)
+            rebuilt = (rebuildable_input(inp, x2d) if fp8_wgrad and not args.save_original_input
+                       and not offloading() and getattr(q.input, "amax_reduction_group", None) is None else None)
+            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input and rebuilt is None)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             (qx,), (qw,) = quantize_inputs_and_weights([x2d], [weight], [q], [args.weight_cache],
                                                        args.is_first_microbatch, backend)
@@ -156,7 +160,9 @@ class _Linear(torch.autograd.Function):
             out = backend.gemm(qx, qw, out_dtype=inp.dtype, bias=bias)
             # Keep only what backward reads: the columnwise input, or the real input for a bf16 wgrad or with
             # save_original_input (backward then quantizes it for the FP8 wgrad, as the forward did).
-            if fp8_wgrad and not args.save_original_input:
+            if rebuilt is not None:
+                saved_x, saved_x_quantizer = rebuilt, saved_input_quantizers([q.input])[0]
+            elif fp8_wgrad and not args.save_original_input:
                 qx.update_usage(rowwise=False, columnwise=True)
                 saved_x = qx
             else:
@@ -193,6 +199,8 @@ class _Linear(torch.autograd.Function):
             if need_dw:
                 dw = _wgrad_now_or_later(args, weight, dy, saved_x, backend)
         else:
+            if isinstance(saved_x, RebuiltInput):
+                saved_x = saved_x() if need_dw else None
             if need_dw and ctx.saved_x_quantizer is not None:
                 ctx.saved_x_quantizer.set_usage(rowwise=False, columnwise=True)
                 saved_x = backend.quantize(ctx.saved_x_quantizer, saved_x)
