@@ -7,7 +7,8 @@ high precision), `--use-ascend-mc2` (fused matmul + communication kernels) and `
 Megatron's own choices where the release has --fp4-format: 0.15 on) with its `--mxfp4-*` options. Megatron
 copies only TransformerConfig's own fields from the arguments into the config, so
 `core_transformer_config_from_args` is wrapped to carry these over as config attributes, where the TE* modules
-read them.
+read them. `--fp8-dot-product-attention` / `--fp8-multi-head-attention` set TransformerConfig fields that
+Megatron's parser has no flag for; Megatron copies them into the config itself.
 
 `--fp8-recipe hif8_delayed` is delayed scaling with MindSpeed's HiF8 schedule. Megatron tests
 `fp8_recipe == "delayed"` in about ten places (the outer autocast of a transformer block, MLA's and shared experts'
@@ -39,6 +40,15 @@ RECIPE_CHOICES = ("hif8_delayed",)
 HIF8_DELAYED_AS = "delayed"
 # --fp4-recipe values added to Megatron's own
 FP4_RECIPE_CHOICES = ("mxfp4",)
+# config.fp8_dot_product_attention / fp8_multi_head_attention, as flags (the recipes Megatron hands each to)
+FP8_ATTENTION_FLAGS = {
+    "--fp8-dot-product-attention": "Q, K, V and dO of core attention in FP8, only their codes kept for backward "
+                                   "(the recipe's fp8_dpa; --fp8-recipe delayed, hif8_delayed or tensorwise)",
+    "--fp8-multi-head-attention": "the recipe's fp8_mha, which runs attention as --fp8-dot-product-attention does "
+                                  "(--fp8-recipe delayed or hif8_delayed)",
+}
+FP8_ATTENTION_RECIPES = {"fp8_dot_product_attention": ("delayed", "hif8_delayed", "tensorwise"),
+                         "fp8_multi_head_attention": ("delayed", "hif8_delayed")}
 # E5M2 alone is not a training format (TransformerEngine refuses it too): gradients only, through hybrid.
 FORMAT_CHOICES = tuple(f.name.lower() for f in Format if f is not Format.E5M2)
 
@@ -137,6 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="run MoE grouped GEMMs in high precision inside FP8 training")
     group.add_argument("--use-ascend-mc2", action="store_true",
                        help="fused matmul + all-gather / reduce-scatter kernels for tensor-parallel linears")
+    for flag, help_text in FP8_ATTENTION_FLAGS.items():
+        if _option(parser, flag) is None:  # TransformerConfig fields that Megatron's parser leaves out
+            group.add_argument(flag, action="store_true", help=help_text)
     group.add_argument("--fp8-extra-state-format", choices=EXTRA_STATE_FORMATS, default=None,
                        help="the FP8 metadata format checkpoints get: mindspeed_te (default) or te, "
                             "TransformerEngine's, so that TE on GPUs resumes them (docs/te-checkpoints.md)")
@@ -185,6 +198,19 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError("--fp8-param-gather with --fp8-recipe mxfp8 needs --reuse-grad-buf-for-mxfp8-param-ag: MXFP8 "
                          "weights keep a columnwise copy that cannot be rebuilt from gathered codes; or use "
                          "--fp8-recipe delayed, tensorwise or blockwise")
+    for dest, recipes in FP8_ATTENTION_RECIPES.items():
+        if not getattr(args, dest, False):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if not fp8 or recipe not in recipes:
+            raise ValueError(f"{flag} needs --fp8-format and --fp8-recipe {', '.join(recipes)} (got --fp8-format "
+                             f"{fp8}, --fp8-recipe {recipe}): the recipe Megatron builds would not carry it, and "
+                             "attention would stay in high precision")
+        if (getattr(args, "recompute_granularity", None) == "selective"
+                and "core_attn" in (getattr(args, "recompute_modules", None) or ["core_attn"])):
+            raise ValueError(f"{flag} with --recompute-granularity selective recomputing core_attn: Megatron's "
+                             "recompute runs attention outside FP8 autocast, so its gradients would be high "
+                             "precision attention's; FP8 attention keeps only Q, K, V codes already")
     if getattr(args, "use_te_activation_func", False):
         raise ValueError("--use-te-activation-func needs TransformerEngine's activation ops, which mindspeed_te does "
                          "not provide; leave it off (Megatron's own activation functions run)")

@@ -291,23 +291,28 @@ def test_context_parallel_attention_matches_one_process(fmt, window, softmax_typ
             assert part["calls"] == [(3 if window is None else 4, (2048, 2048))] * calls, part["calls"]
 
 
-def test_fp8_dpa_recipes_warn_that_attention_stays_in_high_precision():
-    """TE runs attention in FP8 when the recipe's fp8_dpa / fp8_mha is set (Megatron's
-    fp8_dot_product_attention / fp8_multi_head_attention); mindspeed_te does not, and says so instead of
-    silently ignoring the flag. The output is the high-precision one either way."""
+@pytest.mark.parametrize("recipe", ["MXFP8BlockScaling", "Float8BlockScaling"])
+def test_fp8_dpa_under_a_recipe_without_fp8_attention_warns_and_stays_in_high_precision(recipe):
+    """fp8_dpa / fp8_mha (Megatron's fp8_dot_product_attention / fp8_multi_head_attention) run attention in FP8
+    under the per-tensor recipes (tests/test_fp8_attention.py); under a block-scaled recipe mindspeed_te says,
+    naming the recipe, that attention stays in high precision instead of silently ignoring the flag."""
+    import mindspeed_te
     from mindspeed_te import DelayedScaling, fp8_autocast
 
     q, k, v = _qkv(2)
     attn = DotProductAttention(H, D, num_gqa_groups=2, attn_mask_type="causal")
     plain = attn(q, k, v)
-    with pytest.warns(UserWarning, match="fp8_dpa / fp8_mha"):
-        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
-            out = attn(q, k, v)
-    assert torch.equal(out, plain)
+    for flag in ("fp8_dpa", "fp8_mha"):
+        with pytest.warns(UserWarning, match=f"fp8_dpa / fp8_mha .* under {recipe}: .* stays in high precision"):
+            with fp8_autocast(fp8_recipe=getattr(mindspeed_te, recipe)(**{flag: True})):
+                out = attn(q, k, v)
+        assert torch.equal(out, plain)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with fp8_autocast(fp8_recipe=DelayedScaling()):
-            attn(q, k, v)
+            assert torch.equal(attn(q, k, v), plain)  # without fp8_dpa attention is not quantized
+        with fp8_autocast(fp8_recipe=DelayedScaling(fp8_dpa=True)):
+            assert not torch.equal(attn(q, k, v), plain)
 
 
 def test_packed_chunk_plans_are_made_once_per_micro_batch_and_apart_under_inference_mode():

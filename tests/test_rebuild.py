@@ -129,3 +129,39 @@ def test_megatron_fused_bias_gelu_output_is_rebuilt():
     out = bias_gelu_impl(h, bias)
     rebuilt = rebuildable_input(out, out)
     assert rebuilt is not None and torch.equal(rebuilt(), out.detach())
+
+
+class _KeepsNothing(torch.autograd.Function):
+    """An op whose backward needs nothing of its output, as FP8 attention's."""
+
+    keeps_output = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_save_original_input_keeps_codes_after_an_op_that_keeps_no_output():
+    """Megatron sets save_original_input on linear_proj because TE's attention keeps its output anyway; after an
+    op that keeps nothing of it (ours, FP8 attention), the bf16 input would be the only copy: the linear keeps
+    its quantized one instead (1 byte an element, not 2)."""
+    def kept(make) -> int:
+        FP8GlobalStateManager.reset()
+        proj = te.Linear(FFN, HIDDEN, params_dtype=torch.bfloat16, save_original_input=True)
+        h = torch.randn(TOKENS, FFN, dtype=torch.bfloat16, requires_grad=True)
+        with te.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            proj(make(h)).sum().backward()
+            tracker = LiveStorages()
+            with tracker:
+                y = proj(make(h))
+            held = tracker.live_bytes(leave_out=(y,))
+            y.float().sum().backward()
+        return held
+
+    plain, after_attention = kept(lambda t: t * 2), kept(_KeepsNothing.apply)
+    assert plain >= 2 * TOKENS * FFN  # the bf16 input
+    assert TOKENS * FFN <= after_attention <= plain - TOKENS * FFN / 2  # codes, and no bf16 input

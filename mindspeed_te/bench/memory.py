@@ -126,13 +126,14 @@ class LiveStorages(TorchDispatchMode):
 
 
 def activation_bytes(fp8: Optional[tuple[str, str]], offload: bool, seq: int = 1024, batch: int = 1,
-                     hidden: int = 512) -> int:
+                     hidden: int = 512, fp8_attention: bool = False) -> int:
     """Bytes that the first layer of a two-layer Megatron GPT block (TE spec, bf16) keeps for its backward
     during a later micro-batch (weights already quantized): every storage its forward made that is alive once
     the block's forward is done, less its output (the next layer's input) and, with --cpu-offloading of one
-    layer, less what went to host memory. Needs `megatron_world`."""
+    layer, less what went to host memory. `fp8_attention`: config.fp8_dot_product_attention (the recipe's
+    fp8_dpa). Needs `megatron_world`."""
     offload_args = dict(cpu_offloading=True, cpu_offloading_num_layers=1) if offload else {}
-    block = build_block(2, fp8, moe=False, hidden=hidden, **offload_args)
+    block = build_block(2, fp8, moe=False, hidden=hidden, fp8_dot_product_attention=fp8_attention, **offload_args)
     x = torch.randn(seq, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
     block.set_is_first_microbatch()
     block(x, attention_mask=None).float().sum().backward()  # quantized weights, FP8 metadata
@@ -159,15 +160,21 @@ def activation_bytes(fp8: Optional[tuple[str, str]], offload: bool, seq: int = 1
     return held
 
 
-ACTIVATION_CASES = (("bf16", None, False), ("hif8 delayed", ("hif8", "delayed"), False),
-                    ("mxfp8", ("e4m3", "mxfp8"), False), ("hif8 delayed + cpu offload", ("hif8", "delayed"), True),
-                    ("mxfp8 + cpu offload", ("e4m3", "mxfp8"), True))
+# (label, --fp8-format and --fp8-recipe, one layer offloaded, config.fp8_dot_product_attention)
+ACTIVATION_CASES = (("bf16", None, False, False), ("hif8 delayed", ("hif8", "delayed"), False, False),
+                    ("mxfp8", ("e4m3", "mxfp8"), False, False),
+                    ("hif8 delayed + cpu offload", ("hif8", "delayed"), True, False),
+                    ("mxfp8 + cpu offload", ("e4m3", "mxfp8"), True, False),
+                    ("hif8 delayed + fp8 attention", ("hif8", "delayed"), False, True),
+                    ("hybrid delayed + fp8 attention", ("hybrid", "delayed"), False, True),
+                    ("e4m3 tensorwise + fp8 attention", ("e4m3", "tensorwise"), False, True))
 
 
 def bench_activations() -> list[tuple[str, float, str]]:
     """Per case: activation bytes a GPT layer keeps per micro-batch, as a ratio to bf16's."""
     with megatron_world():
-        held = {label: activation_bytes(fp8, offload) for label, fp8, offload in ACTIVATION_CASES}
+        held = {label: activation_bytes(fp8, offload, fp8_attention=attention)
+                for label, fp8, offload, attention in ACTIVATION_CASES}
     base = held.pop("bf16")
     return [(f"activation bytes per GPT layer, {label} / bf16", n / base,
              f"{n / 2**20:.2f} MiB vs {base / 2**20:.2f} MiB (hidden 512, seq 1024, micro-batch 1)")

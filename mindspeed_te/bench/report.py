@@ -26,7 +26,9 @@ TARGETS = {
     **{f"bytes per parameter, fp8 weights + bf16 grads, fp32 master + remainders, {m} moments": (9.0, False)
        for m in ("fp8", "hif8")},  # issue 33's goal: FP8 weights and 8-bit moments in at most 9 bytes
     # issue 33's goals for what a GPT layer keeps for backward per micro-batch, against bf16's
-    **{f"activation bytes per GPT layer, {recipe} / bf16": (0.55, False) for recipe in ("hif8 delayed", "mxfp8")},
+    **{f"activation bytes per GPT layer, {recipe} / bf16": (0.55, False)
+       for recipe in ("hif8 delayed", "mxfp8", "hif8 delayed + fp8 attention", "hybrid delayed + fp8 attention",
+                      "e4m3 tensorwise + fp8 attention")},
     **{f"activation bytes per GPT layer, {recipe} + cpu offload / bf16": (0.15, False)
        for recipe in ("hif8 delayed", "mxfp8")},
     "host syncs per fp8 linear fwd+bwd": (0, False),

@@ -13,7 +13,8 @@ def memory_rows() -> list[tuple[str, str]]:
     """(what, figure) rows; needs Megatron's model parallelism initialized (the demo's set-up)."""
     rows = [(f"bytes per parameter, {combo.label}", f"{bytes_per_parameter(combo)['total']:.2f}")
             for combo in COMBINATIONS]
-    held = {label: activation_bytes(fp8, offload) for label, fp8, offload in ACTIVATION_CASES}
+    held = {label: activation_bytes(fp8, offload, fp8_attention=attention)
+            for label, fp8, offload, attention in ACTIVATION_CASES}
     base = held["bf16"]
     rows += [(f"activation MiB per GPT layer, {label}", f"{n / 2**20:.2f} ({n / base:.2f}x bf16)")
              for label, n in held.items()]

@@ -26,7 +26,8 @@ def _rng_tracker():
 class TEDotProductAttention(DotProductAttention):
     """Core attention for Megatron's SelfAttention/CrossAttention: sbhd in, [s, b, h * d] out (thd with
     `packed_seq_params`: [t, h, d] in, [t, h * d] out). Honours the config's sliding window (per layer, as
-    `window_attn_skip_freq` says), `softmax_type` and context parallelism over the CP group.
+    `window_attn_skip_freq` says), `softmax_type`, context parallelism over the CP group, and FP8 attention when
+    Megatron's recipe carries fp8_dpa (config.fp8_dot_product_attention).
 
     Args:
         config: Megatron's config: heads, query groups, kv channels, dropout, window, softmax type, context-parallel
@@ -113,7 +114,8 @@ class TEDotProductAttention(DotProductAttention):
         return super().forward(query, key, value, attention_mask, mask, attention_bias, **packed)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """The learnable softmax offset, sharded over TP by head (nothing else to save)."""
+        """The learnable softmax offset, sharded over TP by head. As Megatron's TE wrapper, not the FP8 metadata
+        (`_extra_state`): delayed scaling's attention scales start fresh after a resume."""
         metadata = ensure_dp_cp_group(metadata)
         state_dict = self.state_dict(prefix="", keep_vars=True) if self.softmax_type == "learnable" else {}
         return make_sharded_tensors(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,

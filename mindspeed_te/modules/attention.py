@@ -1,7 +1,8 @@
 """`DotProductAttention`: softmax(Q Kᵀ · scale + mask) V on [s, b, h, d] (sbhd) or packed [t, h, d] (thd)
 tensors, with GQA, sliding windows, softmax with an offset in the denominator (off-by-one or learnable),
-context parallelism and dropout drawn from an RNG tracker. Attention is not quantized by these recipes; it
-runs in the input precision through the kernel backend (torch's scaled_dot_product_attention on CPU).
+context parallelism and dropout drawn from an RNG tracker. It runs in the input precision through the kernel
+backend (torch's scaled_dot_product_attention on CPU); with a per-tensor recipe's fp8_dpa / fp8_mha, Q, K and V
+go in as FP8 and only their codes are kept for backward (mindspeed_te/ops/fp8_attention.py).
 
 Every case reduces to one boolean "may attend" matrix built from where each query and key sits: which
 packed sequence (segment), its position inside that sequence, and whether it is padding. Under context
@@ -37,8 +38,11 @@ from mindspeed_te.kernels.masks import (
     kept_per_tensors,
     window_band,
 )
+from mindspeed_te.modules.base import FP8ModuleBase
 from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
+from mindspeed_te.ops.fp8_attention import AttentionQuantizers, fp8_attention
+from mindspeed_te.quantizers import Float8CurrentScalingQuantizer
 from mindspeed_te.state import FP8GlobalStateManager
 
 MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal", "causal_bottom_right",
@@ -147,13 +151,18 @@ def _bottom_right_packed(cu_q: torch.Tensor, cu_kv: torch.Tensor, device: torch.
     return (q_seg[:, None] == k_seg[None, :]) & (k_pos[None, :] <= reach[:, None])
 
 
-class DotProductAttention(torch.nn.Module):
+class DotProductAttention(FP8ModuleBase):
     """TransformerEngine's core attention. Masks follow Megatron: a boolean `attention_mask` is True where
     attention is NOT allowed, shaped [b, 1, 1, s_k] or [b, 1, s_q, s_k]; "causal" masks keys after the query
     position (top-left aligned), "causal_bottom_right" aligns the last query with the last key.
     `window_size=(left, right)` keeps keys in [i - left, i + right] of query i (bottom-right aligned, -1 =
     unbounded). `softmax_type` "off-by-one" adds 1 to the softmax denominator, "learnable" adds
     exp(softmax_offset[h]) with a per-head parameter (zeros at start).
+
+    Inside FP8 autocast with the recipe's fp8_dpa or fp8_mha, under DelayedScaling or Float8CurrentScaling (HiF8
+    included), attention runs as TE's FP8 attention: Q, K, V enter in the forward format under one per-tensor
+    scale, dO in the backward format, and backward keeps only the codes (mindspeed_te/ops/fp8_attention.py). As
+    TE's DPA the module keeps that FP8 metadata in `fp8_meta` and `_extra_state`.
 
     Args:
         num_attention_heads: query heads of the whole layer (split over the TP group)
@@ -196,7 +205,7 @@ class DotProductAttention(torch.nn.Module):
         params_dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(num_gemms=3)  # TE's DPA keeps the FP8 metadata of 3 GEMMs
         if attn_mask_type not in MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {attn_mask_type!r}")
         if qkv_format not in QKV_FORMATS:
@@ -241,11 +250,6 @@ class DotProductAttention(torch.nn.Module):
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None) -> torch.Tensor:
         """sbhd in, [s, b, h·d] out; thd ([t, h, d], with cu_seqlens_q/kv) in, [t, h·d] out. Under context
         parallelism the inputs are this rank's share and so is the output."""
-        if FP8GlobalStateManager.is_fp8_enabled():
-            recipe = FP8GlobalStateManager.get_fp8_recipe()
-            if getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False):
-                warnings.warn("fp8_dpa / fp8_mha (Megatron's fp8_dot_product_attention / fp8_multi_head_attention): "
-                              "mindspeed_te runs attention in high precision", stacklevel=2)
         mask_type = attn_mask_type or self.attn_mask_type
         if mask_type not in MASK_TYPES:
             raise ValueError(f"attn_mask_type must be one of {', '.join(MASK_TYPES)}, got {mask_type!r}")
@@ -259,31 +263,76 @@ class DotProductAttention(torch.nn.Module):
         if query.shape[2] % key.shape[2]:
             raise ValueError(f"query heads ({query.shape[2]}) must be a multiple of key/value heads ({key.shape[2]})")
         cp_size = group_size(self.cp_group) if self.cp_group is not None else 1
-        if cp_size > 1:
-            if attention_mask is not None and fmt == "sbhd":
-                raise ValueError("context parallelism (--context-parallel-size > 1) with an explicit padding "
-                                 "attention_mask is not supported: pack the sequences (thd) instead")
-            key = gather_from_sequence_parallel_region(key, self.cp_group)
-            value = gather_from_sequence_parallel_region(value, self.cp_group)
+        if cp_size > 1 and attention_mask is not None and fmt == "sbhd":
+            raise ValueError("context parallelism (--context-parallel-size > 1) with an explicit padding "
+                             "attention_mask is not supported: pack the sequences (thd) instead")
         dropout = self.attention_dropout if self.training else 0.0
         rng = self.get_rng_state_tracker().fork() if dropout > 0 and self.get_rng_state_tracker else None
-        offset = self._softmax_offset(query)
-        if (cp_size > 1 and fmt == "sbhd" and "causal" in mask_type and attention_bias is None
-                and query.shape[0] % 2 == 0 and key.shape[0] == cp_size * query.shape[0]):
+        attend = functools.partial(self._attend, mask_type=mask_type, attention_mask=attention_mask, cp_size=cp_size,
+                                   packed=(cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
+                                   if fmt == "thd" else None, dropout=dropout)
+        extras = (self._softmax_offset(query), attention_bias)
+        fp8 = self._fp8_attention(query.device, cp_size)
+        if fp8 is None:
             with rng or contextlib.nullcontext():
-                return self._causal_chunks(query, key, value, cp_size, dropout, offset)
-        if (cp_size > 1 and fmt == "thd" and "causal" in mask_type and attention_bias is None
-                and self.window_size is None and (cu_seqlens_q_padded is None) == (cu_seqlens_kv_padded is None)):
-            plan = _packed_chunks(cu_seqlens_q, cu_seqlens_q_padded, cp_size, group_rank(self.cp_group),
-                                  query.device)
-            same = host_ends(cu_seqlens_q) == host_ends(cu_seqlens_kv) and (
-                cu_seqlens_q_padded is None or host_ends(cu_seqlens_q_padded) == host_ends(cu_seqlens_kv_padded))
-            if plan is not None and same and key.shape[0] == cp_size * query.shape[0]:
-                with rng or contextlib.nullcontext():
-                    return self._packed_causal_chunks(query, key, value, plan, dropout, offset).squeeze(1)
-        allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size,
-                                (cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded)
-                                if fmt == "thd" else None)
+                out = attend(query, key, value, *extras)
+        else:
+            quantizers, first = fp8
+            out = fp8_attention(attend, query, key, value, extras, quantizers, rng=rng, dropout=dropout > 0,
+                                reduce_amax_in_backward=first)
+        return out.squeeze(1) if fmt == "thd" else out
+
+    def _fp8_attention(self, device: torch.device, cp_size: int) -> Optional[tuple[AttentionQuantizers, bool]]:
+        """The quantizers of FP8 attention and whether this is the step's first FP8 module, or None when
+        attention runs in high precision: outside FP8 autocast, without the recipe's fp8_dpa / fp8_mha (TE
+        forces fp8_dpa on with fp8_mha), or under a recipe TE's FP8 attention has no per-tensor form for. As in
+        TE the slots are this module's own (3 GEMMs' worth): Q, K, V at GEMM 1's output, O at GEMM 2's input, dO
+        at GEMM 2's grad_input, dQ, dK, dV at GEMM 1's grad_output. Under current scaling with context
+        parallelism each amax is reduced over the CP group, as TE does, so every rank uses one scale."""
+        if not FP8GlobalStateManager.is_fp8_enabled():
+            return None
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        if not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
+            return None
+        if not recipe.float8_per_tensor_scaling():
+            warnings.warn(f"fp8_dpa / fp8_mha (Megatron's fp8_dot_product_attention / fp8_multi_head_attention) "
+                          f"under {type(recipe).__name__}: mindspeed_te runs attention in FP8 under DelayedScaling "
+                          "and Float8CurrentScaling only; this attention stays in high precision", stacklevel=3)
+            return None
+        fwd, bwd, first = self.prepare_forward(device)
+        delayed = recipe.delayed()
+        quantizers = AttentionQuantizers(
+            qkv=fwd[self.fp8_meta_index("output", 0)], dout=bwd[self.fp8_meta_index("grad_input", 1)],
+            out=fwd[self.fp8_meta_index("input", 1)] if delayed else None,
+            dqkv=bwd[self.fp8_meta_index("grad_output", 0)] if delayed else None)
+        if cp_size > 1:
+            for quantizer in (quantizers.qkv, quantizers.dout):
+                if isinstance(quantizer, Float8CurrentScalingQuantizer):
+                    quantizer.amax_reduction_group = self.cp_group
+        return quantizers, first
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: Optional[torch.Tensor],
+                attention_bias: Optional[torch.Tensor], *, mask_type: str, attention_mask: Optional[torch.Tensor],
+                cp_size: int, packed: Optional[tuple], dropout: float) -> torch.Tensor:
+        """Attention of [s, b, h, d] inputs (thd: b = 1), this rank's keys and values gathered under context
+        parallelism: [s, b, h·d]. FP8 attention runs it twice (forward, and again in backward)."""
+        if cp_size > 1:
+            key = gather_from_sequence_parallel_region(key, self.cp_group)
+            value = gather_from_sequence_parallel_region(value, self.cp_group)
+        if (cp_size > 1 and packed is None and "causal" in mask_type and attention_bias is None
+                and query.shape[0] % 2 == 0 and key.shape[0] == cp_size * query.shape[0]):
+            return self._causal_chunks(query, key, value, cp_size, dropout, offset)
+        if packed is not None:
+            cu_seqlens_q, cu_seqlens_q_padded, cu_seqlens_kv, cu_seqlens_kv_padded = packed
+            if (cp_size > 1 and "causal" in mask_type and attention_bias is None and self.window_size is None
+                    and (cu_seqlens_q_padded is None) == (cu_seqlens_kv_padded is None)):
+                plan = _packed_chunks(cu_seqlens_q, cu_seqlens_q_padded, cp_size, group_rank(self.cp_group),
+                                      query.device)
+                same = host_ends(cu_seqlens_q) == host_ends(cu_seqlens_kv) and (
+                    cu_seqlens_q_padded is None or host_ends(cu_seqlens_q_padded) == host_ends(cu_seqlens_kv_padded))
+                if plan is not None and same and key.shape[0] == cp_size * query.shape[0]:
+                    return self._packed_causal_chunks(query, key, value, plan, dropout, offset)
+        allowed = self._allowed(mask_type, attention_mask, query.shape[0], key.shape[0], query.device, cp_size, packed)
         mask = allowed
         if attention_bias is not None:  # a float mask: 0 / -inf where `allowed` says, plus the bias
             dense = as_matrix(allowed, query.shape[0], key.shape[0], query.device)
@@ -291,12 +340,19 @@ class DotProductAttention(torch.nn.Module):
             mask = mask + attention_bias.to(query.dtype)
         # Queries that may see no key: any padding mask (its content is data), causal bottom-right with more
         # queries than keys, padded packed sequences.
-        empty_rows = (attention_mask is not None or cu_seqlens_q_padded is not None
+        empty_rows = (attention_mask is not None or (packed is not None and packed[1] is not None)
                       or (mask_type.endswith("bottom_right") and query.shape[0] > key.shape[0]))
-        with rng or contextlib.nullcontext():
-            out = get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout,
-                                                      empty_rows=empty_rows, softmax_offset=offset)
-        return out.squeeze(1) if fmt == "thd" else out
+        return get_backend(query.device).attention(query, key, value, mask, self.softmax_scale, dropout,
+                                                   empty_rows=empty_rows, softmax_offset=offset)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """A checkpoint without `_extra_state` (saved before this module kept FP8 metadata) loads: its FP8
+        attention scales start fresh."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + "_extra_state" in missing_keys:
+            missing_keys.remove(prefix + "_extra_state")
 
     def _softmax_offset(self, query: torch.Tensor) -> Optional[torch.Tensor]:
         """The per-head logit the softmax adds to its denominator: none (vanilla), 0 (off-by-one) or the

@@ -18,7 +18,7 @@ import torch
 
 from mindspeed_te.kernels import get_backend
 from mindspeed_te.ops.cpu_offload import offloading, stash, unstash
-from mindspeed_te.ops.rebuild import RebuiltInput, rebuildable_input
+from mindspeed_te.ops.rebuild import RebuiltInput, producer_drops_output, rebuildable_input
 from mindspeed_te.ops.wgrad_store import WeightGradStore, WgradResult
 from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantized
 from mindspeed_te.quantizers import (
@@ -143,10 +143,11 @@ class _Linear(torch.autograd.Function):
             saved_x, saved_w = x2d, weight_hp
         else:
             fp8_wgrad = args.fp8_wgrad and needs_wgrad
+            keep_original = args.save_original_input and not producer_drops_output(inp)
             # an activation's output is rebuilt in backward, not kept (ops/rebuild.py)
-            rebuilt = (rebuildable_input(inp, x2d) if fp8_wgrad and not args.save_original_input
-                       and not offloading() and getattr(q.input, "amax_reduction_group", None) is None else None)
-            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not args.save_original_input and rebuilt is None)
+            rebuilt = (rebuildable_input(inp, x2d) if fp8_wgrad and not keep_original and not offloading()
+                       and getattr(q.input, "amax_reduction_group", None) is None else None)
+            q.input.set_usage(rowwise=True, columnwise=fp8_wgrad and not keep_original and rebuilt is None)
             q.weight.set_usage(rowwise=True, columnwise=inp.requires_grad)
             (qx,), (qw,) = quantize_inputs_and_weights([x2d], [weight], [q], [args.weight_cache],
                                                        args.is_first_microbatch, backend)
@@ -162,7 +163,7 @@ class _Linear(torch.autograd.Function):
             # save_original_input (backward then quantizes it for the FP8 wgrad, as the forward did).
             if rebuilt is not None:
                 saved_x, saved_x_quantizer = rebuilt, saved_input_quantizers([q.input])[0]
-            elif fp8_wgrad and not args.save_original_input:
+            elif fp8_wgrad and not keep_original:
                 qx.update_usage(rowwise=False, columnwise=True)
                 saved_x = qx
             else:

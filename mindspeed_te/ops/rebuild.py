@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RebuiltInput", "rebuildable_input"]
+__all__ = ["RebuiltInput", "producer_drops_output", "rebuildable_input"]
 
 # Pure views that may sit between the activation and the linear (a reshape to 2-D).
 _VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
@@ -44,6 +44,23 @@ class RebuiltInput:
             return self.fn(*self.args).reshape(self.shape)
 
 
+def _producer(t: torch.Tensor):
+    """The autograd node that made `t`, past pure views."""
+    node = t.grad_fn
+    while node is not None and type(node).__name__ in _VIEWS:
+        node = node.next_functions[0][0]
+    return node
+
+
+def producer_drops_output(t: torch.Tensor) -> bool:
+    """Whether `t` comes from an autograd function that keeps nothing of its output (a class attribute
+    `keeps_output = False`: FP8 attention). Megatron makes a linear keep its original input when that input is
+    attention's output (`save_original_input`), since TE's attention keeps it anyway; after ours it would be the
+    only copy, and the quantized one is smaller."""
+    forward_cls = getattr(_producer(t), "_forward_cls", None)
+    return getattr(forward_cls, "keeps_output", True) is False
+
+
 def _recipe(node) -> Optional[tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]]]:
     name = type(node).__name__
     if name == "GeluBackward0":
@@ -64,9 +81,7 @@ def rebuildable_input(inp: torch.Tensor, x2d: torch.Tensor) -> Optional[RebuiltI
     checkpoint): reading the activation's saved input would unpack it there."""
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return None
-    node = inp.grad_fn
-    while node is not None and type(node).__name__ in _VIEWS:
-        node = node.next_functions[0][0]
+    node = _producer(inp)
     if node is None:
         return None
     recipe = _recipe(node)
