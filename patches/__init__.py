@@ -23,7 +23,8 @@ __all__ = ["PatchError", "PatchRegistry", "build_registry"]
 
 def build_registry() -> PatchRegistry:
     """The TE module patches for megatron.core, the argument hooks when megatron.training (the Megatron-LM
-    repository, not on PyPI) is importable, and the CPU device adaptor when there is no accelerator."""
+    repository, not on PyPI) is importable, apex's gradient-accumulation kernels where apex is missing, and the CPU
+    device adaptor when there is no accelerator."""
     if importlib.util.find_spec("megatron.core") is None:
         raise ImportError("mindspeed_te's Megatron patches need megatron-core 0.12 to 0.19: pip install "
                           "megatron-core==0.16.1 (or put a Megatron-LM checkout on sys.path)")
@@ -40,6 +41,9 @@ def build_registry() -> PatchRegistry:
     from mindspeed_te.patches.library_compat import register_library_compat
 
     register_library_compat(registry)
+    from mindspeed_te.patches.grad_accum import register_grad_accum
+
+    register_grad_accum(registry)
     with _building("torch.cuda"):
         from mindspeed_te.patches.device_cpu import accelerator_present, register_device_cpu
 

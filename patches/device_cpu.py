@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import os
 import time
-import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -329,24 +328,6 @@ def _uneven_all_gather(all_gather: Callable) -> Callable:
     return wrapped
 
 
-def _wgrad_gemm_accum(inp: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """main_grad += grad_outputᵀ · input, computed in fp32 and rounded once into main_grad's dtype: what
-    apex's fused_weight_gradient_mlp_cuda kernels do (a GEMM with beta=1 into the gradient buffer)."""
-    grad_output = grad_output.reshape(-1, grad_output.shape[-1])
-    inp = inp.reshape(-1, inp.shape[-1])
-    if main_grad.dtype == torch.float32:
-        main_grad.addmm_(grad_output.t().float(), inp.float())
-    else:
-        main_grad.copy_(torch.addmm(main_grad.float(), grad_output.t().float(), inp.float()))
-
-
-# Stands in for apex's CUDA extension, which Megatron imports for --gradient-accumulation-fusion (its
-# default): wgrad_gemm_accum_fp32 for fp32 main grads, wgrad_gemm_accum_fp16 for fp16/bf16 ones.
-fused_weight_gradient_mlp_cuda = types.ModuleType("fused_weight_gradient_mlp_cuda", _wgrad_gemm_accum.__doc__)
-fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = _wgrad_gemm_accum
-fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16 = _wgrad_gemm_accum
-
-
 def _maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """Megatron's MoE dispatcher moves its split sizes to the host, as numpy arrays for the all-to-all, but
     converts only CUDA tensors; here they are already on the CPU and still need the conversion (a copy, as
@@ -405,9 +386,6 @@ def register_device_cpu(registry) -> None:
     if hasattr(resolve("megatron.core.parallel_state"), "_global_process_group_list"):  # 0.15 on lists its groups
         target = "megatron.core.parallel_state.destroy_model_parallel"
         registry.register(target, _destroying_forgotten_groups(resolve(target)))
-    layers = "megatron.core.tensor_parallel.layers"
-    registry.register(f"{layers}.fused_weight_gradient_mlp_cuda", fused_weight_gradient_mlp_cuda, create=True)
-    registry.register(f"{layers}._grad_accum_fusion_available", True)
     registry.register("megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu", _maybe_move_tensor_to_cpu)
     if has_module("megatron.training"):
         target = "megatron.training.initialize.initialize_megatron"

@@ -65,22 +65,6 @@ def test_literal_cuda_devices_land_on_the_cpu_and_type_names_read_as_cuda():
     assert (torch.zeros, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type) == originals
 
 
-def test_gradient_accumulation_fusion_accumulates_the_weight_gradient_into_main_grad():
-    """apex's wgrad_gemm_accum_fp32 / _fp16: main_grad += dYᵀ·X, one fp32 GEMM rounded once into main_grad."""
-    from mindspeed_te.patches.device_cpu import fused_weight_gradient_mlp_cuda as fused
-
-    torch.manual_seed(0)
-    x, dy = torch.randn(2, 8, 16, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16)
-    exact = dy.double().reshape(-1, 4).t() @ x.double().reshape(-1, 16)
-    start = torch.randn(4, 16)
-    main_grad = start.clone()
-    fused.wgrad_gemm_accum_fp32(x, dy, main_grad)
-    assert torch.allclose(main_grad.double(), start.double() + exact, rtol=0, atol=1e-5)
-    half = start.to(torch.bfloat16)
-    fused.wgrad_gemm_accum_fp16(x, dy, half)
-    assert torch.equal(half, (start.to(torch.bfloat16).double() + exact).to(torch.bfloat16))
-
-
 def test_nccl_requests_get_gloo_and_device_properties_answer(tmp_path):
     registry = PatchRegistry()
     register_device_cpu(registry)
