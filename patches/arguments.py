@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from mindspeed_te.megatron.compat import packs_fp4_params
 from mindspeed_te.megatron.fp4 import FP4_RECIPES, MXFP4_OPTIONS, make_fp4_recipe, mxfp4_flags
+from mindspeed_te.modules.attention import DPAFP8Settings
 from mindspeed_te.patches.registry import installed_megatron_core, resolve
 from mindspeed_te.recipe import Format
 from mindspeed_te.te_extra_state import EXTRA_STATE_FORMAT_ENV, EXTRA_STATE_FORMATS
@@ -43,12 +44,15 @@ FP4_RECIPE_CHOICES = ("mxfp4",)
 # config.fp8_dot_product_attention / fp8_multi_head_attention, as flags (the recipes Megatron hands each to)
 FP8_ATTENTION_FLAGS = {
     "--fp8-dot-product-attention": "Q, K, V and dO of core attention in FP8, only their codes kept for backward "
-                                   "(the recipe's fp8_dpa; --fp8-recipe delayed, hif8_delayed or tensorwise)",
+                                   "(the recipe's fp8_dpa; --fp8-recipe delayed, hif8_delayed or tensorwise, or mxfp8 "
+                                   "with NVTE_DPA_FP8_RECIPE DelayedScaling or Float8CurrentScaling)",
     "--fp8-multi-head-attention": "the recipe's fp8_mha, which runs attention as --fp8-dot-product-attention does "
                                   "(--fp8-recipe delayed or hif8_delayed)",
 }
 FP8_ATTENTION_RECIPES = {"fp8_dot_product_attention": ("delayed", "hif8_delayed", "tensorwise"),
                          "fp8_multi_head_attention": ("delayed", "hif8_delayed")}
+# NVTE_DPA_FP8_RECIPE values that run attention in FP8 under --fp8-recipe mxfp8 (whose recipe carries fp8_dpa)
+MXFP8_DPA_RECIPES = ("DelayedScaling", "Float8CurrentScaling")
 # E5M2 alone is not a training format (TransformerEngine refuses it too): gradients only, through hybrid.
 FORMAT_CHOICES = tuple(f.name.lower() for f in Format if f is not Format.E5M2)
 
@@ -202,10 +206,19 @@ def validate_args(args: argparse.Namespace) -> None:
         if not getattr(args, dest, False):
             continue
         flag = "--" + dest.replace("_", "-")
+        dpa_recipe = DPAFP8Settings.from_env().recipe  # a bad NVTE_DPA_FP8_* value raises here, naming it
+        dpa_flag = dest == "fp8_dot_product_attention"
+        if dpa_flag and dpa_recipe in MXFP8_DPA_RECIPES:
+            recipes += ("mxfp8",)
         if not fp8 or recipe not in recipes:
-            raise ValueError(f"{flag} needs --fp8-format and --fp8-recipe {', '.join(recipes)} (got --fp8-format "
-                             f"{fp8}, --fp8-recipe {recipe}): the recipe Megatron builds would not carry it, and "
-                             "attention would stay in high precision")
+            hint = f" (or mxfp8 with NVTE_DPA_FP8_RECIPE={' or '.join(MXFP8_DPA_RECIPES)})" \
+                if dpa_flag and "mxfp8" not in recipes else ""
+            raise ValueError(f"{flag} needs --fp8-format and --fp8-recipe {', '.join(recipes)}{hint} (got "
+                             f"--fp8-format {fp8}, --fp8-recipe {recipe}): the recipe Megatron builds would not carry "
+                             "it, and attention would stay in high precision")
+        if dpa_recipe == "MXFP8BlockScaling":
+            raise ValueError(f"{flag} with NVTE_DPA_FP8_RECIPE=MXFP8BlockScaling: mindspeed_te has no MXFP8 attention, "
+                             f"so attention would stay in high precision; use {' or '.join(MXFP8_DPA_RECIPES)}")
         if (getattr(args, "recompute_granularity", None) == "selective"
                 and "core_attn" in (getattr(args, "recompute_modules", None) or ["core_attn"])):
             raise ValueError(f"{flag} with --recompute-granularity selective recomputing core_attn: Megatron's "

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -20,9 +22,13 @@ import torch
 
 from mindspeed_te import (
     DelayedScaling,
+    Float8BlockScaling,
     Float8CurrentScaling,
     FP8GlobalStateManager,
     HIF8DelayedScaling,
+    MXFP4BlockScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
     fp8_autocast,
 )
 from mindspeed_te.modules import DotProductAttention
@@ -142,33 +148,38 @@ def test_forward_and_gradients_equal_the_fake_quant_reference(case):
     assert 0 < (out.float() - plain).norm() / plain.norm() < 0.1
 
 
-def test_delayed_scaling_takes_its_scales_from_the_amax_history():
-    """Two steps of DelayedScaling (HYBRID, float32): the second quantizes Q, K, V, O, dO and dQKV with
-    448 / amax (57344 / amax backward) of the first step's, each from its own slot, updated at the autocast
-    region's exit (forward) and at the end of this first FP8 module's backward (backward)."""
+def _check_delayed_steps(attn: DotProductAttention, recipe, case: str, history_len: int, algo: str,
+                         factors: tuple[float, ...]) -> None:
+    """Steps of delayed-scaling attention in float32, inputs scaled by `factors`: each equals the reference that
+    quantizes Q, K, V, O, dO and dQKV with target / amax from its own slot's history (`DelayedReference`: the
+    first step's scale is 1), updated after every step: at the autocast region's exit (forward) and at the end
+    of the first FP8 module's backward (backward)."""
     tensors = _inputs(torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    douts = [torch.randn(S, B, H * D, generator=gen) for _ in range(2)]
-    attn = DotProductAttention(H, D, num_gqa_groups=G, attn_mask_type="causal")
-    recipe = DelayedScaling(fp8_dpa=True)
-    _run(attn, recipe, tensors, douts[0])
-    history = {role: DelayedReference(recipe.amax_history_len, 448.0 if role in ("qkv", "out") else 57344.0)
+    (_, fwd_target), (_, bwd_target) = FORMATS[case]
+    history = {role: DelayedReference(history_len, fwd_target if role in ("qkv", "out") else bwd_target, algo=algo)
                for role in ("qkv", "out", "dout", "dqkv")}
 
-    def first_step(role, quantized):
+    def scale_inv(role: str, quantized: list[torch.Tensor]) -> np.float32:
         history[role].observe(amax(quantized))
-        return np.float32(1.0)
+        return np.float32(1.0) / np.float32(history[role].scale)
 
-    reference(attn, tensors, douts[0], "hybrid", first_step, delayed=True)
-    for ref in history.values():
-        ref.update()
-    second = [t * 1.5 for t in tensors]
-    out, grads = _run(attn, recipe, second, douts[1])
-    want, want_grads = reference(attn, second, douts[1], "hybrid",
-                                 lambda role, t: np.float32(1.0) / np.float32(history[role].scale), delayed=True)
-    _assert_equal(out, want)
-    for got, expected in zip(grads, want_grads):
-        _assert_equal(got, expected)
+    gen = torch.Generator().manual_seed(7)
+    for factor in factors:
+        step, dout = [t * factor for t in tensors], torch.randn(S, B, H * D, generator=gen)
+        out, grads = _run(attn, recipe, step, dout)
+        want, want_grads = reference(attn, step, dout, case, scale_inv, delayed=True)
+        _assert_equal(out, want)
+        for got, expected in zip(grads, want_grads):
+            _assert_equal(got, expected)
+        for ref in history.values():
+            ref.update()
+
+
+def test_delayed_scaling_takes_its_scales_from_the_amax_history():
+    """Two steps of DelayedScaling (HYBRID): the second quantizes Q, K, V, O, dO and dQKV with 448 / amax
+    (57344 / amax backward) of the first step's, each from its own slot."""
+    attn = DotProductAttention(H, D, num_gqa_groups=G, attn_mask_type="causal")
+    _check_delayed_steps(attn, DelayedScaling(fp8_dpa=True), "hybrid", 1024, "max", (1.0, 1.5))
 
 
 def test_fp8_mha_runs_attention_in_fp8_as_fp8_dpa():
@@ -318,6 +329,129 @@ def test_fp8_metadata_is_checkpointed_as_te_keeps_dpa_s():
     DotProductAttention(H, D, num_gqa_groups=G).load_state_dict({})  # strict: no `_extra_state` needed
 
 
+# NVTE_DPA_FP8_RECIPE: TE's table of attention recipes under other linear recipes.
+# name -> (linear recipe, NVTE_DPA_FP8_* settings, the attention recipe's class, its FORMATS case)
+DPA_CASES: dict[str, tuple[Callable[[], object], dict[str, str], type, str]] = {
+    "mxfp8 -> current": (lambda: MXFP8BlockScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"},
+                         Float8CurrentScaling, "e4m3"),
+    "mxfp8 hybrid -> current": (lambda: MXFP8BlockScaling(fp8_format=Format.HYBRID, fp8_dpa=True),
+                                {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"}, Float8CurrentScaling, "hybrid"),
+    "mxfp8 -> delayed": (lambda: MXFP8BlockScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"},
+                         DelayedScaling, "e4m3"),
+    "current -> delayed": (lambda: Float8CurrentScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"},
+                           DelayedScaling, "hybrid"),
+    "current, unset": (lambda: Float8CurrentScaling(fp8_dpa=True), {}, Float8CurrentScaling, "hybrid"),
+    "delayed -> current": (lambda: DelayedScaling(fp8_mha=True), {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"},
+                           Float8CurrentScaling, "hybrid"),
+    "delayed, delayed": (lambda: DelayedScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"},
+                         DelayedScaling, "hybrid"),
+    "hif8 delayed -> current": (lambda: HIF8DelayedScaling(fp8_dpa=True),
+                                {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling"}, Float8CurrentScaling, "hif8"),
+    "nvfp4 -> current e4m3": (lambda: NVFP4BlockScaling(fp8_dpa=True),
+                              {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling", "NVTE_DPA_FP8_FORMAT": "E4M3"},
+                              Float8CurrentScaling, "e4m3"),
+    "nvfp4 -> delayed": (lambda: NVFP4BlockScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"},
+                         DelayedScaling, "hybrid"),
+    "mxfp4 -> current hif8": (lambda: MXFP4BlockScaling(fp8_dpa=True),
+                              {"NVTE_DPA_FP8_RECIPE": "Float8CurrentScaling", "NVTE_DPA_FP8_FORMAT": "HIF8"},
+                              Float8CurrentScaling, "hif8"),
+}
+
+
+def _attention_with_env(monkeypatch, env: dict[str, str]) -> DotProductAttention:
+    """A DotProductAttention made with `env` set: it reads the NVTE_DPA_FP8_* variables when made, as TE at
+    import (the variables are unset again after the test)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return DotProductAttention(H, D, num_gqa_groups=G, attn_mask_type="causal")
+
+
+@pytest.mark.parametrize("case", list(DPA_CASES))
+def test_nvte_dpa_fp8_recipe_runs_attention_under_te_s_choice(case, monkeypatch):
+    """Each row of TE's table: attention runs under the recipe it names, made from the linear recipe's fp8_dpa /
+    fp8_mha and format (NVTE_DPA_FP8_FORMAT's under FP4 linears), and equals the reference of that recipe bit
+    for bit: current scaling's scales, or delayed scaling's first step (scale 1)."""
+    linear, env, kind, fmt_case = DPA_CASES[case]
+    attn = _attention_with_env(monkeypatch, env)
+    tensors = _inputs()
+    dout = torch.randn(S, B, H * D, generator=torch.Generator().manual_seed(6)).bfloat16()
+    recipe = linear()
+    out, grads = _run(attn, recipe, tensors, dout)
+    chosen = attn.fp8_meta["recipe"]
+    assert type(chosen) is kind and (chosen.fp8_dpa, chosen.fp8_mha) == (recipe.fp8_dpa, recipe.fp8_mha)
+    if chosen is not recipe:
+        assert chosen.fp8_format is Format[fmt_case.upper()]
+    delayed = kind is DelayedScaling
+    scales = (lambda role, t: np.float32(1.0)) if delayed else current_scales(fmt_case)
+    want, want_grads = reference(attn, tensors, dout, fmt_case, scales, delayed)
+    _assert_equal(out, want)
+    for got, expected in zip(grads, want_grads):
+        _assert_equal(got, expected)
+
+
+def test_delayed_attention_under_mxfp8_linears_keeps_its_own_amax_history(monkeypatch):
+    """NVTE_DPA_FP8_RECIPE=DelayedScaling under MXFP8 linears, with the NVTE_DPA_FP8DS_* settings: attention's own
+    delayed recipe (3-step history, "max", no amax reduction) takes its scales from its amax history step after
+    step, as the reference does; "most_recent" would differ at the fourth step."""
+    env = {"NVTE_DPA_FP8_RECIPE": "DelayedScaling", "NVTE_DPA_FP8DS_AMAX_HISTLEN": "3",
+           "NVTE_DPA_FP8DS_AMAX_ALGO": "max", "NVTE_DPA_FP8DS_REDUCE_AMAX": "0"}
+    attn = _attention_with_env(monkeypatch, env)
+    recipe = MXFP8BlockScaling(fp8_dpa=True)
+    _check_delayed_steps(attn, recipe, "e4m3", 3, "max", (1.0, 2.0, 0.5, 0.25))
+    assert attn.fp8_meta["recipe"] == DelayedScaling(fp8_format=Format.E4M3, amax_history_len=3,
+                                                     amax_compute_algo="max", reduce_amax=False, fp8_dpa=True)
+    assert attn.fp8_states[0].amax_history.shape == (3, 9)
+
+
+@pytest.mark.parametrize("linear,env,warning", [
+    (lambda: DelayedScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "F16"}, None),
+    (lambda: MXFP8BlockScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "F16"}, None),
+    (lambda: MXFP8BlockScaling(fp8_dpa=True), {}, r"under MXFP8BlockScaling: .*NVTE_DPA_FP8_RECIPE chooses"),
+    (lambda: Float8CurrentScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "MXFP8BlockScaling"},
+     r"under MXFP8BlockScaling \(NVTE_DPA_FP8_RECIPE\)"),
+    (lambda: Float8BlockScaling(fp8_dpa=True), {"NVTE_DPA_FP8_RECIPE": "DelayedScaling"}, "under Float8BlockScaling"),
+    (lambda: NVFP4BlockScaling(fp8_dpa=True), {}, "under NVFP4BlockScaling"),
+])
+def test_attention_stays_in_high_precision_where_te_s_choice_is_not_fp8_per_tensor(linear, env, warning,
+                                                                                    monkeypatch):
+    """NVTE_DPA_FP8_RECIPE=F16 keeps attention in high precision without a word, as TE does; MXFP8 attention (the
+    linear recipe's, or NVTE_DPA_FP8_RECIPE's) and the recipes TE has no row for warn, naming the recipe, and
+    stay in high precision: the output and gradients are those of attention outside FP8, and no FP8 state is
+    made."""
+    attn = _attention_with_env(monkeypatch, env)
+    tensors, dout = _inputs(), torch.ones(S, B, H * D, dtype=torch.bfloat16)
+    if warning is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, grads = _run(attn, linear(), tensors, dout)
+    else:
+        with pytest.warns(UserWarning, match=warning):
+            out, grads = _run(attn, linear(), tensors, dout)
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    want = attn(*leaves)
+    want.backward(dout)
+    _assert_equal(out, want.detach())
+    for got, expected in zip(grads, [t.grad for t in leaves]):
+        _assert_equal(got, expected)
+    assert attn.fp8_states is None
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("NVTE_DPA_FP8_RECIPE", "Delayed", "NVTE_DPA_FP8_RECIPE must be one of 'F16', 'DelayedScaling', "
+                                       "'Float8CurrentScaling', 'MXFP8BlockScaling' or unset, got 'Delayed'"),
+    ("NVTE_DPA_FP8_FORMAT", "E5M2", "NVTE_DPA_FP8_FORMAT must be one of 'HYBRID', 'E4M3', 'HIF8', got 'E5M2'"),
+    ("NVTE_DPA_FP8DS_AMAX_ALGO", "mean", "NVTE_DPA_FP8DS_AMAX_ALGO must be one of 'most_recent', 'max', got 'mean'"),
+    ("NVTE_DPA_FP8DS_AMAX_HISTLEN", "0", "NVTE_DPA_FP8DS_AMAX_HISTLEN must be an integer >= 1, got '0'"),
+    ("NVTE_DPA_FP8DS_AMAX_HISTLEN", "two", "NVTE_DPA_FP8DS_AMAX_HISTLEN must be an integer >= 1, got 'two'"),
+    ("NVTE_DPA_FP8DS_REDUCE_AMAX", "yes", "NVTE_DPA_FP8DS_REDUCE_AMAX must be one of '1', '0', got 'yes'"),
+])
+def test_bad_nvte_dpa_fp8_values_are_refused_naming_the_variable(name, value, message, monkeypatch):
+    """A value TE does not take (or no recipe here takes: all-E5M2) is refused when the module is made."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DotProductAttention(H, D)
+
+
 def test_megatron_block_with_fp8_dot_product_attention():
     """Megatron's TransformerBlock (TE spec, bf16) with config.fp8_dot_product_attention: Megatron's recipe
     carries fp8_dpa to every core attention (delayed, tensorwise, hif8_delayed), whose output is FP8 attention's:
@@ -348,11 +482,43 @@ def test_megatron_block_with_fp8_dot_product_attention():
                 assert fwd.scale[2] != 1 and bwd.scale[3] != 1  # QKV and dO slots updated after the step
 
 
+@pytest.mark.parametrize("dpa_recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_megatron_block_with_mxfp8_linears_and_nvte_dpa_fp8_recipe(dpa_recipe, monkeypatch):
+    """Megatron's TransformerBlock (TE spec, bf16) with --fp8-recipe mxfp8, config.fp8_dot_product_attention and
+    NVTE_DPA_FP8_RECIPE: Megatron's MXFP8 recipe carries fp8_dpa (as megatron-core 0.18 on does), and core
+    attention runs in FP8 under the recipe the variable names, close to high precision. Delayed attention's
+    amaxes are reduced and its scales updated, forward at the autocast's exit and backward after the first FP8
+    module's (linear_qkv, MXFP8) backward."""
+    from mindspeed_te.bench.gpt import megatron_world
+    from mindspeed_te.bench.layer import build_block
+
+    x = torch.randn(64, 2, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    outputs = {}
+    with megatron_world():
+        for dpa in (False, True):
+            if dpa:
+                monkeypatch.setenv("NVTE_DPA_FP8_RECIPE", dpa_recipe)
+            block = build_block(1, ("e4m3", "mxfp8"), moe=False, fp8_dot_product_attention=dpa)
+            attention = block.layers[0].self_attention.core_attention
+            attention.register_forward_hook(lambda _m, _i, out, dpa=dpa: outputs.update({dpa: out.detach()}))
+            inp = x.clone().requires_grad_()
+            block(inp, attention_mask=None).float().square().mean().backward()
+            assert torch.isfinite(inp.grad).all()
+    error = (outputs[True].float() - outputs[False].float()).norm() / outputs[False].float().norm()
+    assert 0 < error < 0.1, error
+    recipe = attention.fp8_meta["recipe"]
+    assert type(recipe).__name__ == dpa_recipe and recipe.fp8_dpa and recipe.fp8_format is Format.E4M3
+    if recipe.delayed():
+        fwd, bwd = attention.fp8_states
+        assert fwd.scale[2] != 1 and bwd.scale[3] != 1  # QKV and dO slots updated after the step
+
+
 def test_the_flags_reach_the_recipe_and_are_refused_where_it_would_drop_them():
     """--fp8-dot-product-attention / --fp8-multi-head-attention (TransformerConfig fields Megatron's parser has no
-    flag for) parse, and are refused with a recipe that would not carry them (attention would silently stay
-    in high precision), and with Megatron's selective recompute of core attention (it reruns attention outside
-    FP8 autocast)."""
+    flag for) parse, and are refused with a recipe that would not carry them or an NVTE_DPA_FP8_RECIPE that keeps
+    attention in high precision (it would be silently), a bad NVTE_DPA_FP8_* value, and Megatron's selective
+    recompute of core attention (it reruns attention outside FP8 autocast). --fp8-recipe mxfp8 carries
+    fp8_dpa when NVTE_DPA_FP8_RECIPE makes its attention per-tensor."""
     from mindspeed_te.patches.arguments import validate_args
     from tests.test_patches_arguments import _parse
 
@@ -367,6 +533,17 @@ def test_the_flags_reach_the_recipe_and_are_refused_where_it_would_drop_them():
         _parse(["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-multi-head-attention"])
     with pytest.raises(ValueError, match="--fp8-format None"):
         _parse(["--fp8-dot-product-attention"])
+    mxfp8 = ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8", "--fp8-dot-product-attention"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NVTE_DPA_FP8_RECIPE", "Float8CurrentScaling")  # MXFP8 linears, current-scaling attention
+        assert _parse(mxfp8).fp8_dot_product_attention
+        env.setenv("NVTE_DPA_FP8_RECIPE", "MXFP8BlockScaling")
+        with pytest.raises(ValueError, match="NVTE_DPA_FP8_RECIPE=MXFP8BlockScaling: mindspeed_te has no MXFP8 "
+                                             "attention"):
+            _parse(["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-dot-product-attention"])
+        env.setenv("NVTE_DPA_FP8_RECIPE", "DS")
+        with pytest.raises(ValueError, match="NVTE_DPA_FP8_RECIPE must be one of"):
+            _parse(mxfp8)
     args = argparse.Namespace(fp8="hybrid", fp8_recipe="delayed", fp8_dot_product_attention=True,
                               recompute_granularity="selective", recompute_modules=None)
     with pytest.raises(ValueError, match="--fp8-dot-product-attention with --recompute-granularity selective "
@@ -376,11 +553,14 @@ def test_the_flags_reach_the_recipe_and_are_refused_where_it_would_drop_them():
 
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH (Megatron-LM checkout)")
-@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8"])
 def test_real_megatron_hands_fp8_dot_product_attention_to_the_recipe(monkeypatch, recipe):
     """Megatron's own parse_args, validate_args and core_transformer_config_from_args: the flag becomes
-    config.fp8_dot_product_attention, and the recipe built from the config has fp8_dpa."""
+    config.fp8_dot_product_attention, and the recipe built from the config has fp8_dpa (mxfp8: with
+    NVTE_DPA_FP8_RECIPE=Float8CurrentScaling, its attention's recipe)."""
     monkeypatch.syspath_prepend(os.environ["MEGATRON_LM_PATH"])
+    if recipe == "mxfp8":
+        monkeypatch.setenv("NVTE_DPA_FP8_RECIPE", "Float8CurrentScaling")
     from megatron.training import arguments
 
     from mindspeed_te.megatron.common import recipe_from_config

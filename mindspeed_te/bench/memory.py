@@ -11,8 +11,10 @@ with a remainder, hence the two fp8-moment rows).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
+from unittest import mock
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -126,14 +128,18 @@ class LiveStorages(TorchDispatchMode):
 
 
 def activation_bytes(fp8: Optional[tuple[str, str]], offload: bool, seq: int = 1024, batch: int = 1,
-                     hidden: int = 512, fp8_attention: bool = False) -> int:
+                     hidden: int = 512, fp8_attention: Union[bool, str] = False) -> int:
     """Bytes that the first layer of a two-layer Megatron GPT block (TE spec, bf16) keeps for its backward
     during a later micro-batch (weights already quantized): every storage its forward made that is alive once
     the block's forward is done, less its output (the next layer's input) and, with --cpu-offloading of one
     layer, less what went to host memory. `fp8_attention`: config.fp8_dot_product_attention (the recipe's
-    fp8_dpa). Needs `megatron_world`."""
+    fp8_dpa); a string also sets NVTE_DPA_FP8_RECIPE to it (the recipe attention runs under) while the block is
+    made, and restores it after. Needs `megatron_world`."""
     offload_args = dict(cpu_offloading=True, cpu_offloading_num_layers=1) if offload else {}
-    block = build_block(2, fp8, moe=False, hidden=hidden, fp8_dot_product_attention=fp8_attention, **offload_args)
+    env = {"NVTE_DPA_FP8_RECIPE": fp8_attention} if isinstance(fp8_attention, str) else {}
+    with mock.patch.dict(os.environ, env):  # attention reads it when made
+        block = build_block(2, fp8, moe=False, hidden=hidden, fp8_dot_product_attention=bool(fp8_attention),
+                            **offload_args)
     x = torch.randn(seq, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
     block.set_is_first_microbatch()
     block(x, attention_mask=None).float().sum().backward()  # quantized weights, FP8 metadata
@@ -160,14 +166,17 @@ def activation_bytes(fp8: Optional[tuple[str, str]], offload: bool, seq: int = 1
     return held
 
 
-# (label, --fp8-format and --fp8-recipe, one layer offloaded, config.fp8_dot_product_attention)
+# (label, --fp8-format and --fp8-recipe, one layer offloaded, config.fp8_dot_product_attention: True, or the
+# NVTE_DPA_FP8_RECIPE attention runs under)
 ACTIVATION_CASES = (("bf16", None, False, False), ("hif8 delayed", ("hif8", "delayed"), False, False),
                     ("mxfp8", ("e4m3", "mxfp8"), False, False),
                     ("hif8 delayed + cpu offload", ("hif8", "delayed"), True, False),
                     ("mxfp8 + cpu offload", ("e4m3", "mxfp8"), True, False),
                     ("hif8 delayed + fp8 attention", ("hif8", "delayed"), False, True),
                     ("hybrid delayed + fp8 attention", ("hybrid", "delayed"), False, True),
-                    ("e4m3 tensorwise + fp8 attention", ("e4m3", "tensorwise"), False, True))
+                    ("e4m3 tensorwise + fp8 attention", ("e4m3", "tensorwise"), False, True),
+                    ("mxfp8 + fp8 attention (current scaling)", ("e4m3", "mxfp8"), False, "Float8CurrentScaling"),
+                    ("mxfp8 + fp8 attention (delayed scaling)", ("e4m3", "mxfp8"), False, "DelayedScaling"))
 
 
 def bench_activations() -> list[tuple[str, float, str]]:

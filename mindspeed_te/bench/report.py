@@ -28,7 +28,8 @@ TARGETS = {
     # issue 33's goals for what a GPT layer keeps for backward per micro-batch, against bf16's
     **{f"activation bytes per GPT layer, {recipe} / bf16": (0.55, False)
        for recipe in ("hif8 delayed", "mxfp8", "hif8 delayed + fp8 attention", "hybrid delayed + fp8 attention",
-                      "e4m3 tensorwise + fp8 attention")},
+                      "e4m3 tensorwise + fp8 attention", "mxfp8 + fp8 attention (current scaling)",
+                      "mxfp8 + fp8 attention (delayed scaling)")},
     **{f"activation bytes per GPT layer, {recipe} + cpu offload / bf16": (0.15, False)
        for recipe in ("hif8 delayed", "mxfp8")},
     "host syncs per fp8 linear fwd+bwd": (0, False),

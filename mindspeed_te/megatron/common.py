@@ -114,11 +114,12 @@ def recipe_from_config(config) -> Recipe:
     name = recipe_name(config)
     wgrad_override = (False, False, not getattr(config, "fp8_wgrad", True))
     kwargs: dict = {"override_linear_precision": wgrad_override}
-    # FP8 attention as Megatron asks TE for it: both flags for delayed scaling, fp8_dpa for tensorwise
+    # FP8 attention as Megatron asks TE for it: both flags for delayed scaling, fp8_dpa for tensorwise and (as
+    # megatron-core 0.18 on does) mxfp8, whose attention NVTE_DPA_FP8_RECIPE then chooses
     dpa = {"fp8_dpa": getattr(config, "fp8_dot_product_attention", False)}
     if name in ("delayed", "hif8_delayed"):
         kwargs.update(dpa, fp8_mha=getattr(config, "fp8_multi_head_attention", False))
-    elif name == "tensorwise":
+    elif name in ("tensorwise", "mxfp8"):
         kwargs.update(dpa)
     if name == "delayed":
         kwargs.update(margin=config.fp8_margin, amax_history_len=config.fp8_amax_history_len,

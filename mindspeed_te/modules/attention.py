@@ -2,7 +2,8 @@
 tensors, with GQA, sliding windows, softmax with an offset in the denominator (off-by-one or learnable),
 context parallelism and dropout drawn from an RNG tracker. It runs in the input precision through the kernel
 backend (torch's scaled_dot_product_attention on CPU); with a per-tensor recipe's fp8_dpa / fp8_mha, Q, K and V
-go in as FP8 and only their codes are kept for backward (mindspeed_te/ops/fp8_attention.py).
+go in as FP8 and only their codes are kept for backward (mindspeed_te/ops/fp8_attention.py). As in TE, the recipe
+attention runs under may differ from the linear layers' (NVTE_DPA_FP8_RECIPE, `dpa_fp8_recipe`).
 
 Every case reduces to one boolean "may attend" matrix built from where each query and key sits: which
 packed sequence (segment), its position inside that sequence, and whether it is padding. Under context
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from itertools import accumulate
@@ -43,6 +45,8 @@ from mindspeed_te.modules.linear import divide, resolve_tp_size
 from mindspeed_te.modules.rope import thd_positions
 from mindspeed_te.ops.fp8_attention import AttentionQuantizers, fp8_attention
 from mindspeed_te.quantizers import Float8CurrentScalingQuantizer
+from mindspeed_te.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, Recipe
+from mindspeed_te.recipe_state import RecipeState
 from mindspeed_te.state import FP8GlobalStateManager
 
 MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal", "causal_bottom_right",
@@ -50,6 +54,68 @@ MASK_TYPES = ("causal", "padding", "no_mask", "padding_causal", "causal_bottom_r
 QKV_FORMATS = ("sbhd", "thd")
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# NVTE_DPA_FP8_RECIPE's values ("": unset, attention follows the linear recipe)
+DPA_FP8_RECIPES = ("", "F16", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling")
+# NVTE_DPA_FP8_FORMAT's values: TE's, less E5M2 (no recipe here takes it), plus HiF8
+DPA_FP8_FORMATS = {"HYBRID": Format.HYBRID, "E4M3": Format.E4M3, "HIF8": Format.HIF8}
+
+
+def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """Variable `name` (`default` when unset), refused unless one of `allowed`: TE would fail later, or not at all."""
+    value = os.getenv(name, default)
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed if a) + (" or unset" if "" in allowed else "")
+        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DPAFP8Settings:
+    """TransformerEngine's NVTE_DPA_FP8_* variables: the recipe attention runs under when it is not the linear
+    layers' (`recipe`: NVTE_DPA_FP8_RECIPE), the format of one made under FP4 linears (NVTE_DPA_FP8_FORMAT), and
+    the amax settings of a delayed-scaling one made here (NVTE_DPA_FP8DS_AMAX_ALGO, _AMAX_HISTLEN, _REDUCE_AMAX).
+    TE reads them at import; `from_env` reads them when a DotProductAttention is made."""
+
+    recipe: str = ""
+    fp8_format: Format = Format.HYBRID
+    amax_compute_algo: str = "most_recent"
+    amax_history_len: int = 1
+    reduce_amax: bool = True
+
+    @classmethod
+    def from_env(cls) -> DPAFP8Settings:
+        """The variables as set now (TE's defaults where unset); a bad value raises, naming the variable."""
+        fmt = _env_choice("NVTE_DPA_FP8_FORMAT", "HYBRID", tuple(DPA_FP8_FORMATS))
+        history = os.getenv("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1")
+        if not history.isdigit() or int(history) < 1:
+            raise ValueError(f"NVTE_DPA_FP8DS_AMAX_HISTLEN must be an integer >= 1, got {history!r}")
+        return cls(recipe=_env_choice("NVTE_DPA_FP8_RECIPE", "", DPA_FP8_RECIPES),
+                   fp8_format=DPA_FP8_FORMATS[fmt],
+                   amax_compute_algo=_env_choice("NVTE_DPA_FP8DS_AMAX_ALGO", "most_recent", ("most_recent", "max")),
+                   amax_history_len=int(history),
+                   reduce_amax=_env_choice("NVTE_DPA_FP8DS_REDUCE_AMAX", "1", ("1", "0")) == "1")
+
+
+def dpa_fp8_recipe(recipe: Recipe, settings: DPAFP8Settings) -> Optional[Recipe]:
+    """The recipe attention runs under inside an autocast of `recipe` (TE's `fp8_recipe_dpa`), or None when it
+    stays in high precision: without the recipe's fp8_dpa / fp8_mha, or with NVTE_DPA_FP8_RECIPE=F16. The rows of
+    TE's table: delayed attention under current-scaling, MXFP8 or FP4 linears; current-scaling attention under
+    delayed, MXFP8 or FP4 linears; MXFP8 attention under per-tensor or FP4 linears; otherwise `recipe` itself. A
+    recipe made here takes fp8_dpa and fp8_mha from `recipe`, and its format too, except under FP4 linears
+    (NVTE_DPA_FP8_FORMAT; TE's NVFP4 rows, which MXFP4 follows here)."""
+    flags = dict(fp8_dpa=getattr(recipe, "fp8_dpa", False), fp8_mha=getattr(recipe, "fp8_mha", False))
+    if not any(flags.values()) or settings.recipe == "F16":
+        return None
+    fp4 = recipe.nvfp4() or recipe.mxfp4()
+    fmt = settings.fp8_format if fp4 else recipe.fp8_format
+    if settings.recipe == "DelayedScaling" and (recipe.float8_current_scaling() or recipe.mxfp8() or fp4):
+        return DelayedScaling(fp8_format=fmt, amax_history_len=settings.amax_history_len,
+                              amax_compute_algo=settings.amax_compute_algo, reduce_amax=settings.reduce_amax, **flags)
+    if settings.recipe == "Float8CurrentScaling" and (recipe.delayed() or recipe.mxfp8() or fp4):
+        return Float8CurrentScaling(fp8_format=fmt, **flags)
+    if settings.recipe == "MXFP8BlockScaling" and (recipe.float8_per_tensor_scaling() or fp4):
+        return MXFP8BlockScaling(fp8_format=fmt, **flags)
+    return recipe
 
 
 @dataclass
@@ -162,7 +228,9 @@ class DotProductAttention(FP8ModuleBase):
     Inside FP8 autocast with the recipe's fp8_dpa or fp8_mha, under DelayedScaling or Float8CurrentScaling (HiF8
     included), attention runs as TE's FP8 attention: Q, K, V enter in the forward format under one per-tensor
     scale, dO in the backward format, and backward keeps only the codes (mindspeed_te/ops/fp8_attention.py). As
-    TE's DPA the module keeps that FP8 metadata in `fp8_meta` and `_extra_state`.
+    TE's DPA the module keeps that FP8 metadata in `fp8_meta` and `_extra_state`, under the recipe TE's
+    NVTE_DPA_FP8_* variables choose (`dpa_fp8_recipe`; read when the module is made, into `dpa_fp8_settings`):
+    e.g. NVTE_DPA_FP8_RECIPE=Float8CurrentScaling runs attention in FP8 under MXFP8 linears.
 
     Args:
         num_attention_heads: query heads of the whole layer (split over the TP group)
@@ -236,6 +304,9 @@ class DotProductAttention(FP8ModuleBase):
         self.softmax_type = softmax_type
         self.cp_group = cp_group
         self.cp_comm_type = cp_comm_type
+        self.dpa_fp8_settings = DPAFP8Settings.from_env()
+        # (the autocast recipe's key, dpa_fp8_recipe of it)
+        self._dpa_recipe_of: tuple[Optional[str], Optional[Recipe]] = (None, None)
         if softmax_type == "learnable":
             self.softmax_offset = torch.nn.Parameter(torch.zeros(self.num_heads, dtype=params_dtype, device=device))
         else:
@@ -285,19 +356,22 @@ class DotProductAttention(FP8ModuleBase):
     def _fp8_attention(self, device: torch.device, cp_size: int) -> Optional[tuple[AttentionQuantizers, bool]]:
         """The quantizers of FP8 attention and whether this is the step's first FP8 module, or None when
         attention runs in high precision: outside FP8 autocast, without the recipe's fp8_dpa / fp8_mha (TE
-        forces fp8_dpa on with fp8_mha), or under a recipe TE's FP8 attention has no per-tensor form for. As in
-        TE the slots are this module's own (3 GEMMs' worth): Q, K, V at GEMM 1's output, O at GEMM 2's input, dO
-        at GEMM 2's grad_input, dQ, dK, dV at GEMM 1's grad_output. Under current scaling with context
-        parallelism each amax is reduced over the CP group, as TE does, so every rank uses one scale."""
+        forces fp8_dpa on with fp8_mha), with NVTE_DPA_FP8_RECIPE=F16, or under a recipe TE's FP8 attention has
+        no per-tensor form for. As in TE the slots are this module's own (3 GEMMs' worth): Q, K, V at GEMM 1's
+        output, O at GEMM 2's input, dO at GEMM 2's grad_input, dQ, dK, dV at GEMM 1's grad_output. Under current
+        scaling with context parallelism each amax is reduced over the CP group, as TE does, so every rank uses
+        one scale."""
         if not FP8GlobalStateManager.is_fp8_enabled():
             return None
-        recipe = FP8GlobalStateManager.get_fp8_recipe()
-        if not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
+        recipe = self._dpa_recipe()
+        if recipe is None:
             return None
         if not recipe.float8_per_tensor_scaling():
+            chosen = " (NVTE_DPA_FP8_RECIPE)" if self.dpa_fp8_settings.recipe == "MXFP8BlockScaling" else ""
             warnings.warn(f"fp8_dpa / fp8_mha (Megatron's fp8_dot_product_attention / fp8_multi_head_attention) "
-                          f"under {type(recipe).__name__}: mindspeed_te runs attention in FP8 under DelayedScaling "
-                          "and Float8CurrentScaling only; this attention stays in high precision", stacklevel=3)
+                          f"under {type(recipe).__name__}{chosen}: mindspeed_te runs attention in FP8 under "
+                          "DelayedScaling and Float8CurrentScaling only (NVTE_DPA_FP8_RECIPE chooses one of them "
+                          "under MXFP8 and FP4 linears); this attention stays in high precision", stacklevel=3)
             return None
         fwd, bwd, first = self.prepare_forward(device)
         delayed = recipe.delayed()
@@ -310,6 +384,23 @@ class DotProductAttention(FP8ModuleBase):
                 if isinstance(quantizer, Float8CurrentScalingQuantizer):
                     quantizer.amax_reduction_group = self.cp_group
         return quantizers, first
+
+    def _dpa_recipe(self) -> Optional[Recipe]:
+        """`dpa_fp8_recipe` of the autocast's recipe, made again only when that recipe's configuration changes (a
+        recipe made here is then the same object from call to call)."""
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        key = recipe.key()
+        if self._dpa_recipe_of[0] != key:
+            self._dpa_recipe_of = (key, dpa_fp8_recipe(recipe, self.dpa_fp8_settings))
+        return self._dpa_recipe_of[1]
+
+    def _states_for_current_recipe(self, device: torch.device,
+                                   recipe: Optional[Recipe] = None) -> tuple[RecipeState, RecipeState]:
+        """As TE's DPA: the states follow the recipe attention runs under, which need not be the autocast's. A
+        delayed-scaling one made here registers under its own key, so its amaxes are reduced and its scales
+        updated with the step's other delayed states (forward at the autocast's exit, backward after the first
+        FP8 module's backward)."""
+        return super()._states_for_current_recipe(device, recipe or self._dpa_recipe())
 
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, offset: Optional[torch.Tensor],
                 attention_bias: Optional[torch.Tensor], *, mask_type: str, attention_mask: Optional[torch.Tensor],
