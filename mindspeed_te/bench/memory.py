@@ -168,8 +168,9 @@ def activation_bytes(fp8: Optional[tuple[str, str]], offload: bool, seq: int = 1
 
 # (label, --fp8-format and --fp8-recipe, one layer offloaded, config.fp8_dot_product_attention: True, or the
 # NVTE_DPA_FP8_RECIPE attention runs under)
-ACTIVATION_CASES = (("bf16", None, False, False), ("hif8 delayed", ("hif8", "delayed"), False, False),
-                    ("mxfp8", ("e4m3", "mxfp8"), False, False),
+ACTIVATION_CASES = (("bf16", None, False, False),
+                    ("hif8 delayed, bf16 attention", ("hif8", "delayed"), False, False),
+                    ("mxfp8, bf16 attention", ("e4m3", "mxfp8"), False, False),
                     ("hif8 delayed + cpu offload", ("hif8", "delayed"), True, False),
                     ("mxfp8 + cpu offload", ("e4m3", "mxfp8"), True, False),
                     ("hif8 delayed + fp8 attention", ("hif8", "delayed"), False, True),
