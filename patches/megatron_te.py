@@ -7,12 +7,15 @@ TE* classes on a MagicMock base, and its importers end up with missing names and
 table (1) replaces the TE* classes and helpers in `megatron.core.extensions.transformer_engine` (the registry
 rebinds every module that already imported them), (2) supplies the names and flags that the failed blocks
 of the GPT path's modules never set, and (3) routes `fp8_utils.get_fp8_recipe` / `get_fp8_context` to our
-state manager. Flags are raised only in modules whose TE branches use nothing but these names.
+state manager. Flags are raised only in modules whose TE branches use nothing but these names. (4) The alltoall
+token dispatcher marks what it knows on the host for TE's fused MoE functions (`moe_fused.mark_*`).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import types
+from typing import Any, Callable
 
 from packaging.version import Version
 
@@ -142,6 +145,7 @@ MLA_ROPE_IMPORTERS = ("megatron.core.transformer.multi_latent_attention",
 FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_storage", "quantize_param_shard",
                    "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules", "_wrap_te_linear_for_padding")
 FP4_UTILS = "megatron.core.fp4_utils"
+ALLTOALL_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher"
 # megatron.core.fp4_utils functions replaced by mindspeed_te.megatron.fp4's (get_fp4_align_size: 0.16 on)
 FP4_FUNCTIONS = ("get_fp4_recipe", "get_fp4_context", "get_fp4_align_size", "is_nvfp4tensor", "dequantize_fp4_tensor")
 # The linears Megatron's FP8 inference padding wraps (empty without TE).
@@ -202,6 +206,32 @@ def register_megatron_te(registry: PatchRegistry) -> None:
     registry.register("megatron.core.utils._te_version", Version(TE_API_VERSION))
     if has_module(FP4_UTILS):  # --fp4-format: 0.15 on
         register_fp4_utils(registry)
+    register_dispatcher_marks(registry)
+
+
+def _marking_chunk_orders(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        moe_fused.mark_identity_chunk_orders(self)
+    return wrapped
+
+
+def _marking_routing(preprocess: Callable) -> Callable:
+    @functools.wraps(preprocess)
+    def wrapped(self: Any, routing_map: Any, *args: Any, **kwargs: Any) -> Any:
+        moe_fused.mark_dropless_routing(self, routing_map)
+        return preprocess(self, routing_map, *args, **kwargs)
+    return wrapped
+
+
+def register_dispatcher_marks(registry: PatchRegistry) -> None:
+    """The alltoall dispatcher marks its chunk orders at init (the identity with one rank: the chunk sort is
+    skipped) and each routing map its `preprocess` reads, the one it then permutes (every token its top-k where
+    the config routes dropless: the NPU permute kernel is taken without checking the map on the host)."""
+    for name, wrap in (("__init__", _marking_chunk_orders), ("preprocess", _marking_routing)):
+        target = f"{ALLTOALL_DISPATCHER}.{name}"
+        registry.register(target, wrap(resolve(target)))
 
 
 def register_fp4_utils(registry: PatchRegistry) -> None:

@@ -4,6 +4,7 @@ gradients, on whichever megatron-core release is importable (a case its release 
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -158,18 +159,29 @@ def test_permute_counts_rows_and_handles_edge_sizes():
 
 
 @pytest.mark.parametrize("with_probs", [False, True])
-@pytest.mark.parametrize("order", ["by_local_expert", "random"])
+@pytest.mark.parametrize("order", ["by_local_expert", "random", "one rank", "one rank, restored"])
 def test_sort_chunks_match_unfused(bind, order, with_probs):
-    """sort_chunks_by_idxs (the alltoall dispatcher's regrouping of received chunks by local expert), with
-    empty chunks, sizes given as a tensor: a pure reordering, so exact in rows and gradients."""
+    """sort_chunks_by_idxs (the alltoall dispatcher's regrouping of received chunks by local expert, and back), with
+    empty chunks, sizes given as a tensor: a pure reordering, so exact in rows and gradients. The orders are marked
+    as the patched dispatcher marks its own at init: with one rank they are the identity, which the fused sort
+    leaves as it is (no launch); with three ranks they are not, and are sorted."""
+    from mindspeed_te.diagnostics import LaunchCounter
+
     gen = torch.Generator().manual_seed(7)
-    ranks, local = 3, 4
+    ranks, local = (1, 4) if order.startswith("one rank") else (3, 4)
     sizes = torch.randint(0, 5, (ranks * local,), generator=gen)
-    sizes[[1, 6]] = 0
+    sizes[[1, 3 if ranks == 1 else 6]] = 0
+    chunks = torch.arange(ranks * local)  # as megatron-core's alltoall dispatcher makes its orders
+    dispatcher = SimpleNamespace(tp_size=1, ep_size=ranks,
+                                 sort_input_by_local_experts=chunks.reshape(-1, local).T.ravel(),
+                                 restore_output_by_local_experts=chunks.reshape(local, -1).T.ravel())
+    moe_fused.mark_identity_chunk_orders(dispatcher)
     if order == "random":
         idxs = torch.randperm(ranks * local, generator=gen)
+    elif order.endswith("restored"):
+        idxs = dispatcher.restore_output_by_local_experts
     else:
-        idxs = torch.arange(ranks * local).reshape(-1, local).T.ravel()
+        idxs = dispatcher.sort_input_by_local_experts
     rows = torch.randn(int(sizes.sum()), 6, generator=gen)
     probs = torch.rand(rows.shape[0], generator=gen)
 
@@ -177,9 +189,13 @@ def test_sort_chunks_match_unfused(bind, order, with_probs):
         return _run(lambda x, p=None: mu.sort_chunks_by_idxs(x, sizes, idxs, probs=p, fused=fused),
                     rows, *([probs] if with_probs else []))
 
-    got, want = run(True), run(False)
+    with LaunchCounter() as fused:
+        got = run(True)
+    want = run(False)
     _assert_same(got[0], want[0], **EXACT)
     _assert_same(got[1], want[1], **EXACT)
+    sorting = {"aten.repeat_interleave", "aten.index_select"}
+    assert (sorting & set(fused.counts)) == (set() if ranks == 1 else sorting), fused.counts
 
 
 # ---------------------------------------------------------------------------------------------------- router

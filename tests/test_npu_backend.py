@@ -563,6 +563,46 @@ def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypat
         assert sim.launch_counts["npu_grouped_matmul"] == 4 and sim.launch_counts["npu_quant_matmul"] == 2 * experts
 
 
+def _high_precision_experts(use_backend, backend_name, monkeypatch, splits, width, dtype, variant, sim=None):
+    """(output, input grad, weight grads or main_grads) of one forward and backward of GroupedLinear(len(splits),
+    width, width) outside FP8 regions, in `dtype`; variant "bias" adds biases, "main_grad" accumulates the weight
+    gradients into float32 main_grads (Megatron's --gradient-accumulation-fusion)."""
+    from mindspeed_te.modules import GroupedLinear
+
+    use_backend(backend_name)
+    if sim is not None:
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(splits), width, width, bias=variant == "bias", params_dtype=dtype,
+                          fuse_wgrad_accumulation=variant == "main_grad")
+    for w in layer.weights:
+        w.main_grad = torch.full(w.shape, 0.5)
+    x = torch.randn(sum(splits), width).to(dtype).requires_grad_()
+    y = layer(x, splits)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    grads = [w.main_grad if variant == "main_grad" else w.grad for w in layer.weights]
+    return [y.detach(), x.grad, *grads, *(b.grad for b in layer.biases or ())]
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend910B3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits, width", [([64, 0, 96, 32], 128), ([256, 512], 256)])
+@pytest.mark.parametrize("variant", ["plain", "bias", "main_grad"])
+def test_high_precision_experts_take_one_grouped_launch_per_gemm(chip, dtype, splits, width, variant, monkeypatch,
+                                                                  use_backend):
+    """Experts outside FP8 (bfloat16 / float16; Megatron's --no-use-gmm-fp8 too): fprop, dgrad and wgrad are one
+    npu_grouped_matmul each in its non-quantized mode, on the 950 and Atlas A2, with the reference's results bit
+    for bit (float32 sums rounded once to x's dtype; the larger shape takes the bfloat16-output GEMM on both sides).
+    The mode's output is x's dtype only: with biases the fprop keeps its float32 sum (the bias added to it), and a
+    wgrad into a float32 main_grad its float32 product, one GEMM per expert each."""
+    sim = make_simulator(chip)
+    got = _high_precision_experts(use_backend, "npu", monkeypatch, splits, width, dtype, variant, sim)
+    want = _high_precision_experts(use_backend, "reference", monkeypatch, splits, width, dtype, variant)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert sim.launch_counts == {"npu_grouped_matmul": 3 if variant == "plain" else 2}
+
+
 def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):
     """query [s_q, 2, 4, 16] and key/value with `groups` heads (value head dim d_v), needing gradients."""
     g = torch.Generator().manual_seed(0)

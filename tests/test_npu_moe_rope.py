@@ -13,6 +13,7 @@ import torch
 
 from mindspeed_te.diagnostics import HostSyncCounter
 from mindspeed_te.kernels.npu import NpuBackend
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN
 from mindspeed_te.megatron import moe_fused
 from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
@@ -405,14 +406,21 @@ def test_megatron_fused_permute_runs_the_kernels(monkeypatch, use_backend):
 def test_permute_reads_the_host_once_and_rope_never(monkeypatch, use_backend):
     """The permute kernel needs every row routed to exactly k experts, which an integer num_out_tokens does not
     promise (Megatron's drop-and-pad and flex dispatchers pass integers with uneven rows): one 1-byte read per
-    permute. The unpermute and RoPE kernels read nothing."""
-    _on(use_backend, monkeypatch, "Ascend950PR")
+    permute, unless the map is marked with that k (as the patched alltoall dispatcher marks its dropless maps; a
+    mark of another k is checked still). The unpermute and RoPE kernels read nothing."""
+    sim = _on(use_backend, monkeypatch, "Ascend950PR")
     gen = torch.Generator().manual_seed(6)
     probs, routing_map = _routing(16, 4, 2, gen)
     x = torch.randn(16, 8, generator=gen).bfloat16()
     with HostSyncCounter() as counter:
         permuted, row_map = moe_fused.fused_permute(x, routing_map, 32)
     assert dict(counter.counts) == {"bool": 1}
+    for mark, reads in ((3, {"bool": 1}), (2, {})):
+        setattr(routing_map, EXPERTS_PER_TOKEN, mark)
+        with HostSyncCounter() as counter:
+            again, again_map = moe_fused.fused_permute(x, routing_map, 32)
+        assert dict(counter.counts) == reads and torch.equal(again, permuted) and torch.equal(again_map, row_map)
+    assert sim.launch_counts == {"npu_moe_token_permute": 3}
     with HostSyncCounter() as counter:
         moe_fused.fused_unpermute(permuted, row_map, restore_shape=x.shape)
         apply_rotary_pos_emb(torch.randn(4, 2, 2, 8).bfloat16(), _angles(4, 8))

@@ -1194,6 +1194,43 @@ def test_grouped_matmul_float_rules_of_the_950(sim):
     sim.npu_grouped_matmul([xb], list(wb.unbind(0)), group_list=[2, 6], split_item=0)
 
 
+def test_grouped_matmul_non_quantized_contract(sim):
+    """aclnnGroupedMatmulV4, 非量化 ("不同groupType约束", Ascend 950): x not transposed in the M-split forms ("x不支持
+    转置"); one 3-D weight contiguous or transposed, a list of weights all one or the other ("是否转置需保持统一") with
+    (n,) biases; a list of weights' group_list covering every row of x ("最后一个值与x中tensor的第一维相等"; one 3-D
+    weight takes fewer, "不大于"). A2/A3 only: "x和weight中每一组tensor的最后一维大小都应小于65536". Each product is
+    the cube's (float32 sums of exact products, rounded once), checked on dyadic values whose sums are exact, at a
+    size that takes the bfloat16 GEMM too."""
+    gmm = sim.npu_grouped_matmul
+    gen = torch.Generator().manual_seed(7)
+    dyadic = lambda *shape: (torch.randint(-64, 64, shape, generator=gen) / 8).bfloat16()  # noqa: E731
+    m, k, n = 6, 8, 4
+    xb, wb = dyadic(m, k), dyadic(2, k, n)
+    ms = dict(split_item=3, group_type=0)
+    assert_raises(lambda: gmm([xb.t().contiguous().t()], [wb], group_list=torch.tensor([2, 6]), **ms), NpuValueError,
+                  "x[0]")
+    (out,) = gmm([xb], [wb.transpose(1, 2).contiguous().transpose(1, 2)], group_list=torch.tensor([2, 5]), **ms)
+    want = torch.cat([xb[:2].double() @ wb[0].double(), xb[2:5].double() @ wb[1].double()]).bfloat16()
+    assert torch.equal(out[:5], want) and not out[5:].any()  # the rows past group_list: none computed
+    assert_raises(lambda: gmm([xb], [wb[0], wb[1]], group_list=torch.tensor([2, 5]), **ms), NpuValueError, "cover")
+    assert_raises(lambda: gmm([xb], [wb[0], wb[1].t().contiguous().t()], group_list=torch.tensor([2, 6]), **ms),
+                  NpuValueError, "transposed")
+    assert_raises(lambda: gmm([xb], [wb[0], wb[1]], bias=[torch.zeros(n), torch.zeros(n + 1)],
+                              group_list=torch.tensor([2, 6]), **ms), NpuValueError, "bias[1]")
+    wide_x, wide_w = dyadic(2, 65536), dyadic(1, 65536, 2)
+    gmm([wide_x], [wide_w], group_list=torch.tensor([2]), **ms)  # no such limit on the 950
+    assert_raises(lambda: make_simulator("Ascend910B3").npu_grouped_matmul(
+        [wide_x], [wide_w], group_list=torch.tensor([2]), **ms), NpuValueError, "65536")
+    big_x, big_w = dyadic(256, 128), dyadic(2, 128, 128)  # 256 * 128 * 128 multiply-adds per group: the bf16 GEMM
+    (out,) = gmm([torch.cat([big_x, big_x])], [big_w], group_list=torch.tensor([256, 512]), **ms)
+    want = torch.cat([big_x.double() @ big_w[0].double(), big_x.double() @ big_w[1].double()]).bfloat16()
+    assert torch.equal(out, want)
+    dy = dyadic(256, 32)
+    (wgrad,) = gmm([big_x.t()], [dy], group_list=torch.tensor([100, 256]), split_item=3, group_type=2)
+    want = torch.stack([big_x[:100].double().t() @ dy[:100].double(), big_x[100:].double().t() @ dy[100:].double()])
+    assert torch.equal(wgrad, want.bfloat16())
+
+
 def test_mc2_contract_before_communication(sim):
     """aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950), the torch_npu docs and bindings: "k轴取值
     范围为[256, 65535)"; "x1矩阵只支持不转置场景"; commMode "当前版本仅支持输入“ccu”"; the base kernels' bindings pass

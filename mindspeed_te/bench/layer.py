@@ -353,13 +353,11 @@ GAPS = {
                       "bias-dropout-add and bias-GeLU fusions, which have no kernel here): +3 per micro-batch",
     ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
                             "a 1-layer block skips: +1",
-    ("moe", "all"): "the alltoall dispatcher sorts chunks by local expert (fused_sort_chunks_by_index in torch ops, "
-                    "the identity with one EP rank: +34 per micro-batch); the permute's contract check (sort, all, "
-                    "a 1-byte host read); Megatron's router casts",
+    ("moe", "all"): "Megatron's unfused router (its map's int / bool casts and zeros, its float32 casts), the "
+                    "permute's experts per token (a sort of the routing map; the floor takes the router's top-k) and "
+                    "the probs' placement at the rows and back: +15 per micro-batch",
     ("moe", "fp8"): "Megatron pads each expert's tokens to 16 rows (MXFP8 32) under FP8 (Fp8Padding / Fp8Unpadding: "
                     "+8 per micro-batch), which the NPU's GEMMs do not need",
-    ("moe", "bf16"): "bf16 experts: GroupedLinear's high-precision GEMMs go to the reference emulation, a float32 mm "
-                     "per expert with its casts (24 mm, 64 casts per micro-batch), not npu_grouped_matmul",
     ("moe", "delayed"): "the experts' per-tensor scales concatenated for each grouped GEMM",
     ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale), the scales concatenated for each "
                            "grouped GEMM",
@@ -416,9 +414,6 @@ def _rows(kind: str, chip: str, names: tuple[str, ...], splits: dict[str, LayerS
                   f"{MICRO_BATCHES}, step {split.step - base.step:+d}); floor "
                   f"{fl.per_layer - base_floor.per_layer:+d}: each activation and gradient quantize is a launch of "
                   "its own")
-        if kind == "moe":
-            detail += (f"; no target: not like for like, bf16's experts run the reference emulation (bf16 at "
-                       f"{base.per_layer / base_floor.per_layer:.2f}x its floor)")
         rows.append((f"NPU launches per GPT layer FP8 - bf16, {kind}, {name}, {_label(chip)}",
                      float(split.per_layer - base.per_layer), detail))
     return rows

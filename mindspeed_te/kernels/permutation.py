@@ -17,7 +17,12 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["accumulation_dtype", "row_map", "gather_probs", "permute", "unpermute"]
+__all__ = ["EXPERTS_PER_TOKEN", "accumulation_dtype", "row_map", "gather_probs", "permute", "unpermute"]
+
+# The attribute of a routing map whose maker knows that every row holds exactly this many experts (Megatron's
+# dropless routing, marked by mindspeed_te.megatron.moe_fused): a backend whose permute kernel needs it need not
+# check the map.
+EXPERTS_PER_TOKEN = "_mindspeed_te_experts_per_token"
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

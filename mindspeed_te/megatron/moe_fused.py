@@ -9,15 +9,20 @@ torch index ops in the reference, torch_npu's permute kernels on an NPU); the ma
 (Megatron's `sorted_indices` / `row_id_map`) is that backend's and only `fused_unpermute` reads it back. The rest
 are plain torch ops, which any device runs: like TE's kernels they keep index work on the device (no host sync
 when the output size is known) and compute router scores in float32.
+
+What Megatron's alltoall dispatcher knows on the host at init is marked on its tensors (the patches call the two
+`mark_*` functions): its chunk orders, the identity with one rank, which the chunk sort then skips; and the
+routing maps of a dropless config, every row exactly top-k, which the NPU permute kernel's contract needs (then
+taken without checking the map, a host read).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.permutation import accumulation_dtype
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, accumulation_dtype
 
 __all__ = [
     "fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
@@ -26,6 +31,32 @@ __all__ = [
 ]
 
 _EPS = 1e-20  # the sigmoid normalizer's guard, as in Megatron's unfused router
+_IDENTITY_ORDER = "_mindspeed_te_identity_order"  # the attribute of a chunk order known to be the identity
+
+
+# ---------------------------------------------------------------------------------------- the dispatcher's marks
+
+
+def mark_identity_chunk_orders(dispatcher: Any) -> None:
+    """Mark the alltoall dispatcher's chunk orders (`sort_input_by_local_experts`, `restore_output_by_local_experts`,
+    made at its init) as the identity where they are: with one rank (tp_size * ep_size == 1) it receives one chunk
+    per local expert, already in local-expert order. Decided from those sizes, without reading the orders (device
+    tensors under --moe-permute-fusion)."""
+    if dispatcher.tp_size * dispatcher.ep_size != 1:
+        return
+    for name in ("sort_input_by_local_experts", "restore_output_by_local_experts"):
+        order = getattr(dispatcher, name, None)
+        if isinstance(order, torch.Tensor):
+            setattr(order, _IDENTITY_ORDER, True)
+
+
+def mark_dropless_routing(dispatcher: Any, routing_map: torch.Tensor) -> None:
+    """Mark `routing_map` with the k experts every token has where the dispatcher's config routes dropless: Megatron's
+    router then gives each token exactly moe_router_topk experts (its top-k), unless the config drops tokens
+    (moe_expert_capacity_factor) or pads the map (moe_router_padding_for_quantization)."""
+    config = dispatcher.config
+    if config.moe_expert_capacity_factor is None and not getattr(config, "moe_router_padding_for_quantization", False):
+        setattr(routing_map, EXPERTS_PER_TOKEN, config.moe_router_topk)
 
 
 # ----------------------------------------------------------------------------------------------- permutation
@@ -97,7 +128,9 @@ def _chunk_shuffle(split_sizes: torch.Tensor, sorted_index: torch.Tensor, num_ro
 def fused_sort_chunks_by_index(inp: torch.Tensor, split_sizes: torch.Tensor,
                                sorted_index: torch.Tensor) -> torch.Tensor:
     """TE's moe_sort_chunks_by_index: `inp` split along dim 0 into chunks of `split_sizes`, concatenated
-    in the order `sorted_index`."""
+    in the order `sorted_index` (`inp` itself where that order is marked the identity)."""
+    if getattr(sorted_index, _IDENTITY_ORDER, False):
+        return inp
     src, dest = _chunk_shuffle(split_sizes, sorted_index, inp.shape[0], inp.device)
     return _RowShuffle.apply(inp, src, dest)
 
@@ -105,6 +138,8 @@ def fused_sort_chunks_by_index(inp: torch.Tensor, split_sizes: torch.Tensor,
 def fused_sort_chunks_by_index_with_probs(inp: torch.Tensor, probs: torch.Tensor, split_sizes: torch.Tensor,
                                           sorted_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """TE's moe_sort_chunks_by_index_with_probs: the same reordering of `inp` and of its per-row `probs`."""
+    if getattr(sorted_index, _IDENTITY_ORDER, False):
+        return inp, probs
     src, dest = _chunk_shuffle(split_sizes, sorted_index, inp.shape[0], inp.device)
     return _RowShuffle.apply(inp, src, dest), _RowShuffle.apply(probs, src, dest)
 

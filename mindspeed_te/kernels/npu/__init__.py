@@ -51,7 +51,9 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                npu_grouped_matmul for per-tensor and MXFP8 (MX scales laid out by one cat per operand, or as
                npu_grouped_dynamic_mx_quant (26.0.0+) made the experts' columnwise forms: one call for all);
                into main_grads: npu_add_quant_gmm_ (MXFP8, 26.0.0+, main_grads one buffer in expert order),
-               else one _foreach_add_; blockwise wgrads one npu_quant_matmul per expert
+               else one _foreach_add_; blockwise wgrads one npu_quant_matmul per expert. bf16/fp16 experts
+               (no FP8): its non-quantized M-split and K-split modes, except a fprop with biases and a wgrad into
+               a float32 main_grad, which need the float32 sum (the mode writes x's dtype): one GEMM per expert
   fused        npu_rms_norm_dynamic_mx_quant (RMSNorm into MXFP8 rowwise: a linear without wgrad) and
                npu_swiglu_mx_quant_with_dual_axis (SwiGLU into both MXFP8 layouts), where torch_npu has them
                (op-plugin 26.0.0 / 26.1.0 on); no other norm / activation + quantize kernel's rule is a recipe's:

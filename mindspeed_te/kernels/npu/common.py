@@ -1,5 +1,6 @@
 """Helpers of more than one job of the NPU backend: `_HALF` (the 16-bit float dtypes: quantize, norm),
-`_MAX_LAST_DIM` (npu_quant_matmul's limit on a last dim: GEMM, grouped GEMM), `_per_row` (a value per group
+`_MAX_LAST_DIM` (npu_quant_matmul's limit on a last dim: GEMM, grouped GEMM), `chip_family` (which
+documents' rows a chip takes: MoE permutation, RoPE, the high-precision grouped GEMM), `_per_row` (a value per group
 repeated over its rows: the joined npu_quantize, the per-tensor grouped GEMM), and the operand forms of tiled and
 MX storages the quant matmul kernels take (`_tiled_pair`, `_mx_pair`: GEMM, fused communication GEMMs)."""
 from __future__ import annotations
@@ -11,11 +12,21 @@ import torch
 from mindspeed_te.tensor import MXFP8TensorStorage, _TiledTensor
 
 _HALF = (torch.float16, torch.bfloat16)
+# CANN's product names: Atlas A2 training series = Ascend910B*, Atlas A3 = Ascend910_93*
+_A2_A3 = ("Ascend910B", "Ascend910_93")
 
 
 # torch_npu, npu_quant_matmul 约束说明: "其他情况, x1与x2最后一维的shape大小不能超过65535"; a longer k is summed in
 # parts of whole 128-tiles (and E8M0 pairs of 32-blocks).
 _MAX_LAST_DIM = 65535
+
+
+def chip_family(device_name: str) -> str:
+    """"950" (Ascend 950PR/950DT), "A2/A3" (Atlas A2/A3 training series) or "" (a chip without these kernels)."""
+    name = str(device_name)
+    if name.startswith("Ascend950"):
+        return "950"
+    return "A2/A3" if name.startswith(_A2_A3) else ""
 
 
 def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor]:

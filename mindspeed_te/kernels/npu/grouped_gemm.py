@@ -1,4 +1,5 @@
-"""The NPU backend's grouped GEMM (`NpuGroupedGemm`, mixed into `NpuBackend`): per-tensor FP8/HiF8 groups on
+"""The NPU backend's grouped GEMM (`NpuGroupedGemm`, mixed into `NpuBackend`): high-precision (bfloat16/float16)
+groups on one npu_grouped_matmul in its non-quantized mode (`_grouped_float_gemm`), per-tensor FP8/HiF8 groups on
 one npu_grouped_matmul (M-split for fprop/dgrad, K-split for wgrad), MXFP8 and blockwise fprop/dgrad on its
 M-split MX and G-B modes (`_grouped_block_gemm`, with the per-group arguments of `NpuGemm._quant_matmul_args`),
 the MXFP8 wgrad on its K-split MX mode (`_grouped_mx_wgrad`; npu_add_quant_gmm_ where it adds into main_grads),
@@ -12,9 +13,15 @@ from typing import Any, Optional
 import torch
 
 from mindspeed_te.formats import FP8Dtype
-from mindspeed_te.kernels.npu.common import _HALF, _MAX_LAST_DIM, _per_row
+from mindspeed_te.kernels.npu.common import _HALF, _MAX_LAST_DIM, _per_row, chip_family
 from mindspeed_te.quantizers import MXFP8Quantizer, Quantizer, record_nonfinite_many
-from mindspeed_te.tensor import Float8BlockwiseQTensorStorage, Float8TensorStorage, MXFP8TensorStorage, joined_rows
+from mindspeed_te.tensor import (
+    Float8BlockwiseQTensorStorage,
+    Float8TensorStorage,
+    MXFP8TensorStorage,
+    QuantizedTensorStorage,
+    joined_rows,
+)
 
 
 def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
@@ -103,6 +110,7 @@ class NpuGroupedGemm:
     `NpuGemm._quant_matmul_args`); the reference's one GEMM per group, and `quantize_many`, otherwise."""
 
     npu: Any
+    device_name: str
 
     def quantize_row_blocks(self, quantizers, tensors, blocks: int):
         """`quantize_many`, except the MX columnwise forms of the first `blocks` tensors (a grouped linear's
@@ -168,11 +176,16 @@ class NpuGroupedGemm:
         return joined
 
     def grouped_gemm(self, a, b, *, a_columnwise=False, b_columnwise=False, out_dtype=torch.float32, out=None):
-        """Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
+        """High-precision groups go to one npu_grouped_matmul in its non-quantized mode (`_grouped_float_gemm`).
+        Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
         all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). MXFP8 and
         blockwise (1x128 by 128x128 tiles) fprop/dgrad take its M-split MX and G-B modes
         (`_grouped_block_gemm`), the MXFP8 wgrad its K-split MX mode (`_grouped_mx_wgrad`). Other operands take
         one GEMM per group. With `out`, the float32 results are added into it (`_added_into`)."""
+        if out is None:
+            results = self._grouped_float_gemm(a, b, a_columnwise, b_columnwise, out_dtype)
+            if results is not None:
+                return results
         if not a_columnwise:
             y = self._grouped_block_gemm(a, b, b_columnwise, torch.float32 if out is not None else out_dtype)
             if y is not None:
@@ -215,6 +228,45 @@ class NpuGroupedGemm:
                 split_item=3, group_type=2, output_dtype=mm_dtype, **hif8)
             results = list(y.unbind(0))
         return _added_into(out, results) if out is not None else results
+
+    def _grouped_float_gemm(self, a, b, a_columnwise: bool, b_columnwise: bool, out_dtype: torch.dtype
+                            ) -> Optional[list[torch.Tensor]]:
+        """Every group's a_i · b_iᵀ of bfloat16 or float16 tensors (the experts' GEMMs outside FP8, and Megatron's
+        --no-use-gmm-fp8) as one npu_grouped_matmul in its non-quantized mode: fprop and dgrad split the rows
+        (group_type 0: the groups' rows joined, their weights stacked, transposed for fprop), the wgrad the tokens
+        (group_type 2: the grad_outputs' joined rows, transposed, times the inputs' joined rows; (g, m, n) unbound
+        per group). The kernel sums each product in float32 and rounds it once to x's dtype (aclnnGroupedMatmulV4,
+        非量化场景: x and weight "BFLOAT16"/"FLOAT16", out of the same dtype), as the reference's GEMM with that
+        output. None where that does not fit: quantized or 3-D operands, dtypes that differ, another out_dtype
+        (a float32 one, which the mode has not: the fprop with biases, the wgrad added into main_grad), groups
+        whose weights differ in shape or layout, a last dim the A2/A3 document limits ("x和weight中每一组tensor的
+        最后一维大小都应小于65536"), a chip without the kernel."""
+        tensors = [*a, *b]
+        if not a or len(a) != len(b) or (a_columnwise and not b_columnwise) or chip_family(self.device_name) == "":
+            return None
+        if any(isinstance(t, QuantizedTensorStorage) or t.dim() != 2 or t.dtype != out_dtype for t in tensors):
+            return None
+        if out_dtype not in _HALF or max(t.shape[1] for t in tensors) > _MAX_LAST_DIM:
+            return None
+        sizes = [t.shape[0] for t in a]
+        if a_columnwise:  # dW_i = dY_iᵀ · X_i: K-split over the tokens, x the transposed view of the (M, n) rows
+            if [t.shape[0] for t in b] != sizes or len({t.shape[1] for t in a}) > 1 or len({t.shape[1] for t in b}) > 1:
+                return None
+            (y,) = self.npu.npu_grouped_matmul([_rows_of(list(a)).t()], [_rows_of(list(b))],
+                                               group_list=self._group_list(sizes, a[0].device), split_item=3,
+                                               group_type=2)
+            return list(y.unbind(0))
+        # x (M, k); weight (g, k, n): the stacked (n, k) weights transposed for fprop, as they are for dgrad.
+        weight = _stacked(list(b)) if len({t.shape for t in b}) == 1 else None
+        if weight is None or len({t.shape[1] for t in a}) > 1:
+            return None
+        weight = weight if b_columnwise else weight.transpose(1, 2)
+        if weight.shape[1] != a[0].shape[1]:
+            return None
+        (y,) = self.npu.npu_grouped_matmul([_rows_of(list(a))], [weight],
+                                           group_list=self._group_list(sizes, a[0].device), split_item=3,
+                                           group_type=0)
+        return list(torch.split(y, sizes))
 
     def _grouped_mx_wgrad(self, a, b, out_dtype: torch.dtype, out) -> Optional[list[torch.Tensor]]:
         """Every group's a_i · b_iᵀ of MXFP8 columnwise forms (the experts' wgrad dW_i = dY_iᵀ·X_i, the tokens

@@ -9,12 +9,13 @@ list "Ascend 950PR/Ascend 950DT √"; the routing-map variants list Atlas A2/A3 
 token routed to exactly topK experts ("num_tokens*topK" rows, sortedIndices "取值范围是[0, tokens_num *
 topK_num - 1]，且没有重复索引"): Megatron's dropless routing, with num_out_tokens = tokens * topK. Capacity-dropped
 or padded maps have other row counts and take the reference. Whether every row of the map holds exactly k experts
-is read once on the host (one 1-byte read per permute); an integer num_out_tokens alone cannot tell (Megatron's
-drop-and-pad and flex dispatchers pass integers with uneven rows).
+is read once on the host (one 1-byte read per permute), unless the map's maker marks it (`EXPERTS_PER_TOKEN`:
+Megatron's alltoall dispatcher where its config routes dropless, mindspeed_te.megatron.moe_fused); an integer
+num_out_tokens alone cannot tell (Megatron's drop-and-pad and flex dispatchers pass integers with uneven rows).
   forward: the map's experts per token by one stable sort of its rows (ascending, so that each token's rows sum
-      in the reference's order), the rows check, the permute kernel; with probs, their gather and their placement
-      (a cast of the row index and one index_copy). unpermute: the kernel (with the topK probs it sums by: ones,
-      cached per shape, when Megatron merges no probs).
+      in the reference's order), the rows check (not for a marked map), the permute kernel; with probs, their
+      gather and their placement (a cast of the row index and one index_copy). unpermute: the kernel (with the
+      topK probs it sums by: ones, cached per shape, when Megatron merges no probs).
   row map: the kernel's sorted_indices (int32, the row of each (token, k) pair); the routing map rides along as an
       attribute (merging probs are gathered through it). A reference map (2-D) stays with the reference.
   dtypes: torch_npu's document takes bfloat16 tokens and probs only (CANN also float16 / float32): others, and a
@@ -36,23 +37,15 @@ from typing import Any, Optional, Union
 
 import torch
 
+from mindspeed_te.kernels.npu.common import chip_family
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN
 from mindspeed_te.kernels.reference import ROTARY_MODES
 
-# CANN's product names: Atlas A2 training series = Ascend910B*, Atlas A3 = Ascend910_93*
-_A2_A3 = ("Ascend910B", "Ascend910_93")
 # aclnnMoeTokenPermute: indices "要求元素个数小于16777215，值大于等于0小于16777215"
 _INDEX_LIMIT = 16777215
 # torch_npu doc (npu_moe_token_permute): "topK小于等于512"
 _MAX_TOPK = 512
 _ROUTING_MAP = "_mindspeed_te_routing_map"  # the attribute of a kernel row map holding its routing map
-
-
-def chip_family(device_name: str) -> str:
-    """"950" (Ascend 950PR/950DT), "A2/A3" (Atlas A2/A3 training series) or "" (a chip without these kernels)."""
-    name = str(device_name)
-    if name.startswith("Ascend950"):
-        return "950"
-    return "A2/A3" if name.startswith(_A2_A3) else ""
 
 
 @functools.lru_cache(maxsize=8)
@@ -112,11 +105,12 @@ class MoeRopeKernels:
     def moe_permute(self, tokens: torch.Tensor, routing_map: torch.Tensor,
                     num_out_tokens: Optional[Union[int, torch.Tensor]], probs: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """npu_moe_token_permute when every token routes to exactly num_out_tokens / tokens experts."""
+        """npu_moe_token_permute when every token routes to exactly num_out_tokens / tokens experts (as the map's
+        `EXPERTS_PER_TOKEN` says, or the rows check finds)."""
         k = self._permute_topk(tokens, routing_map, num_out_tokens, probs)
         if k is not None:
             hits, experts = _expert_order(routing_map)
-            if _routes_k(hits, k):
+            if getattr(routing_map, EXPERTS_PER_TOKEN, None) == k or _routes_k(hits, k):
                 experts = experts[:, :k]
                 permuted, sorted_indices = self.npu.npu_moe_token_permute(tokens, experts,
                                                                           num_out_tokens=experts.numel())

@@ -409,19 +409,36 @@ class GroupedMatmulKernels:
 
     def _gmm_float(self, xs, ws, bias, group_list, split_item, group_type, group_list_type, out_dtype
                    ) -> list[torch.Tensor]:
-        """float16/bfloat16 (float32 off the 950) grouped GEMM (fp32 accumulation, output in x's dtype)."""
+        """The non-quantized grouped GEMM, y_i = x_i @ weight_i + bias_i ("非量化场景"): float16/bfloat16 x and
+        weight of one dtype (float32 too off the 950), each group's product with exact products and float32 sums
+        (the cube's), plus its bias, rounded once to x's dtype. Forms: group_type -1, g x and g weights; 0, the rows
+        of one x split over g weights (one (g, k, n) tensor, or g (k, n) ones); 2, the columns of one x (the
+        transposed view of a contiguous (k, m)) split with the rows of one contiguous (k, n) weight, out
+        (g, m, n). The rules quoted are aclnnGroupedMatmulV4.md's Ascend 950 sections ("非量化场景约束", "不同groupType
+        约束") unless another source is named."""
         dtype = xs[0].dtype
         # Ascend 950: "x支持FLOAT8_E4M3FN、FLOAT8_E5M2、INT8、HIFLOAT8、FLOAT16、BFLOAT16、FLOAT4_E1M2、FLOAT4_E2M1"
         # (no FLOAT32); the A2/A3 list has "FLOAT16、BFLOAT16、FLOAT32".
         check_dtype("x[0].dtype", dtype, HALF_FLOATS if self.supports_fp8 else FLOATS)
-        # 非量化场景 table: x and weight of one dtype, out = x's dtype.
+        # 非量化场景约束: "|-1/0/2 |BFLOAT16 |BFLOAT16 |BFLOAT16/FLOAT32/null | BFLOAT16|" (and the FLOAT16 row): x and
+        # weight of one dtype, out of x's.
         for i, t in enumerate(xs):
             check_tensor(f"x[{i}]", t, (dtype,))
+            # -1 多多多: "非量化x，out中tensor需为2维"; 0 and 2: x 2-D ("x，out中tensor需为2维")
+            check_dims(f"x[{i}]", t, 2, 2)
         for i, t in enumerate(ws):
             check_tensor(f"weight[{i}]", t, (dtype,))
             check_dims(f"weight[{i}]", t, 2, 3 if len(ws) == 1 else 2)
         if out_dtype is not None and out_dtype != dtype:
             raise NpuTypeError(f"output_dtype must be None or {dtype} for {dtype} inputs, got {out_dtype}")
+        if self.soc_family == "A2/A3":
+            # A2/A3: "x和weight中每一组tensor的最后一维大小都应小于65536。x_i的最后一维指当x不转置时x_i的K轴或当x转置
+            # 时x_i的M轴" (the last dim as laid out; likewise the weight's N, or its K where it is transposed)
+            named = [*((f"x[{i}]", t) for i, t in enumerate(xs)), *((f"weight[{i}]", t) for i, t in enumerate(ws))]
+            for name, t in named:
+                inner = t.shape[-1] if "row" in layouts(t) else t.shape[-2]
+                if inner >= 65536:
+                    raise NpuValueError(f"{name}'s last dim as laid out must be below 65536, got {inner}")
         if self.supports_fp8:
             # 非量化场景 table: x BFLOAT16 -> bias "BFLOAT16/FLOAT32/null"; x FLOAT16 -> bias "FLOAT16/FLOAT32/null".
             bias_dtypes: tuple = (dtype, torch.float32)
@@ -440,28 +457,45 @@ class GroupedMatmulKernels:
             check_choice("split_item", split_item, (2, 3), f"with group_type {group_type}")
         single_w = len(ws) == 1 and ws[0].dim() == 3
         weights = list(ws[0].unbind(0)) if single_w else ws
+        if single_w:
+            # 0 单单单: "weight中tensor需为3维，shape为（g, N, K）或（g, K, N）...；bias中tensor需为2维，shape为
+            # （g, N）"; "支持x不转置，weight转置、不转置均支持"
+            check_layout("weight[0]", ws[0])
+            if bs is not None:
+                check_shape("bias[0]", bs[0], (ws[0].shape[0], ws[0].shape[2]))
+        else:
+            # -1, 0 单多单 / 多多单: "weight中tensor需为2维，shape为（n_i, k_i）或（k_i, n_i）；bias中tensor需为1维，
+            # shape为（n_i）"; "支持weight转置，但weight的tensorList中每个tensor是否转置需保持统一"
+            found = [check_layout(f"weight[{i}]", t) for i, t in enumerate(weights)]
+            if not set.intersection(*found):
+                raise NpuValueError("the weights must all be contiguous or all be transposed views")
+            for i, (t, w) in enumerate(zip(bs or [], weights)):
+                check_shape(f"bias[{i}]", t, (w.shape[1],))
         biases = (list(bs[0].unbind(0)) if single_w else bs) if bs is not None else [None] * len(weights)
-        if single_w and bs is not None:
-            check_shape("bias[0]", bs[0], (ws[0].shape[0], ws[0].shape[2]))
 
         def mm(a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], name: str) -> torch.Tensor:
             if a.shape[-1] != w.shape[0]:
                 raise NpuValueError(f"k of {name} {tuple(a.shape)} and its weight {tuple(w.shape)} differ")
-            r = a.float() @ w.float()
-            return (r if b is None else r + b.float()).to(dtype)
+            if b is None:
+                return cube_matmul_rounded(a, w, dtype)
+            return (cube_matmul(a, w) + b.float()).to(dtype)
 
         if group_list is None:
             if len(xs) != len(weights):
                 raise NpuValueError(f"without group_list, x and weight need as many tensors, got {len(xs)} and "
                                     f"{len(weights)}")
             check_choice("group_type", group_type, (-1, 0), "without group_list")
+            for i, t in enumerate(xs):
+                check_layout(f"x[{i}]", t, ("row",))  # "x不支持转置"
             outs = [mm(a, w, b, f"x[{i}]") for i, (a, w, b) in enumerate(zip(xs, weights, biases))]
             return [torch.cat(outs)] if split_item in (2, 3) else outs
         if len(xs) != 1:
             raise NpuValueError(f"with group_list, x must be a single tensor, got {len(xs)}")
         x = xs[0]
-        check_dims("x[0]", x, 2, 2)
         if group_type == 2:
+            # 2 单单单: "x，weight中tensor需为2维，shape分别为（K, M）和（K, N）；out中tensor需为3维, shape为
+            # （g, M, N）"; "仅支持x转置且weight不转置"; "最后一个值不大于x中tensor的第一维" (of the (K, M) x); A2/A3:
+            # "bias必须传空".
             if len(ws) != 1 or ws[0].dim() != 2:
                 raise NpuValueError("the k-split form (group_type 2) takes a single 2-D weight")
             check_none("bias", bias, "in the k-split form (group_type 2)")
@@ -472,12 +506,18 @@ class GroupedMatmulKernels:
             outs = [mm(x[:, bounds[i]:bounds[i + 1]], ws[0][bounds[i]:bounds[i + 1]], None, "x[0]")
                     for i in range(len(sizes))]
             return [torch.stack(outs)] if split_item in (2, 3) else outs
+        check_layout("x[0]", x, ("row",))  # "x不支持转置"
         sizes = self._group_sizes_from_list(group_list, group_list_type, x.shape[0], "rows", groups=len(weights))
+        if not single_w and sum(sizes) != x.shape[0]:
+            # 0 单多单: "必须传groupListOptional，且当groupListType为0时，最后一个值与x中tensor的第一维相等，当
+            # groupListType为1时，数值的总与x中tensor的第一维相等" (单单单 takes fewer: "不大于")
+            raise NpuValueError(f"group_list must cover all {x.shape[0]} rows of x with a list of weights, got "
+                                f"{sum(sizes)}")
         parts = list(torch.split(x[: sum(sizes)], sizes))
         outs = [mm(a, w, b, "x[0]") for a, w, b in zip(parts, weights, biases)]
         if split_item not in (2, 3):
             return outs
+        # 单单单: the rows past group_list's total are not computed (zeros here)
         y = torch.zeros(x.shape[0], weights[0].shape[1], dtype=dtype)
         y[: sum(sizes)] = torch.cat(outs)
         return [y]
-
