@@ -351,6 +351,11 @@ def floor(recipe: str, kind: str) -> Floor:
 GAPS = {
     ("dense", "all"): "Megatron adds the proj, fc1 and fc2 biases outside their GEMMs (skip_bias_add, for its "
                       "bias-dropout-add and bias-GeLU fusions, which have no kernel here): +3 per micro-batch",
+    ("dense", "fp8"): "fc2 keeps no codes of its input but rebuilds it in backward from the GeLU's (ops/rebuild.py, "
+                      "for activation memory): the GeLU again and the input's columnwise quantize there, +2 per "
+                      "micro-batch (tensorwise, MXFP8; blockwise quantized it there anyway)",
+    ("dense", "delayed"): "the rebuilt input's quantize under delayed scaling: the forward's scale kept apart and "
+                          "its divisor and amax again in backward, +8 more per micro-batch",
     ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
                             "a 1-layer block skips: +1",
     ("moe", "all"): "Megatron's unfused router (its map's int / bool casts and zeros, its float32 casts), the "
