@@ -16,8 +16,10 @@
 - The random Hadamard transform (RHT) of TE's NVFP4 recipe: each run of 16 elements along the last dim is
   multiplied by the orthogonal 16x16 matrix diag(s) H / 4, H the Sylvester Hadamard matrix (H[i, j] =
   (-1)^popcount(i & j)) and s TE's fixed sign vector, here its bit mask 0xD7E8 (bit i set: row i negated;
-  TE's `rht_matrix_random_sign_mask_t`). The result is rounded to the input's dtype (TE transforms bfloat16
-  data and rounds the transform to bfloat16 before its amax and cast).
+  TE's `rht_matrix_random_sign_mask_t`). Each output is the exact sum rounded once to float32 (TE sums in
+  float32 on the tensor cores; the exact sum is what any order gives when it is exact), then to the input's
+  dtype (TE transforms bfloat16 data and rounds the transform to bfloat16 before its amax and cast); an exact
+  zero is +0 (TE's accumulators start at +0), NaN the positive quiet NaN.
 - NVFP4 scales (TE's `compute_global_encode_scaling_factor_FP4`, `compute_decoding_scaling_factor`, the
   quantize and dequantize kernels): S_enc = 448 * 6 / amax in float32 (at most FLT_MAX; 1 where amax is 0 or
   the quotient is 0), S_dec = 1 / S_enc; a block's E4M3 scale is block_amax * (S_enc * float32(1/6)) rounded
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from typing import Callable, Optional
 
 import torch
@@ -238,10 +241,55 @@ def _blocks_of_16(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().to(torch.float32).reshape(-1, RHT_SIZE)
 
 
+def _exact_spread(dtype: torch.dtype) -> int:
+    """How many binades apart a run's nonzero values may lie for its float64 sum to be exact in any order: the
+    products x * (+-1/4) are exact, and every partial sum fits 53 bits = the spread + a value's significant bits
+    (8 for bfloat16, at most 24) + 4 for the carry of 16 terms. csrc/nvfp4.c uses the same bounds."""
+    return 41 if dtype == torch.bfloat16 else 25
+
+
 def random_hadamard_transform(x: torch.Tensor, sign_mask: int = RHT_SIGN_MASK) -> torch.Tensor:
-    """Each run of 16 elements along x's last dim times `rht_matrix(sign_mask)`, summed in float32 and rounded
-    to x's dtype."""
-    return (_blocks_of_16(x) @ rht_matrix(sign_mask, x.device)).reshape(x.shape).to(x.dtype)
+    """Each run of 16 elements along x's last dim times `rht_matrix(sign_mask)`: on the CPU the exact sums rounded
+    once to float32, then to x's dtype (module docstring). A transposed 2-D view (the columnwise source) takes the
+    fused kernel; the torch ops sum in float64 (exact, see _exact_spread) and redo the rare runs too wide for that
+    exactly. Other devices keep their float32 matmul (float64 and the redo's host sync would not suit them): the
+    same bits wherever that sum is exact, as it is for bfloat16 runs within 12 binades."""
+    if x.dim() == 2 and x.t().is_contiguous():
+        fused = fused_cast.hadamard_columns(x.t(), sign_mask)
+        if fused is not None:
+            return fused[0]
+    blocks = _blocks_of_16(x)
+    if not x.is_cpu:
+        return (blocks @ rht_matrix(sign_mask, x.device)).reshape(x.shape).to(x.dtype)
+    sums = (blocks.double() @ rht_matrix(sign_mask).double()).add_(0.0)  # + 0: an exact zero is +0
+    bits = blocks.view(torch.int32) & 0x7FFFFFFF
+    binade = (bits >> 23).clamp_(min=1)  # subnormals share the smallest normals' last bit
+    top, bottom = binade.amax(dim=1), binade.masked_fill(bits == 0, 255).amin(dim=1)
+    wide = ((top < 255) & (top - bottom > _exact_spread(x.dtype))).nonzero().flatten()
+    if wide.numel():
+        sums[wide] = _exact_sums(blocks[wide], sign_mask)
+    out = sums.float().reshape(x.shape).to(x.dtype)
+    return out.masked_fill_(out.isnan(), math.nan)  # one NaN whatever the conversions made (torch's differ)
+
+
+def _exact_sums(blocks: torch.Tensor, sign_mask: int) -> torch.Tensor:
+    """The transform of finite float32 runs (n, 16), each sum rounded to odd in float64 (math.fsum rounds the
+    exact sum to nearest; a second fsum with it subtracted gives the sign of what that dropped), which float64
+    -> float32 then rounds as the exact sum (53 bits >= 24 + 2): for the runs whose exponents spread too far for
+    the float64 sum."""
+    signs = (rht_matrix(sign_mask) * 4).to(torch.int64).tolist()
+    out = []
+    for run in blocks.double().mul_(0.25).tolist():  # x / 4 is exact in float64
+        row = []
+        for i in range(RHT_SIZE):
+            terms = [signs[t][i] * run[t] for t in range(RHT_SIZE)]
+            nearest = math.fsum(terms)
+            dropped = math.fsum(terms + [-nearest])
+            if dropped and not struct.unpack("<q", struct.pack("<d", nearest))[0] & 1:
+                nearest = math.nextafter(nearest, math.copysign(math.inf, dropped))
+            row.append(nearest)
+        out.append(row)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def inverse_hadamard_transform(y: torch.Tensor, sign_mask: int = RHT_SIGN_MASK) -> torch.Tensor:

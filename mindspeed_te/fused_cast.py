@@ -3,8 +3,9 @@
 Quantizing with torch ops costs one pass over memory per op (divide, clamp, cast) and a few microseconds of
 dispatch each; the extension reads every element once and also serves small tensors in one call. It covers
 the per-tensor hot path (contiguous float32/bfloat16 CPU tensors, one float32 scale) and the block-scaled
-ones (blockwise tiles, MX blocks, both layouts in one pass; NVFP4 blocks, one layout a call). Every function returns
-None when its input is outside that, and the caller then uses the torch ops, which give the same bits.
+ones (blockwise tiles, MX blocks, both layouts in one pass; NVFP4 blocks, one layout a call, and the Hadamard
+transform of the columnwise one). Every function returns None when its input is outside that, and the caller
+then uses the torch ops, which give the same bits.
 
 The kernels take raw addresses and trust them: before every call this module checks what they will read or
 write beyond the data it allocates itself (the tables' dtypes and sizes, a caller's output buffer, the format,
@@ -27,7 +28,7 @@ except ImportError:  # not built (no compiler at install time, or a source tree 
     _ext = None
 
 __all__ = ["available", "amax", "current_scale_inv", "decode", "dequantize_nvfp4", "dequantize_tiles", "gemm_bf16",
-           "gemm_bf16_applies", "gemm_epilogue", "nibbles", "quantize_current", "quantize_nvfp4",
+           "gemm_bf16_applies", "gemm_epilogue", "hadamard_columns", "nibbles", "quantize_current", "quantize_nvfp4",
            "quantize_delayed", "quantize_tiles", "scaled_cast", "set_simd", "simd_level"]
 
 enabled: bool = _ext is not None and os.environ.get("MINDSPEED_TE_FUSED_CAST", "1") != "0"
@@ -166,15 +167,19 @@ def nibbles(t: torch.Tensor, pack: bool) -> Optional[torch.Tensor]:
 NVFP4_BLOCK = 16
 
 
-def quantize_nvfp4(x2d: torch.Tensor, factors: torch.Tensor, rbits: Optional[torch.Tensor],
-                   tile_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def quantize_nvfp4(x2d: torch.Tensor, factors: torch.Tensor, rbits: Optional[torch.Tensor], tile_rows: int,
+                   columnwise: bool = False) -> Optional[tuple[torch.Tensor, ...]]:
     """NVFP4's quantize of a 2-D tensor along its rows in one call: (E2M1 codes packed two a byte (M, K / 2),
     E4M3 scales (M, K / 16) as torch.float8_e4m3fn) of 1x16 blocks (tile_rows 1) or 16x16 tiles (16, the scale
     repeated on each of the tile's rows). `factors`: the float32 S_enc * float32(1/6) and 1 / S_enc
     (mindspeed_te.fp4.nvfp4_block_factors); `rbits`: None (round to nearest even) or x2d's shape in uint8 random
-    bytes (stochastic rounding). None when the extension does not apply; the torch ops then give the same bits."""
+    bytes (stochastic rounding). `columnwise` (16x16 tiles rounded to nearest even only): the same of x2dᵀ too,
+    (K, M / 2) and (K, M / 16) after the rowwise pair, from the same codes (a tile's scale and codes do not depend
+    on the way it is read). None when the extension does not apply; the torch ops then give the same bits."""
     if tile_rows not in (1, NVFP4_BLOCK):
         raise ValueError(f"tile_rows must be 1 or {NVFP4_BLOCK}, got {tile_rows!r}")
+    if columnwise and (tile_rows != NVFP4_BLOCK or rbits is not None):
+        raise ValueError("the columnwise form comes with the rowwise one only for 16x16 tiles rounded to nearest even")
     if not (_applies(x2d) and x2d.dim() == 2 and hasattr(_ext, "quantize_nvfp4")):
         return None
     m, k = x2d.shape
@@ -184,12 +189,33 @@ def quantize_nvfp4(x2d: torch.Tensor, factors: torch.Tensor, rbits: Optional[tor
     rbits_ptr = 0 if rbits is None else _buffer_ptr(rbits, "rbits", torch.uint8, m * k, "one random byte per element")
     if factors_ptr is None or rbits_ptr is None:
         return None
-    data = torch.empty((m, k // 2), dtype=torch.uint8)
-    scale = torch.empty((m, k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn)
-    if data.numel():
+    layouts = ((m, k), (k, m)) if columnwise else ((m, k),)
+    out = [torch.empty((rows, cols // per), dtype=dtype) for rows, cols in layouts
+           for per, dtype in ((2, torch.uint8), (NVFP4_BLOCK, torch.float8_e4m3fn))]
+    if x2d.numel():
         _ext.quantize_nvfp4(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, tile_rows, factors_ptr, rbits_ptr,
-                            data.data_ptr(), scale.data_ptr(), _threads(m * k))
-    return data, scale
+                            *(t.data_ptr() for t in out), *((0, 0) if not columnwise else ()), _threads(m * k))
+    return tuple(out)
+
+
+def hadamard_columns(x2d: torch.Tensor, sign_mask: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The random Hadamard transform of x2dᵀ's rows (`mindspeed_te.fp4.random_hadamard_transform(x2d.t())`, the
+    same bits) in one pass over a 2-D (M, K) tensor: (the transform (K, M) in x2d's dtype, max |transform| and
+    max |x2d| as one-element float32 tensors, NaN where there is one). The amaxes come free with the read, so
+    NVFP4 needs no amax pass of its own. None when the extension does not apply."""
+    if not (_applies(x2d) and x2d.dim() == 2 and hasattr(_ext, "hadamard_columns")):
+        return None
+    m, k = x2d.shape
+    if m % NVFP4_BLOCK:
+        raise ValueError(f"the Hadamard transform runs along the {m} rows in runs of {NVFP4_BLOCK}: not divisible")
+    if not isinstance(sign_mask, int) or not 0 <= sign_mask < 1 << NVFP4_BLOCK:
+        raise ValueError(f"sign_mask must be a 16-bit mask, got {sign_mask!r}")
+    out = torch.empty((k, m), dtype=x2d.dtype)
+    out_amax, in_amax = torch.zeros(1, dtype=torch.float32), torch.zeros(1, dtype=torch.float32)
+    if out.numel():
+        _ext.hadamard_columns(x2d.data_ptr(), _IN_DTYPES[x2d.dtype], m, k, sign_mask, out.data_ptr(),
+                              out_amax.data_ptr(), in_amax.data_ptr(), _threads(out.numel()))
+    return out, out_amax, in_amax
 
 
 def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, values: torch.Tensor,

@@ -480,21 +480,45 @@ class NVFP4Quantizer(_FP4Quantizer):
         data = self._encode((blocks * encode[:, None, :, None]).reshape(rows, cols), rbits)
         return data, (scale.repeat_interleave(tile, dim=0) if tile > 1 else scale)
 
+    def _sources(self, x2d: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(the columnwise source or None, x2d's amax, the columnwise amax): one amax pass where no transform
+        makes the two differ, none at all where the fused transform takes both amaxes from its own read."""
+        if self.columnwise_usage and self.with_rht:
+            fused = fused_cast.hadamard_columns(x2d, self.rht_sign_mask)
+            if fused is not None:
+                col, amax_col, amax = fused
+                return col, amax, amax_col
+            col = self._columnwise_source(x2d)
+            return col, _fp4_amax(x2d), _fp4_amax(col)
+        amax = _fp4_amax(x2d)
+        return (x2d.t() if self.columnwise_usage else None), amax, amax
+
+    def _tiles_both_layouts(self, x2d: torch.Tensor, amax: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
+        """(rowwise data, scales, columnwise data, scales) of 16x16 tiles from one fused pass: without a transform
+        or stochastic rounding the columnwise form is the transpose of the rowwise one (a tile's scale and codes
+        do not depend on the way it is read). None where that does not hold or the extension does not apply."""
+        if not self.with_2d_quantization or self.with_rht or self.stochastic_rounding:
+            return None
+        factors = nvfp4_block_factors(nvfp4_global_encode_scale(amax)).reshape(2)
+        return fused_cast.quantize_nvfp4(x2d.contiguous(), factors, None, 16, columnwise=True)
+
     def quantize(self, x: torch.Tensor) -> NVFP4TensorStorage:
         x2d = _fp4_2d(x, 16, "NVFP4")
         out = NVFP4TensorStorage(self.fp8_dtype, x.shape, x.dtype, with_2d_quantization=self.with_2d_quantization)
-        col = self._columnwise_source(x2d) if self.columnwise_usage else None
-        amax = _fp4_amax(x2d)
-        amax_col = _fp4_amax(col) if col is not None and self.with_rht else amax
+        col, amax, amax_col = self._sources(x2d)
         if self.amax_reduction_group is not None:
             both = torch.cat([amax, amax_col])
             torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
             amax, amax_col = both[:1], both[1:]
         out.amax_rowwise, out.amax_columnwise = amax, amax_col
-        if self.rowwise_usage:
+        tiles = self._tiles_both_layouts(x2d, amax) if self.rowwise_usage and col is not None else None
+        if tiles is not None:
+            data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv = tiles
+        elif self.rowwise_usage:
             data, out.rowwise_scale_inv = self._quantize_2d(x2d, amax)
+        if self.rowwise_usage:
             out.rowwise_data = data.reshape(*x.shape[:-1], x.shape[-1] // 2)
-        if col is not None:
+        if col is not None and tiles is None:
             out.columnwise_data, out.columnwise_scale_inv = self._quantize_2d(col, amax_col)
             out.columnwise_rht_sign_mask = self.rht_sign_mask if self.with_rht else None
         return out

@@ -3,6 +3,7 @@ and MXFP4 (the OCP MX rule) against the independent oracles of tests/oracles.py,
 stochastic rounding, the recipes' fields and environment switches, and a Linear trained under each FP4 recipe on
 the reference backend within a closed-form error bound."""
 import math
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -235,6 +236,73 @@ def test_nvfp4_rht_columnwise_matches_oracle_bf16():
     assert plain.columnwise_rht_sign_mask == 0
     transformed = hadamard_reference(x.float().t().numpy(), signs=[1] * 16).astype(ml_dtypes.bfloat16).astype(F32)
     _check_nvfp4_form(plain.columnwise_data, plain.columnwise_scale_inv, plain.amax_columnwise, transformed, 1)
+
+
+def _nearest_float32(q: Fraction) -> float:
+    """The float32 nearest to the rational q, ties to the even significand, +-Inf from the midpoint between
+    FLT_MAX and 2^128 on (IEEE round to nearest): the two neighbours of float32(float(q)) compared exactly."""
+    if abs(q) >= 2**128 - 2**103:
+        return math.copysign(math.inf, q)
+    guess = F32(float(q))
+    neighbours = {guess, np.nextafter(guess, F32(np.inf)), np.nextafter(guess, F32(-np.inf))}
+    return float(min((v for v in neighbours if np.isfinite(v)),
+                     key=lambda v: (abs(Fraction(float(v)) - q), int(np.array(v, F32).view(np.uint32)) & 1)))
+
+
+def _exact_hadamard(x: np.ndarray, signs=TE_RHT_SIGNS) -> np.ndarray:
+    """The transform of each 16-run along x's last dim, each output's exact sum (Fractions) rounded once to float32,
+    an exact zero as +0; a run holding NaN or Inf as IEEE has it whatever the order (hadamard_reference's)."""
+    runs = np.asarray(x, np.float64).reshape(-1, 16)
+    with np.errstate(over="ignore"):
+        out = hadamard_reference(runs, signs).astype(F32)
+    for r, run in enumerate(runs):
+        if np.isfinite(run).all():
+            terms = [Fraction(float(v)) for v in run]
+            out[r] = [_nearest_float32(sum(signs[t] * (-1) ** bin(t & i).count("1") * terms[t] for t in range(16)) / 4)
+                      for i in range(16)]
+    return out.reshape(np.shape(x))
+
+
+def _awkward_runs(dtype: torch.dtype) -> torch.Tensor:
+    """13 rows of four 16-runs that the float64 sum does not round exactly, or that test its edges: exponents
+    spread past its 53 bits (cancellation included), around the bound of exactness, subnormals, a sum past
+    FLT_MAX, zeros of both signs, NaN, opposite and lone infinities; and random runs over 60 binades."""
+    special = torch.zeros(8, 16, dtype=torch.float64)
+    special[0, :4] = torch.tensor([2.0**100, 1.0, -(2.0**100), 2.0**-60])
+    special[1, :3] = torch.tensor([1.0, 2.0**-41, 2.0**-42])
+    special[2, :3] = torch.tensor([3.0, 2.0**-130, -3.0])
+    special[3] = 2.0**127
+    special[4, 1::2] = -0.0
+    special[5, 3], special[6, :2], special[7, 5] = math.nan, torch.tensor([math.inf, -math.inf]), -math.inf
+    g = torch.Generator().manual_seed(5)
+    wild = torch.randn(44, 16, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(44, 16, generator=g, dtype=torch.float64) * 14)
+    return torch.cat([special, wild]).to(dtype).reshape(13, 16 * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("path", ["torch", "scalar", "avx2", "avx512"])
+def test_random_hadamard_transform_rounds_the_exact_sum(dtype, path, monkeypatch):
+    """Each output is the exact sum rounded once to float32 (then to bfloat16), an exact zero +0 and NaN the one
+    quiet NaN, on the torch ops and on each vector level of the fused kernel (13 columns: 8 a vector, 4, 1)."""
+    if path != "torch" and not fused_cast.available():
+        pytest.skip("the fused CPU kernels are not built")
+    monkeypatch.setattr(fused_cast, "enabled", path != "torch")
+    runs = _awkward_runs(dtype)
+    fused_cast.set_simd("avx512" if path == "torch" else path)
+    try:
+        got = random_hadamard_transform(runs.t().contiguous().t())  # a transposed view: the columnwise source
+    finally:
+        fused_cast.set_simd("avx512")
+    want = _exact_hadamard(runs.double().numpy())
+    if dtype == torch.bfloat16:
+        want = want.astype(ml_dtypes.bfloat16).astype(F32)  # float32 -> bfloat16, round to nearest even
+    got32 = got.float().numpy()
+    assert np.array_equal(np.isnan(got32), np.isnan(want)) and np.isnan(want).any()
+    finite = ~np.isnan(want)
+    assert np.array_equal(got32[finite].view(np.uint32), want[finite].view(np.uint32))
+    view = got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+    assert (view[got.isnan()] == (0x7FC0 if dtype == torch.bfloat16 else 0x7FC00000)).all()
 
 
 def test_reference_gemm_contracts_two_transformed_forms_and_undoes_a_lone_one():

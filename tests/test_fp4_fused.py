@@ -1,6 +1,6 @@
 """The fused CPU kernels' FP4 paths, bit for bit against ml_dtypes' E2M1 cast, the oracles' block rules (TE's for
 NVFP4, OCP's for MXFP4) and the torch-op quantizers: MXFP4 (quantize_tiles with E2M1 codes, dequantize_tiles of
-unpacked codes) and NVFP4 (quantize_nvfp4, dequantize_nvfp4)."""
+unpacked codes) and NVFP4 (quantize_nvfp4, dequantize_nvfp4, hadamard_columns)."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -9,9 +9,11 @@ import torch
 from mindspeed_te import fused_cast
 from mindspeed_te.fp4 import (
     NVFP4_DEQUANT_FACTOR,
+    RHT_SIGN_MASK,
     e2m1_decode_table,
     nvfp4_block_factors,
     nvfp4_global_encode_scale,
+    random_hadamard_transform,
     unpack_fp4,
 )
 from mindspeed_te.quantizers import MXFP4Quantizer, NVFP4Quantizer
@@ -20,7 +22,7 @@ from tests.oracles import e2m1_stochastic_codes, nvfp4_dequantize_reference, nvf
 pytestmark = pytest.mark.skipif(not fused_cast.available(), reason="the fused CPU kernels are not built")
 
 
-@pytest.fixture(params=["scalar", "avx2"])
+@pytest.fixture(params=["scalar", "avx2", "avx512"])
 def simd(request):
     """Each vector level the E2M1 cast has (capped; a CPU without it runs the lower one)."""
     yield fused_cast.set_simd(request.param)
@@ -69,7 +71,7 @@ def test_unpack_is_the_nibbles():
     assert torch.equal(codes[:, 0::2], packed & 0xF) and torch.equal(codes[:, 1::2], packed >> 4)
 
 
-# NVFP4 (quantize_nvfp4, dequantize_nvfp4) -----------------------------------------------------------------------
+# NVFP4 (quantize_nvfp4, dequantize_nvfp4, hadamard_columns) -----------------------------------------------------
 def _nvfp4_factors(amax: float) -> torch.Tensor:
     return nvfp4_block_factors(nvfp4_global_encode_scale(torch.tensor([amax]))).reshape(2)
 
@@ -166,6 +168,55 @@ def test_fused_nvfp4_dequantize_is_tes_rule_over_every_code_and_scale(amax, simd
     assert torch.equal(bf16.nan_to_num(), cast.nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sign_mask", [RHT_SIGN_MASK, 0])
+def test_fused_hadamard_columns_is_the_torch_ops(dtype, sign_mask, simd, monkeypatch):
+    """The columnwise transform and both amaxes in one pass, against the torch ops (float64 sums, the wide runs
+    redone exactly) and tensor amaxes: 41 strips of 16 rows (split over two threads, an odd count), 207 columns
+    (8 a vector, then 4, then 3 alone), runs spread over 60 binades, NaN, Inf, zero and negative zero runs."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16 * 41, 207, generator=g) * torch.exp(torch.randn(16 * 41, 207, generator=g) * 2)
+    x[:, 190:] *= torch.exp(torch.randn(16 * 41, 17, generator=g) * 14)  # runs the float64 sum cannot take
+    x = x.to(dtype)
+    x[3, 7], x[40, 100], x[41, 100], x[200, 206] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    x[64:80, 32:48], x[80:96, 32:48] = 0.0, -0.0
+    assert x.numel() >= fused_cast.SPLIT_MIN_ELEMENTS or not getattr(fused_cast._ext, "openmp", 0)
+    col, col_amax, x_amax = fused_cast.hadamard_columns(x, sign_mask)
+    assert col_amax.isnan().item() and x_amax.isnan().item()
+    finite = x.nan_to_num(0.0, 0.0, 0.0)  # no NaN, no Inf: amaxes of numbers
+    finite_col, finite_col_amax, finite_amax = fused_cast.hadamard_columns(finite, sign_mask)
+    assert torch.equal(finite_col_amax, finite_col.float().abs().amax().reshape(1))
+    assert torch.equal(finite_amax, finite.float().abs().amax().reshape(1))
+    monkeypatch.setattr(fused_cast, "enabled", False)
+    want = random_hadamard_transform(x.t(), sign_mask)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert col.dtype == dtype and torch.equal(col.view(bits), want.view(bits))
+
+
+def test_fused_hadamard_columns_feeds_the_nvfp4_quantizer_without_an_amax_pass(monkeypatch):
+    """With the transform, the quantizer takes both amaxes from the kernel's read."""
+    calls = []
+    monkeypatch.setattr(fused_cast, "amax", lambda x: calls.append(x) or None)
+    q = NVFP4Quantizer(with_rht=True)(torch.randn(64, 48, dtype=torch.bfloat16))
+    assert not calls and q.amax_rowwise.numel() == q.amax_columnwise.numel() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_nvfp4_tiles_in_both_layouts_are_the_transposes(dtype, simd):
+    """16x16 tiles rounded to nearest even, both layouts from one read: the columnwise pair is quantize_nvfp4 of
+    the transpose. 3 strips (two threads), 258 tiles a strip (two chunks of scales), NaN, Inf and zero tiles."""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(48, 4128, generator=g) * torch.logspace(-20, 20, 4128)).to(dtype)
+    x[3, 7], x[40, 100], x[16:32, 32:48] = float("nan"), float("-inf"), 0.0
+    factors = _nvfp4_factors(x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax().item())
+    data, scale, col_data, col_scale = fused_cast.quantize_nvfp4(x, factors, None, 16, columnwise=True)
+    want_data, want_scale = fused_cast.quantize_nvfp4(x, factors, None, 16)
+    want_col, want_col_scale = fused_cast.quantize_nvfp4(x.t().contiguous(), factors, None, 16)
+    assert torch.equal(data, want_data) and torch.equal(col_data, want_col)
+    assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+    assert torch.equal(col_scale.view(torch.uint8), want_col_scale.view(torch.uint8))
+
+
 def test_fused_nvfp4_checks_what_it_passes():
     x = torch.zeros(16, 32)
     with pytest.raises(ValueError, match="rbits"):
@@ -174,6 +225,13 @@ def test_fused_nvfp4_checks_what_it_passes():
         fused_cast.quantize_nvfp4(x, torch.ones(3), None, 1)
     with pytest.raises(ValueError, match="divisible"):
         fused_cast.quantize_nvfp4(torch.zeros(8, 32), _nvfp4_factors(1.0), None, 16)
+    for tile, rbits in ((1, None), (16, torch.zeros(16, 32, dtype=torch.uint8))):
+        with pytest.raises(ValueError, match="columnwise"):
+            fused_cast.quantize_nvfp4(x, _nvfp4_factors(1.0), rbits, tile, columnwise=True)
+    with pytest.raises(ValueError, match="runs of 16"):
+        fused_cast.hadamard_columns(torch.zeros(24, 16), RHT_SIGN_MASK)
+    with pytest.raises(ValueError, match="sign_mask"):
+        fused_cast.hadamard_columns(x, 1 << 16)
     with pytest.raises(ValueError, match="scales"):
         fused_cast.dequantize_nvfp4(torch.zeros(16, 16, dtype=torch.uint8),
                                     torch.zeros(16, 1, dtype=torch.float8_e4m3fn), torch.ones(1),

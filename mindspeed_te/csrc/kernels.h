@@ -78,6 +78,7 @@ PyObject *py_nibbles(PyObject *self, PyObject *args);
 /* ---- nvfp4.c ---- */
 PyObject *py_quantize_nvfp4(PyObject *self, PyObject *args);
 PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *args);
+PyObject *py_hadamard_columns(PyObject *self, PyObject *args);
 
 /* ---- epilogue.c ---- */
 PyObject *py_gemm_epilogue(PyObject *self, PyObject *args);

@@ -1,6 +1,6 @@
 /* The module mindspeed_te._fused_cast: its method table and init. setup.py builds it from all of csrc/: the
  * per-tensor cast (cast.c), decode and dequantize (decode.c), the block / MX quantize (tiles.c, tiles_avx512.c),
- * the NVFP4 quantize (nvfp4.c), FP4 packing (nibbles.c),
+ * the NVFP4 quantize and the columnwise Hadamard transform (nvfp4.c), FP4 packing (nibbles.c),
  * the GEMM epilogue (epilogue.c) and the bfloat16 GEMM (gemm_bf16.c), on the thread runner (threads.c) and the
  * run-time choice of vector code (simd.c); kernels.h, codecs.h, codecs_x86.h and tiles.h hold what they share.
  *
@@ -28,11 +28,15 @@ static PyMethodDef methods[] = {
     {"nibbles", py_nibbles, METH_VARARGS,
      "nibbles(in, out, n, pack, threads): FP4 codes to n bytes two per byte (pack), or n bytes to codes"},
     {"quantize_nvfp4", py_quantize_nvfp4, METH_VARARGS,
-     "quantize_nvfp4(in, in_dtype, m, k, tile, factors, rbits, data, scale, threads): NVFP4 codes packed two a "
-     "byte and E4M3 scales of 1x16 blocks (tile 1) or 16x16 tiles (16), rounded stochastically with rbits"},
+     "quantize_nvfp4(in, in_dtype, m, k, tile, factors, rbits, data, scale, col_data, col_scale, threads): NVFP4 "
+     "codes packed two a byte and E4M3 scales of 1x16 blocks (tile 1) or 16x16 tiles (16), rounded stochastically "
+     "with rbits; with col_data, 16x16 tiles in the transpose's layout too"},
     {"dequantize_nvfp4", py_dequantize_nvfp4, METH_VARARGS,
      "dequantize_nvfp4(data, scale, m, k, values, amax, factor, out, threads): out = values[code] * "
      "((e4m3(scale) * *amax) * factor), codes packed two a byte, one E4M3 scale per 16"},
+    {"hadamard_columns", py_hadamard_columns, METH_VARARGS,
+     "hadamard_columns(in, in_dtype, m, k, sign_mask, out, out_amax, in_amax, threads): out (k, m) = the random "
+     "Hadamard transform of in^T's rows in runs of 16, exactly rounded; *out_amax = max |out|, *in_amax = max |in|"},
     {"dequantize_tiles", py_dequantize_tiles, METH_VARARGS,
      "dequantize_tiles(codes, m, k, values, scales, scale_cols, rows, cols, out, threads, e8m0, bf16): out = "
      "values[codes] * scales[r / rows, c / cols] (scales float32, or E8M0 bytes when e8m0; out bfloat16 when bf16)"},
