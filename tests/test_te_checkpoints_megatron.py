@@ -145,9 +145,11 @@ def _gpt(model) -> torch.nn.Module:
 
 
 def _fp8_modules(model) -> dict[str, Any]:
+    """The modules with FP8 state (attention has none unless it runs in FP8: fp8_dpa)."""
     from mindspeed_te.modules.base import FP8ModuleBase
 
-    return {name: module for name, module in _gpt(model).named_modules() if isinstance(module, FP8ModuleBase)}
+    return {name: module for name, module in _gpt(model).named_modules()
+            if isinstance(module, FP8ModuleBase) and module.fp8_states is not None}
 
 
 def _fp8_state(model) -> dict[str, list[torch.Tensor]]:
