@@ -205,20 +205,22 @@ class MXFP8Tensor(_TiledQuantizedTensor):
 
 @dataclasses.dataclass
 class _GatherCodes:
-    """An FP4 parameter's codes one per byte in Megatron's uint8 parameter buffer, and the buffer's version
-    counter when the packed forms were last made from them."""
+    """Where an FP4 parameter's rowwise codes sit in Megatron's uint8 parameter buffer (one per byte, or packed
+    two per byte), and the buffer's version counter when the other forms were last made from them."""
 
     codes: torch.Tensor
     version: int
+    packed: bool
 
 
 class FP4Tensor(_TiledQuantizedTensor):
     """FP4 weights (--fp4-param-gather): E2M1 codes packed two per byte in the storage (TE's NVFP4Tensor calls
-    them `_rowwise_data`, answered here too). Megatron's parameter buffer holds 1 byte per element and its
-    distributed optimizer shards the all-gather by element, so `_data` is the codes one per byte in the
-    parameter's shape: once pointed into that buffer, the packed forms are made again from it whenever it has
-    changed (a shard written by `quantize_param_shard`, the all-gather). Only a form that follows from the
-    rowwise codes can be: NVFP4 with 16x16 weight tiles, whose columnwise form is their transpose."""
+    them `_rowwise_data`). Megatron's distributed optimizer keeps them in its uint8 parameter buffer: megatron-core
+    0.15 and 0.16 one code per byte (`_data` is pointed there: its buffer is sharded by element), 0.17 on packed
+    (`_rowwise_data` is pointed there, as TE's). Once in that buffer, the codes are written there (a shard written
+    by `quantize_param_shard`, the all-gather) and the other forms are made again from them whenever the buffer
+    has changed. Only a form that follows from the rowwise codes can be: NVFP4 with 16x16 weight tiles, whose
+    columnwise form is their transpose."""
 
     _gather: Optional[_GatherCodes] = None
 
@@ -232,7 +234,9 @@ class FP4Tensor(_TiledQuantizedTensor):
         storage = self.__dict__["_fp4_storage"]
         gather = self._gather
         if gather is not None and gather.codes._version != gather.version:
-            _pack_gathered(storage, gather.codes)
+            if not gather.packed:
+                storage.rowwise_data = pack_fp4(gather.codes).view(storage.rowwise_data.shape)
+            _follow_rowwise(storage)
             gather.version = gather.codes._version
         return storage
 
@@ -242,34 +246,67 @@ class FP4Tensor(_TiledQuantizedTensor):
 
     @property
     def _rowwise_data(self) -> torch.Tensor:
+        """The rowwise codes packed two per byte (element 2i in the low nibble), uint8."""
         return self._storage.rowwise_data
+
+    @_rowwise_data.setter
+    def _rowwise_data(self, new: torch.Tensor) -> None:
+        """Keep the packed codes in `new` (uint8, half an element per byte, e.g. a slice of megatron-core 0.17's
+        packed parameter buffer)."""
+        self._keep_codes_in(new, packed=True)
 
     @property
     def _data(self) -> torch.Tensor:
         """The rowwise codes one per byte, uint8 in the parameter's shape."""
-        if self._gather is not None:
+        if self._gather is not None and not self._gather.packed:
             return self._gather.codes
         return unpack_fp4(self._storage.rowwise_data).view(self.shape)
 
     @_data.setter
     def _data(self, new: torch.Tensor) -> None:
-        """Keep the codes in `new` (uint8, one per element, e.g. a slice of Megatron's parameter buffer)."""
-        if new.dtype != torch.uint8 or new.numel() != self.numel():
-            raise ValueError(f"_data must be a uint8 tensor of {self.numel()} elements (one FP4 code per byte), "
-                             f"got {new.dtype} with {new.numel()}")
+        """Keep the codes in `new` (uint8, one per element, e.g. a slice of megatron-core 0.16's buffer)."""
+        self._keep_codes_in(new, packed=False)
+
+    def _keep_codes_in(self, new: torch.Tensor, packed: bool) -> None:
+        numel = self.numel() // 2 if packed else self.numel()
+        what = "two FP4 codes per byte" if packed else "one FP4 code per byte"
+        if new.dtype != torch.uint8 or new.numel() != numel:
+            raise ValueError(f"{'_rowwise_data' if packed else '_data'} must be a uint8 tensor of {numel} elements "
+                             f"({what}), got {new.dtype} with {new.numel()}")
         if not gatherable_fp4(self._storage):
             raise NotImplementedError(f"{type(self).__name__} weights of this recipe keep a columnwise form that "
                                       "cannot be made from gathered rowwise codes; only NVFP4 with 16x16 weight "
                                       "tiles (the default) can be gathered")
-        codes = new.view(self.shape)
-        codes.copy_(self._data)
-        self._gather = _GatherCodes(codes, codes._version)
+        storage = self._storage
+        codes = new.view(storage.rowwise_data.shape if packed else self.shape)
+        codes.copy_(storage.rowwise_data if packed else self._data)
+        if packed:
+            storage.rowwise_data = codes
+        self._gather = _GatherCodes(codes, codes._version, packed)
+
+    def _write_codes(self, start: int, codes: torch.Tensor) -> None:
+        """Set the rowwise codes of flat elements [start, start + len(codes)) (uint8, one per byte) where the
+        codes are kept; into packed bytes nibble by nibble, the neighbours' nibbles kept."""
+        if self._gather is not None and not self._gather.packed:
+            self._gather.codes.view(-1)[start:start + codes.numel()] = codes
+            return
+        packed = self._storage.rowwise_data.view(-1)
+        first, end = start // 2, (start + codes.numel() + 1) // 2
+        row = unpack_fp4(packed[first:end])
+        row[start - 2 * first:start - 2 * first + codes.numel()] = codes
+        packed[first:end] = pack_fp4(row)
 
     def _copy_storage(self, new: QuantizedTensorStorage) -> None:
         super()._copy_storage(new)
-        if self._gather is not None:  # the buffer follows a copy_ / quantize_ (a checkpoint load)
-            self._gather.codes.copy_(unpack_fp4(self.__dict__["_fp4_storage"].rowwise_data).view(self.shape))
-            self._gather.version = self._gather.codes._version
+        gather = self._gather
+        if gather is not None:  # the buffer follows a copy_ / quantize_ (a checkpoint load)
+            storage = self.__dict__["_fp4_storage"]
+            if not gather.packed:
+                gather.codes.copy_(unpack_fp4(storage.rowwise_data).view(self.shape))
+            elif storage.rowwise_data is not gather.codes:
+                gather.codes.copy_(storage.rowwise_data)
+                storage.rowwise_data = gather.codes
+            gather.version = gather.codes._version
 
 
 def gatherable_fp4(storage: QuantizedTensorStorage) -> bool:
@@ -277,16 +314,16 @@ def gatherable_fp4(storage: QuantizedTensorStorage) -> bool:
     return isinstance(storage, NVFP4TensorStorage) and storage.with_2d_quantization
 
 
-def _pack_gathered(storage: NVFP4TensorStorage, codes: torch.Tensor) -> None:
-    """Both packed forms of 16x16-tile NVFP4 from the rowwise codes one per byte (the scales and amax are
-    already the whole tensor's): the columnwise form is the exact transpose, codes and tile scales alike."""
-    codes2d = codes.reshape(-1, codes.shape[-1])
-    storage.rowwise_data = pack_fp4(codes).view(storage.rowwise_data.shape)
-    if storage.columnwise_data is not None:
-        storage.columnwise_data = pack_fp4(codes2d.t())
-        tiles = storage.rowwise_scale_inv[::16]  # every row of a 16-row tile holds its scale
-        storage.columnwise_scale_inv = tiles.t().repeat_interleave(16, dim=0)
-        storage.amax_columnwise = storage.amax_rowwise
+def _follow_rowwise(storage: NVFP4TensorStorage) -> None:
+    """The columnwise form of 16x16-tile NVFP4 from its rowwise codes (the scales and amax are already the whole
+    tensor's): the exact transpose, codes and tile scales alike."""
+    if storage.columnwise_data is None:
+        return
+    codes = unpack_fp4(storage.rowwise_data)
+    storage.columnwise_data = pack_fp4(codes.reshape(-1, codes.shape[-1]).t())
+    tiles = storage.rowwise_scale_inv[::16]  # every row of a 16-row tile holds its scale
+    storage.columnwise_scale_inv = tiles.t().repeat_interleave(16, dim=0)
+    storage.amax_columnwise = storage.amax_rowwise
 
 
 class NVFP4Tensor(FP4Tensor):

@@ -23,10 +23,9 @@ import functools
 import os
 from typing import Callable, Optional
 
-from mindspeed_te.megatron.compat import packs_fp4_params
 from mindspeed_te.megatron.fp4 import FP4_RECIPES, MXFP4_OPTIONS, make_fp4_recipe, mxfp4_flags
 from mindspeed_te.modules.attention import DPAFP8Settings
-from mindspeed_te.patches.registry import installed_megatron_core, resolve
+from mindspeed_te.patches.registry import resolve
 from mindspeed_te.recipe import Format
 from mindspeed_te.te_extra_state import EXTRA_STATE_FORMAT_ENV, EXTRA_STATE_FORMATS
 
@@ -265,10 +264,6 @@ def validate_fp4_args(args: argparse.Namespace) -> None:
     except ValueError as error:
         raise ValueError(f"--fp4-recipe {recipe}: {error}") from error
     _check_fp4_dims(args, recipe, 16 if recipe == "nvfp4" else 32)
-    if param_gather and getattr(args, "use_distributed_optimizer", False) and packs_fp4_params():
-        raise ValueError("--fp4-param-gather with --use-distributed-optimizer is not supported by mindspeed_te on "
-                         f"this megatron-core release ({installed_megatron_core()}: it packs FP4 weights for TE's "
-                         "quantize_master_weights); leave out one of the two flags, or use megatron-core 0.15 / 0.16")
     if param_gather and getattr(args, "use_distributed_optimizer", False) \
             and not made.fp4_quant_fwd_weight.fp4_2d_quantization:
         raise ValueError(f"--fp4-param-gather with --use-distributed-optimizer needs --fp4-recipe nvfp4 with its "

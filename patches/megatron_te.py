@@ -146,8 +146,10 @@ FP8_PARAM_HOOKS = ("is_float8tensor", "is_mxfp8tensor", "modify_underlying_stora
                    "prepare_model_for_fp8_inference", "_fp8_inference_wrapped_modules", "_wrap_te_linear_for_padding")
 FP4_UTILS = "megatron.core.fp4_utils"
 ALLTOALL_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher"
-# megatron.core.fp4_utils functions replaced by mindspeed_te.megatron.fp4's (get_fp4_align_size: 0.16 on)
-FP4_FUNCTIONS = ("get_fp4_recipe", "get_fp4_context", "get_fp4_align_size", "is_nvfp4tensor", "dequantize_fp4_tensor")
+# megatron.core.fp4_utils functions replaced by mindspeed_te.megatron.fp4's (get_fp4_align_size: 0.16 on,
+# quantize_nvfp4_param_shard: 0.17 on)
+FP4_FUNCTIONS = ("get_fp4_recipe", "get_fp4_context", "get_fp4_align_size", "is_nvfp4tensor", "dequantize_fp4_tensor",
+                 "quantize_nvfp4_param_shard")
 # The linears Megatron's FP8 inference padding wraps (empty without TE).
 TE_LINEAR_TYPES = (TELinear, TEColumnParallelLinear, TERowParallelLinear, TELayerNormColumnParallelLinear)
 

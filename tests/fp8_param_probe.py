@@ -1,8 +1,9 @@
 """`python -m tests.fp8_param_probe pretrain_gpt.py ...`: `mindspeed_te.launch` plus a report of what the
 --fp8-param-gather tests check, printed by rank 0 at exit as one line `FP8PROBE {json}`:
 
-- the model's parameters after Megatron's setup: how many are QuantizedTensors, their code sizes, Megatron's
-  parameter buffer dtypes, and whether every quantized weight's codes live in the uint8 buffer;
+- the model's parameters after Megatron's setup: how many are QuantizedTensors, the bytes per element of their
+  codes in Megatron's buffer, its parameter buffer dtypes, and whether every quantized weight's codes live in the
+  uint8 buffer;
 - every parameter all-gather of Megatron's distributed optimizer, counted where it is called
   (`param_and_grad_buffer.dist_all_gather_func`): elements and bytes per buffer dtype;
 - the quantizers that ran (`quantized_by`: calls of each quantizer class's `quantize`, on this rank);
@@ -26,6 +27,13 @@ def _inside(data: torch.Tensor, buffer: torch.Tensor) -> bool:
     return start <= data.data_ptr() and data.data_ptr() + data.numel() * data.element_size() <= end
 
 
+def _held_codes(param: torch.Tensor, uint8: list[torch.Tensor]) -> torch.Tensor:
+    """The form of the weight's codes that lives in a uint8 parameter buffer (FP4 weights: packed two per byte
+    from megatron-core 0.17), else its codes one per byte."""
+    forms = [param._data, *([param._rowwise_data] if hasattr(param, "_rowwise_data") else [])]
+    return next((f for f in forms if any(_inside(f, buf) for buf in uint8)), param._data)
+
+
 def _model_report(model: list) -> dict:
     from mindspeed_te.quantized_tensor import QuantizedTensor
 
@@ -36,10 +44,11 @@ def _model_report(model: list) -> dict:
     return {
         "quantized_params": len(quantized),
         "quantized_elements": sum(p.numel() for p in quantized),
-        "code_bytes_per_element": sorted({p._data.element_size() for p in quantized}),
+        "code_bytes_per_element": sorted({_held_codes(p, uint8).numel() * _held_codes(p, uint8).element_size()
+                                          / p.numel() for p in quantized}),
         "param_types": sorted({type(p).__name__ for p in quantized}),
         "buffer_dtypes": sorted({str(b.param_dtype) for b in buffers}),
-        "codes_in_uint8_buffer": all(any(_inside(p._data, buf) for buf in uint8) for p in quantized),
+        "codes_in_uint8_buffer": all(any(_inside(_held_codes(p, uint8), buf) for buf in uint8) for p in quantized),
     }
 
 

@@ -3,12 +3,15 @@ checkout at MEGATRON_LM_PATH, tag core_v0.16.1, and its Python requirements; ski
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
 import sysconfig
 
 import pytest
+
+from tests.megatron_matrix import python_path
 
 MEGATRON = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = [pytest.mark.slow,
@@ -37,7 +40,8 @@ def dataset_helpers():
 
 def _launch(*extra: str, nproc: int = 1, port: int = 29571, env_extra: dict | None = None,
             launcher: tuple[str, ...] = ("-m", "mindspeed_te.launch")) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, python_path(pathlib.Path(MEGATRON))]),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
     script = os.path.join(MEGATRON, "pretrain_gpt.py")
     if nproc == 1:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import warnings
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_te import Linear, fp8_model_init
+from mindspeed_te.fp4 import unpack_fp4
 from mindspeed_te.megatron.fp8_params import modify_underlying_storage, quantize_param_shard
 from mindspeed_te.patches.arguments import add_arguments, validate_args, wrap_config_from_args, wrap_parse_args
 from mindspeed_te.recipe import MXFP4BlockScaling, NVFP4BlockScaling
@@ -174,21 +176,6 @@ def test_unknown_fp4_recipe_is_an_argparse_error_listing_ours(megatron_args, cap
     assert "--fp4-recipe: invalid choice: 'mxfp6'" in err and "'mxfp4'" in err and "'nvfp4'" in err
 
 
-def test_packed_fp4_parameter_releases_refuse_the_distributed_optimizer(monkeypatch):
-    """megatron-core 0.17 on packs FP4 weights for TE's quantize_master_weights (fp4_utils'
-    quantize_nvfp4_param_shard), a path not served here: --fp4-param-gather with --use-distributed-optimizer is
-    refused there, naming both flags; 0.16's element-wise buffer takes it."""
-    from megatron.core import fp4_utils
-
-    args = argparse.Namespace(fp4="e2m1", fp4_recipe="nvfp4", fp4_param=True, use_distributed_optimizer=True)
-    validate_args(args)
-    monkeypatch.setattr(fp4_utils, "quantize_nvfp4_param_shard", lambda *a: None, raising=False)
-    with pytest.raises(ValueError, match="--fp4-param-gather with --use-distributed-optimizer is not supported .* "
-                                         "on this megatron-core release"):
-        validate_args(args)
-    validate_args(argparse.Namespace(fp4="e2m1", fp4_recipe="nvfp4", fp4_param_gather=True))
-
-
 def test_releases_without_fp4_flags_get_none():
     """On megatron-core 0.12 to 0.14 (no --fp4-format), the hook adds no FP4 flag and validation asks for none."""
     parser = add_arguments(argparse.ArgumentParser())
@@ -308,35 +295,65 @@ def _forms(param) -> list[torch.Tensor]:
             storage.columnwise_scale_inv.view(torch.uint8), storage.amax_rowwise, storage.amax_columnwise]
 
 
-def _sharded_nvfp4_update(rank: int, world_size: int) -> tuple[list[torch.Tensor], bool]:
-    """Megatron's distributed optimizer on an FP4 weight over 2 gloo ranks: codes moved into a flat uint8 buffer,
-    each rank quantizes its shard of the new fp32 main parameter (the boundary cuts a row of 16x16 tiles), then
-    the buffer's all-gather."""
+def _sharded_nvfp4_update(rank: int, world_size: int, packed: bool) -> tuple[list[torch.Tensor], bool]:
+    """Megatron's distributed optimizer on an FP4 weight over 2 gloo ranks: codes moved into a flat uint8 buffer
+    (megatron-core 0.16: one per byte through `_data`; 0.17 on: packed through `_rowwise_data`, as its
+    modify_nvfp4_rowwise_storage does), each rank quantizes its shard of the new fp32 main parameter (the boundary
+    cuts a row of 16x16 tiles), then the buffer's all-gather."""
     param = _nvfp4_weight()
-    buffer = torch.zeros(param.numel() + 64, dtype=torch.uint8)
-    modify_underlying_storage(param, buffer[64:].view(param.shape))
+    per_element = 2 if packed else 1
+    buffer = torch.zeros(param.numel() // per_element + 64, dtype=torch.uint8)
+    if packed:
+        view = buffer[64:].view(param._rowwise_data.shape)
+        view.copy_(param._rowwise_data)
+        param._rowwise_data = view
+    else:
+        modify_underlying_storage(param, buffer[64:].view(param.shape))
     main = _new_main(tuple(param.shape)).reshape(-1)
     split = param.numel() // 2  # row 88: inside the sixth row of 16x16 tiles
     start, end = rank * split, (rank + 1) * split
     quantize_param_shard([param], [main[start:end].clone()], [start], dist.group.WORLD)
-    dist.all_gather_into_tensor(param._data.reshape(-1), param._data.reshape(-1)[start:end].clone())
-    return [t.clone() for t in _forms(param)], param._data.data_ptr() == buffer[64:].data_ptr()
+    gathered = buffer[64:]
+    dist.all_gather_into_tensor(gathered, gathered[start // per_element:end // per_element].clone())
+    held = param._rowwise_data if packed else param._data
+    return [t.clone() for t in _forms(param)], held.data_ptr() == buffer[64:].data_ptr()
 
 
-def test_distributed_optimizer_shards_make_the_whole_tensors_nvfp4():
+@pytest.mark.parametrize("packed", [False, True], ids=["one-code-per-byte", "packed"])
+def test_distributed_optimizer_shards_make_the_whole_tensors_nvfp4(packed):
     """--fp4-param-gather with --use-distributed-optimizer: after the shard casts and the all-gather, every rank
     holds exactly the packed rowwise and columnwise forms, scales and amax of one NVFP4 quantization of the whole
-    new weight, whose values are the oracle's; the codes live in Megatron's buffer, one per byte."""
+    new weight, whose values are the oracle's; the codes live in Megatron's buffer (one per byte up to
+    megatron-core 0.16, packed from 0.17)."""
     reference = _nvfp4_weight()
     new = _new_main(tuple(reference.shape)).to(reference.dtype)
     reference.quantize_(new)
     codes, scales, amax = nvfp4_reference(new.float().numpy(), tile_rows=16)
     assert torch.equal(reference.dequantize(torch.float32),
                        torch.from_numpy(nvfp4_dequantize_reference(codes, scales, amax)))
-    for forms, in_buffer in run_distributed(_sharded_nvfp4_update, 2):
+    for forms, in_buffer in run_distributed(functools.partial(_sharded_nvfp4_update, packed=packed), 2):
         assert in_buffer
         for got, want in zip(forms, _forms(reference)):
             assert torch.equal(got, want)
+
+
+def test_a_shard_inside_a_byte_writes_only_its_nibbles():
+    """A shard of a packed FP4 weight that starts and ends at odd elements: its codes are those of one cast of the
+    whole tensor, every other element's code (both neighbours in the shared bytes) is left as it was."""
+    param = _nvfp4_weight()
+    view = torch.zeros(param.numel() // 2, dtype=torch.uint8).view(param._rowwise_data.shape)
+    view.copy_(param._rowwise_data)
+    param._rowwise_data = view
+    before = unpack_fp4(view).reshape(-1).clone()
+    start, end = 16 * 256 + 3, 40 * 256 + 7  # odd: the first and last bytes hold a neighbour's code too
+    main = torch.zeros(param.numel())  # one rank: the other shards count as zeros for the amaxes
+    main[start:end] = _new_main(tuple(param.shape)).reshape(-1)[start:end]
+    quantize_param_shard([param], [main[start:end].clone()], [start], None)
+    whole = _nvfp4_weight()
+    whole.quantize_(main.view(param.shape).to(param.dtype))
+    after = unpack_fp4(param._rowwise_data).reshape(-1)
+    assert torch.equal(after[start:end], unpack_fp4(whole._rowwise_data).reshape(-1)[start:end])
+    assert torch.equal(after[:start], before[:start]) and torch.equal(after[end:], before[end:])
 
 
 def test_mxfp4_weights_are_refused_by_the_distributed_optimizer():

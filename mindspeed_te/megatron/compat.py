@@ -83,12 +83,3 @@ def is_first_last_bf16_layer(config: Any, layer_no: int) -> bool:
     return (layer_no < config.num_layers_at_start_in_bf16
             or layer_no >= config.num_layers - config.num_layers_at_end_in_bf16)
 
-
-def packs_fp4_params() -> bool:
-    """Whether the release keeps FP4 parameters packed in the distributed optimizer's buffer, through TE's
-    `quantize_master_weights` (0.17 on: `fp4_utils.quantize_nvfp4_param_shard`), a path not served here."""
-    try:
-        from megatron.core import fp4_utils
-    except ImportError:  # 0.12 to 0.14: no FP4
-        return False
-    return hasattr(fp4_utils, "quantize_nvfp4_param_shard")

@@ -11,12 +11,14 @@ import torch
 from mindspeed_te.megatron.common import quantization_align_size
 from mindspeed_te.megatron.compat import is_first_last_bf16_layer
 from mindspeed_te.megatron.fp8 import _amax_reduction_group
+from mindspeed_te.megatron.fp8_params import quantize_param_shard
 from mindspeed_te.quantized_tensor import FP4Tensor
 from mindspeed_te.recipe import NVFP4_DISABLE_SWITCHES, MXFP4BlockScaling, NVFP4BlockScaling, Recipe
 from mindspeed_te.state import fp8_autocast, fp8_model_init
 
 __all__ = ["FP4_RECIPES", "MXFP4_OPTIONS", "mxfp4_flags", "make_fp4_recipe", "get_fp4_recipe",
-           "get_fp4_context", "get_fp4_align_size", "is_nvfp4tensor", "dequantize_fp4_tensor"]
+           "get_fp4_context", "get_fp4_align_size", "is_nvfp4tensor", "dequantize_fp4_tensor",
+           "quantize_nvfp4_param_shard"]
 
 # --fp4-recipe -> recipe class: Megatron's nvfp4 and our mxfp4 (the Ascend 950's MX layout)
 FP4_RECIPES: dict[str, type[Recipe]] = {"nvfp4": NVFP4BlockScaling, "mxfp4": MXFP4BlockScaling}
@@ -90,3 +92,8 @@ def is_nvfp4tensor(tensor: torch.Tensor) -> bool:
 def dequantize_fp4_tensor(fp4_tensor: torch.Tensor) -> torch.Tensor:
     """The FP4 parameter's values in its nominal dtype."""
     return fp4_tensor.dequantize()
+
+
+# megatron-core 0.17 on: the distributed optimizer's shard cast of packed FP4 weights (TE's quantize_master_weights
+# there), with the same arguments and rule as the FP8 one; FP4Tensor writes the codes where the buffer keeps them.
+quantize_nvfp4_param_shard = quantize_param_shard

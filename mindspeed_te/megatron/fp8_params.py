@@ -6,8 +6,9 @@ codes into it), and its distributed optimizer keeps fp32 main parameters of its 
 moves 1 byte per element. Every rank must end with the same scale as one quantization of the whole tensor
 would give, so the shard's amax (per tensor, or per 128x128 tile) is MAX-reduced over the data-parallel group
 first; then each rank's codes are exactly the whole-tensor codes of its elements. FP4 parameters
-(--fp4-param-gather, NVFP4 with 16x16 weight tiles) take the same path with one code per byte in the buffer
-(`FP4Tensor`), their tensor amax and tile amaxes reduced alike.
+(--fp4-param-gather, NVFP4 with 16x16 weight tiles) take the same path, their tensor amax and tile amaxes
+reduced alike: megatron-core 0.15 and 0.16 keep one code per byte in the buffer, 0.17 on two (TE's
+`quantize_master_weights` path, `fp4_utils.quantize_nvfp4_param_shard`, which is this function too).
 
 Megatron's own `post_all_gather_processing` and `correct_amax_history_if_needed` stay as they are (no-ops
 without TE): the weights accepted here read their columnwise form as a view of the gathered codes, and the
@@ -141,9 +142,12 @@ def quantize_param_shard(model_params: Sequence[QuantizedTensor], main_params: S
             codes, scale_inv = _shard_codes_per_tensor(param, shard, data_parallel_group)
         else:
             codes, scale_inv = _shard_codes_tiled(param, shard, start, data_parallel_group)
-        # scales first: writing an FP4 parameter's codes marks its packed forms to be made again (with them)
+        # scales first: writing an FP4 parameter's codes marks its other forms to be made again (with them)
         param._scale_inv.copy_(scale_inv.reshape(param._scale_inv.shape))
-        param._data.view(-1)[start:start + shard.numel()] = codes.view(torch.uint8)
+        if isinstance(param, FP4Tensor):
+            param._write_codes(start, codes)
+        else:
+            param._data.view(-1)[start:start + shard.numel()] = codes.view(torch.uint8)
 
 
 # FP8 inference: pad the token dimension to what the FP8 GEMMs need ------------------------------------------
