@@ -335,8 +335,8 @@ PyObject *py_dequantize_tiles(PyObject *self, PyObject *args) {
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = (DequantJob){(const uint8_t *)codes, (const float *)values, (const void *)scales, (void *)out,
-                               k, scale_cols, rows, cols, i * step < m ? i * step : m,
-                               (i + 1) * step < m ? (i + 1) * step : m, e8m0, bf16 != 0, have_planes, shifts};
+                               k, scale_cols, rows, cols, job_start(i, step, m),
+                               job_start(i + 1, step, m), e8m0, bf16 != 0, have_planes, shifts};
     }
     run_jobs(run_dequant, jobs, sizeof(DequantJob), t);
     Py_END_ALLOW_THREADS

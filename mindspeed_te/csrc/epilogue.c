@@ -87,7 +87,7 @@ PyObject *py_gemm_epilogue(PyObject *self, PyObject *args) {
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i)
         jobs[i] = (EpilogueJob){(const float *)acc, (const float *)bias, (void *)out, n,
-                                i * step < m ? i * step : m, (i + 1) * step < m ? (i + 1) * step : m, sb, sa, kind};
+                                job_start(i, step, m), job_start(i + 1, step, m), sb, sa, kind};
     run_jobs(run_epilogue, jobs, sizeof(EpilogueJob), t);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;

@@ -250,8 +250,6 @@ static void *run_pack(void *arg) { pack_job((GemmJob *)arg); return NULL; }
 static void *run_product(void *arg) { product_job((GemmJob *)arg); return NULL; }
 
 /* [i * step, (i + 1) * step) clipped to [0, n). */
-static inline int64_t part(int64_t i, int64_t step, int64_t n) { return i * step < n ? i * step : n; }
-
 /* c = a · bᵀ on t threads: the packing split by panels, the products by the longer side of c. */
 static int gemm_run(const Operand *a, const Operand *b, float *c, int64_t m, int64_t n, int64_t k, int64_t t) {
     const int64_t pairs = (k + 1) / 2;
@@ -265,9 +263,9 @@ static int gemm_run(const Operand *a, const Operand *b, float *c, int64_t m, int
     const int64_t side = split_m ? m : n, tile = split_m ? MR : NR;
     const int64_t step = ((side + t - 1) / t + tile - 1) / tile * tile;
     for (int64_t i = 0; i < t; ++i) {
-        const int64_t s0 = part(i, step, side), s1 = part(i + 1, step, side);
-        jobs[i] = (GemmJob){a, b, &ap, &bp, c, m, n, k, part(i, a_step, ap.panels), part(i + 1, a_step, ap.panels),
-                            part(i, b_step, bp.panels), part(i + 1, b_step, bp.panels),
+        const int64_t s0 = job_start(i, step, side), s1 = job_start(i + 1, step, side);
+        jobs[i] = (GemmJob){a, b, &ap, &bp, c, m, n, k, job_start(i, a_step, ap.panels), job_start(i + 1, a_step, ap.panels),
+                            job_start(i, b_step, bp.panels), job_start(i + 1, b_step, bp.panels),
                             split_m ? s0 : 0, split_m ? s1 : m, split_m ? 0 : s0, split_m ? n : s1};
     }
     run_jobs(run_pack, jobs, sizeof(GemmJob), t);

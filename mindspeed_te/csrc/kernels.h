@@ -48,6 +48,9 @@ void run_jobs(void *(*worker)(void *), void *jobs, size_t job_size, int64_t t);
 void parallel(RangeFn fn, const Job *proto, int64_t n, int threads, Job *jobs, int *used);
 /* Threads for a job split by rows: one per MIN_PER_THREAD elements, at most `threads`, `m` and MAX_THREADS. */
 int64_t row_threads(int64_t m, int64_t numel, int threads);
+/* Where job i starts when [0, n) is cut into ranges of `step` (n once past the end): job i covers
+ * [job_start(i, step, n), job_start(i + 1, step, n)). */
+static inline int64_t job_start(int64_t i, int64_t step, int64_t n) { return i * step < n ? i * step : n; }
 
 /* ---- simd.c ---- */
 /* The vector code a CPU runs: the widest it has, at most the limit set_simd sets. */

@@ -423,8 +423,8 @@ PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *args) {
     const int64_t step = (m + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = proto;
-        jobs[i].row_begin = i * step < m ? i * step : m;
-        jobs[i].row_end = (i + 1) * step < m ? (i + 1) * step : m;
+        jobs[i].row_begin = job_start(i, step, m);
+        jobs[i].row_end = job_start(i + 1, step, m);
     }
     run_jobs(run_dequant, jobs, sizeof(Nvfp4Dequant), t);
     Py_END_ALLOW_THREADS
@@ -469,8 +469,8 @@ PyObject *py_quantize_nvfp4(PyObject *self, PyObject *args) {
     const int64_t step = (strips + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = proto;
-        jobs[i].row_begin = (i * step < strips ? i * step : strips) * tile;
-        jobs[i].row_end = ((i + 1) * step < strips ? (i + 1) * step : strips) * tile;
+        jobs[i].row_begin = job_start(i, step, strips) * tile;
+        jobs[i].row_end = job_start(i + 1, step, strips) * tile;
     }
     run_jobs(run_nvfp4, jobs, sizeof(Nvfp4Job), t);
     Py_END_ALLOW_THREADS
@@ -843,8 +843,8 @@ PyObject *py_hadamard_columns(PyObject *self, PyObject *args) {
     const int64_t step = (strips + t - 1) / t;
     for (int64_t i = 0; i < t; ++i) {
         jobs[i] = proto;
-        jobs[i].strip_begin = i * step < strips ? i * step : strips;
-        jobs[i].strip_end = (i + 1) * step < strips ? (i + 1) * step : strips;
+        jobs[i].strip_begin = job_start(i, step, strips);
+        jobs[i].strip_end = job_start(i + 1, step, strips);
     }
     run_jobs(run_rht, jobs, sizeof(RhtJob), t);
     for (int64_t i = 0; i < t; ++i) {

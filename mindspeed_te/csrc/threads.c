@@ -47,8 +47,8 @@ void parallel(RangeFn fn, const Job *proto, int64_t n, int threads, Job *jobs, i
     Task tasks[MAX_THREADS];
     for (int k = 0; k < t; ++k) {
         jobs[k] = *proto;
-        jobs[k].begin = k * step < n ? k * step : n;
-        jobs[k].end = (k + 1) * step < n ? (k + 1) * step : n;
+        jobs[k].begin = job_start(k, step, n);
+        jobs[k].end = job_start(k + 1, step, n);
         tasks[k] = (Task){fn, &jobs[k]};
     }
     run_jobs(run_task, tasks, sizeof(Task), t);

@@ -427,8 +427,8 @@ PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
         if (work) jobs[i].work = work + i * sizeof(Tile512);
 #endif
-        jobs[i].strip_begin = i * step < strips ? i * step : strips;
-        jobs[i].strip_end = (i + 1) * step < strips ? (i + 1) * step : strips;
+        jobs[i].strip_begin = job_start(i, step, strips);
+        jobs[i].strip_end = job_start(i + 1, step, strips);
         if (proto.avx512) jobs[i].next_strip = &next_strip, jobs[i].strip_end = strips;
     }
     run_jobs(run_tile, jobs, sizeof(TileJob), t);
