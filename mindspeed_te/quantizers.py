@@ -49,6 +49,7 @@ __all__ = [
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
     "Float8WarmupQuantizer",
+    "Float8RepeatQuantizer",
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
     "NVFP4Quantizer",
@@ -246,6 +247,27 @@ class Float8CurrentScalingQuantizer(Quantizer):
         data = scaled_cast(x.detach(), scale_inv, self.fp8_dtype)
         return Float8TensorStorage(self.fp8_dtype, x.shape, x.dtype, data=data,
                                    scale_inv=mark_nonfinite(scale_inv, amax))
+
+
+class Float8RepeatQuantizer(Quantizer):
+    """Repeats a per-tensor quantize already made: x divided by that quantize's stored scale_inv (a tensor of its
+    own, which later per-step updates leave alone), no amax taken or recorded. For a linear's input quantized
+    again in backward (`save_original_input`, an activation output rebuilt by ops/rebuild.py): the same values
+    give the forward's codes in one cast. A non-finite forward amax left that scale_inv NaN: so are these
+    codes."""
+
+    def __init__(self, scale_inv: torch.Tensor, fp8_dtype: FP8Dtype, **usage: bool) -> None:
+        super().__init__(fp8_dtype, **usage)
+        self.scale_inv = scale_inv
+
+    def divisor(self, dtype: torch.dtype) -> torch.Tensor:
+        """What an input of `dtype` is divided by: scale_inv, in bfloat16 for a bfloat16 input (exact: delayed
+        scaling's scale_inv for such inputs is a bfloat16 value, see Float8Quantizer)."""
+        return self.scale_inv.to(dtype) if dtype == torch.bfloat16 else self.scale_inv
+
+    def quantize(self, x: torch.Tensor) -> Float8TensorStorage:
+        _check_input(x)
+        return self._tensor(x, scaled_cast(x.detach(), self.scale_inv, self.fp8_dtype), self.scale_inv)
 
 
 class Float8WarmupQuantizer(Quantizer):

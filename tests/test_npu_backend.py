@@ -1746,3 +1746,38 @@ def test_grouped_quantize_notes_nonfinite_columnwise_forms(monkeypatch, use_back
         assert out.rowwise_data is None
         assert torch.equal(out.dequantize(torch.float32, columnwise=True).nan_to_num(),
                            want.dequantize(torch.float32, columnwise=True).nan_to_num())
+
+
+def _padded_grouped_step(use_backend, backend_name, monkeypatch, recipe, splits, sim=None):
+    """(output, input grad, weight grads, padded splits) of GroupedLinear(len(splits), 128, 256) between
+    Megatron's Fp8Padding and Fp8Unpadding (TEGroupedMLP's order), their alignment the active recipe's."""
+    from mindspeed_te import fp8_autocast
+    from mindspeed_te.megatron.misc import Fp8Padding, Fp8Unpadding
+    from mindspeed_te.modules import GroupedLinear
+
+    use_backend(backend_name)
+    if sim is not None:
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    torch.manual_seed(0)
+    layer = GroupedLinear(len(splits), 128, 256, params_dtype=torch.bfloat16)
+    x = (torch.randn(sum(splits), 128) * 3).bfloat16().requires_grad_()
+    with fp8_autocast(fp8_recipe=recipe):
+        padded, padded_splits = Fp8Padding(len(splits))(x, splits)
+        y = Fp8Unpadding(len(splits))(layer(padded, padded_splits), splits)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).bfloat16())
+    return [y.detach(), x.grad] + [w.grad for w in layer.weights], padded_splits
+
+
+@pytest.mark.parametrize("name", ["delayed/hif8", "tensorwise/e4m3", "tensorwise/hif8", "mxfp8/hybrid"])
+def test_npu_experts_need_no_padding_rows_under_per_tensor_recipes(name, monkeypatch, use_backend):
+    """npu_grouped_matmul takes any rows per group (aclnnGroupedMatmulV4), so under per-tensor recipes Megatron's
+    Fp8Padding pads nothing on the NPU, where TE's GEMMs want 16 rows per expert (the reference backend pads):
+    the results are the padded run's bit for bit, since padding rows are zeros. MX blocks still need 32 rows."""
+    splits = [5, 0, 37, 22]
+    sim = make_simulator("Ascend950PR")
+    got, npu_splits = _padded_grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
+    want, reference_splits = _padded_grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)
+    assert reference_splits == ([32, 0, 64, 32] if name.startswith("mxfp8") else [16, 0, 48, 32])
+    assert npu_splits == (reference_splits if name.startswith("mxfp8") else splits)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

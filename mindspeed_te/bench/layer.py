@@ -354,21 +354,23 @@ GAPS = {
     ("dense", "fp8"): "fc2 keeps no codes of its input but rebuilds it in backward from the GeLU's (ops/rebuild.py, "
                       "for activation memory): the GeLU again and the input's columnwise quantize there, +2 per "
                       "micro-batch (tensorwise, MXFP8; blockwise quantized it there anyway)",
-    ("dense", "delayed"): "the rebuilt input's quantize under delayed scaling: the forward's scale kept apart and "
-                          "its divisor and amax again in backward, +8 more per micro-batch",
+    ("dense", "delayed"): "the rebuilt input's quantize under delayed scaling repeats the forward's: its stored "
+                          "scale_inv cast to the input's bfloat16 for npu_quantize, +1 more per micro-batch",
     ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
                             "a 1-layer block skips: +1",
     ("moe", "all"): "Megatron's unfused router (its map's int / bool casts and zeros, its float32 casts), the "
                     "permute's experts per token (a sort of the routing map; the floor takes the router's top-k) and "
                     "the probs' placement at the rows and back: +15 per micro-batch",
-    ("moe", "fp8"): "Megatron pads each expert's tokens to 16 rows (MXFP8 32) under FP8 (Fp8Padding / Fp8Unpadding: "
-                    "+8 per micro-batch), which the NPU's GEMMs do not need",
-    ("moe", "delayed"): "the experts' per-tensor scales concatenated for each grouped GEMM",
-    ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale), the scales concatenated for each "
-                           "grouped GEMM",
-    ("moe", "blockwise"): "the per-expert wgrads: each operand's tile bytes repeated per 32-block and the rowwise "
-                          "tiles' decodes",
-    ("moe", "mxfp8"): "the experts' MX scales joined for each grouped GEMM",
+    ("moe", "delayed"): "each grouped GEMM joins the experts' codes and per-tensor scales (their rows and the "
+                        "weights stacked): 4 concatenations a GEMM",
+    ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale), so each grouped GEMM joins the "
+                           "experts' codes and scales (their rows and the weights stacked): 4 concatenations a GEMM",
+    ("moe", "blockwise"): "Megatron pads each expert's tokens to 16 rows (Fp8Padding / Fp8Unpadding: +24 per "
+                          "micro-batch); the per-expert wgrads: each operand's tile bytes repeated per 32-block and "
+                          "the rowwise tiles' decodes",
+    ("moe", "mxfp8"): "Megatron pads each expert's tokens to 32 rows (Fp8Padding / Fp8Unpadding: +24 per "
+                      "micro-batch: MX blocks along the tokens start at each expert's first row); the experts' MX "
+                      "scales joined for each grouped GEMM",
 }
 
 

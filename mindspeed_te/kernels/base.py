@@ -30,12 +30,15 @@ class Capabilities:
         reduce-scatter kernels take.
     fused_communication_world_sizes: the group sizes those kernels take.
     native_mx_gemm: MXFP8 GEMMs run as device kernels (what makes MXFP8 TE's default recipe on a device).
+    unaligned_per_tensor_groups: the grouped GEMMs of per-tensor FP8/HiF8 operands take any rows per group, so
+        `Fp8Padding` pads no expert's rows (TE's GEMMs want 16).
     """
 
     fused_communication_gemm: bool = False
     fused_communication_k_range: tuple[int, int] = (0, 0)
     fused_communication_world_sizes: tuple[int, ...] = ()
     native_mx_gemm: bool = False
+    unaligned_per_tensor_groups: bool = False
 
 
 class KernelBackend(ABC):

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from mindspeed_te.checkpointing import checkpoint
+from mindspeed_te.kernels import get_backend
 from mindspeed_te.megatron.common import quantization_align_size
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
 from mindspeed_te.ops.cpu_offload import get_cpu_offload_context as _get_cpu_offload_context
@@ -16,8 +17,13 @@ from mindspeed_te.state import FP8GlobalStateManager
 
 
 def _alignment() -> int:
-    """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM."""
-    return quantization_align_size(FP8GlobalStateManager.get_fp8_recipe())
+    """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM: TE's rule, or 1
+    for per-tensor recipes where the backend's grouped GEMMs take any rows per group (the NPU's). Padding rows
+    are zeros, which change no amax and no sum, so either way gives the same results."""
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    if recipe.float8_per_tensor_scaling() and get_backend().capabilities.unaligned_per_tensor_groups:
+        return 1
+    return quantization_align_size(recipe)
 
 
 class _SplitPadding(torch.nn.Module):

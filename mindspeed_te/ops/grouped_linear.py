@@ -109,7 +109,7 @@ class _GroupedLinear(torch.autograd.Function):
         else:  # the experts' inputs themselves: high-precision wgrad, or quantized in backward as in the forward
             saved_x = [xs[i] for i in active] if needs_wgrad else None
             if fp8_wgrad:
-                saved_x_quantizers = saved_input_quantizers([q[i].input for i in active])
+                saved_x_quantizers = saved_input_quantizers([q[i].input for i in active], a_ops)
         saved_w = None
         if inp.requires_grad:
             saved_w = b_ops if q is None else [w.columnwise_only() for w in b_ops]

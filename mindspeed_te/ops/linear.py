@@ -24,6 +24,7 @@ from mindspeed_te.quantized_tensor import QuantizedTensor, dequantize_if_quantiz
 from mindspeed_te.quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    Float8RepeatQuantizer,
     Float8WarmupQuantizer,
     Quantizer,
 )
@@ -106,25 +107,23 @@ class _LinearArgs:
     save_original_input: bool = False
 
 
-def saved_input_quantizers(quantizers: Sequence[Quantizer]) -> list[Quantizer]:
-    """The quantizers backward applies to inputs kept in high precision (`save_original_input`), made when the
-    forward quantizes them, so that the wgrad reads exactly the codes the forward's GEMM read:
-    - delayed scaling: a stateless copy dividing by the forward's scale, copied now (one op for all), since the
-      per-step update rewrites the state's in place and may run before this backward (at the end of the
-      autocast region, or for another micro-batch), and writing its amax to scratch (the forward recorded it);
+def saved_input_quantizers(quantizers: Sequence[Quantizer], made: Sequence[QuantizedTensorStorage]
+                           ) -> list[Quantizer]:
+    """The quantizers backward applies to inputs kept in high precision (`save_original_input`, or rebuilt by
+    ops/rebuild.py), made when the forward has quantized them into `made`, so that the wgrad reads exactly the
+    codes the forward's GEMM read:
+    - delayed scaling: a repeat of the forward's quantize, with the scale_inv stored beside its codes, since the
+      per-step update rewrites the state's scale in place and may run before this backward (at the end of the
+      autocast region, or for another micro-batch), and the forward recorded the amax;
     - HIF8DelayedScaling's warm-up: current scaling with the slot's target (the same input gives the same
       scale) that records no amax;
     - the other recipes keep no state between calls: their own quantizers.
     (TransformerEngine refuses save_original_input with delayed scaling.)"""
-    delayed = [i for i, q in enumerate(quantizers) if isinstance(q, Float8Quantizer)]
     out = list(quantizers)
-    if delayed:
-        scales = torch.stack([quantizers[i].scale for i in delayed])
-        amaxes = torch.zeros_like(scales)
-        for j, i in enumerate(delayed):
-            out[i] = Float8Quantizer(scales[j], amaxes[j], quantizers[i].fp8_dtype, rowwise=False, columnwise=True)
-    for i, q in enumerate(quantizers):
-        if isinstance(q, Float8WarmupQuantizer):
+    for i, (q, qx) in enumerate(zip(quantizers, made)):
+        if isinstance(q, Float8Quantizer):
+            out[i] = Float8RepeatQuantizer(qx.scale_inv, q.fp8_dtype, rowwise=False, columnwise=True)
+        elif isinstance(q, Float8WarmupQuantizer):
             out[i] = Float8CurrentScalingQuantizer(q.fp8_dtype, q.target_max, rowwise=False, columnwise=True)
     return out
 
@@ -162,14 +161,14 @@ class _Linear(torch.autograd.Function):
             # Keep only what backward reads: the columnwise input, or the real input for a bf16 wgrad or with
             # save_original_input (backward then quantizes it for the FP8 wgrad, as the forward did).
             if rebuilt is not None:
-                saved_x, saved_x_quantizer = rebuilt, saved_input_quantizers([q.input])[0]
+                saved_x, saved_x_quantizer = rebuilt, saved_input_quantizers([q.input], [qx])[0]
             elif fp8_wgrad and not keep_original:
                 qx.update_usage(rowwise=False, columnwise=True)
                 saved_x = qx
             else:
                 saved_x = x2d if needs_wgrad else None
                 if fp8_wgrad:
-                    saved_x_quantizer = saved_input_quantizers([q.input])[0]
+                    saved_x_quantizer = saved_input_quantizers([q.input], [qx])[0]
             # The weight's backward GEMM (dgrad) reads only its columnwise form; keep the cached object whole.
             saved_w = qw.columnwise_only()
         ctx.args = args

@@ -19,6 +19,7 @@ from mindspeed_te.quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    Float8RepeatQuantizer,
     MXFP4Quantizer,
     MXFP8Quantizer,
     Quantizer,
@@ -167,6 +168,10 @@ class NpuQuantize(NpuFusedQuantize):
                 out = self._quantize_current(quantizers, tensors, x2ds)
                 if out is not None:
                     return out
+            if kind is Float8RepeatQuantizer:  # npu_quantize by the earlier quantize's divisor, nothing else
+                return self._npu_quantize_all(quantizers, tensors, x2ds, [q.divisor(x.dtype) for q, x in
+                                                                          zip(quantizers, x2ds)],
+                                              [q.scale_inv for q in quantizers])
         outs: list = self._quantize_hif8_tiles(quantizers, tensors, x2ds)  # all the pass's HiF8 tiles at once
         self._quantize_joined_rows(quantizers, tensors, x2ds, outs)
         for i, (q, x, x2d) in enumerate(zip(quantizers, tensors, x2ds)):
