@@ -361,10 +361,11 @@ GAPS = {
     ("moe", "all"): "Megatron's unfused router (its map's int / bool casts and zeros, its float32 casts), the "
                     "permute's experts per token (a sort of the routing map; the floor takes the router's top-k) and "
                     "the probs' placement at the rows and back: +15 per micro-batch",
-    ("moe", "delayed"): "each grouped GEMM joins the experts' codes and per-tensor scales (their rows and the "
-                        "weights stacked): 4 concatenations a GEMM",
-    ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale), so each grouped GEMM joins the "
-                           "experts' codes and scales (their rows and the weights stacked): 4 concatenations a GEMM",
+    ("moe", "delayed"): "the experts' scales joined once per tensor, and each fprop / dgrad's per-row scales made "
+                        "(a concatenation each)",
+    ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale, which no kernel makes per group), "
+                           "their codes and scales joined once per tensor (2 concatenations) and each fprop / "
+                           "dgrad's per-row scales made",
     ("moe", "blockwise"): "Megatron pads each expert's tokens to 16 rows (Fp8Padding / Fp8Unpadding: +24 per "
                           "micro-batch); the per-expert wgrads: each operand's tile bytes repeated per 32-block and "
                           "the rowwise tiles' decodes",

@@ -96,6 +96,28 @@ def _added_into(out, results: list[torch.Tensor]) -> list[torch.Tensor]:
     return [o.add_(r) for o, r in zip(out, results)]
 
 
+def _join_per_tensor(outs: list) -> None:
+    """Several per-tensor FP8/HiF8 storages (a grouped linear's experts' inputs, grad_outputs or weights) whose
+    codes or scale_invs do not lie in one buffer in order: moved into one (rows, k) tensor of codes and one vector
+    of scale_invs, each storage then holding its views of them (the values unchanged). Two concatenations once,
+    where each grouped GEMM over them would make them again (the fprop and the wgrad over the inputs, and every
+    micro-batch's fprop and dgrad over the step's cached weights)."""
+    if len(outs) < 2 or not all(type(o) is Float8TensorStorage and o.data is not None for o in outs):
+        return
+    rows = [o.data.reshape(-1, o.shape[-1]) for o in outs]
+    if len({(r.shape[1], r.dtype) for r in rows}) != 1:
+        return
+    if joined_rows(rows) is None:
+        codes, start = torch.cat(rows), 0
+        for o, r in zip(outs, rows):
+            o.data = codes[start:start + r.shape[0]].view(o.data.shape)
+            start += r.shape[0]
+    if joined_rows([o.scale_inv.reshape(1, 1) for o in outs]) is None:
+        scales = torch.cat([o.scale_inv.reshape(1) for o in outs])
+        for i, o in enumerate(outs):
+            o.scale_inv = scales[i:i + 1].view(o.scale_inv.shape)
+
+
 def _rowwise_only(q: Quantizer) -> Quantizer:
     """A shallow copy of `q` that makes only the rowwise form (its non-finite flag and pending list shared, so
     that what the copy's quantize notes is noted against `q`)."""
@@ -126,7 +148,10 @@ class NpuGroupedGemm:
         qs, xs = list(quantizers), list(tensors)
         joined = self._grouped_mx_rows(qs[:blocks], xs[:blocks])
         if joined is None:
-            return self.quantize_many(qs, xs)
+            outs = self.quantize_many(qs, xs)
+            _join_per_tensor(outs[:blocks])
+            _join_per_tensor(outs[blocks:])
+            return outs
         rowwise = [i for i in range(blocks) if qs[i].rowwise_usage]
         others = rowwise + list(range(blocks, len(qs)))
         made = self.quantize_many([_rowwise_only(qs[i]) if i < blocks else qs[i] for i in others],
@@ -213,7 +238,7 @@ class NpuGroupedGemm:
             sizes = [r.shape[0] for r in rows]
             per_token = _per_row([t.scale_inv for t in a], sizes)
             (y,) = self.npu.npu_grouped_matmul(
-                [_rows_of(rows)], [b_codes], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
+                [_rows_of(rows)], [b_codes], scale=[_rows_of([t.scale_inv.reshape(1) for t in b])],
                 per_token_scale=[per_token], group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=0, output_dtype=mm_dtype, **hif8)
             results = list(torch.split(y, sizes))
@@ -222,8 +247,8 @@ class NpuGroupedGemm:
             sizes = [r.shape[0] for r in rows]
             x_rows = _rows_of([t.data.reshape(-1, t.shape[-1]) for t in b])
             (y,) = self.npu.npu_grouped_matmul(
-                [_rows_of(rows).t()], [x_rows], scale=[torch.cat([t.scale_inv.reshape(1) for t in b])],
-                per_token_scale=[torch.cat([t.scale_inv.reshape(1) for t in a])],
+                [_rows_of(rows).t()], [x_rows], scale=[_rows_of([t.scale_inv.reshape(1) for t in b])],
+                per_token_scale=[_rows_of([t.scale_inv.reshape(1) for t in a])],
                 group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=2, output_dtype=mm_dtype, **hif8)
             results = list(y.unbind(0))
