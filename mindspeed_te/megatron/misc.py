@@ -16,12 +16,12 @@ from mindspeed_te.ops.grouped_linear import check_m_splits
 from mindspeed_te.state import FP8GlobalStateManager
 
 
-def _alignment() -> int:
+def _alignment(device: torch.device) -> int:
     """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM: TE's rule, or 1
     for per-tensor recipes where the backend's grouped GEMMs take any rows per group (the NPU's). Padding rows
     are zeros, which change no amax and no sum, so either way gives the same results."""
     recipe = FP8GlobalStateManager.get_fp8_recipe()
-    if recipe.float8_per_tensor_scaling() and get_backend().capabilities.unaligned_per_tensor_groups:
+    if recipe.float8_per_tensor_scaling() and get_backend(device).capabilities.unaligned_per_tensor_groups:
         return 1
     return quantization_align_size(recipe)
 
@@ -32,9 +32,9 @@ class _SplitPadding(torch.nn.Module):
         self.num_gemms = num_gemms
         self.align_size = align_size
 
-    def _padded_splits(self, m_splits: list[int]) -> list[int]:
-        """Each expert's rows rounded up to the alignment."""
-        align = self.align_size or _alignment()
+    def _padded_splits(self, m_splits: list[int], device: torch.device) -> list[int]:
+        """Each expert's rows rounded up to the alignment (the backend's of `device` when not given)."""
+        align = self.align_size or _alignment(device)
         return [(int(m) + align - 1) // align * align for m in m_splits]
 
 
@@ -48,7 +48,7 @@ class Fp8Padding(_SplitPadding):
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
         m_splits = check_m_splits(inp, m_splits, self.num_gemms)
-        padded = self._padded_splits(m_splits)
+        padded = self._padded_splits(m_splits, inp.device)
         if padded == m_splits:
             return inp, padded
         chunks = torch.split(inp, m_splits)
@@ -66,7 +66,7 @@ class Fp8Unpadding(_SplitPadding):
     """
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        padded = check_m_splits(inp, self._padded_splits(m_splits), self.num_gemms)
+        padded = check_m_splits(inp, self._padded_splits(m_splits, inp.device), self.num_gemms)
         if padded == [int(m) for m in m_splits]:
             return inp
         return torch.cat([c[:m] for c, m in zip(torch.split(inp, padded), m_splits)])
