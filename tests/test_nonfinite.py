@@ -239,3 +239,33 @@ def test_mx_experts_joined_quantize_names_the_faulty_expert(chip, save_original_
         FP8GlobalStateManager.harvest_nonfinite()
     counts = FP8GlobalStateManager.get_nonfinite_counts()
     assert {k: v for k, v in counts.items() if k != "steps"} == {"experts input[1]": 1}, counts
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_per_tensor_experts_joined_scales_name_the_faulty_expert(recipe, monkeypatch, use_backend):
+    """bfloat16 experts under per-tensor scaling on the NPU path: their scales come marked in one vector (delayed:
+    one add of the stacked amaxes to the state's side-by-side slots) or are joined into one after their quantizes
+    (tensorwise). Each expert's mark is still its own: an Inf in expert 1's rows is named as expert 1's input and
+    no other, and only expert 1's output rows are non-finite."""
+    from mindspeed_te import DelayedScaling, Float8CurrentScaling, Format
+    from mindspeed_te.kernels.npu import NpuBackend
+    from mindspeed_te.modules import GroupedLinear
+    from mindspeed_te.testing.npu_sim import make_simulator
+
+    use_backend("npu")
+    monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(make_simulator("Ascend950PR")))
+    layer = GroupedLinear(3, 64, 64, bias=False, params_dtype=torch.bfloat16)
+    layer.name = "experts"
+    make = DelayedScaling if recipe == "delayed" else Float8CurrentScaling
+    x = torch.randn(160, 64).bfloat16()
+    x[70, 3] = math.inf  # expert 1 has rows 64..127
+    x.requires_grad_()
+    with fp8_autocast(fp8_recipe=make(fp8_format=Format.HYBRID)):
+        y = layer(x, [64, 64, 32])
+    y.backward(torch.randn_like(y))
+    finite = torch.isfinite(y.float()).all(dim=1)
+    assert not finite[64:128].any() and finite[:64].all() and finite[128:].all()
+    with pytest.warns(RuntimeWarning, match=r"experts input\[1\]"):
+        FP8GlobalStateManager.harvest_nonfinite()
+    counts = FP8GlobalStateManager.get_nonfinite_counts()
+    assert {k: v for k, v in counts.items() if k != "steps"} == {"experts input[1]": 1}, counts

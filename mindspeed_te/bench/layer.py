@@ -361,8 +361,8 @@ GAPS = {
     ("moe", "all"): "Megatron's unfused router (its map's int / bool casts and zeros, its float32 casts), the "
                     "permute's experts per token (a sort of the routing map; the floor takes the router's top-k) and "
                     "the probs' placement at the rows and back: +15 per micro-batch",
-    ("moe", "delayed"): "the experts' scales joined once per tensor, and each fprop / dgrad's per-row scales made "
-                        "(a concatenation each)",
+    ("moe", "delayed"): "each fprop / dgrad's per-row scales and each quantize's per-row divisors (a "
+                        "concatenation each)",
     ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale, which no kernel makes per group), "
                            "their codes and scales joined once per tensor (2 concatenations) and each fprop / "
                            "dgrad's per-row scales made",

@@ -341,8 +341,8 @@ class NpuQuantize(NpuFusedQuantize):
             for q in qs:
                 q.amax_written()
         divisors = [q.divisor(x.dtype) for q, x in zip(qs, xs)]
-        scale_invs = torch._foreach_add([exact for _, exact in divisors], amaxes, alpha=0.0)
-        return self._npu_quantize_all(qs, xs, x2ds, [div for div, _ in divisors], scale_invs)
+        exacts = [exact for _, exact in divisors]
+        return self._npu_quantize_all(qs, xs, x2ds, [div for div, _ in divisors], _marked(exacts, amaxes))
 
     @staticmethod
     def _amaxes(x2ds: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -587,6 +587,19 @@ class NpuQuantize(NpuFusedQuantize):
 # Quantize dispatch of the block-scaled quantizers (per-tensor ones go through quantize_many's batched forms):
 # the quantizer's type -> the NpuQuantize method that runs it on a kernel (None from the method, or a type not
 # listed, means the quantizer's own torch-op path).
+def _marked(scale_invs: list[torch.Tensor], amaxes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each scale_inv + 0 * its amax (NaN where the amax is NaN/Inf, see `mark_nonfinite`): one add of the two
+    vectors where each list lies in order in one buffer (a grouped linear's experts: their state slots side by
+    side, their amaxes stacked), whose result's elements are then one vector too (the grouped GEMM reads the
+    experts' scales as it), else one multi-tensor add."""
+    if len(scale_invs) > 1:
+        exact = joined_rows([t.reshape(1, 1) for t in scale_invs])
+        amax = joined_rows([t.reshape(1, 1) for t in amaxes])
+        if exact is not None and amax is not None and exact.dtype == amax.dtype:
+            return list(torch.add(exact, amax, alpha=0.0).view(-1, 1).unbind(0))
+    return torch._foreach_add(scale_invs, amaxes, alpha=0.0)
+
+
 _QUANTIZE_KERNELS = {
     Float8BlockQuantizer: NpuQuantize._quantize_blocks,
     MXFP8Quantizer: NpuQuantize._quantize_mx,
