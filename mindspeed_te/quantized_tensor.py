@@ -98,6 +98,11 @@ class QuantizedTensor(torch.Tensor):
     def _set_rowwise_codes(self, codes: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _write_codes(self, start: int, codes: torch.Tensor) -> None:
+        """Set the rowwise codes of flat elements [start, start + len(codes)) (one byte each) where they are kept
+        (a shard of Megatron's parameter buffer, see megatron/fp8_params.py)."""
+        self._data.view(-1)[start:start + codes.numel()] = codes.view(torch.uint8)
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The real values as a plain tensor (nominal dtype unless `dtype`)."""
         return self._storage.dequantize(dtype or self.dtype)
@@ -285,10 +290,10 @@ class FP4Tensor(_TiledQuantizedTensor):
         self._gather = _GatherCodes(codes, codes._version, packed)
 
     def _write_codes(self, start: int, codes: torch.Tensor) -> None:
-        """Set the rowwise codes of flat elements [start, start + len(codes)) (uint8, one per byte) where the
-        codes are kept; into packed bytes nibble by nibble, the neighbours' nibbles kept."""
+        """As QuantizedTensor's where `_data` is kept in a buffer; packed codes nibble by nibble, the neighbours'
+        nibbles kept."""
         if self._gather is not None and not self._gather.packed:
-            self._gather.codes.view(-1)[start:start + codes.numel()] = codes
+            super()._write_codes(start, codes)
             return
         packed = self._storage.rowwise_data.view(-1)
         first, end = start // 2, (start + codes.numel() + 1) // 2

@@ -51,6 +51,17 @@ int64_t row_threads(int64_t m, int64_t numel, int threads);
 /* Where job i starts when [0, n) is cut into ranges of `step` (n once past the end): job i covers
  * [job_start(i, step, n), job_start(i + 1, step, n)). */
 static inline int64_t job_start(int64_t i, int64_t step, int64_t n) { return i * step < n ? i * step : n; }
+/* jobs[0..t) as copies of proto, job i given rows [job_start(i), job_start(i + 1)) of [0, n) cut into t ranges,
+ * times `unit`, in its fields `begin` and `end`. */
+#define SPLIT_JOBS(jobs, proto, t, n, unit, begin, end)                              \
+    do {                                                                             \
+        const int64_t split_step_ = ((n) + (t) - 1) / (t);                           \
+        for (int64_t i_ = 0; i_ < (t); ++i_) {                                       \
+            (jobs)[i_] = (proto);                                                    \
+            (jobs)[i_].begin = job_start(i_, split_step_, (n)) * (unit);             \
+            (jobs)[i_].end = job_start(i_ + 1, split_step_, (n)) * (unit);           \
+        }                                                                            \
+    } while (0)
 
 /* ---- simd.c ---- */
 /* The vector code a CPU runs: the widest it has, at most the limit set_simd sets. */

@@ -420,12 +420,7 @@ PyObject *py_dequantize_nvfp4(PyObject *self, PyObject *args) {
     const int64_t t = row_threads(m, m * k, threads);
     Nvfp4Dequant jobs[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
-    const int64_t step = (m + t - 1) / t;
-    for (int64_t i = 0; i < t; ++i) {
-        jobs[i] = proto;
-        jobs[i].row_begin = job_start(i, step, m);
-        jobs[i].row_end = job_start(i + 1, step, m);
-    }
+    SPLIT_JOBS(jobs, proto, t, m, 1, row_begin, row_end);
     run_jobs(run_dequant, jobs, sizeof(Nvfp4Dequant), t);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -466,12 +461,7 @@ PyObject *py_quantize_nvfp4(PyObject *self, PyObject *args) {
     const int64_t strips = m / tile, t = row_threads(strips, m * k, threads);
     Nvfp4Job jobs[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
-    const int64_t step = (strips + t - 1) / t;
-    for (int64_t i = 0; i < t; ++i) {
-        jobs[i] = proto;
-        jobs[i].row_begin = job_start(i, step, strips) * tile;
-        jobs[i].row_end = job_start(i + 1, step, strips) * tile;
-    }
+    SPLIT_JOBS(jobs, proto, t, strips, tile, row_begin, row_end);
     run_jobs(run_nvfp4, jobs, sizeof(Nvfp4Job), t);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -840,12 +830,7 @@ PyObject *py_hadamard_columns(PyObject *self, PyObject *args) {
     RhtJob jobs[MAX_THREADS];
     uint32_t out_amax = 0, in_amax = 0;
     Py_BEGIN_ALLOW_THREADS
-    const int64_t step = (strips + t - 1) / t;
-    for (int64_t i = 0; i < t; ++i) {
-        jobs[i] = proto;
-        jobs[i].strip_begin = job_start(i, step, strips);
-        jobs[i].strip_end = job_start(i + 1, step, strips);
-    }
+    SPLIT_JOBS(jobs, proto, t, strips, 1, strip_begin, strip_end);
     run_jobs(run_rht, jobs, sizeof(RhtJob), t);
     for (int64_t i = 0; i < t; ++i) {
         out_amax = jobs[i].out_amax > out_amax ? jobs[i].out_amax : out_amax;

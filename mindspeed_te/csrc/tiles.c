@@ -420,15 +420,12 @@ PyObject *py_quantize_tiles(PyObject *self, PyObject *args) {
     }
 #endif
     Py_BEGIN_ALLOW_THREADS
-    const int64_t step = (strips + t - 1) / t;
+    SPLIT_JOBS(jobs, proto, t, strips, 1, strip_begin, strip_end);
     int64_t next_strip = 0;
     for (int64_t i = 0; i < t; ++i) {
-        jobs[i] = proto;
 #if defined(__x86_64__)
         if (work) jobs[i].work = work + i * sizeof(Tile512);
 #endif
-        jobs[i].strip_begin = job_start(i, step, strips);
-        jobs[i].strip_end = job_start(i + 1, step, strips);
         if (proto.avx512) jobs[i].next_strip = &next_strip, jobs[i].strip_end = strips;
     }
     run_jobs(run_tile, jobs, sizeof(TileJob), t);

@@ -144,10 +144,7 @@ def quantize_param_shard(model_params: Sequence[QuantizedTensor], main_params: S
             codes, scale_inv = _shard_codes_tiled(param, shard, start, data_parallel_group)
         # scales first: writing an FP4 parameter's codes marks its other forms to be made again (with them)
         param._scale_inv.copy_(scale_inv.reshape(param._scale_inv.shape))
-        if isinstance(param, FP4Tensor):
-            param._write_codes(start, codes)
-        else:
-            param._data.view(-1)[start:start + shard.numel()] = codes.view(torch.uint8)
+        param._write_codes(start, codes)
 
 
 # FP8 inference: pad the token dimension to what the FP8 GEMMs need ------------------------------------------
