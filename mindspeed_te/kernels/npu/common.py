@@ -1,11 +1,8 @@
 """Helpers of more than one job of the NPU backend: `_HALF` (the 16-bit float dtypes: quantize, norm),
 `_MAX_LAST_DIM` (npu_quant_matmul's limit on a last dim: GEMM, grouped GEMM), `chip_family` (which
-documents' rows a chip takes: MoE permutation, RoPE, the high-precision grouped GEMM), `_per_row` (a value per group
-repeated over its rows: the joined npu_quantize, the per-tensor grouped GEMM), and the operand forms of tiled and
-MX storages the quant matmul kernels take (`_tiled_pair`, `_mx_pair`: GEMM, fused communication GEMMs)."""
+documents' rows a chip takes: MoE permutation, RoPE, the high-precision grouped GEMM), and the operand forms of
+tiled and MX storages the quant matmul kernels take (`_tiled_pair`, `_mx_pair`: GEMM, fused communication GEMMs)."""
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 
@@ -35,11 +32,6 @@ def _tiled_pair(t: _TiledTensor, columnwise: bool) -> tuple[torch.Tensor, torch.
         return t.columnwise_pair()
     t._require(False)
     return t.rowwise_data.reshape(-1, t.shape[-1]), t.rowwise_scale_inv
-
-
-def _per_row(values: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
-    """Each group's one-element value repeated over its rows, as one 1-D tensor (one concatenation)."""
-    return torch.cat([v.reshape(1).expand(m) for v, m in zip(values, rows)])
 
 
 def _mx_pair(t: MXFP8TensorStorage, columnwise: bool, as_x2: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from mindspeed_te.formats import FP8Dtype
-from mindspeed_te.kernels.npu.common import _HALF, _MAX_LAST_DIM, _per_row, chip_family
+from mindspeed_te.kernels.npu.common import _HALF, _MAX_LAST_DIM, chip_family
 from mindspeed_te.quantizers import MXFP8Quantizer, Quantizer, record_nonfinite_many
 from mindspeed_te.tensor import (
     Float8BlockwiseQTensorStorage,
@@ -235,11 +235,13 @@ class NpuGroupedGemm:
             # they are for dgrad (W itself is the (K, N) operand there).
             b_codes = _stacked([t.data.reshape(-1, t.shape[-1]) for t in b])
             b_codes = b_codes if b_columnwise else b_codes.transpose(1, 2)
+            # x's scales one per group, (g, 1): the kernel's pertensor form ("pertensor场景：每个tensor 2维或1维，
+            # shape为（g, 1）或（g,）"; 2-D, so that g = M cannot read as pertoken), a view of the joined scale_invs.
             sizes = [r.shape[0] for r in rows]
-            per_token = _per_row([t.scale_inv for t in a], sizes)
+            per_group = _rows_of([t.scale_inv.reshape(1) for t in a]).reshape(-1, 1)
             (y,) = self.npu.npu_grouped_matmul(
                 [_rows_of(rows)], [b_codes], scale=[_rows_of([t.scale_inv.reshape(1) for t in b])],
-                per_token_scale=[per_token], group_list=self._group_list(sizes, rows[0].device),
+                per_token_scale=[per_group], group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=0, output_dtype=mm_dtype, **hif8)
             results = list(torch.split(y, sizes))
         else:

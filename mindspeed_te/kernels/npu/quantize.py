@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Unio
 import torch
 
 from mindspeed_te.formats import FP8Dtype
-from mindspeed_te.kernels.npu.common import _HALF, _per_row
+from mindspeed_te.kernels.npu.common import _HALF
 from mindspeed_te.kernels.npu.fp4 import NpuFP4
 from mindspeed_te.kernels.npu.fused_quantize import NpuFusedQuantize
 from mindspeed_te.quantizers import (
@@ -36,6 +36,12 @@ from mindspeed_te.tensor import (
 )
 
 _HIF8_DST_MAX = (15.0, 56.0, 224.0, 32768.0)
+
+
+def _per_row(values: Sequence[torch.Tensor], rows: Sequence[int]) -> torch.Tensor:
+    """Each group's one-element value repeated over its rows, as one 1-D tensor (one concatenation): npu_quantize
+    takes one divisor, or one per row, none per group."""
+    return torch.cat([v.reshape(1).expand(m) for v, m in zip(values, rows)])
 
 
 def _row_local_config(q: Quantizer) -> Optional[tuple]:
