@@ -319,14 +319,23 @@ class NpuQuantize(NpuFusedQuantize):
                           x2ds: Sequence[torch.Tensor]) -> list[Float8TensorStorage]:
         """The amaxes max-accumulated into the history slots, one op marking the stored scale_invs NaN where
         the data held NaN/Inf, then npu_quantize per tensor with the divisor prepared at the last per-step
-        update (bfloat16 inputs: 1/scale rounded to bfloat16, see Float8Quantizer). Several tensors of one
-        dtype, two of them float32: one multi-tensor norm (`_amaxes`) and one multi-tensor maximum. Otherwise
+        update (bfloat16 inputs: 1/scale rounded to bfloat16, see Float8Quantizer). More than two 16-bit tensors
+        whose slots lie side by side (a grouped linear's experts): one multi-tensor norm, one stack and one
+        maximum into the slots. Several tensors of one dtype, two of them float32: one multi-tensor norm
+        (`_amaxes`) and one multi-tensor maximum. Otherwise
         one vector norm each, which writes the amax straight into a slot still fresh since the update (the
         step's first quantize into it: nothing to accumulate), and one maximum for the others.
         torch_npu's npu_quant_max (cast and amax in one launch) is not used: its y = cast(x * scale) rounds the
         format's ties otherwise than x / (1/scale) does (the reference's rule) unless 1/scale is a power of 2."""
         dtypes, slot_ids = {x.dtype for x in x2ds}, [q.slot_id for q in qs]
-        if len(dtypes) == 1 and (len(x2ds) > 2 or (len(x2ds) == 2 and torch.float32 in dtypes)):
+        slots = _side_by_side([q.amax for q in qs]) if len(set(slot_ids)) == len(qs) > 2 else None
+        if slots is not None and torch.float32 not in dtypes and len(dtypes) == 1:
+            # A grouped linear's experts (their slots side by side): the amaxes stacked in their own dtype, max-ed
+            # into the float32 slots by one maximum, which promotes them (exact: max |x| is one of x's values).
+            stacked = torch.stack(torch._foreach_norm(list(x2ds), float("inf")))
+            torch.maximum(slots, stacked, out=slots)
+            amaxes = list(stacked.view(-1, 1).unbind(0))
+        elif len(dtypes) == 1 and (len(x2ds) > 2 or (len(x2ds) == 2 and torch.float32 in dtypes)):
             amaxes = [a.reshape(1) for a in self._amaxes(x2ds)]
             torch._foreach_maximum_([q.amax for q in qs], amaxes)
         else:
@@ -590,22 +599,28 @@ class NpuQuantize(NpuFusedQuantize):
                 and x2d.dtype in _HALF)
 
 
-# Quantize dispatch of the block-scaled quantizers (per-tensor ones go through quantize_many's batched forms):
-# the quantizer's type -> the NpuQuantize method that runs it on a kernel (None from the method, or a type not
-# listed, means the quantizer's own torch-op path).
 def _marked(scale_invs: list[torch.Tensor], amaxes: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each scale_inv + 0 * its amax (NaN where the amax is NaN/Inf, see `mark_nonfinite`): one add of the two
     vectors where each list lies in order in one buffer (a grouped linear's experts: their state slots side by
     side, their amaxes stacked), whose result's elements are then one vector too (the grouped GEMM reads the
     experts' scales as it), else one multi-tensor add."""
     if len(scale_invs) > 1:
-        exact = joined_rows([t.reshape(1, 1) for t in scale_invs])
-        amax = joined_rows([t.reshape(1, 1) for t in amaxes])
-        if exact is not None and amax is not None and exact.dtype == amax.dtype:
+        exact, amax = _side_by_side(scale_invs), _side_by_side(amaxes)
+        if exact is not None and amax is not None and torch.promote_types(exact.dtype, amax.dtype) == exact.dtype:
             return list(torch.add(exact, amax, alpha=0.0).view(-1, 1).unbind(0))
     return torch._foreach_add(scale_invs, amaxes, alpha=0.0)
 
 
+def _side_by_side(values: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One-element tensors as the 1-D view of the buffer they lie in, in order (a grouped linear's experts' state
+    slots, or their stacked amaxes), or None."""
+    joined = joined_rows([t.reshape(1, 1) for t in values])
+    return None if joined is None else joined.view(-1)
+
+
+# Quantize dispatch of the block-scaled quantizers (per-tensor ones go through quantize_many's batched forms):
+# the quantizer's type -> the NpuQuantize method that runs it on a kernel (None from the method, or a type not
+# listed, means the quantizer's own torch-op path).
 _QUANTIZE_KERNELS = {
     Float8BlockQuantizer: NpuQuantize._quantize_blocks,
     MXFP8Quantizer: NpuQuantize._quantize_mx,
