@@ -2,6 +2,7 @@
 against the same experts on one process."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 
@@ -128,3 +129,11 @@ def test_one_rank_moe_layer_skips_the_chunk_sort_and_the_permute_check():
     assert counts["torch_npu.npu_grouped_matmul"] == 6 and counts["torch_npu.npu_moe_token_permute"] == 1
     for sort_or_check in ("aten.repeat_interleave", "aten.cumsum", "aten.all", "aten._local_scalar_dense"):
         assert sort_or_check not in counts, counts
+    # --moe-router-fusion (megatron-core 0.14 on): the routing probs and map, the top-k's gradient and the probs'
+    # gradient back from the permuted rows are each one scatter onto zeros the router and the permute keep
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "moe_router_fusion" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        assert counts["aten.scatter"] == 4, counts
+        for zeros in ("aten.zeros", "aten.zeros_like", "aten.new_zeros", "aten.scatter_add"):
+            assert zeros not in counts, counts

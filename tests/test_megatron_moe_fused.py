@@ -253,6 +253,26 @@ def test_topk_routing_matches_unfused(bind, case, dtype):
     _assert_same(got[1], want[1], **EXACT)
 
 
+def test_routing_outputs_are_new_tensors():
+    """The router scatters into zeros it keeps (one launch each): its outputs and the logits' gradient are new
+    tensors each call, so that writing into one call's leaves the next call's as Megatron's unfused code gives."""
+    gen = torch.Generator().manual_seed(0)
+    logits = _distinct_logits(8, 6, torch.float32, gen).requires_grad_()
+    seed = torch.randn(8, 6, generator=gen)
+    first = moe_fused.fused_topk_with_score_function(logits, 2)
+    first[0].backward(seed)
+    for t in (*first, logits.grad):
+        t.detach().fill_(True)
+    logits.grad = None
+    again = moe_fused.fused_topk_with_score_function(logits, 2)
+    again[0].backward(seed)
+    unfused = logits.detach().clone().requires_grad_()
+    want = mu.topk_routing_with_score_function(unfused, 2)
+    want[0].backward(seed)
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
+    assert torch.equal(logits.grad, unfused.grad) and torch.equal(logits.grad != 0, again[1])
+
+
 @pytest.mark.parametrize("topk", [1, 2, 5])
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_aux_loss_scores_match_unfused(bind, score_function, topk):

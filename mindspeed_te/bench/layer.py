@@ -125,10 +125,13 @@ def build_block(layers: int, fp8: Optional[tuple[str, str]], moe: bool, hidden: 
 
     fp8_args = dict(fp8=fp8[0], fp8_recipe=fp8[1]) if fp8 is not None else {}
     # Any token count per expert (no --moe-router-padding-for-quantization: the padded map takes the permutation
-    # off npu_moe_token_permute, whose contract is k experts per token)
+    # off npu_moe_token_permute, whose contract is k experts per token). TE's fused permutation and router
+    # (--moe-permute-fusion, --moe-router-fusion from megatron-core 0.14), which the plugin provides.
     moe_args = dict(num_moe_experts=EXPERTS, moe_grouped_gemm=True, moe_router_topk=2, moe_ffn_hidden_size=hidden,
                     moe_token_dispatcher_type="alltoall", moe_permute_fusion=True, moe_aux_loss_coeff=0.0,
                     add_bias_linear=False) if moe else {}
+    if moe and "moe_router_fusion" in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        moe_args["moe_router_fusion"] = True
     config = TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=HEADS, use_cpu_initialization=True,
         params_dtype=torch.bfloat16, bf16=True, bias_dropout_fusion=False, apply_rope_fusion=False,

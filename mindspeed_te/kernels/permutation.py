@@ -13,16 +13,32 @@ unspecified (as in TE) and it never reaches a real token.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Union
 
 import torch
 
-__all__ = ["EXPERTS_PER_TOKEN", "accumulation_dtype", "row_map", "gather_probs", "permute", "unpermute"]
+__all__ = ["EXPERTS_PER_TOKEN", "accumulation_dtype", "constant", "row_map", "gather_probs", "permute", "unpermute"]
 
 # The attribute of a routing map whose maker knows that every row holds exactly this many experts (Megatron's
 # dropless routing, marked by mindspeed_te.megatron.moe_fused): a backend whose permute kernel needs it need not
 # check the map.
 EXPERTS_PER_TOKEN = "_mindspeed_te_experts_per_token"
+
+
+def constant(value: Union[bool, float], shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """A tensor filled with `value`, made once per shape and kept (unit merging probs, the zeros the router
+    scatters into: an out-of-place scatter writes its own output, "aclnnScatter：需新建一个输出张量对象存储计算结果",
+    so one launch with a kept base). Never write into it. Kept apart under inference mode, whose tensors
+    autograd cannot save."""
+    return _constant(value, shape, dtype, device, torch.is_inference_mode_enabled())
+
+
+@functools.lru_cache(maxsize=16)
+def _constant(value: Union[bool, float], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              inference: bool) -> torch.Tensor:
+    return torch.full(shape, value, dtype=dtype, device=device)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

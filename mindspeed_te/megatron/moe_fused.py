@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, accumulation_dtype
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, accumulation_dtype, constant
 
 __all__ = [
     "fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
@@ -168,7 +168,28 @@ def _select(scores: torch.Tensor, topk: int, num_groups: Optional[int],
         keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, chosen, True)
         keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
         scores = scores.masked_fill(~keep, float("-inf"))
-    return scores.topk(topk, dim=-1)
+    return _TopK.apply(scores, topk)
+
+
+class _TopK(torch.autograd.Function):
+    """scores.topk(k) along the last dim. The backward scatters the values' gradient onto kept zeros (one launch;
+    torch's makes zeros, then scatters)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values, index = scores.topk(k, dim=-1)
+        ctx.save_for_backward(index)
+        ctx.shape = tuple(scores.shape)
+        ctx.mark_non_differentiable(index)
+        ctx.set_materialize_grads(False)  # (no zeros made for the index's gradient)
+        return values, index
+
+    @staticmethod
+    def backward(ctx, grad: Optional[torch.Tensor], _: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:
+        if grad is None:
+            return None, None
+        (index,) = ctx.saved_tensors
+        return constant(0.0, ctx.shape, grad.dtype, grad.device).scatter(-1, index, grad), None
 
 
 def fused_topk_with_score_function(logits: torch.Tensor, topk: int, use_pre_softmax: bool = False,
@@ -196,8 +217,10 @@ def fused_topk_with_score_function(logits: torch.Tensor, topk: int, use_pre_soft
         probs = top / (top.sum(dim=-1, keepdim=True) + _EPS) if topk > 1 else top
     if scaling_factor:
         probs = probs * scaling_factor
-    routing_probs = torch.zeros_like(logits2d).scatter(1, index, probs.to(logits.dtype))
-    routing_map = torch.zeros_like(logits2d, dtype=torch.bool).scatter(1, index, True)
+    # Scattered into kept zeros: one launch each (see `constant`)
+    zeros = constant(0.0, tuple(logits2d.shape), logits.dtype, logits.device)
+    routing_probs = zeros.scatter(1, index, probs.to(logits.dtype))
+    routing_map = constant(False, tuple(logits2d.shape), torch.bool, logits.device).scatter(1, index, True)
     return routing_probs.view(shape), routing_map.view(shape)
 
 
@@ -211,7 +234,7 @@ def fused_compute_score_for_moe_aux_loss(logits: torch.Tensor, topk: int,
         scores = _scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + _EPS)
     index = scores.topk(topk, dim=-1).indices
-    return torch.zeros_like(logits, dtype=torch.bool).scatter(-1, index, True), scores
+    return constant(False, tuple(logits.shape), torch.bool, logits.device).scatter(-1, index, True), scores
 
 
 def fused_moe_aux_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,

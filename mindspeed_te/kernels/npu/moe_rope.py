@@ -32,13 +32,12 @@ reference.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional, Union
 
 import torch
 
 from mindspeed_te.kernels.npu.common import chip_family
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, constant
 from mindspeed_te.kernels.reference import ROTARY_MODES
 
 # aclnnMoeTokenPermute: indices "要求元素个数小于16777215，值大于等于0小于16777215"
@@ -46,12 +45,6 @@ _INDEX_LIMIT = 16777215
 # torch_npu doc (npu_moe_token_permute): "topK小于等于512"
 _MAX_TOPK = 512
 _ROUTING_MAP = "_mindspeed_te_routing_map"  # the attribute of a kernel row map holding its routing map
-
-
-@functools.lru_cache(maxsize=8)
-def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device, inference: bool) -> torch.Tensor:
-    """Unit merging probs, made once per shape (apart under inference mode: autograd cannot save those)."""
-    return torch.ones(rows, cols, dtype=dtype, device=device)
 
 
 def _expert_order(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +67,25 @@ def _reference_map(sorted_indices: torch.Tensor, k: int, experts: Optional[torch
     flat = token * num_experts + experts.reshape(-1) if experts is not None else token
     pairs = torch.stack([token, flat])
     return torch.empty_like(pairs).index_copy_(1, sorted_indices.long(), pairs)
+
+
+class _PlaceProbs(torch.autograd.Function):
+    """Each (token, expert) pair's prob placed at its permuted row. The backward gathers the rows' gradients back
+    to the pairs and scatters them onto kept zeros (each pair once: a plain scatter, one launch; torch's gather
+    backward makes zeros, then adds)."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(experts, rows)
+        ctx.num_experts = probs.shape[1]
+        pair_probs = probs.gather(1, experts).reshape(-1)
+        return torch.empty_like(pair_probs).index_copy(0, rows, pair_probs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        experts, rows = ctx.saved_tensors
+        zeros = constant(0.0, (experts.shape[0], ctx.num_experts), grad.dtype, grad.device)
+        return zeros.scatter(1, experts, grad.index_select(0, rows).view(experts.shape)), None, None
 
 
 class MoeRopeKernels:
@@ -116,9 +128,8 @@ class MoeRopeKernels:
                                                                           num_out_tokens=experts.numel())
                 setattr(sorted_indices, _ROUTING_MAP, routing_map)
                 permuted_probs = None
-                if probs is not None:  # each pair's prob, placed at its row
-                    pair_probs = probs.gather(1, experts).reshape(-1)
-                    permuted_probs = torch.empty_like(pair_probs).index_copy(0, sorted_indices.long(), pair_probs)
+                if probs is not None:
+                    permuted_probs = _PlaceProbs.apply(probs, experts, sorted_indices.long())
                 return permuted, permuted_probs, sorted_indices
         return super().moe_permute(tokens, routing_map, num_out_tokens, probs)  # type: ignore[misc]
 
@@ -139,8 +150,7 @@ class MoeRopeKernels:
             if merging_probs is not None:
                 probs = merging_probs.gather(1, experts)
             else:  # sum a token's k rows: unit probs (without probs the kernel takes topK = 1)
-                probs = None if k == 1 else _ones(num_tokens, k, rows.dtype, rows.device,
-                                                  torch.is_inference_mode_enabled())
+                probs = None if k == 1 else constant(1.0, (num_tokens, k), rows.dtype, rows.device)
             return self.npu.npu_moe_token_unpermute(rows, row_map, probs=probs)
         num_experts = routing_map.shape[1]
         return super().moe_unpermute(rows, _reference_map(row_map, k, experts, num_experts),  # type: ignore[misc]
