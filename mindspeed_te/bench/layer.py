@@ -261,6 +261,18 @@ ROLES = {"dense": dict(A=3, A_saved=1, G=4, W=4, XA=0, XG=0, XW=0),
          "moe": dict(A=1, A_saved=1, G=2, W=2, XA=2, XG=2, XW=2)}
 
 
+# A grouped linear's experts' per-tensor quantizes: one scale per expert over row blocks of one tensor. No kernel
+# takes a divisor per group (npu_quantize: "size需要为1或和输入x中axis轴的size相等"; npu_group_quant and
+# aclnnGroupedQuantMax multiply by the scale, which rounds the format's ties otherwise than the recipe's divide),
+# nor makes a per-tensor scale per group (npu_dynamic_quant: "当quantMode取"pertensor"或"perchannel"时，
+# groupIndexOptional必须是nullptr"); the grouped GEMM takes x as one tensor ("单单单") with its scales one per group.
+EXPERT_DELAYED = ("their amaxes (one multi-tensor norm, a list of 0-d tensors), stacked (1), max-ed into the "
+                  "history slots (1); the prepared divisors expanded to one per row (1); one npu_quantize (1)")
+EXPERT_CURRENT = (f"the fewer of: one npu_dynamic_quant per expert ({EXPERTS}), their codes and scales joined (2); or "
+                  "one multi-tensor amax, a stack, the scales from it (amax / max, 1 where the amax is 0, at least "
+                  "1/FLT_MAX: 3), the divisors expanded to one per row, one npu_quantize (7)")
+
+
 def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
     """The quantize jobs (and the GEMM changes) of `recipe` in one layer (the same kernels on the 950PR and
     950DT)."""
@@ -275,9 +287,10 @@ def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
                                                                               "and the transposed wgrad"),
                  ("gradient quantizes", MB, n["G"], 2, why),
                  ("weight quantizes", STEP, n["W"], 2, why),
-                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2,
-                  "one multi-tensor amax over the experts' row blocks, one npu_quantize with a divisor per row"),
-                 ("expert weight quantizes", STEP, n["XW"], 2, "the same over the experts' weights (one buffer)"),
+                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 5, EXPERT_DELAYED),
+                 ("expert weight quantizes", STEP, n["XW"], 2, "the experts' weights (one buffer) quantized with their "
+                  "inputs in one pass (their amaxes in the inputs' norm, stack and maximum): their divisors expanded "
+                  "to one per row (1), one npu_quantize (1)"),
                  ("NaN marks", MB, n["A"] + n["A_saved"] + n["G"] + n["XA"] + n["XG"], 1,
                   "one per quantize pass (a GEMM's input and weight together): the decode scales + 0 * amax, so "
                   "that an Inf, which npu_quantize may saturate, still makes the GEMM's output non-finite; no "
@@ -288,10 +301,8 @@ def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
                  ("saved activation quantizes", MB, n["A_saved"], 2, why + " in forward and again in backward"),
                  ("gradient quantizes", MB, n["G"], 1, why),
                  ("weight quantizes", STEP, n["W"], 1, why),
-                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 3,
-                  "each expert its own scale, which no kernel makes per group: one multi-tensor amax, the scales, "
-                  "one npu_quantize with a divisor per row"),
-                 ("expert weight quantizes", STEP, n["XW"], 3, "the same over the experts' weights")]
+                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], min(EXPERTS + 2, 7), EXPERT_CURRENT),
+                 ("expert weight quantizes", STEP, n["XW"], min(EXPERTS + 2, 7), "the same over the experts' weights")]
     elif family == "blockwise":
         row = "npu_dynamic_mx_quant(scale_alg=1) in 128-blocks, its E8M0 bytes decoded to the float32 scales the " \
               "[1,128,128] GEMM takes"
@@ -361,9 +372,12 @@ GAPS = {
                           "scale_inv cast to the input's bfloat16 for npu_quantize, +1 more per micro-batch",
     ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
                             "a 1-layer block skips: +1",
-    ("moe", "all"): "Megatron's unfused router (its map's int / bool casts and zeros, its float32 casts), the "
-                    "permute's experts per token (a sort of the routing map; the floor takes the router's top-k) and "
-                    "the probs' placement at the rows and back: +15 per micro-batch",
+    ("moe", "all"): "the router's softmax over the top-k in float32, its probs back in bfloat16 (a cast in and one "
+                    "out, forward and backward: 4); the permute's experts per token (a sort of the routing map: the "
+                    "floor takes the router's top-k, which the permute kernel would need ascending); the probs' "
+                    "placement at the permuted rows (a cast of the row index and an index_copy, and in backward an "
+                    "index_select, where the floor has a gather each way); the probs multiply's gradient (a mul and "
+                    "a sum): +9 per micro-batch",
     ("moe", "delayed"): "each fprop / dgrad's per-row scales and each quantize's per-row divisors (a "
                         "concatenation each)",
     ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale, which no kernel makes per group), "

@@ -95,9 +95,9 @@ class _GroupedLinear(torch.autograd.Function):
                 for i, qx, qw in zip(active, a_ops, b_ops):
                     observe(weights[i], "input", xs[i], qx)
                     observe(weights[i], "weight", dequantize_if_quantized(weights[i]), qw)
-        # High precision without biases: the output's dtype straight from the GEMM (its float32 sum rounded once,
-        # as the float32 output cast below), which a high-precision grouped GEMM kernel writes itself.
-        gemm_dtype = inp.dtype if q is None and not biases else torch.float32
+        # Without biases the output's dtype straight from the GEMM (its float32 sum, scaled, rounded once, as the
+        # float32 output's cast below would), which the grouped GEMM kernels write themselves.
+        gemm_dtype = inp.dtype if not biases else torch.float32
         outs = backend.grouped_gemm(a_ops, b_ops, out_dtype=gemm_dtype)
         if biases:
             outs = [piece + biases[i].float() for i, piece in zip(active, outs)]  # in fp32, as in fp8_linear
