@@ -534,9 +534,10 @@ def test_mx_experts_add_no_launch_with_the_grouped_quantize(chip, monkeypatch):
     32 tokens each, 4 or 8 experts: the same counts). Forward: the inputs' rowwise form (one
     npu_dynamic_mx_quant of the joined rows), their columnwise forms (one grouped quantize, in the K-split
     GEMM's scale layout), the weights' two forms (row blocks of one buffer, 256 rows each: one dual-axis call
-    on both chips), the fprop npu_grouped_matmul (writing bfloat16 itself). Backward: the grad_outputs' rowwise form (one quantize of the joined rows), their
-    columnwise forms (one grouped quantize), the dgrad and the wgrad npu_grouped_matmul (the K-split MX mode,
-    reading both operands' codes and scales as the grouped quantizes laid them out: no concatenation). Before:
+    on both chips), the fprop npu_grouped_matmul (writing bfloat16 itself). Backward: the grad_outputs' rowwise
+    form (one quantize of the joined rows), their columnwise forms (one grouped quantize), the dgrad and the wgrad
+    npu_grouped_matmul (the K-split MX mode, reading both operands' codes and scales as the grouped quantizes laid
+    them out: no concatenation). Before:
     one columnwise quantize per expert forward and backward, and one npu_quant_matmul per expert's wgrad
     (8 experts: 13 / 18 on the 950PR, 13 / 19 on the 950DT, before either took the dual-axis kernel)."""
     from mindspeed_te.bench.launches import grouped_launches, launch_recipes, npu_simulated

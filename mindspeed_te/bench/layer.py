@@ -378,11 +378,6 @@ GAPS = {
                     "placement at the permuted rows (a cast of the row index and an index_copy, and in backward an "
                     "index_select, where the floor has a gather each way); the probs multiply's gradient (a mul and "
                     "a sum): +9 per micro-batch",
-    ("moe", "delayed"): "each fprop / dgrad's per-row scales and each quantize's per-row divisors (a "
-                        "concatenation each)",
-    ("moe", "tensorwise"): "npu_dynamic_quant per expert (each its own scale, which no kernel makes per group), "
-                           "their codes and scales joined once per tensor (2 concatenations) and each fprop / "
-                           "dgrad's per-row scales made",
     ("moe", "blockwise"): "Megatron pads each expert's tokens to 16 rows (Fp8Padding / Fp8Unpadding: +24 per "
                           "micro-batch); the per-expert wgrads: each operand's tile bytes repeated per 32-block and "
                           "the rowwise tiles' decodes",
