@@ -378,12 +378,14 @@ GAPS = {
                     "placement at the permuted rows (a cast of the row index and an index_copy, and in backward an "
                     "index_select, where the floor has a gather each way); the probs multiply's gradient (a mul and "
                     "a sum): +9 per micro-batch",
-    ("moe", "blockwise"): "Megatron pads each expert's tokens to 16 rows (Fp8Padding / Fp8Unpadding: +24 per "
-                          "micro-batch); the per-expert wgrads: each operand's tile bytes repeated per 32-block and "
-                          "the rowwise tiles' decodes",
-    ("moe", "mxfp8"): "Megatron pads each expert's tokens to 32 rows (Fp8Padding / Fp8Unpadding: +24 per "
-                      "micro-batch: MX blocks along the tokens start at each expert's first row); the experts' MX "
-                      "scales joined for each grouped GEMM",
+    ("moe", "blockwise"): "Megatron pads each expert's tokens to 16 rows (Fp8Padding / Fp8Unpadding: about 20 per "
+                          "micro-batch: 1x128 tiles along the tokens start at each expert's first row); the "
+                          "per-expert wgrads: each operand's tile bytes repeated per 32-block and the rowwise tiles' "
+                          "decodes",
+    ("moe", "mxfp8"): "Megatron pads each expert's tokens to 32 rows (Fp8Padding / Fp8Unpadding: about 20 per "
+                      "micro-batch: MX blocks along the tokens start at each expert's first row); the experts' "
+                      "columnwise codes and MX scales joined for the K-split wgrad (8 per micro-batch; none with "
+                      "op-plugin 26.0.0's npu_grouped_dynamic_mx_quant)",
 }
 
 
