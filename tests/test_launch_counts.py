@@ -522,14 +522,8 @@ def test_save_original_input_adds_only_the_inputs_quantize_to_backward(chip, nam
 
 
 # The weight-gradient kernels of op-plugin 26.0.0 and later (npu_sim.fused_wgrad), in the backend's simulator
-def _with_fused_wgrad(monkeypatch):
-    from mindspeed_te.testing import npu_sim
-
-    monkeypatch.setattr(npu_sim, "make_simulator", npu_sim.make_simulator_with_fused_wgrad)
-
-
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])
-def test_mx_experts_add_no_launch_with_the_grouped_quantize(chip, monkeypatch):
+def test_mx_experts_add_no_launch_with_the_grouped_quantize(chip):
     """With npu_grouped_dynamic_mx_quant in torch_npu no MXFP8 expert adds a launch (GroupedLinear(e, 256, 256),
     32 tokens each, 4 or 8 experts: the same counts). Forward: the inputs' rowwise form (one
     npu_dynamic_mx_quant of the joined rows), their columnwise forms (one grouped quantize, in the K-split
@@ -542,8 +536,7 @@ def test_mx_experts_add_no_launch_with_the_grouped_quantize(chip, monkeypatch):
     (8 experts: 13 / 18 on the 950PR, 13 / 19 on the 950DT, before either took the dual-axis kernel)."""
     from mindspeed_te.bench.launches import grouped_launches, launch_recipes, npu_simulated
 
-    _with_fused_wgrad(monkeypatch)
-    with npu_simulated(chip) as npu:
+    with npu_simulated(chip, release="26.1") as npu:
         few, many = (grouped_launches(launch_recipes()["mxfp8 E4M3"], torch.bfloat16, npu, experts=e) for e in (4, 8))
     assert few[0].counts == many[0].counts and few[1].counts == many[1].counts, (few, many)
     weights = {"torch_npu.npu_dynamic_mx_quant_with_dual_axis": 1}
@@ -572,7 +565,7 @@ def _accumulating_launches(name, npu, experts=None, layout="apart"):
     return _second_layer_launches(launch_recipes()[name], layer, 32 * experts, npu, [32] * experts)[1]
 
 
-def test_mx_wgrad_accumulation_into_main_grad_is_the_gemm(monkeypatch):
+def test_mx_wgrad_accumulation_into_main_grad_is_the_gemm():
     """--gradient-accumulation-fusion: with npu_add_quant_matmul_ in torch_npu an MXFP8 Linear's wgrad is added
     into the float32 main_grad by the GEMM itself: backward 5 -> 4 launches (grad_output's two forms in one
     dual-axis call, the dgrad, the fused wgrad, the bias gradient's sum), in place of npu_quant_matmul + add_.
@@ -581,8 +574,7 @@ def test_mx_wgrad_accumulation_into_main_grad_is_the_gemm(monkeypatch):
 
     with npu_simulated() as npu:
         before = {name: _accumulating_launches(name, npu).counts for name in ("mxfp8 E4M3", "delayed HIF8")}
-    _with_fused_wgrad(monkeypatch)
-    with npu_simulated() as npu:
+    with npu_simulated(release="26.1") as npu:
         after = {name: _accumulating_launches(name, npu).counts for name in ("mxfp8 E4M3", "delayed HIF8")}
     dual = "torch_npu.npu_dynamic_mx_quant_with_dual_axis"
     assert before["mxfp8 E4M3"] == {dual: 1, "torch_npu.npu_quant_matmul": 2, "aten.add_": 1, "aten.sum": 1}
@@ -592,7 +584,7 @@ def test_mx_wgrad_accumulation_into_main_grad_is_the_gemm(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["delayed E4M3", "mxfp8 E4M3"])
-def test_experts_wgrad_accumulation_is_one_launch_for_all(name, monkeypatch):
+def test_experts_wgrad_accumulation_is_one_launch_for_all(name):
     """The experts' wgrads (one grouped GEMM, float32) are added into their float32 main_grads by one
     multi-tensor add (torch_npu's fused _foreach_add_, 24 tensors a call) in place of one add per expert: 8
     experts' backward, delayed 21 -> 9 (its dgrad reads the grad_outputs' scales one per group, its amaxes
@@ -613,8 +605,7 @@ def test_experts_wgrad_accumulation_is_one_launch_for_all(name, monkeypatch):
     assert sum(counts[("apart", 8)].values()) == (9 if name.startswith("delayed") else 16)
     assert counts[("reverse", 8)] == counts[("apart", 8)]
     if name.startswith("mxfp8"):
-        _with_fused_wgrad(monkeypatch)
-        with npu_simulated() as npu:
+        with npu_simulated(release="26.1") as npu:
             apart, in_order = (_accumulating_launches(name, npu, 8, layout) for layout in ("apart", "in order"))
         assert apart.total == 5 and in_order.total == 4
         assert in_order.counts["torch_npu.npu_add_quant_gmm_"] == 1 and "aten._foreach_add_" not in in_order.counts

@@ -1781,3 +1781,20 @@ def test_npu_experts_need_no_padding_rows_under_per_tensor_recipes(name, monkeyp
     assert npu_splits == (reference_splits if name.startswith("mxfp8") else splits)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_the_simulator_takes_a_torch_npu_release(monkeypatch):
+    """MINDSPEED_TE_NPU_SIMULATOR=<chip>@<release>: that chip with the kernels of that torch_npu release (26.1 has
+    the grouped MX quantize, the fused wgrad GEMMs, the fused norm / SwiGLU quantizes and npu_quant_max, 2.14 none);
+    an unknown release is refused by name."""
+    from mindspeed_te.kernels.npu import load_torch_npu
+
+    newer = ("npu_grouped_dynamic_mx_quant", "npu_add_quant_gmm_", "npu_rms_norm_dynamic_mx_quant", "npu_quant_max")
+    for value, chip, has in (("Ascend950DT@26.1", "Ascend950DT", True), ("Ascend950DT", "Ascend950DT", False),
+                             ("1", "Ascend950PR", False), ("Ascend950PR@2.14", "Ascend950PR", False)):
+        monkeypatch.setenv("MINDSPEED_TE_NPU_SIMULATOR", value)
+        npu = load_torch_npu()
+        assert npu.soc_name == chip and all(hasattr(npu, name) == has for name in newer), value
+    monkeypatch.setenv("MINDSPEED_TE_NPU_SIMULATOR", "Ascend950PR@26.9")
+    with pytest.raises(ValueError, match="torch_npu release '26.9' is not simulated; choose one of 2.14, 26.1"):
+        load_torch_npu()

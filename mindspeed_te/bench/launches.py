@@ -53,11 +53,13 @@ def backend_environment(backend: str, simulator: Optional[str] = None, fused: bo
 
 
 @contextmanager
-def npu_simulated(chip: str = "1") -> Iterator[Any]:
+def npu_simulated(chip: str = "1", release: Optional[str] = None) -> Iterator[Any]:
     """The NPU backend on the torch_npu simulator for CPU tensors; yields the simulated torch_npu module.
-    `chip`: "1" (the simulator's default, an Ascend 950PR) or a chip name such as "Ascend950DT". The CPU-only
-    fused cast extension is off, so the library takes the torch ops it would run on an NPU."""
-    with backend_environment("npu", chip, fused=False) as chosen:
+    `chip`: "1" (the simulator's default, an Ascend 950PR) or a chip name such as "Ascend950DT"; `release`: the
+    torch_npu release whose kernels it has (npu_sim.RELEASES; 2.14 when None). The CPU-only fused cast extension
+    is off, so the library takes the torch ops it would run on an NPU."""
+    name = "Ascend950PR" if chip == "1" and release else chip
+    with backend_environment("npu", f"{name}@{release}" if release else chip, fused=False) as chosen:
         yield chosen.npu
 
 

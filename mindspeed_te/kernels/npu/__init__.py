@@ -131,13 +131,15 @@ def _refuse_simulator_on_an_npu(simulator: str) -> None:
 
 def load_torch_npu() -> Any:
     """torch_npu, or the simulator when MINDSPEED_TE_NPU_SIMULATOR is 1 (an Ascend 950PR) or a chip name
-    starting with "Ascend" (that chip, e.g. Ascend950DT), which is refused on a host with an NPU."""
+    starting with "Ascend" (that chip, e.g. Ascend950DT), which is refused on a host with an NPU. A chip name may
+    end in @release: the kernels of that torch_npu release (Ascend950PR@26.1; 2.14 without one)."""
     simulator = os.environ.get(SIMULATOR_ENV, "0")
     if simulator == "1" or simulator.startswith("Ascend"):
         _refuse_simulator_on_an_npu(simulator)
-        from mindspeed_te.testing.npu_sim import make_simulator
+        from mindspeed_te.testing.npu_sim import make_release_simulator
 
-        return make_simulator() if simulator == "1" else make_simulator(simulator)
+        chip, _, release = ("Ascend950PR" if simulator == "1" else simulator).partition("@")
+        return make_release_simulator(chip, release or "2.14")
     try:
         torch_npu = _installed_torch_npu()
         if torch_npu is None:

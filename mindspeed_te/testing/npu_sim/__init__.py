@@ -29,7 +29,8 @@ scale), on a simulator of its own (`make_simulator_with_quant_max`), so that the
 fused_quant.py: npu_rms_norm_dynamic_mx_quant and npu_swiglu_mx_quant_with_dual_axis (op-plugin 26.0.0 / 26.1.0 and
 later), which the backend calls where torch_npu has them, on a simulator of their own
 (`make_simulator_with_fused_quant`); fused_wgrad.py: npu_grouped_dynamic_mx_quant, npu_add_quant_matmul_ and
-npu_add_quant_gmm_ (op-plugin 26.0.0 and later), likewise (`make_simulator_with_fused_wgrad`).
+npu_add_quant_gmm_ (op-plugin 26.0.0 and later), likewise (`make_simulator_with_fused_wgrad`); releases.py: a
+simulated torch_npu 26.1 with all of them (`make_release_simulator`).
 """
 from mindspeed_te.testing.npu_sim.dtypes import FLOAT4_E2M1FN_X2, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT8_E8M0FNU, HIFLOAT8
 from mindspeed_te.testing.npu_sim.errors import (
@@ -51,6 +52,7 @@ from mindspeed_te.testing.npu_sim.quant_max import (
                                                  NpuSimulatorWithQuantMax,
                                                  make_simulator_with_quant_max,
 )
+from mindspeed_te.testing.npu_sim.releases import RELEASES, NpuSimulator26, make_release_simulator
 from mindspeed_te.testing.npu_sim.simulator import NpuSimulator, make_simulator
 
 __all__ = [
@@ -62,6 +64,9 @@ __all__ = [
     "make_simulator_with_fused_quant",
     "NpuSimulatorWithFusedWgrad",
     "make_simulator_with_fused_wgrad",
+    "RELEASES",
+    "NpuSimulator26",
+    "make_release_simulator",
     "NpuContractError",
     "NpuTypeError",
     "NpuValueError",
