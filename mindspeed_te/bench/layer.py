@@ -48,6 +48,9 @@ RECIPES: dict[str, Optional[tuple[str, str]]] = {
     "mxfp8 E4M3": ("e4m3", "mxfp8"),
 }
 CHIPS = ("Ascend950PR", "Ascend950DT")
+# The torch_npu releases measured (npu_sim.RELEASES): 2.14 on each chip, 26.1 (its grouped MX quantize and fused
+# GEMMs) on the first.
+NEWER_RELEASE = "26.1"
 KINDS = ("dense", "moe")
 
 # Ops that run on the host on an NPU: the profiler's markers.
@@ -328,10 +331,10 @@ def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
                                                                      "columnwise in backward"),
                  ("gradient quantizes", MB, n["G"], 1, why),
                  ("weight quantizes", STEP, n["W"], 1, why),
-                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 1 + EXPERTS,
-                  "the rowwise form of the joined rows in one call, the columnwise one per expert (its scales come "
-                  "in 64-row pairs); a dual-axis call per expert costs as many and scatters the rowwise forms, "
-                  "which the grouped GEMM reads as one tensor"),
+                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2,
+                  "the rowwise form of the joined rows in one call, every expert's columnwise form in one "
+                  "npu_grouped_dynamic_mx_quant (op-plugin 26.0.0 and later), laid out as the K-split wgrad reads "
+                  "them; torch_npu 2.14 has no grouped MX quantize: one call per expert there"),
                  ("expert weight quantizes", STEP, n["XW"], 1, why + ", the experts' weights in one buffer")]
     if family in ("delayed", "tensorwise", "mxfp8") and kind == "dense":
         jobs.append(("QKV bias to float32", STEP, 1, 1, "the FP8 GEMMs take a float32 bias only; cast once per step "
@@ -383,9 +386,9 @@ GAPS = {
                           "per-expert wgrads: each operand's tile bytes repeated per 32-block and the rowwise tiles' "
                           "decodes",
     ("moe", "mxfp8"): "Megatron pads each expert's tokens to 32 rows (Fp8Padding / Fp8Unpadding: about 20 per "
-                      "micro-batch: MX blocks along the tokens start at each expert's first row); the experts' "
-                      "columnwise codes and MX scales joined for the K-split wgrad (8 per micro-batch; none with "
-                      "op-plugin 26.0.0's npu_grouped_dynamic_mx_quant)",
+                      "micro-batch: MX blocks along the tokens start at each expert's first row); torch_npu 2.14 "
+                      "only: no grouped MX quantize, so the experts' columnwise forms take a call per part of whole "
+                      "64-row pairs and are joined for the K-split wgrad (+12 per micro-batch)",
 }
 
 
@@ -409,16 +412,17 @@ def bench_layer_launches(kinds: tuple[str, ...] = KINDS, chips: tuple[str, ...] 
     rows = []
     with megatron_world(cpu_adaptor=True):
         for kind in kinds:
-            for chip in chips:
+            for chip, release in [(chip, None) for chip in chips] + [(chips[0], NEWER_RELEASE)]:
                 splits = {}
                 for name in ("bf16", *[n for n in names if n != "bf16"]):
-                    with npu_simulated(chip):
+                    with npu_simulated(chip, release):
                         splits[name] = layer_split(RECIPES[name], kind == "moe")[0]
-                rows += _rows(kind, chip, names, splits)
+                label = _label(chip) + (f", torch_npu {release}" if release else "")
+                rows += _rows(kind, label, names, splits)
     return rows
 
 
-def _rows(kind: str, chip: str, names: tuple[str, ...], splits: dict[str, LayerSplit]
+def _rows(kind: str, label: str, names: tuple[str, ...], splits: dict[str, LayerSplit]
           ) -> list[tuple[str, float, str]]:
     rows = []
     base, base_floor = splits["bf16"], floor("bf16", kind)
@@ -426,7 +430,7 @@ def _rows(kind: str, chip: str, names: tuple[str, ...], splits: dict[str, LayerS
         split, fl = splits[name], floor(name, kind)
         adamw = sum(j.total for j in floor_jobs(name, kind) if j.name == "AdamW")
         bare = (split.per_layer - split.optimizer) / (fl.per_layer - adamw)
-        rows.append((f"NPU launches per GPT layer, {kind}, {name}, {_label(chip)}", split.per_layer / fl.per_layer,
+        rows.append((f"NPU launches per GPT layer, {kind}, {name}, {label}", split.per_layer / fl.per_layer,
                      f"micro-batch {split.micro_batch} / step {split.step} / constant {split.constant}; per layer "
                      f"{split.per_layer} (AdamW {split.optimizer}), floor {fl.per_layer} ({fl.micro_batch} / "
                      f"{fl.step}, AdamW {adamw}); without AdamW {bare:.2f}; {gaps(kind, name)}"))
@@ -436,6 +440,6 @@ def _rows(kind: str, chip: str, names: tuple[str, ...], splits: dict[str, LayerS
                   f"{MICRO_BATCHES}, step {split.step - base.step:+d}); floor "
                   f"{fl.per_layer - base_floor.per_layer:+d}: each activation and gradient quantize is a launch of "
                   "its own")
-        rows.append((f"NPU launches per GPT layer FP8 - bf16, {kind}, {name}, {_label(chip)}",
+        rows.append((f"NPU launches per GPT layer FP8 - bf16, {kind}, {name}, {label}",
                      float(split.per_layer - base.per_layer), detail))
     return rows

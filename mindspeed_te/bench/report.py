@@ -7,6 +7,7 @@ from typing import Callable
 
 # The FP8 recipes of the GPT layer launch rows (mindspeed_te.bench.layer.RECIPES)
 _FP8 = ("delayed HiF8", "delayed E4M3", "tensorwise E4M3", "tensorwise HiF8", "blockwise E4M3", "mxfp8 E4M3")
+_LAYER_CHIPS = ("950PR", "950DT", "950PR, torch_npu 26.1")  # the layer bench's chips and kernel sets
 # name -> (target, True when the ratio must be at least the target / False when at most)
 
 
@@ -55,9 +56,9 @@ TARGETS = {
     # and at most the 4 weights' quantizes more than bf16 (dense and MoE: bf16 experts take npu_grouped_matmul
     # as FP8 ones do, so the two compare like for like).
     **{f"NPU launches per GPT layer, {kind}, {recipe}, {chip}": (1.25, False)
-       for kind in ("dense", "moe") for recipe in ("bf16", *_FP8) for chip in ("950PR", "950DT")},
+       for kind in ("dense", "moe") for recipe in ("bf16", *_FP8) for chip in _LAYER_CHIPS},
     **{f"NPU launches per GPT layer FP8 - bf16, {kind}, {recipe}, {chip}": (4, False)
-       for kind in ("dense", "moe") for recipe in _FP8 for chip in ("950PR", "950DT")},
+       for kind in ("dense", "moe") for recipe in _FP8 for chip in _LAYER_CHIPS},
     **{f"GPT step {label} / bf16": (1.3, False) for label in ("delayed HiF8", "delayed E4M3", "delayed HYBRID",
                                                             "tensorwise E4M3", "blockwise E4M3", "mxfp8 E4M3")},
 }
