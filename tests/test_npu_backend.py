@@ -1768,17 +1768,25 @@ def _padded_grouped_step(use_backend, backend_name, monkeypatch, recipe, splits,
     return [y.detach(), x.grad] + [w.grad for w in layer.weights], padded_splits
 
 
-@pytest.mark.parametrize("name", ["delayed/hif8", "tensorwise/e4m3", "tensorwise/hif8", "mxfp8/hybrid"])
-def test_npu_experts_need_no_padding_rows_under_per_tensor_recipes(name, monkeypatch, use_backend):
+@pytest.mark.parametrize("name", ["delayed/hif8", "tensorwise/e4m3", "tensorwise/hif8", "mxfp8/hybrid",
+                                  "blockwise pow2/e4m3"])
+def test_npu_experts_pad_to_what_their_kernels_need(name, monkeypatch, use_backend):
     """npu_grouped_matmul takes any rows per group (aclnnGroupedMatmulV4), so under per-tensor recipes Megatron's
-    Fp8Padding pads nothing on the NPU, where TE's GEMMs want 16 rows per expert (the reference backend pads):
-    the results are the padded run's bit for bit, since padding rows are zeros. MX blocks still need 32 rows."""
+    Fp8Padding pads nothing on the NPU, where TE's GEMMs want 16 rows per expert (the reference backend pads).
+    MX blocks still need 32 rows; blockwise experts take 32 on the NPU (their wgrad, power-of-2 scales as TE's
+    default, runs in the MX mode, 32-long blocks along the tokens), with no dequantize + matmul fallback for an
+    expert of 16 * odd rows. The results
+    are the reference's padded run's bit for bit, since padding rows are zeros."""
+    from mindspeed_te.diagnostics import LaunchCounter
+
     splits = [5, 0, 37, 22]
     sim = make_simulator("Ascend950PR")
-    got, npu_splits = _padded_grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
+    with LaunchCounter(sim) as counter:
+        got, npu_splits = _padded_grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
     want, reference_splits = _padded_grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)
     assert reference_splits == ([32, 0, 64, 32] if name.startswith("mxfp8") else [16, 0, 48, 32])
-    assert npu_splits == (reference_splits if name.startswith("mxfp8") else splits)
+    assert npu_splits == {"mxfp8": [32, 0, 64, 32], "blockwise pow2": [32, 0, 64, 32]}.get(name.split("/")[0], splits)
+    assert "aten.mm" not in counter.counts and "aten.matmul" not in counter.counts, counter.counts
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 

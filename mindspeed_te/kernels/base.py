@@ -32,6 +32,7 @@ class Capabilities:
     native_mx_gemm: MXFP8 GEMMs run as device kernels (what makes MXFP8 TE's default recipe on a device).
     unaligned_per_tensor_groups: the grouped GEMMs of per-tensor FP8/HiF8 operands take any rows per group, so
         `Fp8Padding` pads no expert's rows (TE's GEMMs want 16).
+    blockwise_expert_rows: the rows per expert `Fp8Padding` pads to under blockwise recipes (TE's 16).
     """
 
     fused_communication_gemm: bool = False
@@ -39,6 +40,7 @@ class Capabilities:
     fused_communication_world_sizes: tuple[int, ...] = ()
     native_mx_gemm: bool = False
     unaligned_per_tensor_groups: bool = False
+    blockwise_expert_rows: int = 16
 
 
 class KernelBackend(ABC):

@@ -17,12 +17,16 @@ from mindspeed_te.state import FP8GlobalStateManager
 
 
 def _alignment(device: torch.device) -> int:
-    """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM: TE's rule, or 1
-    for per-tensor recipes where the backend's grouped GEMMs take any rows per group (the NPU's). Padding rows
-    are zeros, which change no amax and no sum, so either way gives the same results."""
+    """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM: TE's rule, 1 for
+    per-tensor recipes where the backend's grouped GEMMs take any rows per group (the NPU's), the backend's own
+    for blockwise recipes (the NPU's 32). Padding rows are zeros, which change no amax and no sum, so any
+    alignment gives the same results."""
     recipe = FP8GlobalStateManager.get_fp8_recipe()
-    if recipe.float8_per_tensor_scaling() and get_backend(device).capabilities.unaligned_per_tensor_groups:
+    capabilities = get_backend(device).capabilities
+    if recipe.float8_per_tensor_scaling() and capabilities.unaligned_per_tensor_groups:
         return 1
+    if recipe.float8_block_scaling():
+        return capabilities.blockwise_expert_rows
     return quantization_align_size(recipe)
 
 

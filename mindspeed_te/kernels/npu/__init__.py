@@ -213,10 +213,12 @@ class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention,
     # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"; the bindings of
     # the base (high-precision) kernels: "world_size should be in [2, 4, 8, 16, 32]" (the quant ones add 64)
     # aclnnGroupedMatmulV4: "实现分组矩阵乘计算，每组矩阵乘的维度大小可以不同" (each group's sizes may differ); the
-    # per-tensor modes (T-T) add no alignment of their own
+    # per-tensor modes (T-T) add no alignment of their own. Blockwise experts pad to 32 rows: each one's wgrad
+    # (1x128 tiles on both operands, which no blockwise mode takes) runs in the MX mode, whose blocks along k (the
+    # tokens) are 32 long ("计算公式中量化block size为：gsM = gsN = 1，gsK = 32"); 16 would leave half a block.
     capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
                                 fused_communication_world_sizes=(2, 4, 8, 16, 32), native_mx_gemm=True,
-                                unaligned_per_tensor_groups=True)
+                                unaligned_per_tensor_groups=True, blockwise_expert_rows=32)
     bf16_output_gemm = False  # the dequantize fallback runs as the device would run it
 
     def __init__(self, torch_npu: Any) -> None:
