@@ -36,6 +36,33 @@ def test_padding_round_trip_and_gradients():
         Fp8Padding(2)(x, [1, 2])
 
 
+def test_padding_copies_the_rows_once_each_way():
+    """Fp8Padding and Fp8Unpadding are one concatenation each way, with views of zeros kept per shape (per-expert
+    pads and slices took a launch each: 24 per MoE micro-batch); each one's gradient is the other's relay of the
+    seed: padding keeps the real rows' gradients, unpadding gives the padding rows zero."""
+    from mindspeed_te.diagnostics import LaunchCounter
+
+    splits, gen = [5, 0, 17, 32], torch.Generator().manual_seed(0)
+    x = torch.randn(sum(splits), 8, generator=gen, requires_grad=True)
+    with LaunchCounter() as forward:
+        padded, padded_splits = Fp8Padding(4)(x, splits)
+    seed = torch.randn(padded.shape, generator=gen)
+    with LaunchCounter() as backward:
+        padded.backward(seed)
+    assert padded_splits == [16, 0, 32, 32] and forward.counts == backward.counts == {"aten.cat": 1}
+    assert torch.equal(x.grad, torch.cat([seed[0:5], seed[16:33], seed[48:80]]))
+    rows = padded.detach().requires_grad_()
+    with LaunchCounter() as forward:
+        back = Fp8Unpadding(4)(rows, splits)
+    seed = torch.randn(back.shape, generator=gen)
+    with LaunchCounter() as backward:
+        back.backward(seed)
+    assert torch.equal(back, x.detach()) and forward.counts == backward.counts == {"aten.cat": 1}
+    want = torch.zeros(80, 8)
+    want[0:5], want[16:33], want[48:80] = seed[0:5], seed[5:22], seed[22:54]
+    assert torch.equal(rows.grad, want)
+
+
 def _block(layers):
     def run(x):
         return layers[1](torch.nn.functional.gelu(layers[0](x)))

@@ -9,6 +9,7 @@ import torch
 
 from mindspeed_te.checkpointing import checkpoint
 from mindspeed_te.kernels import get_backend
+from mindspeed_te.kernels.permutation import constant
 from mindspeed_te.megatron.common import quantization_align_size
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
 from mindspeed_te.ops.cpu_offload import get_cpu_offload_context as _get_cpu_offload_context
@@ -28,6 +29,34 @@ def _alignment(device: torch.device) -> int:
     if recipe.float8_block_scaling():
         return capabilities.blockwise_expert_rows
     return quantization_align_size(recipe)
+
+
+def _relaid(x: torch.Tensor, sizes: list[int], new_sizes: list[int]) -> torch.Tensor:
+    """The row blocks of `x` (`sizes`) at `new_sizes` rows each: cut to their first rows, or followed by zero rows
+    (views of zeros kept per shape, `constant`), in one concatenation."""
+    pieces, zeros = [], None
+    for block, rows in zip(torch.split(x, sizes), new_sizes):
+        pieces.append(block[:rows])
+        if rows > block.shape[0]:
+            if zeros is None:
+                pad = max(n - m for m, n in zip(sizes, new_sizes))
+                zeros = constant(0.0, (pad, *x.shape[1:]), x.dtype, x.device)
+            pieces.append(zeros[: rows - block.shape[0]])
+    return torch.cat(pieces)
+
+
+class _Relay(torch.autograd.Function):
+    """`_relaid` both ways: padding's gradient drops the padding rows', unpadding's adds zeros for them (one
+    concatenation each way; per-block pads and slices cost a launch each)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: list[int], new_sizes: list[int]) -> torch.Tensor:
+        ctx.sizes, ctx.new_sizes = sizes, new_sizes
+        return _relaid(x, sizes, new_sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _relaid(grad, ctx.new_sizes, ctx.sizes), None, None
 
 
 class _SplitPadding(torch.nn.Module):
@@ -55,10 +84,7 @@ class Fp8Padding(_SplitPadding):
         padded = self._padded_splits(m_splits, inp.device)
         if padded == m_splits:
             return inp, padded
-        chunks = torch.split(inp, m_splits)
-        pieces = [torch.nn.functional.pad(c, (0, 0) * (c.dim() - 1) + (0, p - c.shape[0]))
-                  for c, p in zip(chunks, padded)]
-        return torch.cat(pieces), padded
+        return _Relay.apply(inp, m_splits, padded), padded
 
 
 class Fp8Unpadding(_SplitPadding):
@@ -71,9 +97,10 @@ class Fp8Unpadding(_SplitPadding):
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
         padded = check_m_splits(inp, self._padded_splits(m_splits, inp.device), self.num_gemms)
-        if padded == [int(m) for m in m_splits]:
+        splits = [int(m) for m in m_splits]
+        if padded == splits:
             return inp
-        return torch.cat([c[:m] for c, m in zip(torch.split(inp, padded), m_splits)])
+        return _Relay.apply(inp, padded, splits)
 
 
 class TECudaRNGStatesTracker:
