@@ -18,7 +18,7 @@ from mindspeed_te.diagnostics import HostSyncCounter
 from mindspeed_te.kernels import get_backend, requested_backend
 from mindspeed_te.kernels.npu import NpuBackend
 from mindspeed_te.ops import LinearQuantizers, fp8_linear
-from mindspeed_te.testing.npu_sim import make_simulator
+from mindspeed_te.testing.npu_sim import make_release_simulator, make_simulator
 from tests.recipes import recipes
 
 NO_POW2 = QParams(power_2_scale=False)
@@ -1773,22 +1773,25 @@ def _padded_grouped_step(use_backend, backend_name, monkeypatch, recipe, splits,
 def test_npu_experts_pad_to_what_their_kernels_need(name, monkeypatch, use_backend):
     """npu_grouped_matmul takes any rows per group (aclnnGroupedMatmulV4), so under per-tensor recipes Megatron's
     Fp8Padding pads nothing on the NPU, where TE's GEMMs want 16 rows per expert (the reference backend pads).
-    MX blocks still need 32 rows; blockwise experts take 32 on the NPU (their wgrad, power-of-2 scales as TE's
-    default, runs in the MX mode, 32-long blocks along the tokens), with no dequantize + matmul fallback for an
-    expert of 16 * odd rows. The results
-    are the reference's padded run's bit for bit, since padding rows are zeros."""
+    MX experts take 64 rows without npu_grouped_dynamic_mx_quant (torch_npu 2.14): every expert then starts at a
+    whole 64-row pair of its columnwise scales, and one quantize call makes all the experts' forms; with it, 32
+    (TE's). Blockwise experts take 32 on the NPU (their wgrad, power-of-2 scales as TE's default, runs in the MX
+    mode, 32-long blocks along the tokens), with no dequantize + matmul fallback for an expert of 16 * odd rows.
+    The results are the reference's padded run's bit for bit, since padding rows are zeros."""
     from mindspeed_te.diagnostics import LaunchCounter
 
     splits = [5, 0, 37, 22]
-    sim = make_simulator("Ascend950PR")
-    with LaunchCounter(sim) as counter:
-        got, npu_splits = _padded_grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
     want, reference_splits = _padded_grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)
     assert reference_splits == ([32, 0, 64, 32] if name.startswith("mxfp8") else [16, 0, 48, 32])
-    assert npu_splits == {"mxfp8": [32, 0, 64, 32], "blockwise pow2": [32, 0, 64, 32]}.get(name.split("/")[0], splits)
-    assert "aten.mm" not in counter.counts and "aten.matmul" not in counter.counts, counter.counts
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    for release in ("2.14", "26.1"):
+        sim = make_release_simulator("Ascend950PR", release)
+        with LaunchCounter(sim) as counter:
+            got, npu_splits = _padded_grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
+        mx = [64, 0, 64, 64] if release == "2.14" else [32, 0, 64, 32]
+        assert npu_splits == {"mxfp8": mx, "blockwise pow2": [32, 0, 64, 32]}.get(name.split("/")[0], splits)
+        assert "aten.mm" not in counter.counts and "aten.matmul" not in counter.counts, counter.counts
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), release
 
 
 def test_the_simulator_takes_a_torch_npu_release(monkeypatch):

@@ -33,6 +33,7 @@ class Capabilities:
     unaligned_per_tensor_groups: the grouped GEMMs of per-tensor FP8/HiF8 operands take any rows per group, so
         `Fp8Padding` pads no expert's rows (TE's GEMMs want 16).
     blockwise_expert_rows: the rows per expert `Fp8Padding` pads to under blockwise recipes (TE's 16).
+    mx_expert_rows: the rows per expert `Fp8Padding` pads to under MX recipes (TE's 32).
     """
 
     fused_communication_gemm: bool = False
@@ -41,6 +42,7 @@ class Capabilities:
     native_mx_gemm: bool = False
     unaligned_per_tensor_groups: bool = False
     blockwise_expert_rows: int = 16
+    mx_expert_rows: int = 32
 
 
 class KernelBackend(ABC):

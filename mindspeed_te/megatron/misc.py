@@ -28,6 +28,8 @@ def _alignment(device: torch.device) -> int:
         return 1
     if recipe.float8_block_scaling():
         return capabilities.blockwise_expert_rows
+    if recipe.mxfp8():
+        return capabilities.mx_expert_rows
     return quantization_align_size(recipe)
 
 

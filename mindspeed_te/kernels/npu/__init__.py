@@ -63,6 +63,7 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -229,6 +230,11 @@ class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention,
         self.supports_fp8 = str(device_name).startswith("Ascend950")
         if getattr(torch_npu, "is_simulator", False):  # its cube sums as the reference backend's GEMM does
             torch_npu.set_bf16_matmul(fused_cast.gemm_bf16)
+        if not hasattr(torch_npu, "npu_grouped_dynamic_mx_quant"):
+            # MX experts at whole 64-row pairs of their columnwise scales (aclnnDynamicMxQuant mxscaleOut: "并对其
+            # 进行偶数pad"): one quantize call then makes every expert's forms, which lie joined. torch_npu's grouped
+            # MX quantize lays out each expert's pairs by itself.
+            self.capabilities = dataclasses.replace(self.capabilities, mx_expert_rows=64)
 
     def available(self) -> tuple[bool, str]:
         """FP8, HiF8 and MX kernels exist on the Ascend 950 series only."""
