@@ -381,14 +381,13 @@ GAPS = {
                     "placement at the permuted rows (a cast of the row index and an index_copy, and in backward an "
                     "index_select, where the floor has a gather each way); the probs multiply's gradient (a mul and "
                     "a sum): +9 per micro-batch",
-    ("moe", "blockwise"): "Megatron pads each expert's tokens to 16 rows (Fp8Padding / Fp8Unpadding: about 20 per "
-                          "micro-batch: 1x128 tiles along the tokens start at each expert's first row); the "
-                          "per-expert wgrads: each operand's tile bytes repeated per 32-block and the rowwise tiles' "
-                          "decodes",
-    ("moe", "mxfp8"): "Megatron pads each expert's tokens to 32 rows (Fp8Padding / Fp8Unpadding: about 20 per "
-                      "micro-batch: MX blocks along the tokens start at each expert's first row); torch_npu 2.14 "
-                      "only: no grouped MX quantize, so the experts' columnwise forms take a call per part of whole "
-                      "64-row pairs and are joined for the K-split wgrad (+12 per micro-batch)",
+    ("moe", "blockwise"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 32 rows on the NPU: "
+                          "one concatenation each way, 6 per micro-batch: 1x128 tiles along the tokens start at "
+                          "each expert's first row); the per-expert wgrads: each operand's tile bytes repeated per "
+                          "32-block and the rowwise tiles' decodes",
+    ("moe", "mxfp8"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 64 rows on torch_npu 2.14, "
+                      "32 on 26.1: one concatenation each way, 6 per micro-batch: MX blocks along the tokens start "
+                      "at each expert's first row)",
 }
 
 
