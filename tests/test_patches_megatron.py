@@ -249,7 +249,7 @@ def _train_gpt(rank: int, world_size: int, fp8: str | None, recipe: str, full: d
         os.environ["MINDSPEED_TE_BACKEND"] = backend
         os.environ["MINDSPEED_TE_NPU_SIMULATOR"] = "1"
         simulator = npu_sim.make_simulator()  # one simulator for the run, so its launch counts add up
-        npu_sim.make_simulator = lambda soc_name="Ascend950PR": simulator
+        npu_sim.make_release_simulator = lambda soc_name="Ascend950PR", release="2.14": simulator
     registry = PatchRegistry()
     register_megatron_te(registry)
     if moe:
