@@ -256,6 +256,7 @@ def test_topk_routing_matches_unfused(bind, case, dtype):
 def test_routing_outputs_are_new_tensors():
     """The router scatters into zeros it keeps (one launch each): its outputs and the logits' gradient are new
     tensors each call, so that writing into one call's leaves the next call's as Megatron's unfused code gives."""
+    _fused_arg("topk_routing_with_score_function")  # (the releases with the fused router: its unfused form)
     gen = torch.Generator().manual_seed(0)
     logits = _distinct_logits(8, 6, torch.float32, gen).requires_grad_()
     seed = torch.randn(8, 6, generator=gen)
