@@ -408,7 +408,9 @@ def test_every_te_gated_importer_is_patched_or_deliberately_left_alone():
                                                              ("hif8", "delayed", "npu_quantize", False),
                                                              ("e4m3", "mxfp8", "npu_dynamic_mx_quant_with_dual_axis",
                                                               False),
-                                                             ("e4m3", "mxfp8", "npu_dynamic_mx_quant", True),
+                                                             # (experts at 64-row pairs: both forms in one call)
+                                                             ("e4m3", "mxfp8", "npu_dynamic_mx_quant_with_dual_axis",
+                                                              True),
                                                              ("e4m3", "blockwise", "npu_dynamic_mx_quant", True)])
 def test_gpt_through_the_npu_kernels_matches_the_reference_backend(fp8, recipe, quantize_kernel, moe):
     """A bf16 GPT from Megatron's spec, its GEMMs and quantizations through torch_npu's kernels (checked
