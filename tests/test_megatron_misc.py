@@ -51,6 +51,9 @@ def test_padding_copies_the_rows_once_each_way():
         padded.backward(seed)
     assert padded_splits == [16, 0, 32, 32] and forward.counts == backward.counts == {"aten.cat": 1}
     assert torch.equal(x.grad, torch.cat([seed[0:5], seed[16:33], seed[48:80]]))
+    with LaunchCounter() as other_routing:  # other pads, the same kept zeros: no fill
+        Fp8Padding(4)(x.detach()[:40], [2, 14, 16, 8])
+    assert other_routing.counts == {"aten.cat": 1}
     rows = padded.detach().requires_grad_()
     with LaunchCounter() as forward:
         back = Fp8Unpadding(4)(rows, splits)

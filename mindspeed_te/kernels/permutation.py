@@ -28,14 +28,14 @@ EXPERTS_PER_TOKEN = "_mindspeed_te_experts_per_token"
 
 def constant(value: Union[bool, float], shape: tuple[int, ...], dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-    """A tensor filled with `value`, made once per shape and kept (unit merging probs, the zeros the router
-    scatters into: an out-of-place scatter writes its own output, "aclnnScatter：需新建一个输出张量对象存储计算结果",
-    so one launch with a kept base). Never write into it. Kept apart under inference mode, whose tensors
-    autograd cannot save."""
+    """A tensor filled with `value`, made once per shape and kept (unit merging probs; the zeros the router and
+    the permute's gradients scatter into: an out-of-place scatter writes its own output, "aclnnScatter：需新建一个
+    输出张量对象存储计算结果", so one launch with a kept base; the zero rows expert padding takes views of). Never
+    write into it. Kept apart under inference mode, whose tensors autograd cannot save."""
     return _constant(value, shape, dtype, device, torch.is_inference_mode_enabled())
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)  # a MoE layer keeps about ten (shapes and dtypes of its probs, maps, rows)
 def _constant(value: Union[bool, float], shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
               inference: bool) -> torch.Tensor:
     return torch.full(shape, value, dtype=dtype, device=device)

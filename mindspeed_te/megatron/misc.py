@@ -33,16 +33,16 @@ def _alignment(device: torch.device) -> int:
     return quantization_align_size(recipe)
 
 
-def _relaid(x: torch.Tensor, sizes: list[int], new_sizes: list[int]) -> torch.Tensor:
-    """The row blocks of `x` (`sizes`) at `new_sizes` rows each: cut to their first rows, or followed by zero rows
-    (views of zeros kept per shape, `constant`), in one concatenation."""
+def _relaid(x: torch.Tensor, sizes: list[int], new_sizes: list[int], align: int) -> torch.Tensor:
+    """The row blocks of `x` (`sizes`) at `new_sizes` rows each: cut to their first rows, or followed by fewer than
+    `align` zero rows (views of `align` zero rows kept per shape, `constant`: the same tensor every micro-batch,
+    whatever its routing), in one concatenation."""
     pieces, zeros = [], None
     for block, rows in zip(torch.split(x, sizes), new_sizes):
         pieces.append(block[:rows])
         if rows > block.shape[0]:
             if zeros is None:
-                pad = max(n - m for m, n in zip(sizes, new_sizes))
-                zeros = constant(0.0, (pad, *x.shape[1:]), x.dtype, x.device)
+                zeros = constant(0.0, (align, *x.shape[1:]), x.dtype, x.device)
             pieces.append(zeros[: rows - block.shape[0]])
     return torch.cat(pieces)
 
@@ -52,13 +52,13 @@ class _Relay(torch.autograd.Function):
     concatenation each way; per-block pads and slices cost a launch each)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], new_sizes: list[int]) -> torch.Tensor:
-        ctx.sizes, ctx.new_sizes = sizes, new_sizes
-        return _relaid(x, sizes, new_sizes)
+    def forward(ctx, x: torch.Tensor, sizes: list[int], new_sizes: list[int], align: int) -> torch.Tensor:
+        ctx.sizes, ctx.new_sizes, ctx.align = sizes, new_sizes, align
+        return _relaid(x, sizes, new_sizes, align)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _relaid(grad, ctx.new_sizes, ctx.sizes), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _relaid(grad, ctx.new_sizes, ctx.sizes, ctx.align), None, None, None
 
 
 class _SplitPadding(torch.nn.Module):
@@ -67,10 +67,11 @@ class _SplitPadding(torch.nn.Module):
         self.num_gemms = num_gemms
         self.align_size = align_size
 
-    def _padded_splits(self, m_splits: list[int], device: torch.device) -> list[int]:
-        """Each expert's rows rounded up to the alignment (the backend's of `device` when not given)."""
+    def _padded_splits(self, m_splits: list[int], device: torch.device) -> tuple[list[int], int]:
+        """(each expert's rows rounded up to the alignment, the alignment: the backend's of `device` when not
+        given)."""
         align = self.align_size or _alignment(device)
-        return [(int(m) + align - 1) // align * align for m in m_splits]
+        return [(int(m) + align - 1) // align * align for m in m_splits], align
 
 
 class Fp8Padding(_SplitPadding):
@@ -83,10 +84,10 @@ class Fp8Padding(_SplitPadding):
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
         m_splits = check_m_splits(inp, m_splits, self.num_gemms)
-        padded = self._padded_splits(m_splits, inp.device)
+        padded, align = self._padded_splits(m_splits, inp.device)
         if padded == m_splits:
             return inp, padded
-        return _Relay.apply(inp, m_splits, padded), padded
+        return _Relay.apply(inp, m_splits, padded, align), padded
 
 
 class Fp8Unpadding(_SplitPadding):
@@ -98,11 +99,12 @@ class Fp8Unpadding(_SplitPadding):
     """
 
     def forward(self, inp: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        padded = check_m_splits(inp, self._padded_splits(m_splits, inp.device), self.num_gemms)
+        padded, align = self._padded_splits(m_splits, inp.device)
+        check_m_splits(inp, padded, self.num_gemms)
         splits = [int(m) for m in m_splits]
         if padded == splits:
             return inp
-        return _Relay.apply(inp, padded, splits)
+        return _Relay.apply(inp, padded, splits, align)
 
 
 class TECudaRNGStatesTracker:
