@@ -32,8 +32,8 @@ class Capabilities:
     native_mx_gemm: MXFP8 GEMMs run as device kernels (what makes MXFP8 TE's default recipe on a device).
     unaligned_per_tensor_groups: the grouped GEMMs of per-tensor FP8/HiF8 operands take any rows per group, so
         `Fp8Padding` pads no expert's rows (TE's GEMMs want 16).
-    blockwise_expert_rows: the rows per expert `Fp8Padding` pads to under blockwise recipes (TE's 16).
-    mx_expert_rows: the rows per expert `Fp8Padding` pads to under MX recipes (TE's 32).
+    blockwise_expert_rows, mx_expert_rows: the rows per expert `Fp8Padding` pads to under blockwise and MXFP8
+        recipes where the backend's kernels want other than TE's (None: TE's 16 and 32).
     """
 
     fused_communication_gemm: bool = False
@@ -41,8 +41,8 @@ class Capabilities:
     fused_communication_world_sizes: tuple[int, ...] = ()
     native_mx_gemm: bool = False
     unaligned_per_tensor_groups: bool = False
-    blockwise_expert_rows: int = 16
-    mx_expert_rows: int = 32
+    blockwise_expert_rows: Optional[int] = None
+    mx_expert_rows: Optional[int] = None
 
 
 class KernelBackend(ABC):

@@ -20,17 +20,15 @@ from mindspeed_te.state import FP8GlobalStateManager
 def _alignment(device: torch.device) -> int:
     """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM: TE's rule, 1 for
     per-tensor recipes where the backend's grouped GEMMs take any rows per group (the NPU's), the backend's own
-    for blockwise recipes (the NPU's 32). Padding rows are zeros, which change no amax and no sum, so any
-    alignment gives the same results."""
+    for blockwise and MXFP8 recipes where it has one (the NPU's 32, and 64 without a grouped MX quantize).
+    Padding rows are zeros, which change no amax and no sum, so any alignment gives the same results."""
     recipe = FP8GlobalStateManager.get_fp8_recipe()
     capabilities = get_backend(device).capabilities
     if recipe.float8_per_tensor_scaling() and capabilities.unaligned_per_tensor_groups:
         return 1
-    if recipe.float8_block_scaling():
-        return capabilities.blockwise_expert_rows
-    if recipe.mxfp8():
-        return capabilities.mx_expert_rows
-    return quantization_align_size(recipe)
+    own = (capabilities.blockwise_expert_rows if recipe.float8_block_scaling()
+           else capabilities.mx_expert_rows if recipe.mxfp8() else None)
+    return own or quantization_align_size(recipe)
 
 
 def _relaid(x: torch.Tensor, sizes: list[int], new_sizes: list[int], align: int) -> torch.Tensor:
