@@ -34,6 +34,11 @@ def _rows_of(blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(blocks)
 
 
+def _scale_invs(ts: list) -> torch.Tensor:
+    """The groups' per-tensor scale_invs as one (g,) vector: a view where they lie joined (`_join_per_tensor`)."""
+    return _rows_of([t.scale_inv.reshape(1) for t in ts])
+
+
 def _stacked(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """The groups' 2-D operands (or 3-D E8M0 pairs) stacked along a new dim 0 in the layout each has, contiguous
     or the transposed view of its first two dims (which the grouped GEMM takes for its weight and the weight's
@@ -238,9 +243,9 @@ class NpuGroupedGemm:
             # x's scales one per group, (g, 1): the kernel's pertensor form ("pertensor场景：每个tensor 2维或1维，
             # shape为（g, 1）或（g,）"; 2-D, so that g = M cannot read as pertoken), a view of the joined scale_invs.
             sizes = [r.shape[0] for r in rows]
-            per_group = _rows_of([t.scale_inv.reshape(1) for t in a]).reshape(-1, 1)
+            per_group = _scale_invs(a).reshape(-1, 1)
             (y,) = self.npu.npu_grouped_matmul(
-                [_rows_of(rows)], [b_codes], scale=[_rows_of([t.scale_inv.reshape(1) for t in b])],
+                [_rows_of(rows)], [b_codes], scale=[_scale_invs(b)],
                 per_token_scale=[per_group], group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=0, output_dtype=mm_dtype, **hif8)
             results = list(torch.split(y, sizes))
@@ -249,8 +254,8 @@ class NpuGroupedGemm:
             sizes = [r.shape[0] for r in rows]
             x_rows = _rows_of([t.data.reshape(-1, t.shape[-1]) for t in b])
             (y,) = self.npu.npu_grouped_matmul(
-                [_rows_of(rows).t()], [x_rows], scale=[_rows_of([t.scale_inv.reshape(1) for t in b])],
-                per_token_scale=[_rows_of([t.scale_inv.reshape(1) for t in a])],
+                [_rows_of(rows).t()], [x_rows], scale=[_scale_invs(b)],
+                per_token_scale=[_scale_invs(a)],
                 group_list=self._group_list(sizes, rows[0].device),
                 split_item=3, group_type=2, output_dtype=mm_dtype, **hif8)
             results = list(y.unbind(0))
