@@ -1,17 +1,19 @@
 """Self-check for a machine with an Ascend 950: are the torch_npu kernels the plugin calls there, and do they
 compute what the plugin expects?
 
-    python -m mindspeed_te.selfcheck [--chip Ascend950DT] [--no-gpt]
+    python -m mindspeed_te.selfcheck [--chip Ascend950DT] [--release 26.1] [--no-gpt]
 
 Every module path the plugin runs (Linear, LayerNormLinear with RMSNorm and LayerNorm, LayerNormMLP with
-SwiGLU, GroupedLinear, DotProductAttention) runs a training step per recipe on the NPU backend and on the
-reference backend, from the same weights and inputs. Each torch_npu kernel a case calls is judged by the case's
+SwiGLU, GroupedLinear in FP8 and bf16, DotProductAttention; Linear and GroupedLinear with their wgrads added into
+main_grad too) runs a training step per recipe on the NPU backend and on the reference backend, from the same
+weights and inputs. Each torch_npu kernel a case calls is judged by the case's
 largest relative error over outputs and gradients; one line per kernel says ok, mismatch (with the error) or
 missing in the installed torch_npu. Then a short Megatron GPT step runs per recipe on both backends. The exit
 status is 1 on any mismatch, missing kernel or failed step.
 
 The NPU path was built against a simulator of the documented kernels, not on hardware: this program is how a
-user with a chip checks that the documents and the chip agree. Without an NPU it runs on the simulator.
+user with a chip checks that the documents and the chip agree. Without an NPU it runs on the simulator, with
+the kernels of the torch_npu release `--release` names.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from mindspeed_te.kernels import SIMULATOR_ENV
 from mindspeed_te.modules import DotProductAttention, GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from mindspeed_te.recipe import MXFP4BlockScaling, Recipe
 from mindspeed_te.state import FP8GlobalStateManager, fp8_autocast
+from mindspeed_te.testing.npu_sim.releases import RELEASES
 
 # Largest relative error (max |npu - reference| / max |reference|) taken as agreement: bf16 outputs whose float32
 # GEMM sums are added in another order differ by a bf16 rounding or two (2^-8 relative each).
@@ -89,6 +92,14 @@ def _linear(recipe: Recipe, device: str) -> list[torch.Tensor]:
     return _train(Linear(256, 256, bias=True, params_dtype=torch.bfloat16), recipe, device, [_randn(128, 256)])
 
 
+def _linear_main_grad(recipe: Recipe, device: str) -> list[torch.Tensor]:
+    """Linear with its wgrad added into a float32 main_grad (--gradient-accumulation-fusion)."""
+    torch.manual_seed(0)
+    layer = Linear(256, 256, bias=True, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True).to(device)
+    layer.weight.main_grad = torch.zeros(256, 256, device=device)
+    return [*_train(layer, recipe, device, [_randn(128, 256)]), layer.weight.main_grad.cpu()]
+
+
 def _norm_linear(normalization: str) -> Case:
     def case(recipe: Recipe, device: str) -> list[torch.Tensor]:
         torch.manual_seed(0)
@@ -111,15 +122,45 @@ def _grouped(recipe: Recipe, device: str) -> list[torch.Tensor]:
     return _train(layer, recipe, device, [_randn(256, 256)], [64] * 4)
 
 
+class _OutsideFp8(torch.nn.Module):
+    """`inner` run outside the FP8 region: the bfloat16 path of a model trained without --fp8."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        with fp8_autocast(enabled=False):
+            return self.inner(*args)
+
+
+def _grouped_main_grads(fp8: bool) -> Case:
+    """GroupedLinear with its wgrads added into float32 main_grads, slices of one buffer in expert order
+    (--gradient-accumulation-fusion): the grouped GEMM + accumulate kernels."""
+    def case(recipe: Recipe, device: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = GroupedLinear(4, 256, 256, bias=False, params_dtype=torch.bfloat16,
+                              fuse_wgrad_accumulation=True).to(device)
+        buffer = torch.zeros(4, 256, 256, device=device)
+        for i, w in enumerate(layer.weights):
+            w.main_grad = buffer[i]
+        module = layer if fp8 else _OutsideFp8(layer)
+        # experts of 32 * odd tokens: MXFP8's columnwise forms take the grouped quantize where torch_npu has it
+        return [*_train(module, recipe, device, [_randn(256, 256)], [32, 96, 64, 64]), buffer.cpu()]
+    return case
+
+
 def _attention(recipe: Recipe, device: str) -> list[torch.Tensor]:
     attention = DotProductAttention(8, 64, attn_mask_type="causal")
     return _train(attention, recipe, device, [_randn(256, 2, 8, 64), _randn(256, 2, 8, 65)[..., :64].contiguous(),
                                               _randn(256, 2, 8, 66)[..., :64].contiguous()])
 
 
-CASES: dict[str, Case] = {"Linear": _linear, "LayerNormLinear RMSNorm": _norm_linear("RMSNorm"),
+CASES: dict[str, Case] = {"Linear": _linear, "Linear, wgrad into main_grad": _linear_main_grad,
+                          "LayerNormLinear RMSNorm": _norm_linear("RMSNorm"),
                           "LayerNormLinear LayerNorm": _norm_linear("LayerNorm"), "LayerNormMLP SwiGLU": _mlp,
-                          "GroupedLinear": _grouped,
+                          "GroupedLinear": _grouped, "GroupedLinear, wgrad into main_grad": _grouped_main_grads(True),
+                          "GroupedLinear bf16, wgrad into main_grad": _grouped_main_grads(False),
                           "DotProductAttention": _attention}
 
 
@@ -204,11 +245,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chip", default="Ascend950PR", choices=["Ascend950PR", "Ascend950DT"],
                         help="the chip the simulator models when there is no NPU (default Ascend950PR)")
+    parser.add_argument("--release", default=RELEASES[0], choices=RELEASES,
+                        help="the torch_npu release whose kernels the simulator has when there is no NPU (default "
+                             f"{RELEASES[0]})")
     parser.add_argument("--no-gpt", action="store_true", help="skip the Megatron GPT steps")
     args = parser.parse_args(argv)
-    where = "torch_npu on this NPU" if real_npu() else f"the torch_npu simulator ({args.chip}): no NPU here"
+    simulated = f"{args.chip}@{args.release}"
+    where = "torch_npu on this NPU" if real_npu() else f"the torch_npu simulator ({simulated}): no NPU here"
     print(f"mindspeed_te self-check against {where}")
-    errors, failed = check_kernels(args.chip)
+    errors, failed = check_kernels(simulated)
     bad = False
     for kernel, error in sorted(errors.items()):
         ok = error <= TOLERANCE
@@ -221,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bad = True
         print(f"FAILED {line}")
     if not args.no_gpt:
-        for label, (npu_loss, reference_loss) in gpt_steps(args.chip).items():
+        for label, (npu_loss, reference_loss) in gpt_steps(simulated).items():
             ok = abs(npu_loss - reference_loss) <= TOLERANCE * abs(reference_loss)
             bad |= not ok
             print(f"GPT step {label:38s} {'ok' if ok else 'MISMATCH'}  loss {npu_loss:.5f} "

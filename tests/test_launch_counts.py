@@ -611,6 +611,45 @@ def test_experts_wgrad_accumulation_is_one_launch_for_all(name):
         assert in_order.counts["torch_npu.npu_add_quant_gmm_"] == 1 and "aten._foreach_add_" not in in_order.counts
 
 
+def _bf16_experts_accumulating(npu, experts, layout):
+    """Backward launches of GroupedLinear(experts, 256, 256) outside FP8, bfloat16, 32 tokens each, its wgrads
+    added into float32 main_grads laid out as `_accumulating_launches` says (the second step's; the input needs no
+    gradient, so the wgrad is all its GEMM work)."""
+    from mindspeed_te.modules import GroupedLinear
+
+    layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    buffer = torch.zeros(experts, 256, 256)
+    for i, w in enumerate(layer.weights):
+        w.main_grad = {"apart": torch.zeros(256, 256), "in order": buffer[i], "reverse": buffer[-1 - i]}[layout]
+    x = torch.randn(32 * experts, 256, dtype=torch.bfloat16)
+    for _ in range(2):
+        y = layer(x, [32] * experts)
+        dy = torch.ones_like(y)
+        with LaunchCounter(npu) as backward:
+            y.backward(dy)
+    return backward
+
+
+def test_bf16_experts_wgrad_accumulation_does_not_grow_with_the_experts():
+    """bfloat16 experts' wgrads into float32 main_grads (--gradient-accumulation-fusion without FP8). torch_npu
+    26.1 on the 950: one npu_grouped_matmul_add_ (y_i += dY_iᵀ X_i), in place where the main_grads lie in expert
+    order, else into zeros and one multi-tensor add (Megatron's reverse order). 2.14, whose binding calls a kernel
+    the 950 lacks: the joined rows cast once, a float32 GEMM per expert, one multi-tensor add. Before: two casts,
+    a GEMM and an add per expert (8 experts: 32)."""
+    from mindspeed_te.bench.launches import npu_simulated
+
+    with npu_simulated(release="26.1") as npu:
+        newer = {(layout, e): _bf16_experts_accumulating(npu, e, layout).counts
+                 for layout in ("in order", "reverse") for e in (4, 8)}
+    with npu_simulated() as npu:
+        older = {e: _bf16_experts_accumulating(npu, e, "reverse").counts for e in (4, 8)}
+    for e in (4, 8):
+        assert newer[("in order", e)] == {"torch_npu.npu_grouped_matmul_add_": 1}
+        assert newer[("reverse", e)] == {"aten.zeros": 1, "torch_npu.npu_grouped_matmul_add_": 1,
+                                         "aten._foreach_add_": 1}
+        assert older[e] == {"aten._to_copy": 2, "aten.mm": e, "aten._foreach_add_": 1}
+
+
 # What a LayerNormLinear adds to a Linear on the norm's output, forward and backward: the norm's kernel on the bf16
 # activation and parameters as they are (no casts of x, y or the parameters), and its one backward kernel
 # (torch_npu's autograd: npu_rms_norm_backward for RMSNorm, whose float32 dgamma autograd then casts to the

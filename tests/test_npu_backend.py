@@ -19,6 +19,7 @@ from mindspeed_te.kernels import get_backend, requested_backend
 from mindspeed_te.kernels.npu import NpuBackend
 from mindspeed_te.ops import LinearQuantizers, fp8_linear
 from mindspeed_te.testing.npu_sim import make_release_simulator, make_simulator
+from mindspeed_te.testing.npu_sim.releases import RELEASES
 from tests.recipes import recipes
 
 NO_POW2 = QParams(power_2_scale=False)
@@ -563,10 +564,12 @@ def test_grouped_linear_on_the_npu_path_takes_any_input_layout(splits, monkeypat
         assert sim.launch_counts["npu_grouped_matmul"] == 4 and sim.launch_counts["npu_quant_matmul"] == 2 * experts
 
 
-def _high_precision_experts(use_backend, backend_name, monkeypatch, splits, width, dtype, variant, sim=None):
+def _high_precision_experts(use_backend, backend_name, monkeypatch, splits, width, dtype, variant, sim=None,
+                            layout="apart"):
     """(output, input grad, weight grads or main_grads) of one forward and backward of GroupedLinear(len(splits),
     width, width) outside FP8 regions, in `dtype`; variant "bias" adds biases, "main_grad" accumulates the weight
-    gradients into float32 main_grads (Megatron's --gradient-accumulation-fusion)."""
+    gradients into float32 main_grads (Megatron's --gradient-accumulation-fusion), each its own (`layout`
+    "apart"), or slices of one buffer in expert order ("in order") or in reverse (Megatron's grad buffer)."""
     from mindspeed_te.modules import GroupedLinear
 
     use_backend(backend_name)
@@ -575,8 +578,9 @@ def _high_precision_experts(use_backend, backend_name, monkeypatch, splits, widt
     torch.manual_seed(0)
     layer = GroupedLinear(len(splits), width, width, bias=variant == "bias", params_dtype=dtype,
                           fuse_wgrad_accumulation=variant == "main_grad")
-    for w in layer.weights:
-        w.main_grad = torch.full(w.shape, 0.5)
+    buffer = torch.full((len(splits), width, width), 0.5)
+    for i, w in enumerate(layer.weights):
+        w.main_grad = {"apart": torch.full(w.shape, 0.5), "in order": buffer[i], "reverse": buffer[-1 - i]}[layout]
     x = torch.randn(sum(splits), width).to(dtype).requires_grad_()
     y = layer(x, splits)
     y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
@@ -587,20 +591,43 @@ def _high_precision_experts(use_backend, backend_name, monkeypatch, splits, widt
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend910B3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("splits, width", [([64, 0, 96, 32], 128), ([256, 512], 256)])
-@pytest.mark.parametrize("variant", ["plain", "bias", "main_grad"])
+@pytest.mark.parametrize("variant", ["plain", "bias"])
 def test_high_precision_experts_take_one_grouped_launch_per_gemm(chip, dtype, splits, width, variant, monkeypatch,
                                                                   use_backend):
     """Experts outside FP8 (bfloat16 / float16; Megatron's --no-use-gmm-fp8 too): fprop, dgrad and wgrad are one
     npu_grouped_matmul each in its non-quantized mode, on the 950 and Atlas A2, with the reference's results bit
     for bit (float32 sums rounded once to x's dtype; the larger shape takes the bfloat16-output GEMM on both sides).
-    The mode's output is x's dtype only: with biases the fprop keeps its float32 sum (the bias added to it), and a
-    wgrad into a float32 main_grad its float32 product, one GEMM per expert each."""
+    The mode's output is x's dtype only: with biases the fprop keeps its float32 sum (the bias added to it), one
+    GEMM per expert."""
     sim = make_simulator(chip)
     got = _high_precision_experts(use_backend, "npu", monkeypatch, splits, width, dtype, variant, sim)
     want = _high_precision_experts(use_backend, "reference", monkeypatch, splits, width, dtype, variant)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert sim.launch_counts == {"npu_grouped_matmul": 3 if variant == "plain" else 2}
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend910B3"])
+@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("layout", ["apart", "in order", "reverse"])
+@pytest.mark.parametrize("splits, width", [([64, 0, 96, 32], 128), ([256, 512], 256)])
+def test_high_precision_experts_wgrad_into_main_grads(chip, release, layout, splits, width, monkeypatch,
+                                                      use_backend):
+    """bfloat16 / float16 experts' wgrad added into float32 main_grads (--gradient-accumulation-fusion) is one
+    npu_grouped_matmul_add_ where the installed binding's kernel runs on the chip: Atlas A2/A3 on every release
+    (aclnnGroupedMatmulAdd), the 950 from op-plugin 26.0.0 (aclnnGroupedMatmulAddV2; 2.14's binding calls the
+    first kernel, which the 950 lacks). It adds into main_grads that lie in expert order in one buffer, and into
+    zeros otherwise (then one multi-tensor add). Without it, a float32 GEMM per expert of the joined rows cast
+    once. Either way the reference's bits: each expert's float32 sum added once."""
+    for dtype in (torch.bfloat16, torch.float16):
+        sim = make_release_simulator(chip, release)
+        got = _high_precision_experts(use_backend, "npu", monkeypatch, splits, width, dtype, "main_grad", sim, layout)
+        want = _high_precision_experts(use_backend, "reference", monkeypatch, splits, width, dtype, "main_grad",
+                                       layout=layout)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        fused = chip == "Ascend910B3" or release != "2.14"
+        assert sim.launch_counts == {"npu_grouped_matmul": 2, **({"npu_grouped_matmul_add_": 1} if fused else {})}
 
 
 def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):

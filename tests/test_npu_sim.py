@@ -21,6 +21,7 @@ from mindspeed_te.testing.npu_sim import (
     NpuTypeError,
     NpuValueError,
     codecs,
+    make_release_simulator,
     make_simulator,
 )
 from tests.dist_utils import run_distributed
@@ -2139,3 +2140,43 @@ def test_add_quant_gmm_adds_each_groups_product(wgrad_sim):
     assert_raises(lambda: gmm_add(y, a.t(), b, sb, group_list, x1_scale=sa, group_list_type=2, **e8),
                   NpuValueError, "group_list_type")
     assert_raises(lambda: gmm_add(y, a.t(), b, sb, group_list, **e8), NpuValueError, "x1_scale")
+
+
+def test_grouped_matmul_add_adds_each_groups_product(wgrad_sim):
+    """npu_grouped_matmul_add_: y_i + x_iᵀ @ weight_i per group of the token dim, in float64 exactly (bf16 values,
+    few tokens: every float32 sum is exact here), in place. 26.0.0's binding on the 950 calls
+    aclnnGroupedMatmulAddV2 (y (g, m, n), group_list cumulative or sizes); on Atlas A2/A3 the first kernel
+    (y (g * m, n)); 2.14's binding calls the first kernel everywhere, which the 950 refuses."""
+    sizes = [3, 0, 5, 8]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-8, 9, (16, 6), generator=g).bfloat16()  # (K, m): tokens-major, as the binding takes it
+    w = torch.randint(-8, 9, (16, 7), generator=g).bfloat16()
+    y0 = torch.randint(-64, 65, (4, 6, 7), generator=g).float()
+    ends = np.cumsum(sizes)
+    want = torch.stack([y0[i].double() + x[e - k:e].double().t() @ w[e - k:e].double()
+                        for i, (e, k) in enumerate(zip(ends, sizes))])
+    for list_type, group_list in ((0, torch.tensor(ends)), (1, torch.tensor(sizes))):
+        y = y0.clone()
+        assert wgrad_sim.npu_grouped_matmul_add_(y, x, w, group_list, group_list_type=list_type) is y
+        assert torch.equal(y.double(), want)
+    a2 = make_release_simulator("Ascend910B3", "26.1")
+    y = y0.clone().view(24, 7)
+    a2.npu_grouped_matmul_add_(y, x, w, torch.tensor(ends))
+    assert torch.equal(y.view(4, 6, 7).double(), want)
+    assert_raises(lambda: a2.npu_grouped_matmul_add_(y0.clone(), x, w, torch.tensor(ends)), NpuValueError, "self")
+    assert_raises(lambda: a2.npu_grouped_matmul_add_(y, x, w, torch.tensor(sizes), group_list_type=1),
+                  NpuValueError, "group_list_type")  # the first kernel: "仅支持0（cumsum模式）"
+    assert_raises(lambda: make_simulator().npu_grouped_matmul_add_(y0.clone(), x, w, torch.tensor(ends)),
+                  NpuSocError, "Atlas A2/A3")
+    add, group_list, y = wgrad_sim.npu_grouped_matmul_add_, torch.tensor(ends), y0.clone()
+    assert_raises(lambda: add(y.view(24, 7), x, w, group_list), NpuValueError, "self")
+    assert_raises(lambda: add(y.double(), x, w, group_list), NpuTypeError, "self")
+    assert_raises(lambda: add(y, x.float(), w.float(), group_list), NpuTypeError, "x")
+    assert_raises(lambda: add(y, x, w.half(), group_list), NpuTypeError, "weight")
+    assert_raises(lambda: add(y, x, w, group_list, transpose_x=False), NpuValueError, "transpose_x")
+    assert_raises(lambda: add(y, x, w, group_list, transpose_weight=True), NpuValueError, "transpose_weight")
+    assert_raises(lambda: add(y, x, w, group_list, group_type=0), NpuValueError, "group_type")
+    assert_raises(lambda: add(y, x, w, group_list.int()), NpuTypeError, "group_list")
+    assert_raises(lambda: add(y, x, w, torch.tensor([3, 3, 8, 12])), NpuValueError, "group_list")
+    assert_raises(lambda: add(y, x[:12], w, group_list), NpuValueError, "first dim")
+    assert torch.equal(y, y0)  # refused calls leave y as it was

@@ -40,6 +40,18 @@ def test_mxfp4_cases_run_the_mx_kernels_and_agree(recipe):
     assert max(errors.values()) <= selfcheck.TOLERANCE
 
 
+def test_the_newer_release_s_kernels_are_checked_too():
+    """With torch_npu 26.1's kernels (`--release 26.1`), the wgrads added into main_grads run on the GEMM +
+    accumulate kernels: a Linear's in MXFP8 (npu_add_quant_matmul_), experts' in expert order in bf16
+    (npu_grouped_matmul_add_) and MXFP8 (npu_add_quant_gmm_, with npu_grouped_dynamic_mx_quant); they agree with
+    the reference backend."""
+    errors, failed = selfcheck.check_kernels("Ascend950PR@26.1", ("mxfp8 E4M3",))
+    assert not failed
+    assert {"npu_add_quant_matmul_", "npu_grouped_matmul_add_", "npu_add_quant_gmm_",
+            "npu_grouped_dynamic_mx_quant"} <= set(errors)
+    assert max(errors.values()) <= selfcheck.TOLERANCE
+
+
 def test_a_kernel_that_computes_something_else_is_a_mismatch(monkeypatch, capsys):
     from mindspeed_te.testing import npu_sim
 

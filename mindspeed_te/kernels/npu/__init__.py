@@ -52,8 +52,10 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                npu_grouped_dynamic_mx_quant (26.0.0+) made the experts' columnwise forms: one call for all);
                into main_grads: npu_add_quant_gmm_ (MXFP8, 26.0.0+, main_grads one buffer in expert order),
                else one _foreach_add_; blockwise wgrads one npu_quant_matmul per expert. bf16/fp16 experts
-               (no FP8): its non-quantized M-split and K-split modes, except a fprop with biases and a wgrad into
-               a float32 main_grad, which need the float32 sum (the mode writes x's dtype): one GEMM per expert
+               (no FP8): its non-quantized M-split and K-split modes, except a fprop with biases (the float32
+               sum, which the mode does not write: one GEMM per expert); their wgrad into float32 main_grads:
+               npu_grouped_matmul_add_ (Atlas A2/A3; the 950 from op-plugin 26.0.0), else the joined rows cast
+               once, a float32 GEMM per expert, one _foreach_add_
   fused        npu_rms_norm_dynamic_mx_quant (RMSNorm into MXFP8 rowwise: a linear without wgrad) and
                npu_swiglu_mx_quant_with_dual_axis (SwiGLU into both MXFP8 layouts), where torch_npu has them
                (op-plugin 26.0.0 / 26.1.0 on); no other norm / activation + quantize kernel's rule is a recipe's:

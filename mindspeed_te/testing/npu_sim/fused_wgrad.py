@@ -1,20 +1,23 @@
 """The weight-gradient kernels of newer torch_npu releases: npu_grouped_dynamic_mx_quant (the MX quantize of a
 grouped linear's experts along their tokens, in one call), npu_add_quant_matmul_ and npu_add_quant_gmm_ (the
 quantized GEMM, and the K-split grouped one, added into a float32 tensor in place: Megatron's gradient-accumulation
-fusion into main_grad).
+fusion into main_grad), and the 26.0.0 binding of npu_grouped_matmul_add_ (the bf16/fp16 K-split added likewise),
+which calls aclnnGroupedMatmulAddV2 on the 950 where 2.14's called the first kernel, which the 950 lacks.
 
-Not kernels of the default simulator: they are in op-plugin 26.0.0 and later (op_plugin_functions.yaml of the
-7.3.0 branch has none of them; torch_npu-npu_add_quant_matmul_.md of 26.1.0: "此接口为本版本新增功能"), and the
-default simulator's kernels are the ones the self-check asks an installed torch_npu for
-(`selfcheck.missing_kernels`). The NPU backend calls them only where `hasattr(torch_npu, name)`; a torch_npu that
-has them is `make_simulator_with_fused_wgrad()`.
+The first three are not kernels of the default simulator: they are in op-plugin 26.0.0 and later
+(op_plugin_functions.yaml of the 7.3.0 branch has none of them; torch_npu-npu_add_quant_matmul_.md of
+26.1.0: "此接口为本版本新增功能"), and the default simulator's kernels are the ones the self-check asks
+an installed torch_npu for (`selfcheck.missing_kernels`). The NPU backend calls them only where
+`hasattr(torch_npu, name)`; a torch_npu that has them is `make_simulator_with_fused_wgrad()`.
 
 Sources: the schemas in op-plugin's op_plugin_functions.yaml (master), the bindings
 (GroupedDynamicMxQuantKernelNpuOpApi.cpp, QuantBatchMatmulInplaceAddNpuOpApi.cpp,
-QuantGroupedMatmulInplaceAddNpuOpApi.cpp) and meta registrations, torch_npu-npu_add_quant_matmul_.md, and CANN's
-aclnnGroupedDynamicMxQuantV2.md / README.md (ops-nn quant/grouped_dynamic_mx_quant),
-aclnnQuantBatchMatmulInplaceAdd.md and its op_api source (ops-nn matmul/quant_batch_matmul_inplace_add),
-aclnnQuantGroupedMatmulInplaceAdd.md (ops-transformer gmm/quant_grouped_matmul_inplace_add).
+QuantGroupedMatmulInplaceAddNpuOpApi.cpp, GroupedMatmulAddNpuOpApi.cpp) and meta registrations,
+torch_npu-npu_add_quant_matmul_.md, and CANN's aclnnGroupedDynamicMxQuantV2.md / README.md (ops-nn
+quant/grouped_dynamic_mx_quant), aclnnQuantBatchMatmulInplaceAdd.md and its op_api source (ops-nn
+matmul/quant_batch_matmul_inplace_add), aclnnQuantGroupedMatmulInplaceAdd.md (ops-transformer
+gmm/quant_grouped_matmul_inplace_add), aclnnGroupedMatmulAdd.md and aclnnGroupedMatmulAddV2.md
+(ops-transformer gmm/grouped_matmul_add).
 """
 from __future__ import annotations
 
@@ -245,6 +248,18 @@ class FusedWgradKernels:
         # (tokens past its total are read by no group).
         self._mx_k_split(x1, x2, fmt1, fmt2, x2_scale, x1_scale, group_list, list_type, torch.float32, accumulate=y)
         return y
+
+    @kernel
+    def npu_grouped_matmul_add_(self, y: torch.Tensor, /, x: torch.Tensor, weight: torch.Tensor,
+                                group_list: torch.Tensor, *, transpose_x: bool = True, transpose_weight: bool = False,
+                                group_type: int = 2, group_list_type: Optional[int] = 0) -> torch.Tensor:
+        """y_i += x_iᵀ @ weight_i in place, as the 2.14 binding, with the 26.0.0 binding's choice of kernel: "if
+        (!has_grouped_matmul_add_v2 || !checkSoc) { EXEC_NPU_CMD(aclnnGroupedMatmulAdd, ...) }", else
+        aclnnGroupedMatmulAddV2 with group_list_type (GroupedMatmulAddNpuOpApi.cpp; checkSoc is IsAclnnOnly(), the
+        950). So on the 950 y is (g, m, n); on Atlas A2/A3, (g * m, n)."""
+        list_type = 0 if group_list_type is None else group_list_type
+        return self._grouped_matmul_add(y, x, weight, group_list, transpose_x, transpose_weight, group_type,
+                                        list_type, v2=self.supports_fp8)
 
 
 class NpuSimulatorWithFusedWgrad(FusedWgradKernels, NpuSimulator):

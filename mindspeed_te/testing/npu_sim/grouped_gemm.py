@@ -37,7 +37,7 @@ from mindspeed_te.testing.npu_sim.dtypes import (
     HIFLOAT8,
     DtypeArg,
 )
-from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuTypeError, NpuValueError
+from mindspeed_te.testing.npu_sim.errors import NpuSimNotImplemented, NpuSocError, NpuTypeError, NpuValueError
 
 MAX_GROUPS = 128  # tensors in a list: "weight长度最大支持128" / "长度最大128"
 MAX_GROUP_LIST = 1024  # single-tensor forms: "groupListOptional第1维最大支持1024，即最多支持1024个group"
@@ -144,6 +144,66 @@ class GroupedMatmulKernels:
             if value is not None:
                 raise NpuSimNotImplemented(f"{name} with {xs[0].dtype} inputs (integer GEMMs) is not simulated")
         return self._gmm_float(xs, ws, bias, group_list, split_item, group_type, group_list_type, out_dtype)
+
+    @kernel
+    def npu_grouped_matmul_add_(self, y: torch.Tensor, /, x: torch.Tensor, weight: torch.Tensor,
+                                group_list: torch.Tensor, *, transpose_x: bool = True, transpose_weight: bool = False,
+                                group_type: int = 2) -> torch.Tensor:
+        """y_i += x_iᵀ @ weight_i in place for each group i of the token dim K: x (K, m) and weight (K, n), y float32.
+        torch_npu 2.14's binding (op-plugin 7.3.0, op_plugin_functions.yaml: "exec: aclnnGroupedMatmulAdd") calls
+        the first kernel, which the 950 does not take. Returns y."""
+        return self._grouped_matmul_add(y, x, weight, group_list, transpose_x, transpose_weight, group_type, 0,
+                                        v2=False)
+
+    @torch.no_grad()
+    def _grouped_matmul_add(self, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor,
+                            transpose_x: bool, transpose_weight: bool, group_type: int, group_list_type: int, *,
+                            v2: bool) -> torch.Tensor:
+        """aclnnGroupedMatmulAdd (v2 False) or aclnnGroupedMatmulAddV2: each group's float32 product of exact
+        products (the cube's), added into y's slice with one rounding (op-plugin's test: "torch.stack(result)
+        .reshape(y.shape) + y"). V1 writes y (g * m, n), V2 y (g, m, n)."""
+        if v2:
+            # aclnnGroupedMatmulAddV2 产品支持情况: "Ascend 950PR/Ascend 950DT AI处理器 √", A2/A3 "×".
+            self._require_fp8_soc("aclnnGroupedMatmulAddV2")
+        elif self.soc_family != "A2/A3":
+            # aclnnGroupedMatmulAdd 产品支持情况: "Ascend 950PR/Ascend 950DT AI处理器 ×", A2/A3 "√".
+            raise NpuSocError(f"aclnnGroupedMatmulAdd (torch_npu 2.14's binding of npu_grouped_matmul_add_) runs on "
+                              f"Atlas A2/A3 only; the simulated chip is {self.soc_name}")
+        for name, t in (("self", y), ("x", x), ("weight", weight), ("group_list", group_list)):
+            check_tensor(name, t)
+        check_same_device({"self": y, "x": x, "weight": weight, "group_list": group_list})
+        # transposeX "仅支持True"; transposeWeight "仅支持False"; groupType "仅支持2（K轴分组）"; groupListType: V1
+        # "仅支持0（cumsum模式）", V2 "0：...cumsum结果" / "1：...每组大小".
+        check_choice("transpose_x", transpose_x, (True,))
+        check_choice("transpose_weight", transpose_weight, (False,))
+        check_choice("group_type", check_int("group_type", group_type), (2,))
+        list_type = check_int("group_list_type", group_list_type)
+        check_choice("group_list_type", list_type, (0, 1) if v2 else (0,))
+        # "支持的输入类型为：x为FLOAT16、weight为FLOAT16、y为FLOAT32。x为BFLOAT16、weight为BFLOAT16、y为FLOAT32。"
+        check_tensor("x", x, HALF_FLOATS)
+        check_tensor("weight", weight, (x.dtype,))
+        check_tensor("self", y, (torch.float32,))
+        # x and weight "维度 2" ("非连续 √": any strides); y "ND", V1 "2", V2 "3", "非连续 ×"; groupList "INT64".
+        check_dims("x", x, 2, 2)
+        check_dims("weight", weight, 2, 2)
+        check_dims("self", y, 3 if v2 else 2, 3 if v2 else 2)
+        check_layout("self", y, ("row",))
+        check_tensor("group_list", group_list, (torch.int64,))
+        # x "不支持空Tensor", weight likewise.
+        if x.numel() == 0 or weight.numel() == 0:
+            raise NpuValueError("x and weight must not be empty")
+        if x.shape[0] != weight.shape[0]:
+            raise NpuValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must share their first dim K")
+        # GroupedMatmulInplaceAddOperation: "最后一个元素大小等于k"
+        sizes = self._group_sizes_from_list(group_list, list_type, x.shape[0], "rows of K")
+        if sum(sizes) != x.shape[0]:
+            raise NpuValueError(f"group_list must cover all {x.shape[0]} rows of K, got {sum(sizes)}")
+        g, m, n = len(sizes), x.shape[1], weight.shape[1]
+        check_shape("self", y, (g, m, n) if v2 else (g * m, n))
+        bounds = [sum(sizes[:i]) for i in range(g + 1)]
+        products = torch.stack([cube_matmul(x[bounds[i]:bounds[i + 1]].t(), weight[bounds[i]:bounds[i + 1]])
+                                for i in range(g)])
+        return y.add_(products.reshape(y.shape))
 
     @staticmethod
     def _group_sizes_from_list(group_list: Any, list_type: int, total: int, what: str,
