@@ -694,20 +694,24 @@ def test_causal_attention_is_one_kernel_each_way():
     assert backward.counts == {"torch_npu.npu_fusion_attention_grad": 1}
 
 
-def _moe_permutation_launches(npu=None, with_probs: bool = True, marked: bool = False
+def _moe_permutation_launches(npu=None, with_probs: bool = True, marked: str = "no"
                               ) -> tuple[Counter, Counter, Counter]:
     """(permute forward, unpermute forward, both backward) launches of a MoE layer's token permutation as Megatron's
     fused alltoall dispatcher runs it (TE's moe_permute_with_probs, then moe_unpermute of the experts' rows; dropless
-    top-2 of 8 experts, 64 bfloat16 tokens, float32 router probs), on its second micro-batch; `marked`: the routing
-    map marked top-2, as the patched dispatcher marks its dropless maps."""
-    from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN
+    top-2 of 8 experts, 64 bfloat16 tokens, float32 router probs), on its second micro-batch; `marked`: "dropless",
+    the routing map marked top-2, as the patched dispatcher marks its dropless maps; "top-k", and holding the top-k
+    experts it was made from, as the fused router makes it."""
+    from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS
     from mindspeed_te.megatron import moe_fused
 
     gen = torch.Generator().manual_seed(0)
     scores = torch.softmax(torch.randn(64, 8, generator=gen), dim=-1)
-    routing_map = torch.zeros(64, 8, dtype=torch.bool).scatter(1, scores.topk(2, dim=1).indices, True)
-    if marked:
+    top = scores.topk(2, dim=1).indices
+    routing_map = torch.zeros(64, 8, dtype=torch.bool).scatter(1, top, True)
+    if marked != "no":
         setattr(routing_map, EXPERTS_PER_TOKEN, 2)
+    if marked == "top-k":
+        setattr(routing_map, TOPK_EXPERTS, top)
     probs = (scores * routing_map).requires_grad_(with_probs)
     x = torch.randn(64, 32, generator=gen).bfloat16().requires_grad_()
     for _ in range(2):
@@ -726,23 +730,25 @@ def _moe_permutation_launches(npu=None, with_probs: bool = True, marked: bool = 
     return permute.counts, unpermute.counts, backward.counts
 
 
-@pytest.mark.parametrize("marked", [False, True])
+@pytest.mark.parametrize("marked", ["no", "dropless", "top-k"])
 @pytest.mark.parametrize("with_probs", [True, False])
 def test_moe_permutation_is_one_kernel_each_way(with_probs, marked):
     """Issue 29: a MoE layer's permute + unpermute on an NPU is torch_npu's npu_moe_token_permute and
     npu_moe_token_unpermute, and torch_npu's one grad kernel each, instead of the torch index ops (before: 28 / 23
     launches for the permute with / without probs, 4 for the unpermute, 10 / 6 backward). Around the permute kernel:
-    the routing map's experts per token (one stable sort), the check that every token has exactly k of them (2 ops
-    and a 1-byte host read: the kernel's contract; issue 30: none for a map the dispatcher marks top-k, as Megatron's
-    dropless routing makes it); with probs, their gather and placement at the rows (3), whose backward is an
-    index_select and a scatter onto kept zeros (2; torch's gather backward makes zeros and adds: 3)."""
+    the routing map's experts per token (one stable sort; issue 30: none for a top-2 map that holds the router's
+    top-k, whose two rows per token sum alike in either order), the check that every token has exactly k of them
+    (2 ops and a 1-byte host read: the kernel's contract; issue 30: none for a map the dispatcher marks top-k, as
+    Megatron's dropless routing makes it); with probs, their gather and placement at the rows (2: added onto kept
+    zeros at the kernel's int32 rows; before, a cast of them and an index_copy), whose backward is an index_select
+    and a scatter onto kept zeros (2; torch's gather backward makes zeros and adds: 3)."""
     reference = _moe_permutation_launches(with_probs=with_probs, marked=marked)
     assert [sum(c.values()) for c in reference] == ([28, 4, 10] if with_probs else [23, 4, 6])
     with _simulated() as npu:
         permute, unpermute, backward = _moe_permutation_launches(npu, with_probs, marked)
-    check = {} if marked else {"aten.gt": 1, "aten.all": 1, "aten._local_scalar_dense": 1}
-    kernel = {"aten.sort": 1, **check, "torch_npu.npu_moe_token_permute": 1}
-    probs = {"aten.gather": 1, "aten._to_copy": 1, "aten.index_copy": 1}
+    check = {} if marked != "no" else {"aten.gt": 1, "aten.all": 1, "aten._local_scalar_dense": 1}
+    kernel = {**({} if marked == "top-k" else {"aten.sort": 1}), **check, "torch_npu.npu_moe_token_permute": 1}
+    probs = {"aten.gather": 1, "aten.index_add": 1}
     assert permute == {**kernel, **(probs if with_probs else {})}
     assert unpermute == {"torch_npu.npu_moe_token_unpermute": 1}  # its unit probs are made once per shape
     grads = {"torch_npu.npu_moe_token_unpermute_grad_v2": 1, "torch_npu.npu_moe_token_permute_grad_v2": 1}

@@ -13,7 +13,7 @@ import torch
 
 from mindspeed_te.diagnostics import HostSyncCounter
 from mindspeed_te.kernels.npu import NpuBackend
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS
 from mindspeed_te.megatron import moe_fused
 from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
@@ -323,14 +323,21 @@ def _routing(tokens: int, experts: int, topk: int, gen: torch.Generator, dtype: 
 @pytest.mark.parametrize("chip", CHIPS)
 @pytest.mark.parametrize("shape", [(16, 8, 2, 32), (33, 6, 1, 8), (20, 16, 4, 24)])
 @pytest.mark.parametrize("merge", [None, "bf16", "fp32"])
-def test_dropless_permutation_equals_the_reference_bit_for_bit(chip, shape, merge, monkeypatch, use_backend):
+@pytest.mark.parametrize("router_topk", [False, True])
+def test_dropless_permutation_equals_the_reference_bit_for_bit(chip, shape, merge, router_topk, monkeypatch,
+                                                               use_backend):
     """Dropless routing (every token to topk experts, num_out_tokens = tokens * topk): the permute and unpermute
     kernels give the reference's rows, probs, sums and every gradient bit for bit (both sum a token's rows in float32
     in expert order and round once). float32 merging probs are not a dtype the unpermute kernel takes: the
-    reference sums then, on the kernel's map turned into the reference's."""
+    reference sums then, on the kernel's map turned into the reference's. `router_topk`: the map marked dropless
+    and holding the router's top-k experts (best first), as the fused router and the patched dispatcher leave it:
+    top-1 and top-2 permute in that order, unsorted, with the same bits (a token's two rows sum alike either way)."""
     tokens, experts, topk, hidden = shape
     gen = torch.Generator().manual_seed(sum(shape))
     probs, routing_map = _routing(tokens, experts, topk, gen)
+    if router_topk:
+        setattr(routing_map, EXPERTS_PER_TOKEN, topk)
+        setattr(routing_map, TOPK_EXPERTS, probs.float().topk(topk, dim=1).indices)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16()
     merging = None if merge is None else (probs.float() if merge == "fp32" else probs)
     _on(use_backend, monkeypatch, None)
@@ -401,6 +408,24 @@ def test_megatron_fused_permute_runs_the_kernels(monkeypatch, use_backend):
     torch.testing.assert_close(restored, unfused)
     torch.testing.assert_close(restored, (x.float() * 2).bfloat16())  # each token's two rows
     assert sim.launch_counts == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
+
+
+def test_the_routers_order_is_taken_only_where_the_sum_cannot_tell(monkeypatch, use_backend):
+    """A token's rows 1, 2^-24, 2^-24, 2^-8 (experts 0..3) sum in float32 to 1 + 2^-8 (bfloat16 1) in expert order
+    and to 1 + 2^-8 + 2^-23 (bfloat16 1 + 2^-7) in the router's (best first: 3, 2, 1, 0). So a top-4 map permutes
+    with its experts sorted even where it holds the router's top-k, and unpermutes to the reference's bits."""
+    x = torch.ones(1, 4).bfloat16()
+    routing_map = torch.ones(1, 4, dtype=torch.bool)
+    rows = torch.tensor([1.0, 2.0**-24, 2.0**-24, 2.0**-8]).bfloat16().unsqueeze(1).expand(4, 4).contiguous()
+    _on(use_backend, monkeypatch, None)
+    _, row_map = moe_fused.fused_permute(x, routing_map, 4)
+    want = moe_fused.fused_unpermute(rows, row_map, restore_shape=x.shape)
+    assert torch.equal(want, torch.ones(1, 4).bfloat16())
+    _on(use_backend, monkeypatch, "Ascend950PR")
+    setattr(routing_map, EXPERTS_PER_TOKEN, 4)
+    setattr(routing_map, TOPK_EXPERTS, torch.tensor([[3, 2, 1, 0]]))
+    _, row_map = moe_fused.fused_permute(x, routing_map, 4)
+    assert torch.equal(moe_fused.fused_unpermute(rows, row_map, restore_shape=x.shape), want)
 
 
 def test_permute_reads_the_host_once_and_rope_never(monkeypatch, use_backend):

@@ -18,12 +18,16 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["EXPERTS_PER_TOKEN", "accumulation_dtype", "constant", "row_map", "gather_probs", "permute", "unpermute"]
+__all__ = ["EXPERTS_PER_TOKEN", "TOPK_EXPERTS", "accumulation_dtype", "constant", "row_map", "gather_probs", "permute",
+           "unpermute"]
 
 # The attribute of a routing map whose maker knows that every row holds exactly this many experts (Megatron's
 # dropless routing, marked by mindspeed_te.megatron.moe_fused): a backend whose permute kernel needs it need not
 # check the map.
 EXPERTS_PER_TOKEN = "_mindspeed_te_experts_per_token"
+# The attribute of a routing map holding the [tokens, k] experts it was made from (the fused router's top-k), in
+# any order within a token.
+TOPK_EXPERTS = "_mindspeed_te_topk_experts"
 
 
 def constant(value: Union[bool, float], shape: tuple[int, ...], dtype: torch.dtype,

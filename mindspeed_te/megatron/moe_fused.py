@@ -22,7 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, accumulation_dtype, constant
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, accumulation_dtype, constant
 
 __all__ = [
     "fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
@@ -220,8 +220,9 @@ def fused_topk_with_score_function(logits: torch.Tensor, topk: int, use_pre_soft
     # Scattered into kept zeros: one launch each (see `constant`)
     zeros = constant(0.0, tuple(logits2d.shape), logits.dtype, logits.device)
     routing_probs = zeros.scatter(1, index, probs.to(logits.dtype))
-    routing_map = constant(False, tuple(logits2d.shape), torch.bool, logits.device).scatter(1, index, True)
-    return routing_probs.view(shape), routing_map.view(shape)
+    routing_map = constant(False, tuple(logits2d.shape), torch.bool, logits.device).scatter(1, index, True).view(shape)
+    setattr(routing_map, TOPK_EXPERTS, index)
+    return routing_probs.view(shape), routing_map
 
 
 def fused_compute_score_for_moe_aux_loss(logits: torch.Tensor, topk: int,

@@ -13,11 +13,13 @@ is read once on the host (one 1-byte read per permute), unless the map's maker m
 Megatron's alltoall dispatcher where its config routes dropless, mindspeed_te.megatron.moe_fused); an integer
 num_out_tokens alone cannot tell (Megatron's drop-and-pad and flex dispatchers pass integers with uneven rows).
   forward: the map's experts per token by one stable sort of its rows (ascending, so that each token's rows sum
-      in the reference's order), the rows check (not for a marked map), the permute kernel; with probs, their
-      gather and their placement (a cast of the row index and one index_copy). unpermute: the kernel (with the
-      topK probs it sums by: ones, cached per shape, when Megatron merges no probs).
-  row map: the kernel's sorted_indices (int32, the row of each (token, k) pair); the routing map rides along as an
-      attribute (merging probs are gathered through it). A reference map (2-D) stays with the reference.
+      in the reference's order; none for a dropless top-1 or top-2 map that holds the fused router's top-k: two
+      rows sum alike in either order), the rows check (not for a marked map), the permute kernel; with probs,
+      their gather and their placement (one index_add onto kept zeros at the kernel's int32 rows). unpermute: the
+      kernel (with the topK probs it sums by: ones, cached per shape, when Megatron merges no probs).
+  row map: the kernel's sorted_indices (int32, the row of each (token, k) pair); the routing map and the [tokens, k]
+      experts of its pairs ride along as attributes (merging probs are gathered by those). A reference map (2-D)
+      stays with the reference.
   dtypes: torch_npu's document takes bfloat16 tokens and probs only (CANN also float16 / float32): others, and a
       topK above 512, take the reference.
 
@@ -37,7 +39,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mindspeed_te.kernels.npu.common import chip_family
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, constant
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, constant
 from mindspeed_te.kernels.reference import ROTARY_MODES
 
 # aclnnMoeTokenPermute: indices "要求元素个数小于16777215，值大于等于0小于16777215"
@@ -45,12 +47,23 @@ _INDEX_LIMIT = 16777215
 # torch_npu doc (npu_moe_token_permute): "topK小于等于512"
 _MAX_TOPK = 512
 _ROUTING_MAP = "_mindspeed_te_routing_map"  # the attribute of a kernel row map holding its routing map
+_EXPERTS = "_mindspeed_te_experts"  # and the [tokens, k] experts its pairs are (the permute kernel's indices)
 
 
 def _expert_order(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(each row's 0/1 entries descending, the experts in that order: routed ones first, ascending): one stable
     sort of the boolean map viewed as int8 (aclnnSort's 950 output takes no BOOL)."""
     return torch.sort(routing_map.view(torch.int8), dim=1, descending=True, stable=True)
+
+
+def _unordered_topk(routing_map: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+    """The router's own [tokens, k] experts for a dropless map of k <= 2 experts per token, in its order (no sort):
+    a token's two rows sum alike in either order (one addition commutes), and the permuted rows are the same. None
+    for other maps (a token's k > 2 rows must sum in the reference's order: ascending experts)."""
+    experts = getattr(routing_map, TOPK_EXPERTS, None)
+    if k > 2 or getattr(routing_map, EXPERTS_PER_TOKEN, None) != k or experts is None:
+        return None
+    return experts if tuple(experts.shape) == (routing_map.shape[0], k) else None
 
 
 def _routes_k(hits: torch.Tensor, k: int) -> bool:
@@ -70,16 +83,19 @@ def _reference_map(sorted_indices: torch.Tensor, k: int, experts: Optional[torch
 
 
 class _PlaceProbs(torch.autograd.Function):
-    """Each (token, expert) pair's prob placed at its permuted row. The backward gathers the rows' gradients back
-    to the pairs and scatters them onto kept zeros (each pair once: a plain scatter, one launch; torch's gather
-    backward makes zeros, then adds)."""
+    """Each (token, expert) pair's prob placed at its permuted row: added onto kept zeros at the kernel's int32 row
+    index (aclnnIndexAdd: index "INT64、INT32"; each row once, and 0 + p is p for the probs, which are never -0),
+    where index_copy would take int64 only and a cast. The backward gathers the rows' gradients back to the pairs
+    and scatters them onto kept zeros (each pair once: a plain scatter, one launch; torch's gather backward makes
+    zeros, then adds)."""
 
     @staticmethod
     def forward(ctx, probs: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(experts, rows)
         ctx.num_experts = probs.shape[1]
         pair_probs = probs.gather(1, experts).reshape(-1)
-        return torch.empty_like(pair_probs).index_copy(0, rows, pair_probs)
+        return constant(0.0, tuple(pair_probs.shape), pair_probs.dtype, pair_probs.device).index_add(0, rows,
+                                                                                                    pair_probs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -121,15 +137,19 @@ class MoeRopeKernels:
         `EXPERTS_PER_TOKEN` says, or the rows check finds)."""
         k = self._permute_topk(tokens, routing_map, num_out_tokens, probs)
         if k is not None:
-            hits, experts = _expert_order(routing_map)
-            if getattr(routing_map, EXPERTS_PER_TOKEN, None) == k or _routes_k(hits, k):
-                experts = experts[:, :k]
+            experts = _unordered_topk(routing_map, k)
+            if experts is None:
+                hits, experts = _expert_order(routing_map)
+                experts = experts[:, :k] if getattr(routing_map, EXPERTS_PER_TOKEN, None) == k or _routes_k(hits, k) \
+                    else None
+            if experts is not None:
                 permuted, sorted_indices = self.npu.npu_moe_token_permute(tokens, experts,
                                                                           num_out_tokens=experts.numel())
                 setattr(sorted_indices, _ROUTING_MAP, routing_map)
+                setattr(sorted_indices, _EXPERTS, experts)
                 permuted_probs = None
                 if probs is not None:
-                    permuted_probs = _PlaceProbs.apply(probs, experts, sorted_indices.long())
+                    permuted_probs = _PlaceProbs.apply(probs, experts, sorted_indices)
                 return permuted, permuted_probs, sorted_indices
         return super().moe_permute(tokens, routing_map, num_out_tokens, probs)  # type: ignore[misc]
 
@@ -143,7 +163,7 @@ class MoeRopeKernels:
             raise ValueError(f"moe_unpermute: this row map ({tuple(row_map.shape)}, {row_map.dtype}) is not one the "
                              f"NPU backend's moe_permute made for {num_tokens} tokens")
         k = row_map.numel() // num_tokens
-        experts = None if merging_probs is None else _expert_order(routing_map)[1][:, :k]
+        experts = None if merging_probs is None else getattr(row_map, _EXPERTS)
         takes = rows.dim() == 2 and rows.dtype == torch.bfloat16 and rows.shape[0] == row_map.numel()
         if takes and (merging_probs is None or (merging_probs.dtype == torch.bfloat16
                                                 and merging_probs.shape == routing_map.shape)):
