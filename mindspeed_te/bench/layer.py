@@ -376,11 +376,10 @@ GAPS = {
     ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
                             "a 1-layer block skips: +1",
     ("moe", "all"): "the router's softmax over the top-k in float32, its probs back in bfloat16 (a cast in and one "
-                    "out, forward and backward: 4); the permute's experts per token (a sort of the routing map: the "
-                    "floor takes the router's top-k, which the permute kernel would need ascending); the probs' "
-                    "placement at the permuted rows (a cast of the row index and an index_copy, and in backward an "
-                    "index_select, where the floor has a gather each way); the probs multiply's gradient (a mul and "
-                    "a sum): +9 per micro-batch",
+                    "out, forward and backward: 4); the probs' placement at the permuted rows (their gather by "
+                    "pair and an index_add at the kernel's rows, and in backward an index_select and a scatter, "
+                    "where the floor has a gather each way: 2); the probs multiply's gradient (a mul and a sum): +7 "
+                    "per micro-batch",
     ("moe", "blockwise"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 32 rows on the NPU: "
                           "one concatenation each way, 6 per micro-batch: 1x128 tiles along the tokens start at "
                           "each expert's first row); the per-expert wgrads: each operand's tile bytes repeated per "

@@ -7,6 +7,7 @@ the experts' MX columnwise forms from one npu_grouped_dynamic_mx_quant (`quantiz
 row-joining and stacking of the groups' operands (`_rows_of`, `_stacked`, `_grouped_pairs`)."""
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Optional
 
@@ -326,10 +327,9 @@ class NpuGroupedGemm:
             return None
         if not self._adds_grouped_float():
             dy, x = _rows_of(list(a)).float(), _rows_of(list(b)).float()
-            ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
             bf16 = a[0].dtype == torch.bfloat16
             return _added_into(out, [mm_float32(dy[e - k:e].t(), x[e - k:e], bf16_values=bf16)
-                                     for e, k in zip(ends, sizes)])
+                                     for e, k in zip(itertools.accumulate(sizes), sizes)])
         stacked = _group_stack(out)
         y = stacked if stacked is not None else torch.zeros(len(out), *shape, device=out[0].device)
         v2 = chip_family(self.device_name) == "950"  # aclnnGroupedMatmulAddV2 writes (g, m, n), the first (g * m, n)
