@@ -331,7 +331,7 @@ class NpuGroupedGemm:
             return _added_into(out, [mm_float32(dy[e - k:e].t(), x[e - k:e], bf16_values=bf16)
                                      for e, k in zip(itertools.accumulate(sizes), sizes)])
         stacked = _group_stack(out)
-        y = stacked if stacked is not None else torch.zeros(len(out), *shape, device=out[0].device)
+        y = stacked if stacked is not None else torch.zeros(len(out), *shape, dtype=torch.float32, device=out[0].device)
         v2 = chip_family(self.device_name) == "950"  # aclnnGroupedMatmulAddV2 writes (g, m, n), the first (g * m, n)
         self.npu.npu_grouped_matmul_add_(y if v2 else y.view(-1, shape[1]), _rows_of(list(a)), _rows_of(list(b)),
                                          self._group_list(sizes, a[0].device), transpose_x=True,
