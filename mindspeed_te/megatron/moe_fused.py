@@ -13,7 +13,8 @@ when the output size is known) and compute router scores in float32.
 What Megatron's alltoall dispatcher knows on the host at init is marked on its tensors (the patches call the two
 `mark_*` functions): its chunk orders, the identity with one rank, which the chunk sort then skips; and the
 routing maps of a dropless config, every row exactly top-k, which the NPU permute kernel's contract needs (then
-taken without checking the map, a host read).
+taken without checking the map, a host read). The fused router's map carries the top-k experts it was made from
+(`TOPK_EXPERTS`), which that kernel can take as they are.
 """
 from __future__ import annotations
 

@@ -139,9 +139,9 @@ class MoeRopeKernels:
         if k is not None:
             experts = _unordered_topk(routing_map, k)
             if experts is None:
-                hits, experts = _expert_order(routing_map)
-                experts = experts[:, :k] if getattr(routing_map, EXPERTS_PER_TOKEN, None) == k or _routes_k(hits, k) \
-                    else None
+                hits, ordered = _expert_order(routing_map)
+                routed = getattr(routing_map, EXPERTS_PER_TOKEN, None) == k or _routes_k(hits, k)
+                experts = ordered[:, :k] if routed else None
             if experts is not None:
                 permuted, sorted_indices = self.npu.npu_moe_token_permute(tokens, experts,
                                                                           num_out_tokens=experts.numel())
