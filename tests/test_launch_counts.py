@@ -650,6 +650,31 @@ def test_bf16_experts_wgrad_accumulation_does_not_grow_with_the_experts():
         assert older[e] == {"aten._to_copy": 2, "aten.mm": e, "aten._foreach_add_": 1}
 
 
+def test_bf16_linear_wgrad_accumulation_is_the_grouped_kernel_with_one_group():
+    """A bfloat16 Linear's wgrad into a float32 main_grad (--gradient-accumulation-fusion without FP8, or
+    --no-fp8-wgrad) goes through the backend's GEMM. With torch_npu 26.1 on the 950 (and on Atlas A2/A3 with any
+    release) it is npu_grouped_matmul_add_ with one group: the backward is the dgrad, it and the bias gradient's
+    sum (before: two casts and an addmm for the wgrad, 5 in all). torch_npu 2.14 on the 950 takes the reference's
+    float32 GEMM and its add (6: the product added once, as the grouped and quantized GEMMs add theirs)."""
+    from mindspeed_te.bench.launches import npu_simulated
+    from mindspeed_te.modules import Linear
+
+    def backward_launches(npu):
+        layer = Linear(256, 256, bias=True, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+        layer.weight.main_grad = torch.zeros(256, 256)
+        x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+        y = layer(x)
+        dy = torch.ones_like(y)
+        with LaunchCounter(npu) as backward:
+            y.backward(dy)
+        return backward.counts
+
+    with npu_simulated(release="26.1") as npu:
+        assert backward_launches(npu) == {"aten.mm": 1, "torch_npu.npu_grouped_matmul_add_": 1, "aten.sum": 1}
+    with npu_simulated() as npu:
+        assert backward_launches(npu) == {"aten.mm": 2, "aten._to_copy": 2, "aten._foreach_add_": 1, "aten.sum": 1}
+
+
 # What a LayerNormLinear adds to a Linear on the norm's output, forward and backward: the norm's kernel on the bf16
 # activation and parameters as they are (no casts of x, y or the parameters), and its one backward kernel
 # (torch_npu's autograd: npu_rms_norm_backward for RMSNorm, whose float32 dgamma autograd then casts to the

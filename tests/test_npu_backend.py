@@ -630,6 +630,39 @@ def test_high_precision_experts_wgrad_into_main_grads(chip, release, layout, spl
         assert sim.launch_counts == {"npu_grouped_matmul": 2, **({"npu_grouped_matmul_add_": 1} if fused else {})}
 
 
+def _dense_wgrad_into_main_grad(use_backend, backend_name, monkeypatch, dtype, sim=None):
+    """(output, input grad, main_grad) of Linear(256, 192, bias) outside FP8 regions in `dtype`, its wgrad added
+    into a float32 main_grad (--gradient-accumulation-fusion)."""
+    from mindspeed_te.modules import Linear
+
+    use_backend(backend_name)
+    if sim is not None:
+        monkeypatch.setattr("mindspeed_te.kernels.npu.get_npu_backend", lambda: NpuBackend(sim))
+    torch.manual_seed(0)
+    layer = Linear(256, 192, bias=True, params_dtype=dtype, fuse_wgrad_accumulation=True)
+    layer.weight.main_grad = torch.full((192, 256), 0.5)
+    x = torch.randn(300, 256).to(dtype).requires_grad_()
+    y = layer(x)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+    return [y.detach(), x.grad, layer.weight.main_grad]
+
+
+@pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend910B3"])
+@pytest.mark.parametrize("release", RELEASES)
+def test_high_precision_linear_wgrad_into_main_grad(chip, release, monkeypatch, use_backend):
+    """A bfloat16 / float16 Linear's wgrad added into a float32 main_grad is npu_grouped_matmul_add_ with one
+    group where the installed binding's kernel runs on the chip (as for experts); elsewhere the float32 GEMM
+    and an add, as the reference. Either way the reference's bits: the float32 sum added once."""
+    for dtype in (torch.bfloat16, torch.float16):
+        sim = make_release_simulator(chip, release)
+        got = _dense_wgrad_into_main_grad(use_backend, "npu", monkeypatch, dtype, sim)
+        want = _dense_wgrad_into_main_grad(use_backend, "reference", monkeypatch, dtype)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        fused = chip == "Ascend910B3" or release != "2.14"
+        assert sim.launch_counts == ({"npu_grouped_matmul_add_": 1} if fused else {})
+
+
 def _attention_case(s_q=8, s_k=8, d_v=16, groups=2):
     """query [s_q, 2, 4, 16] and key/value with `groups` heads (value head dim d_v), needing gradients."""
     g = torch.Generator().manual_seed(0)

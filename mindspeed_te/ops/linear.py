@@ -294,14 +294,11 @@ def _finish_fused_wgrad(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def wgrad_high_precision(dy: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor,
                          fuse_wgrad_accumulation: bool) -> Optional[torch.Tensor]:
-    """dYᵀ·X in the activations' precision, or its float32 product added into `weight.main_grad` (rounded once
-    to main_grad's dtype when that is not float32, as TransformerEngine's GEMM accumulates)."""
+    """dYᵀ·X in the activations' precision, or its float32 product added once into `weight.main_grad` (rounded
+    once to main_grad's dtype when that is not float32, as TransformerEngine's GEMM accumulates) by the backend's
+    GEMM, which on an NPU adds it in the kernel where torch_npu has one."""
     if fuse_wgrad_accumulation:
-        main_grad = _main_grad(weight)
-        if main_grad.dtype == torch.float32:
-            main_grad.addmm_(dy.t().float(), x2d.float())
-        else:
-            main_grad.add_(dy.t().float() @ x2d.float())
+        get_backend(dy.device).gemm(dy, x2d, a_columnwise=True, b_columnwise=True, out=_main_grad(weight))
         return _finish_fused_wgrad(weight)
     return (dy.t() @ x2d.to(dy.dtype)).to(weight.dtype)
 

@@ -46,7 +46,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
                takes the weight's).
   wgrad into   MXFP8 into a float32 main_grad: npu_add_quant_matmul_ (op-plugin 26.0.0+, where torch_npu has it;
-  main_grad    the float32 sum added once, as GEMM + add); other recipes, a bf16 main_grad: GEMM, then add
+  main_grad    the float32 sum added once, as GEMM + add); bf16/fp16 (no FP8, --no-fp8-wgrad) into float32:
+               npu_grouped_matmul_add_ with one group where it runs (as the experts'); others: GEMM, then add
   experts      fprop/dgrad one npu_grouped_matmul (per-tensor, MX, G-B M-split); wgrad one K-split
                npu_grouped_matmul for per-tensor and MXFP8 (MX scales laid out by one cat per operand, or as
                npu_grouped_dynamic_mx_quant (26.0.0+) made the experts' columnwise forms: one call for all);

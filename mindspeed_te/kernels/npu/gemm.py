@@ -5,7 +5,7 @@ gemm_bias and gemm_operand (HiF8 tiles decoded by npu_dtype_cast for the dequant
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -46,9 +46,11 @@ def _narrowed(t: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
 
 class NpuGemm:
     """gemm, gemm_bias and gemm_operand of the NPU backend; the reference (next in the MRO) where no
-    npu_quant_matmul mode fits."""
+    npu_quant_matmul mode fits. A high-precision wgrad added into main_grad is the grouped one's with one group
+    (`NpuGroupedGemm._grouped_float_wgrad_into`)."""
 
     npu: Any
+    _grouped_float_wgrad_into: Callable[..., Optional[list[torch.Tensor]]]
 
     def _hif8_kwargs(self, fp8_dtype: FP8Dtype, names: tuple[str, str]) -> dict:
         return {name: self.npu.hifloat8 for name in names} if fp8_dtype is FP8Dtype.HIF8 else {}
@@ -74,6 +76,11 @@ class NpuGemm:
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None) -> torch.Tensor:
         check_accumulate(out, bias)
+        if out is not None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            # a high-precision wgrad added into main_grad: the grouped GEMM + accumulate with one group
+            added = self._grouped_float_wgrad_into([a], [b], a_columnwise, b_columnwise, [out])
+            if added is not None:
+                return out
         args = self._quant_matmul_args(a, b, a_columnwise, b_columnwise)
         if args is None:
             return super().gemm(a, b, a_columnwise=a_columnwise, b_columnwise=b_columnwise, out_dtype=out_dtype,
