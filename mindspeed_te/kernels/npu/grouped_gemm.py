@@ -305,12 +305,18 @@ class NpuGroupedGemm:
     def _grouped_float_wgrad_into(self, a, b, a_columnwise: bool, b_columnwise: bool, out
                                   ) -> Optional[list[torch.Tensor]]:
         """Every group's dY_iᵀ · X_i of bfloat16 or float16 tensors added into its float32 `main_grad` (Megatron's
-        gradient-accumulation fusion for experts outside FP8) by one npu_grouped_matmul_add_: each group's float32
-        sum added once, as the reference's GEMM + add. In place where the main_grads are one buffer's slices in
-        expert order; else into zeros, then one multi-tensor add (Megatron's grad buffer holds the experts in
-        reverse). Where the installed binding's kernel is not the chip's (`_adds_grouped_float`): the joined rows
-        cast to float32 once, a float32 GEMM per group, one multi-tensor add. None where that does not fit."""
-        if not a or not (a_columnwise and b_columnwise) or chip_family(self.device_name) == "":
+        gradient-accumulation fusion outside FP8) by one npu_grouped_matmul_add_: each group's float32 sum added
+        once, as the reference's GEMM + add. In place where the main_grads are one buffer's slices in expert
+        order; else into zeros, then one multi-tensor add (Megatron's grad buffer holds the experts in reverse).
+        Where the installed binding's kernel is not the chip's: the joined rows cast to float32 once, a float32
+        GEMM per group, one multi-tensor add. None where that does not fit.
+
+        The binding calls aclnnGroupedMatmulAdd (Atlas A2/A3 only: its 产品支持情况 marks the 950 "×") up to
+        op-plugin 7.3.0, and from 26.0.0 aclnnGroupedMatmulAddV2 on the 950 (GroupedMatmulAddNpuOpApi.cpp), which
+        writes y as (g, m, n) where the first writes (g * m, n). torch_npu names no binding's version;
+        npu_add_quant_gmm_ came in the same release (26.0.0), so its presence marks the newer binding."""
+        family = chip_family(self.device_name)
+        if not a or not (a_columnwise and b_columnwise) or family == "":
             return None
         tensors = [*a, *b]
         if any(isinstance(t, QuantizedTensorStorage) or t.dim() != 2 for t in tensors):
@@ -325,26 +331,18 @@ class NpuGroupedGemm:
             return None
         if any(o.dtype != torch.float32 or tuple(o.shape) != shape for o in out):
             return None
-        if not self._adds_grouped_float():
+        v2 = family == "950"
+        if v2 and not hasattr(self.npu, "npu_add_quant_gmm_"):
             dy, x = _rows_of(list(a)).float(), _rows_of(list(b)).float()
             bf16 = a[0].dtype == torch.bfloat16
             return _added_into(out, [mm_float32(dy[e - k:e].t(), x[e - k:e], bf16_values=bf16)
                                      for e, k in zip(itertools.accumulate(sizes), sizes)])
         stacked = _group_stack(out)
         y = stacked if stacked is not None else torch.zeros(len(out), *shape, dtype=torch.float32, device=out[0].device)
-        v2 = chip_family(self.device_name) == "950"  # aclnnGroupedMatmulAddV2 writes (g, m, n), the first (g * m, n)
         self.npu.npu_grouped_matmul_add_(y if v2 else y.view(-1, shape[1]), _rows_of(list(a)), _rows_of(list(b)),
                                          self._group_list(sizes, a[0].device), transpose_x=True,
                                          transpose_weight=False, group_type=2)
         return list(out) if stacked is not None else _added_into(out, list(y.unbind(0)))
-
-    def _adds_grouped_float(self) -> bool:
-        """Whether npu_grouped_matmul_add_ runs on this chip. Its binding calls aclnnGroupedMatmulAdd (Atlas A2/A3
-        only: its 产品支持情况 marks the 950 "×") up to op-plugin 7.3.0, and from 26.0.0 aclnnGroupedMatmulAddV2 on
-        the 950 (GroupedMatmulAddNpuOpApi.cpp). torch_npu names no binding's version; npu_add_quant_gmm_ came in
-        the same release (26.0.0), so its presence marks the newer binding."""
-        family = chip_family(self.device_name)
-        return family == "A2/A3" or (family == "950" and hasattr(self.npu, "npu_add_quant_gmm_"))
 
     def _grouped_mx_wgrad(self, a, b, out_dtype: torch.dtype, out) -> Optional[list[torch.Tensor]]:
         """Every group's a_i · b_iᵀ of MXFP8 columnwise forms (the experts' wgrad dW_i = dY_iᵀ·X_i, the tokens
