@@ -140,10 +140,10 @@ def load_torch_npu() -> Any:
     simulator = os.environ.get(SIMULATOR_ENV, "0")
     if simulator == "1" or simulator.startswith("Ascend"):
         _refuse_simulator_on_an_npu(simulator)
-        from mindspeed_te.testing.npu_sim import make_release_simulator
+        from mindspeed_te.testing.npu_sim import RELEASES, make_release_simulator
 
         chip, _, release = ("Ascend950PR" if simulator == "1" else simulator).partition("@")
-        return make_release_simulator(chip, release or "2.14")
+        return make_release_simulator(chip, release or RELEASES[0])
     try:
         torch_npu = _installed_torch_npu()
         if torch_npu is None:

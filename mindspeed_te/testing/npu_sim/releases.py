@@ -21,7 +21,7 @@ class NpuSimulator26(FusedQuantKernels, FusedWgradKernels, QuantMaxKernels, NpuS
         self.__version__ = "26.1.0"
 
 
-def make_release_simulator(soc_name: str = "Ascend950PR", release: str = "2.14") -> NpuSimulator:
+def make_release_simulator(soc_name: str = "Ascend950PR", release: str = RELEASES[0]) -> NpuSimulator:
     """A fresh simulator of a chip named `soc_name` with the kernels of torch_npu `release` (one of RELEASES)."""
     if release not in RELEASES:
         raise ValueError(f"torch_npu release {release!r} is not simulated; choose one of {', '.join(RELEASES)}")
