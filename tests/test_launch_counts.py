@@ -547,21 +547,29 @@ def test_mx_experts_add_no_launch_with_the_grouped_quantize(chip):
                               "torch_npu.npu_grouped_matmul": 2}
 
 
+def _accumulating_experts(experts, layout):
+    """GroupedLinear(experts, 256, 256) in bfloat16 with fuse_wgrad_accumulation into float32 main_grads: each its
+    own ("apart"), or slices of one buffer in expert order ("in order") or in reverse (Megatron's grad buffer)."""
+    from mindspeed_te.modules import GroupedLinear
+
+    layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
+    buffer = torch.zeros(experts, 256, 256)
+    for i, w in enumerate(layer.weights):
+        w.main_grad = {"apart": torch.zeros(256, 256), "in order": buffer[i], "reverse": buffer[-1 - i]}[layout]
+    return layer
+
+
 def _accumulating_launches(name, npu, experts=None, layout="apart"):
-    """Backward launches of Linear(256, 256) (experts None) or GroupedLinear(experts, 256, 256) (32 tokens each)
-    in bfloat16 with fuse_wgrad_accumulation into float32 main_grads: each its own ("apart"), or slices of one
-    buffer in expert order ("in order") or in reverse (Megatron's grad buffer)."""
+    """Backward launches of Linear(256, 256) (experts None) or `_accumulating_experts` (32 tokens each) with
+    fuse_wgrad_accumulation into float32 main_grads."""
     from mindspeed_te.bench.launches import _second_layer_launches, launch_recipes
-    from mindspeed_te.modules import GroupedLinear, Linear
+    from mindspeed_te.modules import Linear
 
     if experts is None:
         layer = Linear(256, 256, bias=True, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
         layer.weight.main_grad = torch.zeros(256, 256)
         return _second_layer_launches(launch_recipes()[name], layer, 128, npu)[1]
-    layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
-    buffer = torch.zeros(experts, 256, 256)
-    for i, w in enumerate(layer.weights):
-        w.main_grad = {"apart": torch.zeros(256, 256), "in order": buffer[i], "reverse": buffer[-1 - i]}[layout]
+    layer = _accumulating_experts(experts, layout)
     return _second_layer_launches(launch_recipes()[name], layer, 32 * experts, npu, [32] * experts)[1]
 
 
@@ -612,15 +620,9 @@ def test_experts_wgrad_accumulation_is_one_launch_for_all(name):
 
 
 def _bf16_experts_accumulating(npu, experts, layout):
-    """Backward launches of GroupedLinear(experts, 256, 256) outside FP8, bfloat16, 32 tokens each, its wgrads
-    added into float32 main_grads laid out as `_accumulating_launches` says (the second step's; the input needs no
-    gradient, so the wgrad is all its GEMM work)."""
-    from mindspeed_te.modules import GroupedLinear
-
-    layer = GroupedLinear(experts, 256, 256, bias=False, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True)
-    buffer = torch.zeros(experts, 256, 256)
-    for i, w in enumerate(layer.weights):
-        w.main_grad = {"apart": torch.zeros(256, 256), "in order": buffer[i], "reverse": buffer[-1 - i]}[layout]
+    """Backward launches of `_accumulating_experts` outside FP8, 32 tokens each (the second step's; the input needs
+    no gradient, so the wgrad is all its GEMM work)."""
+    layer = _accumulating_experts(experts, layout)
     x = torch.randn(32 * experts, 256, dtype=torch.bfloat16)
     for _ in range(2):
         y = layer(x, [32] * experts)
