@@ -94,8 +94,8 @@ class _PlaceProbs(torch.autograd.Function):
         ctx.save_for_backward(experts, rows)
         ctx.num_experts = probs.shape[1]
         pair_probs = probs.gather(1, experts).reshape(-1)
-        return constant(0.0, tuple(pair_probs.shape), pair_probs.dtype, pair_probs.device).index_add(0, rows,
-                                                                                                    pair_probs)
+        zeros = constant(0.0, tuple(pair_probs.shape), pair_probs.dtype, pair_probs.device)
+        return zeros.index_add(0, rows, pair_probs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
