@@ -177,9 +177,21 @@ class _TiledTensor(_TwoForms):
     rowwise_scale_inv: Optional[torch.Tensor] = None
     columnwise_data: Optional[torch.Tensor] = None
     columnwise_scale_inv: Optional[torch.Tensor] = None
+    # The columnwise E8M0 scale bytes as an MX quantize kernel lays them out when it quantizes x (M, K) along its
+    # rows, (ceil(blocks / 2), K, 2) with blocks (2i, 2i + 1) interleaved; `columnwise_data` is then the
+    # transposed view of the kernel's (M, K) codes. GEMM kernels take them as they are.
+    columnwise_scale_pairs: Optional[torch.Tensor] = None
 
     def _tile(self) -> tuple[int, int]:
         raise NotImplementedError
+
+    def _columnwise_scale_bytes(self) -> Optional[torch.Tensor]:
+        """The (K, blocks) E8M0 bytes of `columnwise_scale_pairs` (one copy), or None without them."""
+        pairs = self.columnwise_scale_pairs
+        if pairs is None:
+            return None
+        blocks = -(-_as_2d(self.shape)[0] // self.block_len)
+        return pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
 
     def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
         return scale_inv
@@ -196,7 +208,13 @@ class _TiledTensor(_TwoForms):
         return self.rowwise_scale_inv if self.rowwise_scale_inv is not None else self._columnwise_scale_as_made()
 
     def _columnwise_scale_as_made(self) -> Optional[torch.Tensor]:
-        return self.columnwise_scale_inv
+        pairs = self.columnwise_scale_pairs  # padded with 0 bytes: finite scales
+        return pairs if pairs is not None else self.columnwise_scale_inv
+
+    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        super().update_usage(rowwise, columnwise)
+        if columnwise is False:
+            self.columnwise_scale_pairs = None
 
     def _dequantize_2d(self, data: torch.Tensor, scale_inv: torch.Tensor,
                        dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -268,25 +286,20 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
 
     Scale shapes: rowwise (ceil(M/r), ceil(K/128)), columnwise (ceil(K/r), ceil(M/128)), r = 1 or 128;
     with 128x128 tiles the columnwise form is a transposed view of the rowwise one. `power_2_scale`: every
-    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents). `columnwise_scale_e8m0`,
-    when a kernel made the power-of-2 columnwise scales as E8M0 bytes, holds them as made (the wgrad GEMM takes
-    them so); `columnwise_scale_inv` is then decoded from them only when something reads it.
+    scale_inv is a power of two (so a kernel backend may pass them as E8M0 exponents). Power-of-2 1x128
+    columnwise tiles that an MX kernel quantized along the rows (128-blocks) keep its `columnwise_scale_pairs`
+    (the wgrad GEMM takes them so); `columnwise_scale_inv` is then decoded from them only when something reads it.
     """
 
     block_scaling_dim: int = 1
     block_len: int = 128
     power_2_scale: bool = False
-    columnwise_scale_e8m0: Optional[torch.Tensor] = None
 
     columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
 
     def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
-        codes = self.columnwise_scale_e8m0
+        codes = self._columnwise_scale_bytes()
         return None if codes is None else e8m0_decode(codes)
-
-    def _columnwise_scale_as_made(self) -> Optional[torch.Tensor]:
-        codes = self.columnwise_scale_e8m0
-        return codes if codes is not None else self.columnwise_scale_inv
 
     def _tile(self) -> tuple[int, int]:
         return (1 if self.block_scaling_dim == 1 else self.block_len), self.block_len
@@ -312,8 +325,6 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
                 self.rowwise_data = self.rowwise_scale_inv = None
             return
         super().update_usage(rowwise, columnwise)
-        if columnwise is False:
-            self.columnwise_scale_e8m0 = None
 
 
 @dataclass
@@ -321,34 +332,19 @@ class MXFP8TensorStorage(_TiledTensor):
     """MXFP8: one E8M0 scale_inv (uint8, value 2^(b - 127)) per 32 consecutive elements of the last stored dim.
 
     Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32). `columnwise_scale_pairs`, when a kernel made
-    both layouts in one pass (then `columnwise_data` is the transposed view of its (M, K) output), holds the
-    same columnwise scales as that kernel lays them out, (ceil(M / 64), K, 2), for GEMM kernels to take as is;
-    `columnwise_scale_inv` is then made from them (one copy) only when something reads it.
+    the columnwise form along the rows, (ceil(M / 64), K, 2); `columnwise_scale_inv` is then made from them (one
+    copy) only when something reads it.
     """
 
     block_len: int = 32
-    columnwise_scale_pairs: Optional[torch.Tensor] = None
 
     columnwise_scale_inv = _KernelFormScale()  # type: ignore[assignment]
 
     def _columnwise_scale_inv_from_kernel(self) -> Optional[torch.Tensor]:
-        pairs = self.columnwise_scale_pairs
-        if pairs is None:
-            return None
-        blocks = -(-_as_2d(self.shape)[0] // self.block_len)
-        return pairs.permute(1, 0, 2).contiguous().view(pairs.shape[1], -1)[:, :blocks]
-
-    def _columnwise_scale_as_made(self) -> Optional[torch.Tensor]:
-        pairs = self.columnwise_scale_pairs  # padded with 0 bytes: finite scales
-        return pairs if pairs is not None else self.columnwise_scale_inv
+        return self._columnwise_scale_bytes()
 
     def _tile(self) -> tuple[int, int]:
         return 1, self.block_len
-
-    def update_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        super().update_usage(rowwise, columnwise)
-        if columnwise is False:
-            self.columnwise_scale_pairs = None
 
     def _scale_inv_values(self, scale_inv: torch.Tensor) -> torch.Tensor:
         return e8m0_decode(scale_inv)

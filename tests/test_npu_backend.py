@@ -460,18 +460,16 @@ def test_mx_experts_take_one_quantize_per_part_of_whole_pairs(splits, rows, weig
 def test_wgrad_over_an_odd_number_of_32_blocks_stays_on_the_mx_gemm(name, chip, monkeypatch, use_backend):
     """Experts, and linears, whose token count is an odd multiple of 32 give the wgrad an odd number of 32-blocks
     along k: their E8M0 scales fill the last pair (the quantize kernels pad theirs with 0, the dual-axis kernel's
-    come padded) and the GEMM stays in the MX mode (the experts' MXFP8 wgrad the grouped GEMM's K-split MX
-    mode, which reads each group's ceil(K_i / 64) pairs; the blockwise one npu_quant_matmul per expert), with
-    the reference's results bit for bit."""
+    come padded) and the GEMM stays in the MX mode (the experts' wgrad the grouped GEMM's K-split MX mode,
+    which reads each group's ceil(K_i / 64) pairs; blockwise 1x128 tiles as four 32-blocks each), with the
+    reference's results bit for bit."""
     splits = [32, 96, 0, 160]
     sim = make_simulator(chip)
     got = _grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
     for g, w in zip(got, _grouped_step(use_backend, "reference", monkeypatch, RECIPES[name], splits)):
         assert torch.equal(g, w)
-    mx = name.startswith("mxfp8")
-    active = sum(1 for m in splits if m)
-    assert sim.launch_counts["npu_quant_matmul"] == (0 if mx else active)  # each expert's wgrad (blockwise)
-    assert sim.launch_counts["npu_grouped_matmul"] == 2 + mx  # fprop and dgrad of all experts (MX: the wgrad)
+    assert "npu_quant_matmul" not in sim.launch_counts
+    assert sim.launch_counts["npu_grouped_matmul"] == 3  # fprop, dgrad and wgrad of all experts
     sim = make_simulator(chip)
     got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=(96, 128, 256))
     for g, w in zip(got, _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=(96, 128, 256))):
@@ -1666,14 +1664,15 @@ def _wgrad_sim(chip="Ascend950PR"):
 
 @pytest.mark.parametrize("name, fused", [("mxfp8/e4m3", True), ("mxfp8/hybrid", True), ("mxfp8/e4m3 floor", True),
                                          ("delayed/hif8", False), ("tensorwise/hif8", False),
-                                         ("tensorwise/e4m3", False), ("blockwise pow2/e4m3", False),
+                                         ("tensorwise/e4m3", False), ("blockwise pow2/e4m3", True),
                                          ("blockwise/hif8", False)])
 def test_wgrad_accumulates_into_main_grad_in_the_gemm(name, fused, monkeypatch, use_backend):
     """Megatron's gradient-accumulation fusion: with npu_add_quant_matmul_ in torch_npu, the MXFP8 wgrad adds its
     float32 sum into the float32 main_grad in the GEMM (one rounding, as the unfused GEMM + add and the
-    reference), bit for bit the reference's. HiF8 per-tensor (its T-T mode cuts x1Scale * x2Scale to 19 bits),
-    E4M3/E5M2 per-tensor (no such mode) and blockwise wgrads (their codes are not the (k, m) layout the kernel
-    reads) keep npu_quant_matmul + add."""
+    reference), bit for bit the reference's; so does the power-of-2 blockwise wgrad in the MX mode (its 1x128
+    columnwise codes quantized along the tokens, as the kernel reads them). HiF8 per-tensor (its T-T mode cuts
+    x1Scale * x2Scale to 19 bits), E4M3/E5M2 per-tensor (no such mode) and HiF8 blockwise (no MX mode) keep
+    npu_quant_matmul + add, or the dequantize + matmul."""
     recipe = RECIPES.get(name) or recipes(name)[name]
     sim = _wgrad_sim()
     start = torch.randn(128, 192, generator=torch.Generator().manual_seed(9)) * 50
@@ -1760,6 +1759,48 @@ def test_mx_experts_wgrad_is_one_grouped_launch(splits, layout, monkeypatch, use
         if not newer:  # per expert, or per run of whole 64-row pairs; one part: both forms in one dual-axis call
             calls = counts["npu_dynamic_mx_quant"] + counts["npu_dynamic_mx_quant_with_dual_axis"]
             assert calls >= (2 if len(splits) == 1 else 2 + active), counts
+
+
+@pytest.mark.parametrize("splits", [[32, 96, 160], [160, 0, 288, 32], [96], [32] * 5])
+@pytest.mark.parametrize("layout", ["apart", "in order", "reverse"])
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_blockwise_experts_wgrad_is_one_grouped_launch(splits, layout, fmt, monkeypatch, use_backend):
+    """Power-of-2 1x128 experts (TE's blockwise default): each expert's columnwise form is quantized along its
+    tokens (128-blocks, the tile after its last whole one cut short), so the wgrad of all experts is one K-split
+    npu_grouped_matmul in the MX mode, each tile's byte repeated for its four 32-blocks, bit for bit the
+    reference's (a 1x128 x 1x128 GEMM per expert there). Into main_grads in one buffer in expert order it is
+    npu_add_quant_gmm_ where torch_npu has it; otherwise one multi-tensor add follows."""
+    recipe = Float8BlockScaling(fp8_format=Format[fmt])
+    active = sum(1 for m in splits if m)
+    want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, layout, recipe=recipe)
+    for newer in (False, True):
+        sim = _wgrad_sim() if newer else make_simulator()
+        got = _grouped_mx_step(use_backend, "npu", monkeypatch, splits, layout, sim, recipe=recipe)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        counts = sim.launch_counts
+        assert "npu_quant_matmul" not in counts  # no GEMM per expert
+        in_kernel = newer and (active == 1 or (layout == "in order" and 0 not in splits))
+        assert counts["npu_add_quant_gmm_"] == int(in_kernel)
+        assert counts["npu_grouped_matmul"] == 3 - int(in_kernel)  # fprop, dgrad (, wgrad)
+
+
+@pytest.mark.parametrize("tokens", [128, 256, 384])
+def test_float32_blockwise_columnwise_tiles_along_the_tokens(tokens, monkeypatch, use_backend):
+    """float32 inputs take the MX kernel's 32-blocks (its 128-blocks are float16/bfloat16 only): a 128-tile's byte
+    is the largest of its four, laid out in the kernel's pairs of tiles (an odd number padded with byte 0), and
+    the wgrad takes them as bfloat16's, in the MX mode and into main_grad in the GEMM: the reference's bits."""
+    recipe = Float8BlockScaling()
+    start = torch.randn(128, 192, generator=torch.Generator().manual_seed(9)) * 50
+    for sim in (make_simulator(), _wgrad_sim()):
+        got = _step(use_backend, "npu", monkeypatch, recipe, sim, dtype=torch.float32, shape=(tokens, 192, 128),
+                    main_grad=start)
+        want = _step(use_backend, "reference", monkeypatch, recipe, dtype=torch.float32, shape=(tokens, 192, 128),
+                     main_grad=start)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        wgrad = sim.launch_counts["npu_add_quant_matmul_"] + sim.launch_counts["npu_quant_matmul"] - 2
+        assert wgrad == 1 and "mm" not in sim.launch_counts, sim.launch_counts
 
 
 @pytest.mark.parametrize("chip", ["Ascend950PR", "Ascend950DT"])

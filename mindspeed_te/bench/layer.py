@@ -309,20 +309,21 @@ def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
     elif family == "blockwise":
         row = "npu_dynamic_mx_quant(scale_alg=1) in 128-blocks, its E8M0 bytes decoded to the float32 scales the " \
               "[1,128,128] GEMM takes"
-        col = "npu_dynamic_mx_quant along the other axis, its bytes repeated per 32-block for the MX-mode wgrad " \
-              "(no GEMM mode takes 1x128 x 1x128 otherwise)"
+        col = "npu_dynamic_mx_quant along the tokens as x lies, its bytes repeated per 32-block for the MX-mode " \
+              "wgrad (no GEMM mode takes 1x128 x 1x128 otherwise)"
         jobs += [("activation quantizes", MB, n["A"] + n["A_saved"], 4, f"rowwise: {row} (2); columnwise: {col} (2)"
                                                                         "; no kernel makes both 1x128 layouts in one"),
                  ("gradient quantizes", MB, n["G"], 4, "as the activations"),
                  ("weight quantizes", STEP, n["W"], 5, "128x128 power-of-2 tiles, which no kernel makes: "
                                                        "npu_dynamic_mx_quant, a max over each tile's rows, decode, "
                                                        "divide, cast"),
-                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2 + 2 * EXPERTS,
-                  "the rowwise form of the joined rows (2); the columnwise one per expert, its tokens (2 each)"),
+                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2 + EXPERTS + 4,
+                  "the rowwise form of the joined rows (2); the columnwise one per expert along its tokens (1 each: "
+                  "its 1x128 tiles start at the expert's first token, and no grouped quantize takes 128-blocks); "
+                  "for the one K-split MX wgrad of all experts, their codes joined (1), their tile bytes joined "
+                  "(1) and repeated per 32-block pair in the kernel's grouped layout by one gather (1) whose row "
+                  "index, from the tokens per expert, is sent to the device (1)"),
                  ("expert weight quantizes", STEP, n["XW"], 5, "the experts' weights: whole tiles of one buffer"),
-                 ("expert wgrads per expert", MB, n["XA"], EXPERTS - 1, "one npu_quant_matmul per expert (the "
-                                                                        "grouped K-split block modes are not "
-                                                                        "documented for partial groups)"),
                  ("QKV bias added", MB, 1 if kind == "dense" else 0, 1, "the [1,128,128] GEMM takes no bias")]
     elif family == "mxfp8":
         why = "npu_dynamic_mx_quant_with_dual_axis: both MX layouts in one launch (Ascend 950PR/950DT)"

@@ -29,6 +29,13 @@ def _tile_of_block(blocks: int, device: torch.device) -> torch.Tensor:
     return torch.arange(blocks, device=device) // 4
 
 
+def mx_pairs_of_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """MX pairs of 32-block bytes (4 * q, n, 2) from a quantize kernel's pairs of 128-tile bytes (q, n, 2), tiles
+    (2i, 2i + 1) interleaved: 32-block pair p holds tile p // 2's byte twice (one copy of a broadcast view)."""
+    q, n, _ = tiles.shape
+    return tiles.permute(0, 2, 1)[:, :, None, :, None].expand(q, 2, 2, n, 2).reshape(4 * q, n, 2)
+
+
 # The k-parts of a k past `_MAX_LAST_DIM` (`_gemm_over_k_parts`): whole 128-tiles and E8M0 pairs of 32-blocks.
 _K_PART = 511 * 128
 
@@ -118,8 +125,8 @@ class NpuGemm:
         reference's rounding: the MX mode ("mx量化": float8_e4m3fn/e5m2 operands, E8M0 scales, self float32), whose
         kernel sums each output over all of k in float32 and adds that into out once (a float32 atomic add),
         as the unfused npu_quant_matmul + add does; x1 the transposed view of a contiguous (k, m) and x2 a
-        contiguous (k, n) ("当前仅支持transposeX1=true且transposeX2=false"): the wgrad of kernel-made MX columnwise
-        forms (a 1x128 x 1x128 blockwise wgrad in the MX mode has contiguous (m, k) codes: not taken). Its HiF8
+        contiguous (k, n) ("当前仅支持transposeX1=true且transposeX2=false"): the wgrad of columnwise forms that the MX
+        kernels quantized along the tokens (MXFP8, and power-of-2 1x128 tiles of bfloat16/float16). Its HiF8
         T-T mode is not used: the kernel multiplies the sum by x1Scale * x2Scale cut to their top 19 bits
         ("float deqScale = x1Scale.GetValue(0) * x2Scale.GetValue(0); ... & DEQ_SCALE_MUL; // fixpipe只能取高19位",
         ops-nn kernel_qbmm_cube.h), where the reference multiplies by each float32 scale in turn."""
@@ -191,18 +198,20 @@ class NpuGemm:
         blocks = 2 * -(-k // 64)  # whole pairs: a 128-tile's four bytes cover them
 
         def e8m0_pairs(t: Float8BlockwiseQTensorStorage, columnwise: bool) -> torch.Tensor:
-            # Each 128-tile's E8M0 byte repeated for its 32-blocks as (rows, ceil(k / 64), 2) pairs: the bytes the
-            # quantize kernel made, or those of the float32 scales (a power-of-2 float32, 2^-127 included, a
-            # subnormal, has its E8M0 byte in bits 23..30; NaN -> 0xFF).
-            codes = t.columnwise_scale_e8m0 if columnwise else None
-            if codes is None:
-                scale_inv = t.columnwise_scale_inv if columnwise else t.rowwise_scale_inv
-                codes = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).to(torch.uint8)
+            # Each 128-tile's E8M0 byte repeated for its 32-blocks as (ceil(k / 64), rows, 2) pairs, laid out as
+            # the operand's codes are: from the quantize kernel's tile pairs (`mx_pairs_of_tiles`), or from the
+            # float32 scales (a power-of-2 float32, 2^-127 included, a subnormal, has its E8M0 byte in bits
+            # 23..30; NaN -> 0xFF) as (rows, ceil(k / 64), 2), transposed.
+            tiles = t.columnwise_scale_pairs if columnwise else None
+            if tiles is not None:
+                return mx_pairs_of_tiles(tiles)[:blocks // 2]
+            scale_inv = t.columnwise_scale_inv if columnwise else t.rowwise_scale_inv
+            codes = torch.bitwise_right_shift(scale_inv.view(torch.int32), 23).to(torch.uint8)
             pairs = codes.index_select(1, _tile_of_block(blocks, codes.device))
-            return pairs.reshape(pairs.shape[0], -1, 2)
+            return pairs.reshape(pairs.shape[0], -1, 2).transpose(0, 1)
 
         e8m0 = self.npu.float8_e8m0fnu
         return x1, b2d.t(), dict(
-            scale=e8m0_pairs(b, b_col).transpose(0, 1), pertoken_scale=e8m0_pairs(a, a_col),
+            scale=e8m0_pairs(b, b_col), pertoken_scale=e8m0_pairs(a, a_col).transpose(0, 1),
             scale_dtype=e8m0, pertoken_scale_dtype=e8m0, group_sizes=[1, 1, 32],
         )

@@ -53,9 +53,11 @@ def _stacked(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return None
 
 
-def _tokens_major(t: MXFP8TensorStorage) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(codes (tokens, m) contiguous, scale pairs (ceil(tokens / 64), m, 2)) of an MX columnwise form that a
-    quantize kernel made along the tokens (`columnwise_scale_pairs`; `columnwise_data` its transposed view), or None."""
+def _tokens_major(t: MXFP8TensorStorage | Float8BlockwiseQTensorStorage
+                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(codes (tokens, m) contiguous, scale pairs (ceil(blocks / 2), m, 2)) of a columnwise form that an MX
+    quantize kernel made along the tokens (`columnwise_scale_pairs`; `columnwise_data` its transposed view): MX
+    32-blocks, or power-of-2 1x128 tiles. None for other forms."""
     pairs, data = t.columnwise_scale_pairs, t.columnwise_data
     if pairs is None or data is None or data.dim() != 2 or not data.t().is_contiguous():
         return None
@@ -83,6 +85,22 @@ def _grouped_pairs(pairs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
         if end > starts[i] + p.shape[0]:
             pieces.append(p[-1:].expand(end - starts[i] - p.shape[0], *p.shape[1:]))
     return torch.cat(pieces)
+
+
+def _grouped_tile_pairs(tiles: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The groups' 128-tile E8M0 bytes, as a quantize kernel pairs them ((ceil(T_i / 2), m, 2), tiles (2j, 2j + 1)),
+    in the K-split MX grouped layout of 32-block pairs (`_grouped_pairs`): one row per tile holding its byte twice
+    (one concatenation of broadcast views), then each pair row the row of its tile, pair j of a group its tile
+    j // 2 (one index_select; rows between groups repeat the group's last tile, read by no group)."""
+    rows = torch.cat([t.permute(0, 2, 1)[..., None].expand(t.shape[0], 2, t.shape[1], 2) for t in tiles])
+    index, start, first_tile = [], 0, 0
+    for i, (t, k) in enumerate(zip(tiles, sizes)):
+        end = (start + k) // 64 + i + 1 if i + 1 < len(sizes) else sum(sizes) // 64 + len(sizes)
+        first_row = start // 64 + i
+        index += [first_tile + min((r - first_row) // 2, 2 * t.shape[0] - 1) for r in range(first_row, end)]
+        start, first_tile = start + k, first_tile + 2 * t.shape[0]
+    flat = rows.view(-1, *rows.shape[2:])
+    return flat.index_select(0, torch.tensor(index, dtype=torch.int64, device=flat.device))
 
 
 def _group_stack(out) -> Optional[torch.Tensor]:
@@ -345,12 +363,15 @@ class NpuGroupedGemm:
         return list(out) if stacked is not None else _added_into(out, list(y.unbind(0)))
 
     def _grouped_mx_wgrad(self, a, b, out_dtype: torch.dtype, out) -> Optional[list[torch.Tensor]]:
-        """Every group's a_i · b_iᵀ of MXFP8 columnwise forms (the experts' wgrad dW_i = dY_iᵀ·X_i, the tokens
-        split) as one K-split npu_grouped_matmul in the MX mode, (g, m, n) unbound per group; with `out`, added into
-        it: by npu_add_quant_gmm_ (op-plugin 26.0.0 and later) where out is one float32 (g, m, n) tensor in group
-        order, else by one multi-tensor add (`_added_into`). None where the operands do not fit: other storages,
-        forms the quantize kernels did not make (their codes a transposed view of the tokens-major (k, m) codes,
-        their scales in the kernels' (ceil(k/64), m, 2) pairs), an empty group.
+        """Every group's a_i · b_iᵀ of MXFP8 columnwise forms, or of power-of-2 1x128 ones (E4M3/E5M2), (the
+        experts' wgrad dW_i = dY_iᵀ·X_i, the tokens split) as one K-split npu_grouped_matmul in the MX mode,
+        (g, m, n) unbound per group; with `out`, added into it: by npu_add_quant_gmm_ (op-plugin 26.0.0 and later)
+        where out is one float32 (g, m, n) tensor in group order, else by one multi-tensor add (`_added_into`).
+        None where the operands do not fit: other storages, forms the quantize kernels did not make along the
+        tokens (their codes a transposed view of the tokens-major (k, m) codes, their scales in the kernels'
+        pairs), an empty group or one of tokens not whole 32-blocks. A 128-tile is four 32-blocks of its E8M0
+        byte (`_grouped_tile_pairs`), so the MX mode's sum of block products is the blockwise one, as in
+        `NpuGemm._pow2_tiles_as_mx`.
 
         The kernel reads each operand's tokens-major codes of all groups as one (K, m) tensor (a view where one
         quantize made them, else one concatenation) and their scales in the grouped layout: group i's
@@ -361,18 +382,21 @@ class NpuGroupedGemm:
         concatenation, whose rows between groups repeat a neighbour (the kernel reads none of them). Each group's
         sum is the single MX npu_quant_matmul's over its tokens, so the results are those of one GEMM per
         expert."""
-        if not a or any(not isinstance(t, MXFP8TensorStorage) for t in (*a, *b)):
+        storage = type(a[0]) if a else None
+        if storage not in (MXFP8TensorStorage, Float8BlockwiseQTensorStorage) or any(
+                type(t) is not storage for t in (*a, *b)):
             return None
         forms = [(_tokens_major(ai), _tokens_major(bi)) for ai, bi in zip(a, b)]
         if any(fa is None or fb is None for fa, fb in forms):
             return None
         sizes = [fa[0].shape[0] for fa, _ in forms]
-        if 0 in sizes or any(fb[0].shape[0] != k for (_, fb), k in zip(forms, sizes)):
+        if 0 in sizes or any(fb[0].shape[0] != k for (_, fb), k in zip(forms, sizes)) or any(k % 32 for k in sizes):
             return None
         if len({fa[0].shape[1] for fa, _ in forms}) != 1 or len({fb[0].shape[1] for _, fb in forms}) != 1:
             return None
         x_codes, w_codes = _rows_of([fa[0] for fa, _ in forms]), _rows_of([fb[0] for _, fb in forms])
-        x_scale, w_scale = (_grouped_pairs([f[j][1] for f in forms], sizes) for j in (0, 1))
+        grouped = _grouped_pairs if storage is MXFP8TensorStorage else _grouped_tile_pairs
+        x_scale, w_scale = (grouped([f[j][1] for f in forms], sizes) for j in (0, 1))
         e8m0 = self.npu.float8_e8m0fnu
         group_list = self._group_list(sizes, x_codes.device)
         y = _group_stack(out) if out is not None else None

@@ -428,14 +428,34 @@ class NpuQuantize(NpuFusedQuantize):
             if y is None:  # float32: the kernel's codes are of 32-blocks; cast again with the 128-tile scales
                 y = self._quantize_tile_rows(q, x2d, out.rowwise_scale_inv)
             out.rowwise_data = y.reshape(x.shape)
-        if q.columnwise_usage:
-            # Kept as E8M0 bytes: the one GEMM that reads this form (wgrad, in the MX mode) takes them so.
-            y, out.columnwise_scale_e8m0 = self._pow2_block_codes(q, x2d.t())
-            if y is None:
-                out.columnwise_scale_inv = e8m0_decode(out.columnwise_scale_e8m0)
-                y = self._pow2_cast(q, x2d.t(), out.columnwise_scale_inv, 1)
-            out.columnwise_data = y
+        if q.columnwise_usage and x.dtype in _HALF:
+            # Along the rows as x lies, in 128-blocks: the (M, K) codes (the storage keeps their transposed view)
+            # and the E8M0 bytes in the kernel's pairs, which the one GEMM that reads this form (the wgrad, in the
+            # MX mode) takes so, tokens-major as its transposed x1 and its x2 are.
+            y, out.columnwise_scale_pairs = self.npu.npu_dynamic_mx_quant(
+                x2d, axis=-2, dst_type=self._npu_dtype(q.fp8_dtype), block_size=128, scale_alg=1)
+            out.columnwise_data = y.t()
+        elif q.columnwise_usage:
+            self._pow2_columnwise_float32(q, x2d, out)
         return out
+
+    def _pow2_columnwise_float32(self, q: Float8BlockQuantizer, x2d: torch.Tensor,
+                                 out: Float8BlockwiseQTensorStorage) -> None:
+        """The power-of-2 1x128 columnwise form of float32 x (M, K), M whole 128-tiles, laid out as the kernel lays
+        out 128-blocks of bfloat16 (`_quantize_blocks_pow2`): float32 takes 32-blocks only, so a tile's E8M0 byte
+        is the largest of its four blocks' (one max over the kernel's pairs), and x is divided by the tile scales
+        (exact: powers of 2) and cast."""
+        m, k = x2d.shape
+        _, blocks = self.npu.npu_dynamic_mx_quant(x2d, axis=-2, dst_type=self._npu_dtype(q.fp8_dtype), block_size=32,
+                                                  scale_alg=1)
+        tiles = blocks.view(m // 128, 2, k, 2).amax(dim=(1, 3))  # (tiles, K)
+        scale_inv = e8m0_decode(tiles)
+        scaled = torch.div(x2d.view(m // 128, 128, k), scale_inv.view(m // 128, 1, k))
+        out.columnwise_data = scaled.to(q.fp8_dtype.storage_dtype).view(m, k).t()
+        out.columnwise_scale_inv = scale_inv.t()
+        # the kernel's pairs of tiles (2i, 2i + 1), an odd last one padded with byte 0 as the kernel pads
+        even = torch.nn.functional.pad(tiles, (0, 0, 0, 1)) if tiles.shape[0] % 2 else tiles
+        out.columnwise_scale_pairs = even.view(-1, 2, k).permute(0, 2, 1)
 
     @staticmethod
     def _hif8_tiles_apply(q: Quantizer, x2d: torch.Tensor) -> bool:
