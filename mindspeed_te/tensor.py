@@ -178,8 +178,9 @@ class _TiledTensor(_TwoForms):
     columnwise_data: Optional[torch.Tensor] = None
     columnwise_scale_inv: Optional[torch.Tensor] = None
     # The columnwise E8M0 scale bytes as an MX quantize kernel lays them out when it quantizes x (M, K) along its
-    # rows, (ceil(blocks / 2), K, 2) with blocks (2i, 2i + 1) interleaved; `columnwise_data` is then the
-    # transposed view of the kernel's (M, K) codes. GEMM kernels take them as they are.
+    # rows, (ceil(blocks / 2), K, 2) with blocks (2i, 2i + 1) interleaved (or, made otherwise, one block per row:
+    # (blocks, K, 1)); `columnwise_data` is then the transposed view of the (M, K) codes. GEMM kernels take them
+    # as they are.
     columnwise_scale_pairs: Optional[torch.Tensor] = None
 
     def _tile(self) -> tuple[int, int]:

@@ -1788,8 +1788,8 @@ def test_blockwise_experts_wgrad_is_one_grouped_launch(splits, layout, fmt, monk
 @pytest.mark.parametrize("tokens", [128, 256, 384])
 def test_float32_blockwise_columnwise_tiles_along_the_tokens(tokens, monkeypatch, use_backend):
     """float32 inputs take the MX kernel's 32-blocks (its 128-blocks are float16/bfloat16 only): a 128-tile's byte
-    is the largest of its four, laid out in the kernel's pairs of tiles (an odd number padded with byte 0), and
-    the wgrad takes them as bfloat16's, in the MX mode and into main_grad in the GEMM: the reference's bits."""
+    is the largest of its four, kept one tile per row (no pad to the kernel's pairs), and the wgrad takes them as
+    it takes bfloat16's, in the MX mode and into main_grad in the GEMM: the reference's bits."""
     recipe = Float8BlockScaling()
     start = torch.randn(128, 192, generator=torch.Generator().manual_seed(9)) * 50
     for sim in (make_simulator(), _wgrad_sim()):

@@ -30,10 +30,11 @@ def _tile_of_block(blocks: int, device: torch.device) -> torch.Tensor:
 
 
 def mx_pairs_of_tiles(tiles: torch.Tensor) -> torch.Tensor:
-    """MX pairs of 32-block bytes (4 * q, n, 2) from a quantize kernel's pairs of 128-tile bytes (q, n, 2), tiles
-    (2i, 2i + 1) interleaved: 32-block pair p holds tile p // 2's byte twice (one copy of a broadcast view)."""
-    q, n, _ = tiles.shape
-    return tiles.permute(0, 2, 1)[:, :, None, :, None].expand(q, 2, 2, n, 2).reshape(4 * q, n, 2)
+    """MX pairs of 32-block bytes (2 * h * q, n, 2) from 128-tile bytes (q, n, h), h tiles a row (a quantize
+    kernel's pairs, tiles (2i, 2i + 1) interleaved: h = 2): 32-block pair p holds tile p // 2's byte twice (one
+    copy of a broadcast view; contiguous, as the GEMM takes it, also where one tile's is a view)."""
+    q, n, h = tiles.shape
+    return tiles.permute(0, 2, 1)[:, :, None, :, None].expand(q, h, 2, n, 2).reshape(2 * h * q, n, 2).contiguous()
 
 
 # The k-parts of a k past `_MAX_LAST_DIM` (`_gemm_over_k_parts`): whole 128-tiles and E8M0 pairs of 32-blocks.

@@ -88,17 +88,18 @@ def _grouped_pairs(pairs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
 
 
 def _grouped_tile_pairs(tiles: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """The groups' 128-tile E8M0 bytes, as a quantize kernel pairs them ((ceil(T_i / 2), m, 2), tiles (2j, 2j + 1)),
-    in the K-split MX grouped layout of 32-block pairs (`_grouped_pairs`): one row per tile holding its byte twice
-    (one concatenation of broadcast views), then each pair row the row of its tile, pair j of a group its tile
-    j // 2 (one index_select; rows between groups repeat the group's last tile, read by no group)."""
-    rows = torch.cat([t.permute(0, 2, 1)[..., None].expand(t.shape[0], 2, t.shape[1], 2) for t in tiles])
+    """The groups' 128-tile E8M0 bytes, (q_i, m, h) with h tiles a row (a quantize kernel's pairs: tiles (2j, 2j + 1)
+    in a row), in the K-split MX grouped layout of 32-block pairs (`_grouped_pairs`): one row per tile holding its
+    byte twice (one concatenation of broadcast views), then each pair row the row of its tile, pair j of a group
+    its tile j // 2 (one index_select; rows between groups repeat the group's last tile, read by no group)."""
+    h = tiles[0].shape[2]
+    rows = torch.cat([t.permute(0, 2, 1)[..., None].expand(t.shape[0], h, t.shape[1], 2) for t in tiles])
     index, start, first_tile = [], 0, 0
     for i, (t, k) in enumerate(zip(tiles, sizes)):
         end = (start + k) // 64 + i + 1 if i + 1 < len(sizes) else sum(sizes) // 64 + len(sizes)
         first_row = start // 64 + i
-        index += [first_tile + min((r - first_row) // 2, 2 * t.shape[0] - 1) for r in range(first_row, end)]
-        start, first_tile = start + k, first_tile + 2 * t.shape[0]
+        index += [first_tile + min((r - first_row) // 2, h * t.shape[0] - 1) for r in range(first_row, end)]
+        start, first_tile = start + k, first_tile + h * t.shape[0]
     flat = rows.view(-1, *rows.shape[2:])
     return flat.index_select(0, torch.tensor(index, dtype=torch.int64, device=flat.device))
 

@@ -441,10 +441,11 @@ class NpuQuantize(NpuFusedQuantize):
 
     def _pow2_columnwise_float32(self, q: Float8BlockQuantizer, x2d: torch.Tensor,
                                  out: Float8BlockwiseQTensorStorage) -> None:
-        """The power-of-2 1x128 columnwise form of float32 x (M, K), M whole 128-tiles, laid out as the kernel lays
-        out 128-blocks of bfloat16 (`_quantize_blocks_pow2`): float32 takes 32-blocks only, so a tile's E8M0 byte
-        is the largest of its four blocks' (one max over the kernel's pairs), and x is divided by the tile scales
-        (exact: powers of 2) and cast."""
+        """The power-of-2 1x128 columnwise form of float32 x (M, K), M whole 128-tiles, its codes laid out as the
+        kernel lays out 128-blocks of bfloat16 (`_quantize_blocks_pow2`): float32 takes 32-blocks only, so a tile's
+        E8M0 byte is the largest of its four blocks' (one max over the kernel's pairs), kept one tile per row
+        ((tiles, K, 1): no pad to whole pairs), and x is divided by the tile scales (exact: powers of 2) and
+        cast."""
         m, k = x2d.shape
         _, blocks = self.npu.npu_dynamic_mx_quant(x2d, axis=-2, dst_type=self._npu_dtype(q.fp8_dtype), block_size=32,
                                                   scale_alg=1)
@@ -453,9 +454,7 @@ class NpuQuantize(NpuFusedQuantize):
         scaled = torch.div(x2d.view(m // 128, 128, k), scale_inv.view(m // 128, 1, k))
         out.columnwise_data = scaled.to(q.fp8_dtype.storage_dtype).view(m, k).t()
         out.columnwise_scale_inv = scale_inv.t()
-        # the kernel's pairs of tiles (2i, 2i + 1), an odd last one padded with byte 0 as the kernel pads
-        even = torch.nn.functional.pad(tiles, (0, 0, 0, 1)) if tiles.shape[0] % 2 else tiles
-        out.columnwise_scale_pairs = even.view(-1, 2, k).permute(0, 2, 1)
+        out.columnwise_scale_pairs = tiles.unsqueeze(-1)
 
     @staticmethod
     def _hif8_tiles_apply(q: Quantizer, x2d: torch.Tensor) -> bool:
