@@ -1702,6 +1702,21 @@ def test_fused_mx_wgrad_takes_any_number_of_tokens(monkeypatch, use_backend):
     assert sim.launch_counts["npu_add_quant_matmul_"] == 1 and sim.launch_counts["npu_quant_matmul"] == 2
 
 
+@pytest.mark.parametrize("name", ["mxfp8/hybrid", "blockwise pow2/e4m3"])
+def test_wgrad_past_the_kernels_k_limit_sums_its_parts(name, monkeypatch, use_backend):
+    """npu_quant_matmul takes k up to 65535 ("x1与x2最后一维的shape大小不能超过65535"): a wgrad over more tokens
+    (its operands the transposed views of tokens-major codes, their scale pairs alike) runs as GEMMs over parts
+    of whole 128-tiles and E8M0 pairs, summed in float32. The sum's order differs from one GEMM's, so the weight
+    gradient agrees with the reference's to float32 rounding of its terms; the rest is bit for bit."""
+    sim = make_simulator()
+    shape = (65536 + 128, 64, 32)
+    got = _step(use_backend, "npu", monkeypatch, RECIPES[name], sim, shape=shape)
+    want = _step(use_backend, "reference", monkeypatch, RECIPES[name], shape=shape)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[3], want[3])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-3)
+    assert sim.launch_counts["npu_quant_matmul"] == 2 + 2  # fprop, dgrad, the wgrad's two parts
+
+
 def _grouped_mx_step(use_backend, backend_name, monkeypatch, splits, layout, sim=None, save_original_input=False,
                      recipe=None):
     """(output, input grad, each expert's main_grad) of GroupedLinear(len(splits), 128, 96) with fused wgrad

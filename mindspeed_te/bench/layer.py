@@ -317,12 +317,12 @@ def _quantize_jobs(recipe: str, kind: str) -> list[Job]:
                  ("weight quantizes", STEP, n["W"], 5, "128x128 power-of-2 tiles, which no kernel makes: "
                                                        "npu_dynamic_mx_quant, a max over each tile's rows, decode, "
                                                        "divide, cast"),
-                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2 + EXPERTS + 4,
+                 ("expert activation / gradient quantizes", MB, n["XA"] + n["XG"], 2 + EXPERTS + 3,
                   "the rowwise form of the joined rows (2); the columnwise one per expert along its tokens (1 each: "
                   "its 1x128 tiles start at the expert's first token, and no grouped quantize takes 128-blocks); "
                   "for the one K-split MX wgrad of all experts, their codes joined (1), their tile bytes joined "
-                  "(1) and repeated per 32-block pair in the kernel's grouped layout by one gather (1) whose row "
-                  "index, from the tokens per expert, is sent to the device (1)"),
+                  "(1) and repeated per 32-block pair in the kernel's grouped layout by one gather (1; its row "
+                  "index, from the tokens per expert, is a host-to-device copy, as the GEMMs' group lists are)"),
                  ("expert weight quantizes", STEP, n["XW"], 5, "the experts' weights: whole tiles of one buffer"),
                  ("QKV bias added", MB, 1 if kind == "dense" else 0, 1, "the [1,128,128] GEMM takes no bias")]
     elif family == "mxfp8":
@@ -366,6 +366,8 @@ def floor(recipe: str, kind: str) -> Floor:
 
 
 # Where the measured counts exceed the floor, per (kind, recipe family): what launches the extra and why.
+BLOCKWISE_FOLD = "the non-finite fold concatenates the block scales once per step, a step constant that a 1-layer " \
+                 "block skips: +1"
 GAPS = {
     ("dense", "all"): "Megatron adds the proj, fc1 and fc2 biases outside their GEMMs (skip_bias_add, for its "
                       "bias-dropout-add and bias-GeLU fusions, which have no kernel here): +3 per micro-batch",
@@ -374,8 +376,7 @@ GAPS = {
                       "micro-batch (tensorwise, MXFP8; blockwise quantized it there anyway)",
     ("dense", "delayed"): "the rebuilt input's quantize under delayed scaling repeats the forward's: its stored "
                           "scale_inv cast to the input's bfloat16 for npu_quantize, +1 more per micro-batch",
-    ("dense", "blockwise"): "the non-finite fold concatenates the block scales once per step, a step constant that "
-                            "a 1-layer block skips: +1",
+    ("dense", "blockwise"): BLOCKWISE_FOLD,
     ("moe", "all"): "the router's softmax over the top-k in float32, its probs back in bfloat16 (a cast in and one "
                     "out, forward and backward: 4); the probs' placement at the permuted rows (their gather by "
                     "pair and an index_add at the kernel's rows, and in backward an index_select and a scatter, "
@@ -383,8 +384,7 @@ GAPS = {
                     "per micro-batch",
     ("moe", "blockwise"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 32 rows on the NPU: "
                           "one concatenation each way, 6 per micro-batch: 1x128 tiles along the tokens start at "
-                          "each expert's first row); the per-expert wgrads: each operand's tile bytes repeated per "
-                          "32-block and the rowwise tiles' decodes",
+                          "each expert's first row); " + BLOCKWISE_FOLD,
     ("moe", "mxfp8"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 64 rows on torch_npu 2.14, "
                       "32 on 26.1: one concatenation each way, 6 per micro-batch: MX blocks along the tokens start "
                       "at each expert's first row)",
