@@ -591,6 +591,27 @@ def test_mx_wgrad_accumulation_into_main_grad_is_the_gemm():
     assert after["delayed HIF8"] == before["delayed HIF8"] and before["delayed HIF8"]["aten.add_"] == 1
 
 
+def test_blockwise_wgrad_accumulation_into_main_grad_is_the_gemm():
+    """--gradient-accumulation-fusion under power-of-2 blockwise: the 1x128 x 1x128 wgrad runs in the MX mode on
+    tokens-major codes, so with torch_npu 26.1's kernels a Linear's wgrad is npu_add_quant_matmul_ (the
+    npu_quant_matmul + add_ of 2.14 in one), and the experts' (main_grads in expert order) one npu_add_quant_gmm_
+    for all of them: no GEMM per expert, and each expert more adds only its grad_output's columnwise quantize."""
+    from mindspeed_te.bench.launches import npu_simulated
+
+    name = "blockwise E4M3"
+    with npu_simulated() as npu:
+        before = _accumulating_launches(name, npu).counts
+    with npu_simulated(release="26.1") as npu:
+        after = _accumulating_launches(name, npu).counts
+        experts = [_accumulating_launches(name, npu, e, "in order").counts for e in (4, 8)]
+    assert before["torch_npu.npu_quant_matmul"] == 2 and before["aten.add_"] == 1
+    assert after["torch_npu.npu_quant_matmul"] == 1 and after["torch_npu.npu_add_quant_matmul_"] == 1
+    assert "aten.add_" not in after and after.total() == before.total() - 1
+    for counts in experts:
+        assert counts["torch_npu.npu_add_quant_gmm_"] == 1 and "torch_npu.npu_quant_matmul" not in counts, counts
+    assert experts[1] - experts[0] == {"torch_npu.npu_dynamic_mx_quant": 4}, (experts[0], experts[1])
+
+
 @pytest.mark.parametrize("name", ["delayed E4M3", "mxfp8 E4M3"])
 def test_experts_wgrad_accumulation_is_one_launch_for_all(name):
     """The experts' wgrads (one grouped GEMM, float32) are added into their float32 main_grads by one
