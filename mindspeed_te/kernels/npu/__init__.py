@@ -24,7 +24,8 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                                                             non-kernel target use torch ops
   blockwise    power-of-2 scales (TE's default): npu_dynamic_mx_quant(scale_alg=1) (E4M3/E5M2; partial
                float32 / 128x128 tiles use torch ops; float32 1x128 rows cast by one npu_quantize); columnwise
-               1x128 scales kept as the kernel's E8M0 bytes for the wgrad GEMM; HiF8 (whole tiles, bf16/fp32):
+               1x128 tiles quantized along the tokens as x lies (axis -2), codes and E8M0 bytes kept as the
+               kernel made them, which the MX-mode wgrad GEMM takes; HiF8 (whole tiles, bf16/fp32):
                tile amaxes of all the pass's layouts into one buffer, its scales in one chain of torch ops, the
                cast one npu_quantize per layout; other scales (HiF8's default): npu_dynamic_block_quant
                (fp16/bf16/fp32, not with amax_epsilon; HiF8 dst_type_max 15, 56, 224, 32768)
@@ -45,14 +46,16 @@ What goes to a kernel and what stays on torch ops (which run on the NPU too):
                repeated per 32-block (one op each), a float32 bias (one cast of a bf16 bias, as the late add
                is one op), and the float32 scales are made anyway (the non-finite flags read them, the dgrad
                takes the weight's).
-  wgrad into   MXFP8 into a float32 main_grad: npu_add_quant_matmul_ (op-plugin 26.0.0+, where torch_npu has it;
-  main_grad    the float32 sum added once, as GEMM + add); bf16/fp16 (no FP8, --no-fp8-wgrad) into float32:
-               npu_grouped_matmul_add_ with one group where it runs (as the experts'); others: GEMM, then add
+  wgrad into   MXFP8 and power-of-2 blockwise E4M3/E5M2 into a float32 main_grad: npu_add_quant_matmul_ (op-plugin
+  main_grad    26.0.0+, where torch_npu has it; the float32 sum added once, as GEMM + add); bf16/fp16 (no FP8,
+               --no-fp8-wgrad) into float32: npu_grouped_matmul_add_ with one group where it runs (as the
+               experts'); others: GEMM, then add
   experts      fprop/dgrad one npu_grouped_matmul (per-tensor, MX, G-B M-split); wgrad one K-split
-               npu_grouped_matmul for per-tensor and MXFP8 (MX scales laid out by one cat per operand, or as
-               npu_grouped_dynamic_mx_quant (26.0.0+) made the experts' columnwise forms: one call for all);
-               into main_grads: npu_add_quant_gmm_ (MXFP8, 26.0.0+, main_grads one buffer in expert order),
-               else one _foreach_add_; blockwise wgrads one npu_quant_matmul per expert. bf16/fp16 experts
+               npu_grouped_matmul for per-tensor, MXFP8 and power-of-2 blockwise (MX scales laid out by one cat
+               per operand, or as npu_grouped_dynamic_mx_quant (26.0.0+) made the experts' columnwise forms: one
+               call for all; 128-tile bytes joined and repeated per 32-block by one gather); into main_grads:
+               npu_add_quant_gmm_ (MX mode, 26.0.0+, main_grads one buffer in expert order), else one
+               _foreach_add_. bf16/fp16 experts
                (no FP8): its non-quantized M-split and K-split modes, except a fprop with biases (the float32
                sum, which the mode does not write: one GEMM per expert); their wgrad into float32 main_grads:
                npu_grouped_matmul_add_ (Atlas A2/A3; the 950 from op-plugin 26.0.0), else the joined rows cast

@@ -2,9 +2,10 @@
 groups on one npu_grouped_matmul in its non-quantized mode (`_grouped_float_gemm`), per-tensor FP8/HiF8 groups on
 one npu_grouped_matmul (M-split for fprop/dgrad, K-split for wgrad), MXFP8 and blockwise fprop/dgrad on its
 M-split MX and G-B modes (`_grouped_block_gemm`, with the per-group arguments of `NpuGemm._quant_matmul_args`),
-the MXFP8 wgrad on its K-split MX mode (`_grouped_mx_wgrad`; npu_add_quant_gmm_ where it adds into main_grads),
-the experts' MX columnwise forms from one npu_grouped_dynamic_mx_quant (`quantize_row_blocks`), and the
-row-joining and stacking of the groups' operands (`_rows_of`, `_stacked`, `_grouped_pairs`)."""
+the MXFP8 and power-of-2 blockwise wgrad on its K-split MX mode (`_grouped_mx_wgrad`; npu_add_quant_gmm_ where it
+adds into main_grads), the experts' MX columnwise forms from one npu_grouped_dynamic_mx_quant
+(`quantize_row_blocks`), and the row-joining and stacking of the groups' operands and scales (`_rows_of`,
+`_stacked`, `_grouped_pairs`, `_grouped_tile_pairs`)."""
 from __future__ import annotations
 
 import itertools
@@ -231,8 +232,8 @@ class NpuGroupedGemm:
         Per-tensor FP8/HiF8 groups go to one npu_grouped_matmul: the M-split form for fprop/dgrad (rows of
         all groups concatenated, weights stacked), the K-split form for wgrad (the token dim split). MXFP8 and
         blockwise (1x128 by 128x128 tiles) fprop/dgrad take its M-split MX and G-B modes
-        (`_grouped_block_gemm`), the MXFP8 wgrad its K-split MX mode (`_grouped_mx_wgrad`). Other operands take
-        one GEMM per group. With `out`, the float32 results are added into it (`_added_into`)."""
+        (`_grouped_block_gemm`), the MXFP8 and power-of-2 1x128 wgrads its K-split MX mode (`_grouped_mx_wgrad`).
+        Other operands take one GEMM per group. With `out`, the float32 results are added into it (`_added_into`)."""
         results = (self._grouped_float_gemm(a, b, a_columnwise, b_columnwise, out_dtype) if out is None
                    else self._grouped_float_wgrad_into(a, b, a_columnwise, b_columnwise, out))
         if results is not None:
