@@ -1746,46 +1746,20 @@ def _grouped_mx_step(use_backend, backend_name, monkeypatch, splits, layout, sim
     return [y.detach(), x.grad] + [w.main_grad.clone() for w in layer.weights]
 
 
-@pytest.mark.parametrize("splits", [[32, 96, 64], [64, 0, 160, 32], [96], [32] * 5])
+@pytest.mark.parametrize("splits", [[32, 96, 64], [160, 0, 288, 32], [96], [32] * 5])
 @pytest.mark.parametrize("layout", ["apart", "in order", "reverse"])
-def test_mx_experts_wgrad_is_one_grouped_launch(splits, layout, monkeypatch, use_backend):
+@pytest.mark.parametrize("name", ["mxfp8/e4m3", "blockwise pow2/e4m3", "blockwise pow2/hybrid"])
+def test_block_scaled_experts_wgrad_is_one_grouped_launch(name, splits, layout, monkeypatch, use_backend):
     """The MXFP8 experts' wgrad is one K-split npu_grouped_matmul in the MX mode, with or without torch_npu's
     newer kernels, bit for bit the reference's (one GEMM per expert there): its scales come from the experts'
     own columnwise quantizes laid out in the grouped layout by one concatenation per operand, or, with
-    npu_grouped_dynamic_mx_quant, from one grouped quantize per operand, as they lie. Accumulation into
-    main_grads in one buffer in expert order is the GEMM's own (npu_add_quant_gmm_); in other layouts (an
-    expert without tokens between, Megatron's reverse order) one multi-tensor add follows the grouped GEMM."""
-    active = sum(1 for m in splits if m)
-    want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, layout)
-    for newer in (False, True):
-        sim = _wgrad_sim() if newer else make_simulator()
-        got = _grouped_mx_step(use_backend, "npu", monkeypatch, splits, layout, sim)
-        for g, w in zip(got, want):
-            assert torch.equal(g, w)
-        counts = sim.launch_counts
-        assert "npu_quant_matmul" not in counts  # no GEMM per expert
-        # the experts with tokens' main_grads one (g, 96, 128) tensor: in order, no expert left out between
-        in_kernel = newer and (active == 1 or (layout == "in order" and 0 not in splits))
-        assert counts["npu_add_quant_gmm_"] == int(in_kernel)
-        assert counts["npu_grouped_matmul"] == 3 - int(in_kernel)  # fprop, dgrad (, wgrad)
-        # the experts' input (forward) and grad_output (backward) MX columnwise forms: one grouped call each (one
-        # expert: one dual-axis call makes both forms)
-        assert counts["npu_grouped_dynamic_mx_quant"] == (2 if newer and len(splits) > 1 else 0)
-        if not newer:  # per expert, or per run of whole 64-row pairs; one part: both forms in one dual-axis call
-            calls = counts["npu_dynamic_mx_quant"] + counts["npu_dynamic_mx_quant_with_dual_axis"]
-            assert calls >= (2 if len(splits) == 1 else 2 + active), counts
-
-
-@pytest.mark.parametrize("splits", [[32, 96, 160], [160, 0, 288, 32], [96], [32] * 5])
-@pytest.mark.parametrize("layout", ["apart", "in order", "reverse"])
-@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
-def test_blockwise_experts_wgrad_is_one_grouped_launch(splits, layout, fmt, monkeypatch, use_backend):
-    """Power-of-2 1x128 experts (TE's blockwise default): each expert's columnwise form is quantized along its
-    tokens (128-blocks, the tile after its last whole one cut short), so the wgrad of all experts is one K-split
-    npu_grouped_matmul in the MX mode, each tile's byte repeated for its four 32-blocks, bit for bit the
-    reference's (a 1x128 x 1x128 GEMM per expert there). Into main_grads in one buffer in expert order it is
-    npu_add_quant_gmm_ where torch_npu has it; otherwise one multi-tensor add follows."""
-    recipe = Float8BlockScaling(fp8_format=Format[fmt])
+    npu_grouped_dynamic_mx_quant, from one grouped quantize per operand, as they lie. So is the wgrad of
+    power-of-2 1x128 experts (TE's blockwise default): each expert's columnwise form is quantized along its
+    tokens (128-blocks, the tile after its last whole one cut short), each tile's byte repeated for its four
+    32-blocks. Accumulation into main_grads in one buffer in expert order is the GEMM's own (npu_add_quant_gmm_);
+    in other layouts (an expert without tokens between, Megatron's reverse order) one multi-tensor add follows
+    the grouped GEMM."""
+    recipe = RECIPES.get(name) or recipes(name)[name]
     active = sum(1 for m in splits if m)
     want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, layout, recipe=recipe)
     for newer in (False, True):
@@ -1795,9 +1769,19 @@ def test_blockwise_experts_wgrad_is_one_grouped_launch(splits, layout, fmt, monk
             assert torch.equal(g, w)
         counts = sim.launch_counts
         assert "npu_quant_matmul" not in counts  # no GEMM per expert
+        # the experts with tokens' main_grads one (g, 96, 128) tensor: in order, no expert left out between
         in_kernel = newer and (active == 1 or (layout == "in order" and 0 not in splits))
         assert counts["npu_add_quant_gmm_"] == int(in_kernel)
         assert counts["npu_grouped_matmul"] == 3 - int(in_kernel)  # fprop, dgrad (, wgrad)
+        if name.startswith("blockwise"):  # one columnwise quantize per expert with tokens, input and grad_output
+            assert counts["npu_dynamic_mx_quant"] >= 2 * active and "npu_grouped_dynamic_mx_quant" not in counts
+            continue
+        # the experts' input (forward) and grad_output (backward) MX columnwise forms: one grouped call each (one
+        # expert: one dual-axis call makes both forms)
+        assert counts["npu_grouped_dynamic_mx_quant"] == (2 if newer and len(splits) > 1 else 0)
+        if not newer:  # per expert, or per run of whole 64-row pairs; one part: both forms in one dual-axis call
+            calls = counts["npu_dynamic_mx_quant"] + counts["npu_dynamic_mx_quant_with_dual_axis"]
+            assert calls >= (2 if len(splits) == 1 else 2 + active), counts
 
 
 @pytest.mark.parametrize("tokens", [128, 256, 384])
