@@ -420,7 +420,7 @@ class NpuQuantize(NpuFusedQuantize):
                                             power_2_scale=True)
         if q.block_scaling_dim == 2:
             out.rowwise_scale_inv = e8m0_decode(self._pow2_block_codes(q, x2d, rows=128)[1])
-            out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv, 128).reshape(x.shape)
+            out.rowwise_data = self._pow2_cast(q, x2d, out.rowwise_scale_inv).reshape(x.shape)
             return out
         if q.rowwise_usage:
             y, codes = self._pow2_block_codes(q, x2d)
@@ -451,7 +451,8 @@ class NpuQuantize(NpuFusedQuantize):
                                                   scale_alg=1)
         tiles = blocks.view(m // 128, 2, k, 2).amax(dim=(1, 3))  # (tiles, K)
         scale_inv = e8m0_decode(tiles)
-        scaled = torch.div(x2d.view(m // 128, 128, k), scale_inv.view(m // 128, 1, k))
+        scaled = torch.empty(m // 128, 128, k, dtype=x2d.dtype, device=x2d.device)
+        torch.div(x2d.reshape(m // 128, 128, k), scale_inv.view(m // 128, 1, k), out=scaled)  # row-major (M, K)
         out.columnwise_data = scaled.to(q.fp8_dtype.storage_dtype).view(m, k).t()
         out.columnwise_scale_inv = scale_inv.t()
         out.columnwise_scale_pairs = tiles.unsqueeze(-1)
@@ -573,14 +574,14 @@ class NpuQuantize(NpuFusedQuantize):
         return None, codes.reshape(m // rows, rows, k // 128, 128 // block).amax(dim=(1, 3))
 
     @staticmethod
-    def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor, rows: int) -> torch.Tensor:
-        """t / scale_inv per rows x 128 tile, cast to the format: exact (a power-of-2 division), and within the
+    def _pow2_cast(q: Float8BlockQuantizer, t: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """t / scale_inv per 128x128 tile, cast to the format: exact (a power-of-2 division), and within the
         format's range by the round-up rule, so the plain cast needs no clamp. k and m are whole tiles. The
-        quotient is written row-major whatever t's layout (a transposed view gives the columnwise codes)."""
+        quotient is written row-major whatever t's layout."""
         m, k = t.shape
-        tiles = t.reshape(m // rows, rows, k // 128, 128)
+        tiles = t.reshape(m // 128, 128, k // 128, 128)
         scaled = torch.empty(tiles.shape, dtype=t.dtype, device=t.device)
-        torch.div(tiles, scale_inv.reshape(m // rows, 1, k // 128, 1), out=scaled)
+        torch.div(tiles, scale_inv.reshape(m // 128, 1, k // 128, 1), out=scaled)
         return scaled.to(q.fp8_dtype.storage_dtype).reshape(m, k)
 
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
