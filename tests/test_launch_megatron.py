@@ -159,14 +159,15 @@ def test_pretrain_gpt_through_the_npu_kernels_matches_the_reference_backend():
     assert len(npu) == 3 and npu == reference
 
 
-@pytest.mark.parametrize("recipe, optimizer, port", [("blockwise", ("--use-distributed-optimizer",), 29625),
-                                                     ("mxfp8", (), 29629)],
-                         ids=["blockwise-distributed-optimizer", "mxfp8"])
+@pytest.mark.parametrize("recipe, optimizer, port", [
+    ("blockwise", ("--use-distributed-optimizer",), 29625),
+    ("mxfp8", ("--moe-token-dispatcher-type", "alltoall", "--moe-router-fusion", "--moe-permute-fusion"), 29629)],
+    ids=["blockwise-distributed-optimizer", "mxfp8-alltoall-fused-router-and-permute"])
 def test_moe_through_the_npu_kernels_matches_the_reference_backend(recipe, optimizer, port):
-    """Grouped-GEMM experts on torch_npu's kernels (blockwise and MXFP8: fprop and dgrad of all experts as one
-    grouped GEMM each; the experts' weights, which GroupedLinear, and the distributed optimizer in reverse, lay
-    out in one buffer, quantized in one pass) give the reference backend's losses exactly (attention dropout off,
-    as above)."""
+    """Grouped-GEMM experts on torch_npu's kernels (blockwise and MXFP8: fprop, dgrad and wgrad of all experts as
+    one grouped GEMM each; the experts' weights, which GroupedLinear, and the distributed optimizer in reverse, lay
+    out in one buffer, quantized in one pass; the fused router's top-k probs placed by the permute kernel's rows as
+    they are) give the reference backend's losses exactly (attention dropout off, as above)."""
     flags = ("--hidden-size", "128", "--num-experts", "4", "--moe-grouped-gemm", "--moe-router-topk", "2",
              "--disable-bias-linear", *optimizer, "--fp8-format", "e4m3", "--fp8-recipe", recipe, "--bf16",
              "--attention-dropout", "0")

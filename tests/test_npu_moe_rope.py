@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_te.diagnostics import HostSyncCounter
+from mindspeed_te.diagnostics import HostSyncCounter, LaunchCounter
 from mindspeed_te.kernels.npu import NpuBackend
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, TOPK_PROBS
 from mindspeed_te.megatron import moe_fused
 from mindspeed_te.megatron.mla_rope import fused_apply_mla_rope_for_kv, fused_apply_mla_rope_for_q
 from mindspeed_te.modules.rope import apply_rotary_pos_emb
@@ -426,6 +426,48 @@ def test_the_routers_order_is_taken_only_where_the_sum_cannot_tell(monkeypatch, 
     setattr(routing_map, TOPK_EXPERTS, torch.tensor([[3, 2, 1, 0]]))
     _, row_map = moe_fused.fused_permute(x, routing_map, 4)
     assert torch.equal(moe_fused.fused_unpermute(rows, row_map, restore_shape=x.shape), want)
+
+
+def _routed_layer(topk: int, change: Optional[str] = None, npu: Any = None) -> tuple[list[torch.Tensor], Any]:
+    """The fused router's probs and map (dropless, as the dispatcher marks it) through permute with probs, rows
+    times their probs, unpermute; backward. `change`: "forget" drops the probs' top-k attribute, "write" scales
+    the probs in place after the router. -> (outputs and the gradients of the tokens and the logits, launches
+    with `npu`'s kernels)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 8, generator=gen).bfloat16().requires_grad_()
+    x = torch.randn(16, 32, generator=gen).bfloat16().requires_grad_()
+    with LaunchCounter(npu) as counter:
+        probs, routing_map = moe_fused.fused_topk_with_score_function(logits, topk)
+        setattr(routing_map, EXPERTS_PER_TOKEN, topk)
+        if change == "forget":
+            delattr(probs, TOPK_PROBS)
+        elif change == "write":
+            probs.mul_(2)
+        permuted, permuted_probs, row_map = moe_fused.fused_permute_with_probs(x, probs, routing_map, 16 * topk)
+        rows = (permuted.float() * permuted_probs.float().unsqueeze(1)).to(permuted.dtype)
+        out = moe_fused.fused_unpermute(rows, row_map, restore_shape=x.shape)
+        out.backward(torch.randn(out.shape, generator=gen).to(out.dtype))
+    return [permuted_probs.detach(), out.detach(), x.grad, logits.grad], counter.counts
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_the_routers_topk_probs_are_placed_as_they_are(topk, monkeypatch, use_backend):
+    """The fused router's probs carry the top-k probs they were scattered from (`TOPK_PROBS`). Where the permute
+    kernel takes the router's experts unsorted (dropless top-1 / top-2), those are placed at the permuted rows as
+    they are: no gather from the dense probs, and their gradient is one index_select into the router's softmax (no
+    scatter into the dense probs' gradient and gather back out of it): -3 launches, the reference's bits in every
+    output and in the logits' gradient. Probs written in place after the router take the dense probs, as written."""
+    for change in (None, "write"):
+        _on(use_backend, monkeypatch, None)
+        want, _ = _routed_layer(topk, change)
+        _on(use_backend, monkeypatch, "Ascend950PR")
+        got, _ = _routed_layer(topk, change)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), change
+    sim = _on(use_backend, monkeypatch, "Ascend950PR")
+    _, direct = _routed_layer(topk, npu=sim)
+    _, dense = _routed_layer(topk, "forget", npu=sim)
+    assert dense - direct == {"aten.gather": 2, "aten.scatter": 1} and not direct - dense, (dense, direct)
 
 
 def test_permute_reads_the_host_once_and_rope_never(monkeypatch, use_backend):

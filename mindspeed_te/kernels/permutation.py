@@ -18,8 +18,8 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["EXPERTS_PER_TOKEN", "TOPK_EXPERTS", "accumulation_dtype", "constant", "row_map", "gather_probs", "permute",
-           "unpermute"]
+__all__ = ["EXPERTS_PER_TOKEN", "TOPK_EXPERTS", "TOPK_PROBS", "accumulation_dtype", "constant", "row_map",
+           "gather_probs", "permute", "unpermute"]
 
 # The attribute of a routing map whose maker knows that every row holds exactly this many experts (Megatron's
 # dropless routing, marked by mindspeed_te.megatron.moe_fused): a backend whose permute kernel needs it need not
@@ -28,6 +28,10 @@ EXPERTS_PER_TOKEN = "_mindspeed_te_experts_per_token"
 # The attribute of a routing map holding the [tokens, k] experts it was made from (the fused router's top-k), in
 # any order within a token.
 TOPK_EXPERTS = "_mindspeed_te_topk_experts"
+# The attribute of routing probs [tokens, experts] holding (the [tokens, k] probs they were scattered from, in the
+# order of the map's TOPK_EXPERTS, the probs' version counter then): a permute that takes those experts may place
+# these probs directly (their gradient then skips the dense probs), unless the probs were written since.
+TOPK_PROBS = "_mindspeed_te_topk_probs"
 
 
 def constant(value: Union[bool, float], shape: tuple[int, ...], dtype: torch.dtype,

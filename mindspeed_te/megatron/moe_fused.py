@@ -14,7 +14,8 @@ What Megatron's alltoall dispatcher knows on the host at init is marked on its t
 `mark_*` functions): its chunk orders, the identity with one rank, which the chunk sort then skips; and the
 routing maps of a dropless config, every row exactly top-k, which the NPU permute kernel's contract needs (then
 taken without checking the map, a host read). The fused router's map carries the top-k experts it was made from
-(`TOPK_EXPERTS`), which that kernel can take as they are.
+(`TOPK_EXPERTS`), which that kernel can take as they are, and its probs the top-k probs (`TOPK_PROBS`), which the
+permute can then place without gathering them from the dense probs.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mindspeed_te.kernels import get_backend
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, accumulation_dtype, constant
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, TOPK_PROBS, accumulation_dtype, constant
 
 __all__ = [
     "fused_permute", "fused_permute_with_probs", "fused_unpermute", "fused_sort_chunks_by_index",
@@ -220,10 +221,12 @@ def fused_topk_with_score_function(logits: torch.Tensor, topk: int, use_pre_soft
         probs = probs * scaling_factor
     # Scattered into kept zeros: one launch each (see `constant`)
     zeros = constant(0.0, tuple(logits2d.shape), logits.dtype, logits.device)
-    routing_probs = zeros.scatter(1, index, probs.to(logits.dtype))
+    top = probs.to(logits.dtype)
+    routing_probs = zeros.scatter(1, index, top).view(shape)
     routing_map = constant(False, tuple(logits2d.shape), torch.bool, logits.device).scatter(1, index, True).view(shape)
     setattr(routing_map, TOPK_EXPERTS, index)
-    return routing_probs.view(shape), routing_map
+    setattr(routing_probs, TOPK_PROBS, (top, routing_probs._version))
+    return routing_probs, routing_map
 
 
 def fused_compute_score_for_moe_aux_loss(logits: torch.Tensor, topk: int,

@@ -39,7 +39,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mindspeed_te.kernels.npu.common import chip_family
-from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, constant
+from mindspeed_te.kernels.permutation import EXPERTS_PER_TOKEN, TOPK_EXPERTS, TOPK_PROBS, constant
 from mindspeed_te.kernels.reference import ROTARY_MODES
 
 # aclnnMoeTokenPermute: indices "要求元素个数小于16777215，值大于等于0小于16777215"
@@ -66,6 +66,16 @@ def _unordered_topk(routing_map: torch.Tensor, k: int) -> Optional[torch.Tensor]
     return experts if tuple(experts.shape) == (routing_map.shape[0], k) else None
 
 
+def _router_probs(probs: torch.Tensor, routing_map: torch.Tensor, experts: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fused router's [tokens, k] probs that `probs` were scattered from, in the order of `experts` (the map's
+    own top-k, which the permute takes unsorted), or None: other experts, other probs, probs written since."""
+    made = getattr(probs, TOPK_PROBS, None)
+    if made is None or experts is not getattr(routing_map, TOPK_EXPERTS, None):
+        return None
+    top, version = made
+    return top if probs._version == version and top.shape == experts.shape else None
+
+
 def _routes_k(hits: torch.Tensor, k: int) -> bool:
     """Whether every row of the sorted map holds exactly k ones (a host read)."""
     ok = hits[:, k - 1] > hits[:, k] if k < hits.shape[1] else hits[:, k - 1] > 0
@@ -82,26 +92,47 @@ def _reference_map(sorted_indices: torch.Tensor, k: int, experts: Optional[torch
     return torch.empty_like(pairs).index_copy_(1, sorted_indices.long(), pairs)
 
 
+def _at_rows(pair_probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[pairs] probs placed at their permuted rows: added onto kept zeros at the kernel's int32 row index
+    (aclnnIndexAdd: index "INT64、INT32"; each row once, and 0 + p is p for the probs, which are never -0), where
+    index_copy would take int64 only and a cast."""
+    zeros = constant(0.0, tuple(pair_probs.shape), pair_probs.dtype, pair_probs.device)
+    return zeros.index_add(0, rows, pair_probs)
+
+
 class _PlaceProbs(torch.autograd.Function):
-    """Each (token, expert) pair's prob placed at its permuted row: added onto kept zeros at the kernel's int32 row
-    index (aclnnIndexAdd: index "INT64、INT32"; each row once, and 0 + p is p for the probs, which are never -0),
-    where index_copy would take int64 only and a cast. The backward gathers the rows' gradients back to the pairs
-    and scatters them onto kept zeros (each pair once: a plain scatter, one launch; torch's gather backward makes
-    zeros, then adds)."""
+    """Each (token, expert) pair's prob gathered from the dense probs and placed at its permuted row (`_at_rows`).
+    The backward gathers the rows' gradients back to the pairs and scatters them onto kept zeros (each pair once:
+    a plain scatter, one launch; torch's gather backward makes zeros, then adds)."""
 
     @staticmethod
     def forward(ctx, probs: torch.Tensor, experts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(experts, rows)
         ctx.num_experts = probs.shape[1]
-        pair_probs = probs.gather(1, experts).reshape(-1)
-        zeros = constant(0.0, tuple(pair_probs.shape), pair_probs.dtype, pair_probs.device)
-        return zeros.index_add(0, rows, pair_probs)
+        return _at_rows(probs.gather(1, experts).reshape(-1), rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         experts, rows = ctx.saved_tensors
         zeros = constant(0.0, (experts.shape[0], ctx.num_experts), grad.dtype, grad.device)
         return zeros.scatter(1, experts, grad.index_select(0, rows).view(experts.shape)), None, None
+
+
+class _PlaceRouterProbs(torch.autograd.Function):
+    """The fused router's [tokens, k] probs placed at their permuted rows as they are (`_at_rows`): no gather from
+    the dense probs, and the backward's one index_select is their gradient, which reaches the router's softmax
+    without the dense probs' scatter and gather."""
+
+    @staticmethod
+    def forward(ctx, top: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.shape = top.shape
+        return _at_rows(top.reshape(-1), rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        return grad.index_select(0, rows).view(ctx.shape), None
 
 
 class MoeRopeKernels:
@@ -149,7 +180,9 @@ class MoeRopeKernels:
                 setattr(sorted_indices, _EXPERTS, experts)
                 permuted_probs = None
                 if probs is not None:
-                    permuted_probs = _PlaceProbs.apply(probs, experts, sorted_indices)
+                    top = _router_probs(probs, routing_map, experts)
+                    permuted_probs = (_PlaceRouterProbs.apply(top, sorted_indices) if top is not None
+                                      else _PlaceProbs.apply(probs, experts, sorted_indices))
                 return permuted, permuted_probs, sorted_indices
         return super().moe_permute(tokens, routing_map, num_out_tokens, probs)  # type: ignore[misc]
 
