@@ -240,10 +240,12 @@ COMMON_JOBS: list[tuple[str, str, int, int, int, str]] = [
     ("router GEMMs (fprop, dgrad, wgrad)", MB, 0, 3, 1, "aclnnMm, float32 logits"),
     ("router top-k and softmax", MB, 0, 2, 1, "aclnnTopk, aclnnSoftmax over the top-k logits"),
     ("routing probs and map", MB, 0, 2, 1, "one scatter each into [tokens, experts]"),
-    ("router backward", MB, 0, 3, 1, "the probs' gradient gathered, the softmax backward, the top-k's scatter"),
+    ("router backward", MB, 0, 2, 1, "the softmax backward, the top-k's scatter (the probs' gradient comes back "
+                                     "from the permuted rows for the router's top-k probs as they are)"),
     ("tokens per expert", MB, 0, 1, 1, "a column sum of the routing map"),
-    ("permute forward", MB, 0, 2, 1, "npu_moe_token_permute; the probs gathered to the permuted rows"),
-    ("permute backward", MB, 0, 2, 1, "npu_moe_token_permute_grad_v2; the probs' gradient scattered back"),
+    ("permute forward", MB, 0, 2, 1, "npu_moe_token_permute; the router's top-k probs placed at the permuted rows"),
+    ("permute backward", MB, 0, 2, 1, "npu_moe_token_permute_grad_v2; the probs' gradient gathered back from the "
+                                      "permuted rows"),
     ("unpermute forward and backward", MB, 0, 2, 1, "npu_moe_token_unpermute, npu_moe_token_unpermute_grad_v2"),
     ("expert GEMMs (fprop, dgrad, wgrad)", MB, 0, 6, 1, "npu_grouped_matmul: all experts in one call per GEMM kind "
                                                         "(fc1, fc2)"),
@@ -378,10 +380,8 @@ GAPS = {
                           "scale_inv cast to the input's bfloat16 for npu_quantize, +1 more per micro-batch",
     ("dense", "blockwise"): BLOCKWISE_FOLD,
     ("moe", "all"): "the router's softmax over the top-k in float32, its probs back in bfloat16 (a cast in and one "
-                    "out, forward and backward: 4); the probs' placement at the permuted rows (their gather by "
-                    "pair and an index_add at the kernel's rows, and in backward an index_select and a scatter, "
-                    "where the floor has a gather each way: 2); the probs multiply's gradient (a mul and a sum): +7 "
-                    "per micro-batch",
+                    "out, forward and backward: 4); the probs multiply's gradient (a mul and a sum): +5 per "
+                    "micro-batch",
     ("moe", "blockwise"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 32 rows on the NPU: "
                           "one concatenation each way, 6 per micro-batch: 1x128 tiles along the tokens start at "
                           "each expert's first row); " + BLOCKWISE_FOLD,
