@@ -289,11 +289,10 @@ def test_blockwise_power_2_linear_launches(fmt):
     decode + one npu_quantize of the (m * k / 128, 128) view along axis 0 (4). A columnwise 1x128 layout,
     quantized along the tokens, keeps the kernel's E8M0 bytes, which only the wgrad GEMM reads: bf16 the kernel
     alone (1); float32 kernel + max of four (its tile bytes kept one per row, not in pairs) + decode + division
-    + cast (5). The 128x128 weight:
-    the kernel + one max over the tile's 128 rows (and, float32, their four 32-blocks) + decode + div + cast (5).
-    The non-finite flags: none (folded once per step). Forward: fprop GEMM ([1, 128, 128], no bias) + one add of
-    the bias into the output dtype. Backward: dgrad GEMM; the 1x128 x 1x128 wgrad in the MX mode, each operand's
-    tile bytes repeated for its 32-blocks (1 each); the bias gradient's sum."""
+    + cast (5). The 128x128 weight: the kernel + one max over the tile's 128 rows (and, float32, their four
+    32-blocks) + decode + div + cast (5). The non-finite flags: none (folded once per step). Forward: fprop GEMM
+    ([1, 128, 128], no bias) + one add of the bias into the output dtype. Backward: dgrad GEMM; the 1x128 x 1x128
+    wgrad in the MX mode, each operand's tile bytes repeated for its 32-blocks (1 each); the bias gradient's sum."""
     from mindspeed_te.recipe import Float8BlockScaling, Format
 
     recipe = Float8BlockScaling(fp8_format=Format[fmt])
