@@ -65,42 +65,47 @@ def _tokens_major(t: MXFP8TensorStorage | Float8BlockwiseQTensorStorage
     return data.t(), pairs
 
 
-def _grouped_pairs(pairs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """The groups' scale pairs in the K-split grouped layout, (K // 64 + g, m, 2) with group i's at row
-    K_0..i-1 // 64 + i: the tensor they lie in when they are its rows there (npu_grouped_dynamic_mx_quant's
-    output), else one concatenation whose rows between groups repeat the group before (read by no group)."""
+def _group_pair_rows(sizes: list[int]) -> list[int]:
+    """The first row of each group's scale pairs in the K-split grouped layout, K_0..i-1 // 64 + i, and then the
+    layout's row count, K // 64 + g (aclnnGroupedMatmulV4: "scale_i起始地址偏移为((K_0 + K_1 + ...+ K_{i-1})/ 64 +
+    g_i)")."""
     starts, total = [], 0
     for i, k in enumerate(sizes):
         starts.append(total // 64 + i)
         total += k
-    rows, first = total // 64 + len(sizes), pairs[0]
+    return starts + [total // 64 + len(sizes)]
+
+
+def _grouped_pairs(pairs: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+    """The groups' scale pairs in the K-split grouped layout (`_group_pair_rows`): the tensor they lie in when
+    they are its rows there (npu_grouped_dynamic_mx_quant's output), else one concatenation whose rows between
+    groups repeat the group before (read by no group)."""
+    bounds = _group_pair_rows(sizes)
+    rows, first = bounds[-1], pairs[0]
     row = math.prod(first.shape[1:])
     if all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-           and p.storage_offset() == first.storage_offset() + start * row for p, start in zip(pairs, starts)):
+           and p.storage_offset() == first.storage_offset() + start * row for p, start in zip(pairs, bounds)):
         if first.storage_offset() + rows * row <= first.untyped_storage().nbytes() // first.element_size():
             return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
     pieces = []
-    for i, p in enumerate(pairs):
+    for p, start, end in zip(pairs, bounds, bounds[1:]):
         pieces.append(p)
-        end = starts[i + 1] if i + 1 < len(pairs) else rows
-        if end > starts[i] + p.shape[0]:
-            pieces.append(p[-1:].expand(end - starts[i] - p.shape[0], *p.shape[1:]))
+        if end > start + p.shape[0]:
+            pieces.append(p[-1:].expand(end - start - p.shape[0], *p.shape[1:]))
     return torch.cat(pieces)
 
 
 def _grouped_tile_pairs(tiles: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     """The groups' 128-tile E8M0 bytes, (q_i, m, h) with h tiles a row (a quantize kernel's pairs: tiles (2j, 2j + 1)
-    in a row), in the K-split MX grouped layout of 32-block pairs (`_grouped_pairs`): one row per tile holding its
+    in a row), in the K-split MX grouped layout of 32-block pairs (`_group_pair_rows`): one row per tile holding its
     byte twice (one concatenation of broadcast views), then each pair row the row of its tile, pair j of a group
     its tile j // 2 (one index_select; rows between groups repeat the group's last tile, read by no group)."""
     h = tiles[0].shape[2]
     rows = torch.cat([t.permute(0, 2, 1)[..., None].expand(t.shape[0], h, t.shape[1], 2) for t in tiles])
-    index, start, first_tile = [], 0, 0
-    for i, (t, k) in enumerate(zip(tiles, sizes)):
-        end = (start + k) // 64 + i + 1 if i + 1 < len(sizes) else sum(sizes) // 64 + len(sizes)
-        first_row = start // 64 + i
-        index += [first_tile + min((r - first_row) // 2, h * t.shape[0] - 1) for r in range(first_row, end)]
-        start, first_tile = start + k, first_tile + h * t.shape[0]
+    bounds, index, first_tile = _group_pair_rows(sizes), [], 0
+    for t, start, end in zip(tiles, bounds, bounds[1:]):
+        index += [first_tile + min((r - start) // 2, h * t.shape[0] - 1) for r in range(start, end)]
+        first_tile += h * t.shape[0]
     flat = rows.view(-1, *rows.shape[2:])
     return flat.index_select(0, torch.tensor(index, dtype=torch.int64, device=flat.device))
 
