@@ -15,7 +15,8 @@ num_out_tokens alone cannot tell (Megatron's drop-and-pad and flex dispatchers p
   forward: the map's experts per token by one stable sort of its rows (ascending, so that each token's rows sum
       in the reference's order; none for a dropless top-1 or top-2 map that holds the fused router's top-k: two
       rows sum alike in either order), the rows check (not for a marked map), the permute kernel; with probs,
-      their gather and their placement (one index_add onto kept zeros at the kernel's int32 rows). unpermute: the
+      their placement (one index_add onto kept zeros at the kernel's int32 rows), after a gather from the dense
+      probs unless they carry the fused router's own top-k probs for those experts (`TOPK_PROBS`). unpermute: the
       kernel (with the topK probs it sums by: ones, cached per shape, when Megatron merges no probs).
   row map: the kernel's sorted_indices (int32, the row of each (token, k) pair); the routing map and the [tokens, k]
       experts of its pairs ride along as attributes (merging probs are gathered by those). A reference map (2-D)
