@@ -371,7 +371,8 @@ class Float8BlockQuantizer(Quantizer):
 
 class MXFP8Quantizer(Quantizer):
     """MXFP8: blocks of 32 consecutive elements, E8M0 power-of-two scales, E4M3/E5M2 elements.
-    Rowwise blocks run along the last dim, columnwise blocks along the first (flattened) dim."""
+    Rowwise blocks run along the last dim, columnwise blocks along the first (flattened) dim, whose last block
+    may be short (any number of tokens: experts need no padding where the kernels take such blocks)."""
 
     def __init__(self, fp8_dtype: FP8Dtype, *, rounding: str = "ceil", block_len: int = 32, **usage: bool) -> None:
         super().__init__(fp8_dtype, **usage)
@@ -391,10 +392,12 @@ class MXFP8Quantizer(Quantizer):
     def quantize(self, x: torch.Tensor) -> MXFP8TensorStorage:
         _check_input(x)
         x2d = _flatten_2d(x.detach())
-        if x2d.shape[0] % self.block_len or x2d.shape[1] % self.block_len:
+        # Any row count (TE wants 32 | rows): the columnwise form's last block along the rows may be short, its
+        # scale from its own rows (as zero rows would pad it: they change no amax).
+        if x2d.shape[1] % self.block_len:
             raise ValueError(
-                f"MXFP8 needs both dims of the 2-D flattened tensor divisible by {self.block_len}, got shape "
-                f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the token dimension (Fp8Padding) or the hidden size"
+                f"MXFP8 needs the last dim of the 2-D flattened tensor divisible by {self.block_len}, got shape "
+                f"{tuple(x.shape)} -> {tuple(x2d.shape)}; pad the hidden size"
             )
         out = MXFP8TensorStorage(self.fp8_dtype, x.shape, x.dtype, block_len=self.block_len)
         fused = fused_cast.quantize_tiles(

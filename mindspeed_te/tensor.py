@@ -332,9 +332,9 @@ class Float8BlockwiseQTensorStorage(_TiledTensor):
 class MXFP8TensorStorage(_TiledTensor):
     """MXFP8: one E8M0 scale_inv (uint8, value 2^(b - 127)) per 32 consecutive elements of the last stored dim.
 
-    Scale shapes: rowwise (M, K / 32), columnwise (K, M / 32). `columnwise_scale_pairs`, when a kernel made
-    the columnwise form along the rows, (ceil(M / 64), K, 2); `columnwise_scale_inv` is then made from them (one
-    copy) only when something reads it.
+    Scale shapes: rowwise (M, K / 32), columnwise (K, ceil(M / 32)): the last block along M may be short (an
+    expert's tokens, unpadded). `columnwise_scale_pairs`, when a kernel made the columnwise form along the rows,
+    (ceil(M / 64), K, 2); `columnwise_scale_inv` is then made from them (one copy) only when something reads it.
     """
 
     block_len: int = 32

@@ -113,13 +113,14 @@ def tiles_reference(x: np.ndarray, rows: int, cols: int, fmt: str, target: float
 
 
 def mx_reference(x: np.ndarray, fmt: str, rounding: str) -> tuple[np.ndarray, np.ndarray]:
-    """MX quantization along the last dim in blocks of 32: (uint8 codes, uint8 E8M0 biased exponents)."""
+    """MX quantization along the last dim in blocks of 32, the last one short where 32 does not divide it: (uint8
+    codes, uint8 E8M0 biased exponents)."""
     m, k = x.shape
     emax = {"E4M3": 8, "E5M2": 15}[fmt]
     codes = np.zeros((m, k), np.uint8)
-    exps = np.zeros((m, k // 32), np.uint8)
+    exps = np.zeros((m, -(-k // 32)), np.uint8)
     for i in range(m):
-        for j in range(k // 32):
+        for j in range(-(-k // 32)):
             block = x[i, j * 32:(j + 1) * 32].astype(np.float64)
             amax = float(np.abs(block).max())
             if amax == 0:

@@ -1746,7 +1746,7 @@ def _grouped_mx_step(use_backend, backend_name, monkeypatch, splits, layout, sim
     return [y.detach(), x.grad] + [w.main_grad.clone() for w in layer.weights]
 
 
-@pytest.mark.parametrize("splits", [[32, 96, 64], [160, 0, 288, 32], [96], [32] * 5])
+@pytest.mark.parametrize("splits", [[32, 96, 64], [160, 0, 288, 32], [96], [32] * 5, [5, 37, 22], [70, 0, 1, 100]])
 @pytest.mark.parametrize("layout", ["apart", "in order", "reverse"])
 @pytest.mark.parametrize("name", ["mxfp8/e4m3", "blockwise pow2/e4m3", "blockwise pow2/hybrid"])
 def test_block_scaled_experts_wgrad_is_one_grouped_launch(name, splits, layout, monkeypatch, use_backend):
@@ -1758,7 +1758,8 @@ def test_block_scaled_experts_wgrad_is_one_grouped_launch(name, splits, layout, 
     tokens (128-blocks, the tile after its last whole one cut short), each tile's byte repeated for its four
     32-blocks. Accumulation into main_grads in one buffer in expert order is the GEMM's own (npu_add_quant_gmm_);
     in other layouts (an expert without tokens between, Megatron's reverse order) one multi-tensor add follows
-    the grouped GEMM."""
+    the grouped GEMM. An expert's tokens need not be whole 32-blocks: its last block is short, in the quantizes
+    and in the GEMM ("支持最后的切片长度不足gsK")."""
     recipe = RECIPES.get(name) or recipes(name)[name]
     active = sum(1 for m in splits if m)
     want = _grouped_mx_step(use_backend, "reference", monkeypatch, splits, layout, recipe=recipe)
@@ -1848,6 +1849,48 @@ def test_grouped_quantize_notes_nonfinite_columnwise_forms(monkeypatch, use_back
                            want.dequantize(torch.float32, columnwise=True).nan_to_num())
 
 
+@pytest.mark.parametrize("tokens", [5, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_linear_of_any_tokens(tokens, dtype, monkeypatch, use_backend):
+    """An MXFP8 Linear over tokens not whole 32-blocks: the wgrad's last block along them is short in the quantize
+    and in the GEMM ("支持最后的切片长度不足gsK"), with no fallback to a dequantize + matmul: the reference's bits."""
+    want = _step(use_backend, "reference", monkeypatch, MXFP8BlockScaling(), dtype=dtype, shape=(tokens, 192, 128))
+    for release in ("2.14", "26.1"):
+        sim = make_release_simulator("Ascend950PR", release)
+        got = _step(use_backend, "npu", monkeypatch, MXFP8BlockScaling(), sim, dtype=dtype,
+                    shape=(tokens, 192, 128))
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), release
+        gemms = sim.launch_counts["npu_quant_matmul"] + sim.launch_counts["npu_add_quant_matmul_"]
+        assert gemms == 3 and "mm" not in sim.launch_counts, sim.launch_counts
+
+
+@pytest.mark.parametrize("release", ["2.14", "26.1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mx_experts_of_any_tokens_quantize_as_the_reference(release, dtype):
+    """Experts of 5, 37 and 22 tokens (no padding): each one's MX forms, rowwise and columnwise (its last block along
+    the tokens short), are the reference quantizer's values. Under 32 float32 tokens take the quantizer's own ops
+    (aclnnDynamicMxQuant: "x的类型为FLOAT时，...量化轴的维度不能小于32"); bfloat16 on 26.1 takes one grouped
+    quantize for the columnwise forms and one for the rowwise ones."""
+    from mindspeed_te.formats import FP8Dtype
+    from mindspeed_te.quantizers import MXFP8Quantizer
+
+    backend = NpuBackend(make_release_simulator("Ascend950PR", release))
+    parts = list(torch.split((torch.randn(64, 64, generator=torch.Generator().manual_seed(4)) * 5).to(dtype),
+                             [5, 37, 22]))
+    qs = [MXFP8Quantizer(FP8Dtype.E4M3) for _ in parts]
+    for q in qs:
+        q.nonfinite = torch.zeros(1)
+    outs = backend.quantize_row_blocks(qs, parts, len(parts))
+    for out, part in zip(outs, parts):
+        want = MXFP8Quantizer(FP8Dtype.E4M3).quantize(part)
+        for columnwise in (False, True):
+            assert torch.equal(out.dequantize(torch.float32, columnwise=columnwise),
+                               want.dequantize(torch.float32, columnwise=columnwise))
+    if release == "26.1" and dtype == torch.bfloat16:
+        assert backend.npu.launch_counts == {"npu_grouped_dynamic_mx_quant": 1, "npu_dynamic_mx_quant": 1}
+
+
 def _padded_grouped_step(use_backend, backend_name, monkeypatch, recipe, splits, sim=None):
     """(output, input grad, weight grads, padded splits) of GroupedLinear(len(splits), 128, 256) between
     Megatron's Fp8Padding and Fp8Unpadding (TEGroupedMLP's order), their alignment the active recipe's."""
@@ -1873,11 +1916,12 @@ def _padded_grouped_step(use_backend, backend_name, monkeypatch, recipe, splits,
 def test_npu_experts_pad_to_what_their_kernels_need(name, monkeypatch, use_backend):
     """npu_grouped_matmul takes any rows per group (aclnnGroupedMatmulV4), so under per-tensor recipes Megatron's
     Fp8Padding pads nothing on the NPU, where TE's GEMMs want 16 rows per expert (the reference backend pads).
-    MX experts take 64 rows without npu_grouped_dynamic_mx_quant (torch_npu 2.14): every expert then starts at a
-    whole 64-row pair of its columnwise scales, and one quantize call makes all the experts' forms; with it, 32
-    (TE's). Blockwise experts take 32 on the NPU (their wgrad, power-of-2 scales as TE's default, runs in the MX
-    mode, 32-long blocks along the tokens), with no dequantize + matmul fallback for an expert of 16 * odd rows.
-    The results are the reference's padded run's bit for bit, since padding rows are zeros."""
+    Nor under blockwise and MXFP8 where the kernels take a short last block along an expert's tokens: the K-split
+    MX wgrad ("支持最后的切片长度不足gsK") and npu_grouped_dynamic_mx_quant. MX experts take 64 rows without that
+    quantize (torch_npu 2.14): every expert then starts at a whole 64-row pair of its columnwise scales, and one
+    quantize call makes all the experts' forms. No expert falls back to a dequantize + matmul. The results are
+    the reference's padded run's bit for bit, since padding rows are zeros (and a short block's scale is that of
+    its zero-padded whole)."""
     from mindspeed_te.diagnostics import LaunchCounter
 
     splits = [5, 0, 37, 22]
@@ -1887,8 +1931,7 @@ def test_npu_experts_pad_to_what_their_kernels_need(name, monkeypatch, use_backe
         sim = make_release_simulator("Ascend950PR", release)
         with LaunchCounter(sim) as counter:
             got, npu_splits = _padded_grouped_step(use_backend, "npu", monkeypatch, RECIPES[name], splits, sim)
-        mx = [64, 0, 64, 64] if release == "2.14" else [32, 0, 64, 32]
-        assert npu_splits == {"mxfp8": mx, "blockwise pow2": [32, 0, 64, 32]}.get(name.split("/")[0], splits)
+        assert npu_splits == ([64, 0, 64, 64] if name.startswith("mxfp8") and release == "2.14" else splits)
         assert "aten.mm" not in counter.counts and "aten.matmul" not in counter.counts, counter.counts
         for g, w in zip(got, want):
             assert torch.equal(g, w), release

@@ -156,9 +156,26 @@ def test_mxfp8_matches_oracle(fp8_dtype, rounding):
         assert (np.abs(scaled) <= fp8_dtype.max).all()
 
 
-def test_mxfp8_rejects_shapes_not_divisible_by_32():
-    with pytest.raises(ValueError, match="divisible by 32"):
-        MXFP8Quantizer(FP8Dtype.E4M3)(torch.ones(30, 64))
+@pytest.mark.parametrize("rows", [1, 30, 70])
+def test_mxfp8_columnwise_blocks_along_any_rows(rows):
+    """Rows not divisible by 32 (an expert's tokens, unpadded): the columnwise form's last block is short, its scale
+    from its own rows; the rowwise form is row-local. TE would refuse the shape."""
+    x = _sample((rows, 64), seed=5, spread=3.0)
+    q = MXFP8Quantizer(FP8Dtype.E4M3)(x)
+    codes, exps = mx_reference(x.numpy(), "E4M3", "ceil")
+    np.testing.assert_array_equal(_codes(q.rowwise_data), codes)
+    np.testing.assert_array_equal(q.rowwise_scale_inv.numpy(), exps)
+    ccodes, cexps = mx_reference(np.ascontiguousarray(x.numpy().T), "E4M3", "ceil")
+    assert cexps.shape == (64, -(-rows // 32))
+    np.testing.assert_array_equal(_codes(q.columnwise_data), ccodes)
+    np.testing.assert_array_equal(q.columnwise_scale_inv.numpy(), cexps)
+    expected = np_decode(ccodes, "E4M3") * np.repeat(np.ldexp(1.0, cexps.astype(int) - 127), 32, 1)[:, :rows]
+    np.testing.assert_array_equal(q.dequantize(columnwise=True).numpy().T, expected.astype(np.float32))
+
+
+def test_mxfp8_rejects_a_last_dim_not_divisible_by_32():
+    with pytest.raises(ValueError, match="last dim .* divisible by 32"):
+        MXFP8Quantizer(FP8Dtype.E4M3)(torch.ones(64, 30))
     with pytest.raises(ValueError, match="E4M3 or E5M2"):
         MXFP8Quantizer(FP8Dtype.HIF8)
 

@@ -382,12 +382,10 @@ GAPS = {
     ("moe", "all"): "the router's softmax over the top-k in float32, its probs back in bfloat16 (a cast in and one "
                     "out, forward and backward: 4); the probs multiply's gradient (a mul and a sum): +5 per "
                     "micro-batch",
-    ("moe", "blockwise"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 32 rows on the NPU: "
-                          "one concatenation each way, 6 per micro-batch: 1x128 tiles along the tokens start at "
-                          "each expert's first row); " + BLOCKWISE_FOLD,
-    ("moe", "mxfp8"): "Megatron pads each expert's tokens (Fp8Padding / Fp8Unpadding, to 64 rows on torch_npu 2.14, "
-                      "32 on 26.1: one concatenation each way, 6 per micro-batch: MX blocks along the tokens start "
-                      "at each expert's first row)",
+    ("moe", "blockwise"): BLOCKWISE_FOLD,
+    ("moe", "mxfp8"): "where torch_npu has no npu_grouped_dynamic_mx_quant (2.14), Megatron pads each expert's "
+                      "tokens to 64 rows (Fp8Padding / Fp8Unpadding: one concatenation each way, 6 per micro-batch), "
+                      "so that one quantize call makes every expert's MX forms at whole 64-row pairs; none with it",
 }
 
 

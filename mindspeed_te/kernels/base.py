@@ -33,7 +33,7 @@ class Capabilities:
     unaligned_per_tensor_groups: the grouped GEMMs of per-tensor FP8/HiF8 operands take any rows per group, so
         `Fp8Padding` pads no expert's rows (TE's GEMMs want 16).
     blockwise_expert_rows, mx_expert_rows: the rows per expert `Fp8Padding` pads to under blockwise and MXFP8
-        recipes where the backend's kernels want other than TE's (None: TE's 16 and 32).
+        recipes where the backend's kernels want other than TE's (None: TE's 16 and 32; 1: none).
     """
 
     fused_communication_gemm: bool = False

@@ -20,7 +20,7 @@ from mindspeed_te.state import FP8GlobalStateManager
 def _alignment(device: torch.device) -> int:
     """Rows per expert must be a multiple of this for the active recipe's quantized grouped GEMM: TE's rule, 1 for
     per-tensor recipes where the backend's grouped GEMMs take any rows per group (the NPU's), the backend's own
-    for blockwise and MXFP8 recipes where it has one (the NPU's 32, and 64 without a grouped MX quantize).
+    for blockwise and MXFP8 recipes where it has one (the NPU's 1, and 64 for MXFP8 without a grouped MX quantize).
     Padding rows are zeros, which change no amax and no sum, so any alignment gives the same results."""
     recipe = FP8GlobalStateManager.get_fp8_recipe()
     capabilities = get_backend(device).capabilities

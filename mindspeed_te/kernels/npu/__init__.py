@@ -220,12 +220,12 @@ class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention,
     # aclnnAllGatherMatmulV2 / aclnnMatmulReduceScatterV2 (Ascend 950): "k轴取值范围为[256, 65535)"; the bindings of
     # the base (high-precision) kernels: "world_size should be in [2, 4, 8, 16, 32]" (the quant ones add 64)
     # aclnnGroupedMatmulV4: "实现分组矩阵乘计算，每组矩阵乘的维度大小可以不同" (each group's sizes may differ); the
-    # per-tensor modes (T-T) add no alignment of their own. Blockwise experts pad to 32 rows: each one's wgrad
-    # (1x128 tiles on both operands, which no blockwise mode takes) runs in the MX mode, whose blocks along k (the
-    # tokens) are 32 long ("计算公式中量化block size为：gsM = gsN = 1，gsK = 32"); 16 would leave half a block.
+    # per-tensor modes (T-T) add no alignment of their own. Nor do blockwise experts: each one's wgrad (1x128 tiles
+    # on both operands, which no blockwise mode takes) runs in the MX mode, whose last block along k (the tokens)
+    # may be short ("kLoops=ceil(K_i / gsK)，支持最后的切片长度不足gsK"), as an expert's last tile is.
     capabilities = Capabilities(fused_communication_gemm=True, fused_communication_k_range=(256, 65535),
                                 fused_communication_world_sizes=(2, 4, 8, 16, 32), native_mx_gemm=True,
-                                unaligned_per_tensor_groups=True, blockwise_expert_rows=32)
+                                unaligned_per_tensor_groups=True, blockwise_expert_rows=1)
     bf16_output_gemm = False  # the dequantize fallback runs as the device would run it
 
     def __init__(self, torch_npu: Any) -> None:
@@ -236,11 +236,12 @@ class NpuBackend(DeclaredEmulations, NpuMc2, NpuQuantize, NpuNorm, NpuAttention,
         self.supports_fp8 = str(device_name).startswith("Ascend950")
         if getattr(torch_npu, "is_simulator", False):  # its cube sums as the reference backend's GEMM does
             torch_npu.set_bf16_matmul(fused_cast.gemm_bf16)
-        if not hasattr(torch_npu, "npu_grouped_dynamic_mx_quant"):
-            # MX experts at whole 64-row pairs of their columnwise scales (aclnnDynamicMxQuant mxscaleOut: "并对其
-            # 进行偶数pad"): one quantize call then makes every expert's forms, which lie joined. torch_npu's grouped
-            # MX quantize lays out each expert's pairs by itself.
-            self.capabilities = dataclasses.replace(self.capabilities, mx_expert_rows=64)
+        # MX experts at any rows where torch_npu's grouped MX quantize lays out each expert's pairs by itself, its
+        # last block short (aclnnGroupedDynamicMxQuant; the K-split MX GEMM: "支持最后的切片长度不足gsK"); else at
+        # whole 64-row pairs of their columnwise scales (aclnnDynamicMxQuant mxscaleOut: "并对其进行偶数pad"): one
+        # quantize call then makes every expert's forms, which lie joined.
+        grouped_mx = hasattr(torch_npu, "npu_grouped_dynamic_mx_quant")
+        self.capabilities = dataclasses.replace(self.capabilities, mx_expert_rows=1 if grouped_mx else 64)
 
     def available(self) -> tuple[bool, str]:
         """FP8, HiF8 and MX kernels exist on the Ascend 950 series only."""

@@ -170,12 +170,11 @@ class NpuGroupedGemm:
         """`quantize_many`, except the MX columnwise forms of the first `blocks` tensors (a grouped linear's
         experts' inputs or grad_outputs, row blocks of one tensor), which one npu_grouped_dynamic_mx_quant
         (op-plugin 26.0.0 and later) makes for all of them: each expert's 32-token blocks start at its first
-        token, as in its own npu_dynamic_mx_quant(axis=-2) (aclnnGroupedDynamicMxQuant: "将输入x在第0维上先按照
+        token, its last one short where 32 does not divide its tokens, as in its own npu_dynamic_mx_quant(axis=-2) (aclnnGroupedDynamicMxQuant: "将输入x在第0维上先按照
         groupIndex进行分组，每个group内按k = blocksize个数分组"; the same scale rules, scaleAlg 0 / 1), and the scales
         come in the K-split grouped GEMM's layout, which the wgrad (`_grouped_mx_wgrad`) then reads as they lie.
         Their rowwise forms, and the other tensors, go through `quantize_many` (one quantize of the joined rows).
-        Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16") of whole 32-token blocks, except where a
-        dual-axis call makes both forms of the joined rows (all experts but the last of whole 64-token
+        Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16") with tokens, except where a dual-axis call makes both forms of the joined rows (all experts but the last of whole 64-token
         pairs)."""
         qs, xs = list(quantizers), list(tensors)
         joined = self._grouped_mx_rows(qs[:blocks], xs[:blocks])
@@ -222,7 +221,7 @@ class NpuGroupedGemm:
                or (p.fp8_dtype, p.rounding) != (q.fp8_dtype, q.rounding) for p in qs):
             return None
         x2ds = [x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x for x in xs]
-        if any(t.dtype not in _HALF or not t.shape[0] or t.shape[0] % 32 or t.shape[1] % 32 for t in x2ds):
+        if any(t.dtype not in _HALF or not t.shape[0] or t.shape[1] % 32 for t in x2ds):
             return None
         joined = joined_rows(x2ds)
         if joined is None:
@@ -376,7 +375,8 @@ class NpuGroupedGemm:
         where out is one float32 (g, m, n) tensor in group order, else by one multi-tensor add (`_added_into`).
         None where the operands do not fit: other storages, forms the quantize kernels did not make along the
         tokens (their codes a transposed view of the tokens-major (k, m) codes, their scales in the kernels'
-        pairs), an empty group or one of tokens not whole 32-blocks. A 128-tile is four 32-blocks of its E8M0
+        pairs), an empty group. A group's last block may be short ("kLoops=ceil(K_i / gsK)，支持最后的切片长度
+        不足gsK": experts need no padding). A 128-tile is four 32-blocks of its E8M0
         byte (`_grouped_tile_pairs`), so the MX mode's sum of block products is the blockwise one, as in
         `NpuGemm._pow2_tiles_as_mx`.
 
@@ -397,7 +397,7 @@ class NpuGroupedGemm:
         if any(fa is None or fb is None for fa, fb in forms):
             return None
         sizes = [fa[0].shape[0] for fa, _ in forms]
-        if 0 in sizes or any(fb[0].shape[0] != k for (_, fb), k in zip(forms, sizes)) or any(k % 32 for k in sizes):
+        if 0 in sizes or any(fb[0].shape[0] != k for (_, fb), k in zip(forms, sizes)):
             return None
         if len({fa[0].shape[1] for fa, _ in forms}) != 1 or len({fb[0].shape[1] for _, fb in forms}) != 1:
             return None

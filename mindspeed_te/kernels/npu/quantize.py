@@ -585,8 +585,10 @@ class NpuQuantize(NpuFusedQuantize):
         return scaled.to(q.fp8_dtype.storage_dtype).reshape(m, k)
 
     def _quantize_mx(self, q: MXFP8Quantizer, x: torch.Tensor, x2d: torch.Tensor) -> Optional[MXFP8TensorStorage]:
-        if q.block_len != 32 or x2d.shape[0] % 32 or x2d.shape[1] % 32:
+        if q.block_len != 32 or x2d.shape[1] % 32:
             return None  # the quantizer raises its own error about the shape
+        if q.columnwise_usage and x2d.dtype not in _HALF and x2d.shape[0] < 32:
+            return None  # aclnnDynamicMxQuant: "x的类型为FLOAT时，仅支持blocksize=32，且量化轴的维度不能小于32。"
         if not x2d.numel():
             return None  # no tokens: nothing for a kernel to read (the quantizer's ops make the empty forms)
         out = MXFP8TensorStorage(q.fp8_dtype, x.shape, x.dtype)
