@@ -170,12 +170,13 @@ class NpuGroupedGemm:
         """`quantize_many`, except the MX columnwise forms of the first `blocks` tensors (a grouped linear's
         experts' inputs or grad_outputs, row blocks of one tensor), which one npu_grouped_dynamic_mx_quant
         (op-plugin 26.0.0 and later) makes for all of them: each expert's 32-token blocks start at its first
-        token, its last one short where 32 does not divide its tokens, as in its own npu_dynamic_mx_quant(axis=-2) (aclnnGroupedDynamicMxQuant: "将输入x在第0维上先按照
-        groupIndex进行分组，每个group内按k = blocksize个数分组"; the same scale rules, scaleAlg 0 / 1), and the scales
-        come in the K-split grouped GEMM's layout, which the wgrad (`_grouped_mx_wgrad`) then reads as they lie.
-        Their rowwise forms, and the other tensors, go through `quantize_many` (one quantize of the joined rows).
-        Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16") with tokens, except where a dual-axis call makes both forms of the joined rows (all experts but the last of whole 64-token
-        pairs)."""
+        token, its last one short where 32 does not divide its tokens, as in its own npu_dynamic_mx_quant(axis=-2)
+        (aclnnGroupedDynamicMxQuant: "将输入x在第0维上先按照groupIndex进行分组，每个group内按k = blocksize个数分组";
+        the same scale rules, scaleAlg 0 / 1), and the scales come in the K-split grouped GEMM's layout, which the
+        wgrad (`_grouped_mx_wgrad`) then reads as they lie. Their rowwise forms, and the other tensors, go through
+        `quantize_many` (one quantize of the joined rows). Taken for bfloat16/float16 experts ("FLOAT16、BFLOAT16")
+        with tokens, except where a dual-axis call makes both forms of the joined rows (all experts but the last
+        of whole 64-token pairs)."""
         qs, xs = list(quantizers), list(tensors)
         joined = self._grouped_mx_rows(qs[:blocks], xs[:blocks])
         if joined is None:
