@@ -239,6 +239,11 @@ COMMON_JOBS: list[tuple[str, str, int, int, int, str]] = [
                                              "bench runs without Megatron's wgrad-accumulation fusion, bf16 and FP8"),
     ("router GEMMs (fprop, dgrad, wgrad)", MB, 0, 3, 1, "aclnnMm, float32 logits"),
     ("router top-k and softmax", MB, 0, 2, 1, "aclnnTopk, aclnnSoftmax over the top-k logits"),
+    ("router softmax in float32", MB, 0, 4, 1, "the top-k logits cast to float32 and the probs back to bfloat16, "
+                                               "forward and backward (TE's router and Megatron's compute the scores "
+                                               "in float32): op-plugin's softmax(dtype=) and _softmax(half_to_float) "
+                                               "cast the input first (_npu_dtype_cast), and its softmax backward "
+                                               "writes the output's float32"),
     ("routing probs and map", MB, 0, 2, 1, "one scatter each into [tokens, experts]"),
     ("router backward", MB, 0, 2, 1, "the softmax backward, the top-k's scatter (the probs' gradient comes back "
                                      "from the permuted rows for the router's top-k probs as they are)"),
@@ -249,7 +254,9 @@ COMMON_JOBS: list[tuple[str, str, int, int, int, str]] = [
     ("unpermute forward and backward", MB, 0, 2, 1, "npu_moe_token_unpermute, npu_moe_token_unpermute_grad_v2"),
     ("expert GEMMs (fprop, dgrad, wgrad)", MB, 0, 6, 1, "npu_grouped_matmul: all experts in one call per GEMM kind "
                                                         "(fc1, fc2)"),
-    ("probs multiply", MB, 0, 3, 1, "the experts' activations times their probs; backward: both gradients"),
+    ("probs multiply", MB, 0, 4, 1, "the experts' activations times their probs; backward: the activations' "
+                                    "gradient (a mul) and the probs' (a mul and a row sum: no kernel sums a row's "
+                                    "products rounded to bfloat16, as autograd's mul backward does)"),
     ("router and permute input gradients summed", MB, 0, 1, 1, "aclnnAdd"),
     ("AdamW", STEP, 12, 15, 1, "one launch per parameter: npu_apply_adam_w updates a tensor in one kernel; no "
                                "kernel updates several (torch_npu's _fused_adamw_ loops aclnnApplyAdamWV2 over "
@@ -379,9 +386,6 @@ GAPS = {
     ("dense", "delayed"): "the rebuilt input's quantize under delayed scaling repeats the forward's: its stored "
                           "scale_inv cast to the input's bfloat16 for npu_quantize, +1 more per micro-batch",
     ("dense", "blockwise"): BLOCKWISE_FOLD,
-    ("moe", "all"): "the router's softmax over the top-k in float32, its probs back in bfloat16 (a cast in and one "
-                    "out, forward and backward: 4); the probs multiply's gradient (a mul and a sum): +5 per "
-                    "micro-batch",
     ("moe", "blockwise"): BLOCKWISE_FOLD,
     ("moe", "mxfp8"): "where torch_npu has no npu_grouped_dynamic_mx_quant (2.14), Megatron pads each expert's "
                       "tokens to 64 rows (Fp8Padding / Fp8Unpadding: one concatenation each way, 6 per micro-batch), "
@@ -430,7 +434,8 @@ def _rows(kind: str, label: str, names: tuple[str, ...], splits: dict[str, Layer
         rows.append((f"NPU launches per GPT layer, {kind}, {name}, {label}", split.per_layer / fl.per_layer,
                      f"micro-batch {split.micro_batch} / step {split.step} / constant {split.constant}; per layer "
                      f"{split.per_layer} (AdamW {split.optimizer}), floor {fl.per_layer} ({fl.micro_batch} / "
-                     f"{fl.step}, AdamW {adamw}); without AdamW {bare:.2f}; {gaps(kind, name)}"))
+                     f"{fl.step}, AdamW {adamw}); without AdamW {bare:.2f}"
+                     + (f"; {gaps(kind, name)}" if gaps(kind, name) else "")))
         if name == "bf16":
             continue
         detail = (f"{split.per_layer} vs {base.per_layer} (micro-batch {split.micro_batch - base.micro_batch:+d} x "
