@@ -154,6 +154,23 @@ def _mx_worker(rank: int, world: int, chip: str) -> dict:
             y.backward(dy.bfloat16())
             out[(mode, mc2)] = (y.detach().float(), x.grad.float(), layer.weight.grad.float(),
                                 dict(sim.launch_counts))
+    # 40 tokens per rank: blocks of 32 would straddle the ranks in the gathered columnwise form
+    x = torch.randn(40, 1, k, generator=g).bfloat16()
+    for mc2 in (False, True):
+        FP8GlobalStateManager.reset()
+        layer = Linear(k, n, parallel_mode="column", sequence_parallel=True, tp_group=group, bias=False,
+                       use_ascend_mc2=mc2, params_dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(w_full.chunk(world, 0)[rank])
+        xi = x.clone().requires_grad_()
+        sim.reset_counts()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
+                y = layer(xi)
+            y.backward(torch.ones_like(y))
+        out[("odd tokens", mc2)] = (y.detach(), xi.grad, layer.weight.grad, dict(sim.launch_counts),
+                                    [str(w.message) for w in caught if "mc2" in str(w.message)])
     return out
 
 
@@ -161,7 +178,9 @@ def _mx_worker(rank: int, world: int, chip: str) -> dict:
 def test_mc2_mxfp8_matches_separate_collectives(chip):
     """MXFP8 through the quant mc2 kernels (the base ones pass groupSize 0, which E8M0 scales cannot take). On
     either chip (Ascend 950PR/950DT) the weight's columnwise form comes from the dual-axis quantize, not laid out
-    as those kernels take x2 (transposed only): the dgrad copies it."""
+    as those kernels take x2 (transposed only): the dgrad copies it. Tokens per rank not whole 32-blocks (MXFP8
+    takes any row count) go through separate collectives: the gathered columnwise form would have blocks
+    straddling the ranks."""
     for res in run_distributed(_mx_worker, 2, chip):
         for mode in ("column", "row"):
             plain, fused = res[(mode, False)], res[(mode, True)]
@@ -174,3 +193,9 @@ def test_mc2_mxfp8_matches_separate_collectives(chip):
             assert fused[3]["npu_quant_matmul"] == 1  # only the wgrad GEMM stays unfused
             assert plain[3]["npu_quant_matmul"] == 3
             assert "npu_dynamic_mx_quant_with_dual_axis" in fused[3]
+        # tokens per rank not whole 32-blocks: separate collectives, said once, the same bits
+        plain, fused = res[("odd tokens", False)], res[("odd tokens", True)]
+        assert len(fused[4]) == 1 and "multiple of 32 tokens per rank (got 40)" in fused[4][0], fused[4]
+        assert "npu_all_gather_quant_mm" not in fused[3] and not plain[4]
+        for a, b in zip(plain[:3], fused[:3]):
+            assert torch.equal(a, b)

@@ -160,9 +160,10 @@ class Linear(FP8ModuleBase):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def _mc2_applies(self, device: torch.device, quantized: bool) -> bool:
+    def _mc2_applies(self, device: torch.device, quantized: bool, tokens: int) -> bool:
         """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
-        sequence parallelism) MXFP8; otherwise separate collectives (warned once, with the reason)."""
+        sequence parallelism) MXFP8 over `tokens` (the input's); otherwise separate collectives (warned once,
+        with the reason)."""
         capabilities = get_backend(device).capabilities
         if (not self.use_ascend_mc2 or self.tp_size == 1 or not capabilities.fused_communication_gemm
                 or isinstance(self.weight, QuantizedTensor)):
@@ -170,6 +171,7 @@ class Linear(FP8ModuleBase):
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
         shape, (low, high) = tuple(self.weight.shape), capabilities.fused_communication_k_range
+        local_tokens = tokens if self.parallel_mode == "column" else tokens // self.tp_size
         if self.tp_size not in capabilities.fused_communication_world_sizes:
             sizes = ", ".join(map(str, capabilities.fused_communication_world_sizes))
             reason = f"takes tensor-parallel sizes {sizes} (got {self.tp_size}); this layer"
@@ -184,6 +186,9 @@ class Linear(FP8ModuleBase):
         elif self.weight.shape[0] % 64 or self.weight.shape[1] % 64:
             # the fused kernels take E8M0 scales in pairs along each GEMM's contraction dim
             reason = f"with MXFP8 needs both weight dims per rank divisible by 64 (got {shape}); this layer"
+        elif local_tokens % 32:
+            # the wgrad's columnwise form is gathered from the ranks' blocks of 32 tokens (ops/mc2.py)
+            reason = f"with MXFP8 needs a multiple of 32 tokens per rank (got {local_tokens}); calls like this one"
         else:
             return True
         if not self._mc2_warned:
@@ -199,7 +204,7 @@ class Linear(FP8ModuleBase):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)
         quantized = fp8 is not None and FP8GlobalStateManager.is_fp8_enabled()
-        if self._mc2_applies(inp.device, quantized):
+        if self._mc2_applies(inp.device, quantized, inp.numel() // max(inp.shape[-1], 1)):
             backend = get_backend(inp.device)
             if quantized:
                 fwd, bwd, _ = fp8
