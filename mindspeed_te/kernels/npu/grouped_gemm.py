@@ -377,9 +377,8 @@ class NpuGroupedGemm:
         None where the operands do not fit: other storages, forms the quantize kernels did not make along the
         tokens (their codes a transposed view of the tokens-major (k, m) codes, their scales in the kernels'
         pairs), an empty group. A group's last block may be short ("kLoops=ceil(K_i / gsK)，支持最后的切片长度
-        不足gsK": experts need no padding). A 128-tile is four 32-blocks of its E8M0
-        byte (`_grouped_tile_pairs`), so the MX mode's sum of block products is the blockwise one, as in
-        `NpuGemm._pow2_tiles_as_mx`.
+        不足gsK": experts need no padding). A 128-tile is four 32-blocks of its E8M0 byte (`_grouped_tile_pairs`),
+        so the MX mode's sum of block products is the blockwise one, as in `NpuGemm._pow2_tiles_as_mx`.
 
         The kernel reads each operand's tokens-major codes of all groups as one (K, m) tensor (a view where one
         quantize made them, else one concatenation) and their scales in the grouped layout: group i's
