@@ -119,7 +119,10 @@ def _mlp(recipe: Recipe, device: str) -> list[torch.Tensor]:
 def _grouped(recipe: Recipe, device: str) -> list[torch.Tensor]:
     torch.manual_seed(0)
     layer = GroupedLinear(4, 256, 256, bias=False, params_dtype=torch.bfloat16)
-    return _train(layer, recipe, device, [_randn(256, 256)], [64] * 4)
+    # FP8 experts of tokens not whole 32-blocks, as Fp8Padding leaves them on the NPU: MX and 1x128 blocks cut
+    # short (FP4 needs whole blocks)
+    splits = [64] * 4 if recipe.nvfp4() or recipe.mxfp4() else [37, 91, 64, 64]
+    return _train(layer, recipe, device, [_randn(256, 256)], splits)
 
 
 class _OutsideFp8(torch.nn.Module):
