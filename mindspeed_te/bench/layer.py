@@ -431,11 +431,11 @@ def _rows(kind: str, label: str, names: tuple[str, ...], splits: dict[str, Layer
         split, fl = splits[name], floor(name, kind)
         adamw = sum(j.total for j in floor_jobs(name, kind) if j.name == "AdamW")
         bare = (split.per_layer - split.optimizer) / (fl.per_layer - adamw)
+        gap = gaps(kind, name)
         rows.append((f"NPU launches per GPT layer, {kind}, {name}, {label}", split.per_layer / fl.per_layer,
                      f"micro-batch {split.micro_batch} / step {split.step} / constant {split.constant}; per layer "
                      f"{split.per_layer} (AdamW {split.optimizer}), floor {fl.per_layer} ({fl.micro_batch} / "
-                     f"{fl.step}, AdamW {adamw}); without AdamW {bare:.2f}"
-                     + (f"; {gaps(kind, name)}" if gaps(kind, name) else "")))
+                     f"{fl.step}, AdamW {adamw}); without AdamW {bare:.2f}" + (f"; {gap}" if gap else "")))
         if name == "bf16":
             continue
         detail = (f"{split.per_layer} vs {base.per_layer} (micro-batch {split.micro_batch - base.micro_batch:+d} x "

@@ -160,17 +160,17 @@ class Linear(FP8ModuleBase):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def _mc2_applies(self, device: torch.device, quantized: bool, tokens: int) -> bool:
+    def _mc2_applies(self, inp: torch.Tensor, quantized: bool) -> bool:
         """--use-ascend-mc2: fused communication for TP linears on an NPU, in high precision and (with
-        sequence parallelism) MXFP8 over `tokens` (the input's); otherwise separate collectives (warned once,
-        with the reason)."""
-        capabilities = get_backend(device).capabilities
+        sequence parallelism) MXFP8; otherwise separate collectives (warned once, with the reason)."""
+        capabilities = get_backend(inp.device).capabilities
         if (not self.use_ascend_mc2 or self.tp_size == 1 or not capabilities.fused_communication_gemm
                 or isinstance(self.weight, QuantizedTensor)):
             return False
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
         shape, (low, high) = tuple(self.weight.shape), capabilities.fused_communication_k_range
+        tokens = inp.numel() // max(inp.shape[-1], 1)
         local_tokens = tokens if self.parallel_mode == "column" else tokens // self.tp_size
         if self.tp_size not in capabilities.fused_communication_world_sizes:
             sizes = ", ".join(map(str, capabilities.fused_communication_world_sizes))
@@ -204,7 +204,7 @@ class Linear(FP8ModuleBase):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         fp8 = self.prepare_forward(inp.device)
         quantized = fp8 is not None and FP8GlobalStateManager.is_fp8_enabled()
-        if self._mc2_applies(inp.device, quantized, inp.numel() // max(inp.shape[-1], 1)):
+        if self._mc2_applies(inp, quantized):
             backend = get_backend(inp.device)
             if quantized:
                 fwd, bwd, _ = fp8
