@@ -474,7 +474,8 @@ def launch(case: Case, tree: str, tmp: str, flags: list[str], exported: dict[str
            timeout: float = 840) -> Launch:
     """pretrain_gpt.py of `tree` on 2 processes through torch.distributed.run and mindspeed_te.launch."""
     port = free_port()
-    env = dict(os.environ, **exported, PYTHONPATH=python_path(tree), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env = dict(os.environ, **exported, **megatron_matrix.helpers_env(), PYTHONPATH=python_path(tree),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     env.pop("MEGATRON_LM_PATH", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
                "-m", "mindspeed_te.launch", os.path.join(tree, "pretrain_gpt.py"), *flags]

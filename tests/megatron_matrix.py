@@ -47,11 +47,25 @@ def tree_release(tree: pathlib.Path) -> str:
 
 
 def build_dataset_helpers(tree) -> None:
-    """Megatron's C++ dataset helpers in `tree`, built for this interpreter (its Makefile asks python3-config,
-    which may belong to another Python)."""
+    """Megatron's C++ dataset helpers in `tree`, built for this interpreter: its Makefile asks `python3` for
+    pybind11's headers and `python3-config` for the suffix, which may belong to another Python."""
+    includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], capture_output=True, text=True)
+    if includes.returncode:
+        raise RuntimeError(f"{sys.executable} has no pybind11, which Megatron's dataset helpers need: pip install "
+                           "six regex pyyaml pydantic pybind11 triton psutil (what Megatron's training code wants)")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    subprocess.run(["make", "-s", "-C", os.path.join(tree, "megatron", "core", "datasets"), f"LIBEXT={suffix}"],
-                   check=True, capture_output=True)
+    build = subprocess.run(["make", "-s", "-C", os.path.join(tree, "megatron", "core", "datasets"),
+                            f"LIBEXT={suffix}", f"CPPFLAGS={includes.stdout.strip()}"], capture_output=True, text=True)
+    if build.returncode:
+        raise RuntimeError(f"building Megatron's dataset helpers in {tree} failed:\n{build.stderr[-3000:]}")
+
+
+def helpers_env() -> dict[str, str]:
+    """Environment for a run of a tree's training code. Megatron rebuilds its dataset helpers at start-up with a
+    bare `make`, which names them by `python3-config`: under pyenv, the tree's .python-version picks another
+    Python there. This keeps the name `build_dataset_helpers` gave them, so that make finds them built."""
+    flags = f"{os.environ.get('MAKEFLAGS', '')} LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}".strip()
+    return {"MAKEFLAGS": flags}
 
 
 def python_path(tree: pathlib.Path) -> str:

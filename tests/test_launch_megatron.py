@@ -7,11 +7,10 @@ import pathlib
 import re
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
-from tests.megatron_matrix import python_path
+from tests.megatron_matrix import build_dataset_helpers, helpers_env, python_path
 
 MEGATRON = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = [pytest.mark.slow,
@@ -30,17 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def dataset_helpers():
-    """Megatron's C++ dataset helpers, built for this interpreter (its Makefile asks python3-config, which
-    may belong to another Python)."""
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    subprocess.run(["make", "-s", "-C", os.path.join(MEGATRON, "megatron", "core", "datasets"), f"LIBEXT={suffix}"],
-                   check=True, capture_output=True)
+def dataset_helpers() -> None:
+    build_dataset_helpers(pathlib.Path(MEGATRON))
 
 
 def _launch(*extra: str, nproc: int = 1, port: int = 29571, env_extra: dict | None = None,
             launcher: tuple[str, ...] = ("-m", "mindspeed_te.launch")) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, python_path(pathlib.Path(MEGATRON))]),
+    env = dict(os.environ, **helpers_env(), PYTHONPATH=os.pathsep.join([ROOT, python_path(pathlib.Path(MEGATRON))]),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
     script = os.path.join(MEGATRON, "pretrain_gpt.py")
     if nproc == 1:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.megatron_matrix import ROOT, build_dataset_helpers, python_path, tree_release, trees
+from tests.megatron_matrix import ROOT, build_dataset_helpers, helpers_env, python_path, tree_release, trees
 
 TREES = trees()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not TREES, reason="needs MEGATRON_LM_TREES (Megatron-LM trees)")]
@@ -30,8 +30,8 @@ def _launch(tree, port: int, *flags: str) -> list[float]:
     """pretrain_gpt.py of `tree` on 2 processes; the 3 iterations' losses."""
     build_dataset_helpers(tree)
     # (CUDA_DEVICE_MAX_CONNECTIONS: every example script exports it; 0.12 to 0.14 refuse TP without it)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([python_path(tree), str(ROOT)]), MASTER_ADDR="127.0.0.1",
-               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(os.environ, **helpers_env(), PYTHONPATH=os.pathsep.join([python_path(tree), str(ROOT)]),
+               MASTER_ADDR="127.0.0.1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
                "-m", "mindspeed_te.launch", str(tree / "pretrain_gpt.py"), *GPT, *flags]
     run = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
