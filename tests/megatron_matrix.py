@@ -51,8 +51,8 @@ def build_dataset_helpers(tree) -> None:
     pybind11's headers and `python3-config` for the suffix, which may belong to another Python."""
     includes = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], capture_output=True, text=True)
     if includes.returncode:
-        raise RuntimeError(f"{sys.executable} has no pybind11, which Megatron's dataset helpers need: pip install "
-                           "six regex pyyaml pydantic pybind11 triton psutil (what Megatron's training code wants)")
+        raise RuntimeError(f"{sys.executable} has no pybind11 for Megatron's dataset helpers (docs/megatron.md: "
+                           "pip install six regex pyyaml pydantic pybind11 triton psutil einops)")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     build = subprocess.run(["make", "-s", "-C", os.path.join(tree, "megatron", "core", "datasets"),
                             f"LIBEXT={suffix}", f"CPPFLAGS={includes.stdout.strip()}"], capture_output=True, text=True)
