@@ -46,6 +46,10 @@ def tree_release(tree: pathlib.Path) -> str:
     return ".".join(part.group(1) for part in parts)
 
 
+# The file-name suffix of Megatron's dataset helpers: this interpreter's, whatever `python3-config` says in the tree.
+HELPERS_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+
+
 def build_dataset_helpers(tree) -> None:
     """Megatron's C++ dataset helpers in `tree`, built for this interpreter: its Makefile asks `python3` for
     pybind11's headers and `python3-config` for the suffix, which may belong to another Python."""
@@ -53,9 +57,9 @@ def build_dataset_helpers(tree) -> None:
     if includes.returncode:
         raise RuntimeError(f"{sys.executable} has no pybind11 for Megatron's dataset helpers (docs/megatron.md: "
                            "pip install six regex pyyaml pydantic pybind11 triton psutil einops)")
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
     build = subprocess.run(["make", "-s", "-C", os.path.join(tree, "megatron", "core", "datasets"),
-                            f"LIBEXT={suffix}", f"CPPFLAGS={includes.stdout.strip()}"], capture_output=True, text=True)
+                            f"LIBEXT={HELPERS_SUFFIX}", f"CPPFLAGS={includes.stdout.strip()}"],
+                           capture_output=True, text=True)
     if build.returncode:
         raise RuntimeError(f"building Megatron's dataset helpers in {tree} failed:\n{build.stderr[-3000:]}")
 
@@ -64,7 +68,7 @@ def helpers_env() -> dict[str, str]:
     """Environment for a run of a tree's training code. Megatron rebuilds its dataset helpers at start-up with a
     bare `make`, which names them by `python3-config`: under pyenv, the tree's .python-version picks another
     Python there. This keeps the name `build_dataset_helpers` gave them, so that make finds them built."""
-    flags = f"{os.environ.get('MAKEFLAGS', '')} LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}".strip()
+    flags = f"{os.environ.get('MAKEFLAGS', '')} LIBEXT={HELPERS_SUFFIX}".strip()
     return {"MAKEFLAGS": flags}
 
 

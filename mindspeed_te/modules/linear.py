@@ -170,8 +170,6 @@ class Linear(FP8ModuleBase):
         if self.parallel_mode == "column" and not self.sequence_parallel:
             return False
         shape, (low, high) = tuple(self.weight.shape), capabilities.fused_communication_k_range
-        tokens = inp.numel() // max(inp.shape[-1], 1)
-        local_tokens = tokens if self.parallel_mode == "column" else tokens // self.tp_size
         if self.tp_size not in capabilities.fused_communication_world_sizes:
             sizes = ", ".join(map(str, capabilities.fused_communication_world_sizes))
             reason = f"takes tensor-parallel sizes {sizes} (got {self.tp_size}); this layer"
@@ -186,7 +184,7 @@ class Linear(FP8ModuleBase):
         elif self.weight.shape[0] % 64 or self.weight.shape[1] % 64:
             # the fused kernels take E8M0 scales in pairs along each GEMM's contraction dim
             reason = f"with MXFP8 needs both weight dims per rank divisible by 64 (got {shape}); this layer"
-        elif local_tokens % 32:
+        elif (local_tokens := self._tokens_per_rank(inp)) % 32:
             # the wgrad's columnwise form is gathered from the ranks' blocks of 32 tokens (ops/mc2.py)
             reason = f"with MXFP8 needs a multiple of 32 tokens per rank (got {local_tokens}); calls like this one"
         else:
@@ -196,6 +194,12 @@ class Linear(FP8ModuleBase):
                           "separate collectives", stacklevel=2)
             self._mc2_warned = True
         return False
+
+    def _tokens_per_rank(self, inp: torch.Tensor) -> int:
+        """The rows of this rank's part of the sequence-parallel activation: a column-parallel input is that part,
+        a row-parallel one is reduce-scattered into it."""
+        tokens = inp.numel() // max(inp.shape[-1], 1)
+        return tokens if self.parallel_mode == "column" else tokens // self.tp_size
 
     def will_execute_quantized(self, is_context_quantized: bool) -> bool:
         """Whether the GEMMs run quantized in a context that is (or is not) an FP8 autocast region."""
